@@ -1,0 +1,38 @@
+# Every target does its own set-up: a virtual environment with the CPU build of
+# torch 2.13.0 (it lies on this machine's disk, so no multi-GB CUDA download).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sdcreplay-installed
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup test demo traces bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check sdcreplay tests bench examples
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/sdcreplay demo --out demo-out
+
+traces: $(STAMP)
+	rm -rf traces/tiny.bundle
+	$(VENV)/bin/sdcreplay record builtin:tiny-llama --steps 3 --seed 0 --out traces/tiny.bundle
+
+bench: $(STAMP)
+	$(PY) bench/digest.py
+	$(PY) bench/record_overhead.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check sdcreplay tests bench examples
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

@@ -1,0 +1,375 @@
+"""The trace bundle on disk: a directory with a JSON manifest and data files.
+
+Writing goes to ``NAME.partial`` with the manifest rewritten atomically after
+every completed step, and is renamed to ``NAME`` when the recording closes; a
+recording cut off mid-write leaves a ``.partial`` bundle that reads as the
+steps that completed. Reading validates the manifest and every file's SHA-256
+and never unpickles. Format: docs/bundle-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from . import tensorio
+from .determinism import RngState
+from .errors import BundleError, CheckpointError
+from .signature import SignatureLog, SignatureLogWriter, read_signature_log
+
+SCHEMA = "sdcreplay.bundle/1"
+MANIFEST = "manifest.json"
+SIGNATURES = "signatures.jsonl.zst"
+MESSAGES = "messages.jsonl.zst"
+STATE = "state.h5"
+PARTIAL_SUFFIX = ".partial"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(obj, handle, indent=2, sort_keys=False)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def write_rng(group: h5py.Group, rng: RngState) -> None:
+    group.attrs["python"] = rng.python_json()
+    numpy_group = group.create_group("numpy")
+    kind, keys, pos, has_gauss, cached = rng.numpy
+    numpy_group.create_dataset("keys", data=np.asarray(keys, dtype=np.uint32))
+    numpy_group.attrs["kind"] = kind
+    numpy_group.attrs["pos"] = int(pos)
+    numpy_group.attrs["has_gauss"] = int(has_gauss)
+    numpy_group.attrs["cached_gaussian"] = float(cached)
+    tensorio.write_tensor(group, "cpu", rng.cpu)
+    if rng.accelerator is not None:
+        tensorio.write_tensor(group, "accelerator", rng.accelerator)
+
+
+def read_rng(group: h5py.Group) -> RngState:
+    try:
+        numpy_group = group["numpy"]
+        numpy_state = (
+            str(numpy_group.attrs["kind"]),
+            np.asarray(numpy_group["keys"][()], dtype=np.uint32),
+            int(numpy_group.attrs["pos"]),
+            int(numpy_group.attrs["has_gauss"]),
+            float(numpy_group.attrs["cached_gaussian"]),
+        )
+        return RngState(
+            python=RngState.python_from_json(group.attrs["python"]),
+            numpy=numpy_state,
+            cpu=tensorio.read_tensor(group["cpu"]),
+            accelerator=tensorio.read_tensor(group["accelerator"]) if "accelerator" in group else None,
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise BundleError(f"RNG state in {group.file.filename} is damaged: {exc}") from exc
+
+
+def write_state(path: Path, model_state: dict, optimizer_state: dict | None) -> None:
+    with h5py.File(path, "w") as handle:
+        tensorio.write_tree(handle.create_group("model"), model_state)
+        if optimizer_state is not None:
+            tensorio.write_tree(handle.create_group("optimizer"), optimizer_state)
+
+
+def checkpoint_reference(path: Path) -> dict:
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    return {"kind": "checkpoint", "path": str(path), "size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def load_checkpoint(reference: dict) -> tuple[dict, dict | None]:
+    """Verify the checkpoint is the recorded one, then load it without pickle."""
+    path = Path(reference["path"])
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} referenced by the bundle does not exist",
+            "Restore the checkpoint at that path (the bundle holds its SHA-256 to check it).",
+        )
+    actual = sha256_file(path)
+    if actual != reference["sha256"]:
+        raise CheckpointError(
+            f"checkpoint {path} changed since the recording (SHA-256 {actual[:16]}..., recorded {reference['sha256'][:16]}...)",
+            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from exc
+    if isinstance(obj, dict) and "model" in obj:
+        return obj["model"], obj.get("optimizer")
+    return obj, None
+
+
+class BundleWriter:
+    """Writes a bundle step by step; see the module docstring for crash safety."""
+
+    def __init__(self, path: Path, header: dict, overwrite: bool = False):
+        self.final_path = Path(path)
+        if self.final_path.exists() and not overwrite:
+            raise BundleError(
+                f"{self.final_path} already exists",
+                "Choose another --out, or remove the old bundle first.",
+            )
+        self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        (self.path / "steps").mkdir(parents=True)
+        self._overwrite = overwrite
+        self.manifest = {
+            "schema": SCHEMA,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "complete": False,
+            **header,
+            "state": None,
+            "steps": [],
+            "files": {},
+        }
+        self._signatures = SignatureLogWriter(self.path / SIGNATURES, {"device_type": header["device_type"]})
+        self._messages = SignatureLogWriter(self.path / MESSAGES, {"kind": "messages"})
+        self._note_stream_files()
+
+    def _note_file(self, name: str) -> None:
+        file = self.path / name
+        self.manifest["files"][name] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
+
+    def _note_stream_files(self) -> None:
+        for name, writer in ((SIGNATURES, self._signatures), (MESSAGES, self._messages)):
+            self.manifest["files"][name] = {"size": writer.size, "sha256": writer.sha256}
+
+    def embed_state(self, model_state: dict, optimizer_state: dict | None) -> None:
+        write_state(self.path / STATE, model_state, optimizer_state)
+        self._note_file(STATE)
+        self.manifest["state"] = {"kind": "embedded", "file": STATE}
+        self._save_manifest()
+
+    def reference_checkpoint(self, reference: dict) -> None:
+        self.manifest["state"] = reference
+        self._save_manifest()
+
+    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]], optimizer_step: bool) -> None:
+        name = f"steps/{index:06d}.h5"
+        with h5py.File(self.path / name, "w") as handle:
+            tensorio.write_tree(handle.create_group("batch"), batch)
+            write_rng(handle.create_group("rng"), rng)
+        self._note_file(name)
+        self._signatures.append_step(index, entries)
+        self._note_stream_files()
+        self.manifest["steps"].append(
+            {"index": index, "file": name, "entries": len(entries), "optimizer_step": optimizer_step}
+        )
+        self._save_manifest()
+
+    def _save_manifest(self) -> None:
+        _write_json_atomic(self.path / MANIFEST, self.manifest)
+
+    def close(self) -> Path:
+        """Mark the bundle complete and move it to its final name."""
+        self.manifest["complete"] = True
+        self._save_manifest()
+        if self.final_path.exists() and self._overwrite:
+            shutil.rmtree(self.final_path)
+        os.replace(self.path, self.final_path)
+        return self.final_path
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+@dataclass
+class StepRecord:
+    index: int
+    file: str
+    entries: int
+    optimizer_step: bool
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise BundleError(f"manifest is malformed: {what}")
+
+
+def _validate_manifest(manifest: Any) -> None:
+    _require(isinstance(manifest, dict), "not a JSON object")
+    schema = manifest.get("schema")
+    if schema != SCHEMA:
+        raise BundleError(
+            f"unsupported bundle schema {schema!r} (this sdcreplay reads {SCHEMA})",
+            "Use the sdcreplay version that wrote the bundle, or record it again.",
+        )
+    workload = manifest.get("workload")
+    _require(isinstance(workload, dict) and isinstance(workload.get("ref"), str), "workload.ref")
+    _require(isinstance(workload.get("kwargs"), dict), "workload.kwargs")
+    _require(isinstance(manifest.get("device"), str), "device")
+    _require(isinstance(manifest.get("device_type"), str), "device_type")
+    _require(isinstance(manifest.get("determinism"), dict), "determinism")
+    for key in ("deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark",
+                "cuda_matmul_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision",
+                "num_threads", "env"):
+        _require(key in manifest["determinism"], f"determinism.{key}")
+    _require(isinstance(manifest.get("environment"), dict), "environment")
+    _require(isinstance(manifest.get("complete"), bool), "complete")
+    state = manifest.get("state")
+    _require(isinstance(state, dict) and state.get("kind") in ("embedded", "checkpoint"), "state.kind")
+    if state["kind"] == "checkpoint":
+        _require(isinstance(state.get("path"), str) and isinstance(state.get("sha256"), str), "state.path/sha256")
+    else:
+        _require(state.get("file") == STATE, "state.file")
+    files = manifest.get("files")
+    _require(isinstance(files, dict), "files")
+    for name, meta in files.items():
+        _require(isinstance(name, str) and not name.startswith("/") and ".." not in Path(name).parts, f"file name {name!r}")
+        _require(isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and isinstance(meta.get("size"), int), f"files[{name!r}]")
+    steps = manifest.get("steps")
+    _require(isinstance(steps, list), "steps")
+    seen = set()
+    for step in steps:
+        _require(isinstance(step, dict) and isinstance(step.get("index"), int) and isinstance(step.get("file"), str), "steps[]")
+        _require(isinstance(step.get("entries"), int) and isinstance(step.get("optimizer_step"), bool), "steps[].entries")
+        _require(step["file"] in files and step["index"] not in seen, f"step {step.get('index')} file")
+        seen.add(step["index"])
+    for name in (SIGNATURES, MESSAGES):
+        _require(name in files, f"files[{name!r}]")
+
+
+class Bundle:
+    """A validated bundle; every file is checked against its SHA-256 on open."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+        self.steps = [StepRecord(**step) for step in manifest["steps"]]
+
+    @classmethod
+    def open(cls, path: str | Path, verify: bool = True) -> Bundle:
+        path = Path(path)
+        if not path.exists() and path.with_name(path.name + PARTIAL_SUFFIX).exists():
+            path = path.with_name(path.name + PARTIAL_SUFFIX)
+        if not path.is_dir():
+            raise BundleError(
+                f"{path} is not a bundle directory",
+                "Give the directory `sdcreplay record --out` wrote.",
+            )
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError as exc:
+            raise BundleError(f"{path} has no {MANIFEST}") from exc
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BundleError(f"{path / MANIFEST} is not valid JSON: {exc}") from exc
+        _validate_manifest(manifest)
+        bundle = cls(path, manifest)
+        if verify:
+            bundle.verify_files()
+        return bundle
+
+    def verify_files(self) -> None:
+        for name, meta in self.manifest["files"].items():
+            file = self.path / name
+            if not file.is_file():
+                raise BundleError(f"bundle file {name} is missing from {self.path}")
+            if file.stat().st_size != meta["size"]:
+                raise BundleError(f"bundle file {name} is {file.stat().st_size} bytes, the manifest says {meta['size']} (truncated?)")
+            if sha256_file(file) != meta["sha256"]:
+                raise BundleError(f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)")
+
+    @property
+    def workload_ref(self) -> str:
+        return self.manifest["workload"]["ref"]
+
+    @property
+    def workload_kwargs(self) -> dict:
+        return self.manifest["workload"]["kwargs"]
+
+    @property
+    def step_indices(self) -> list[int]:
+        return [step.index for step in self.steps]
+
+    def signature_log(self) -> SignatureLog:
+        log = read_signature_log(self.path / SIGNATURES)
+        log.meta.update(source=str(self.path), device=self.manifest["device"], role="record")
+        recorded = set(self.step_indices)
+        log.steps = {step: entries for step, entries in log.steps.items() if step in recorded}
+        return log
+
+    def _open_h5(self, name: str) -> h5py.File:
+        try:
+            return h5py.File(self.path / name, "r")
+        except OSError as exc:
+            raise BundleError(f"cannot read {name} in {self.path}: {exc}") from exc
+
+    def load_step(self, index: int) -> tuple[Any, RngState]:
+        record = next((step for step in self.steps if step.index == index), None)
+        if record is None:
+            raise BundleError(f"the bundle has no step {index} (it has {self.step_indices})")
+        with self._open_h5(record.file) as handle:
+            try:
+                return tensorio.read_tree(handle["batch"]), read_rng(handle["rng"])
+            except KeyError as exc:
+                raise BundleError(f"{record.file} is damaged: {exc}") from exc
+
+    def load_state(self) -> tuple[dict, dict | None]:
+        """The model and optimizer state before the first recorded step."""
+        state = self.manifest["state"]
+        if state["kind"] == "checkpoint":
+            return load_checkpoint(state)
+        with self._open_h5(STATE) as handle:
+            try:
+                model = tensorio.read_tree(handle["model"])
+                optimizer = tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
+            except KeyError as exc:
+                raise BundleError(f"{STATE} is damaged: {exc}") from exc
+        return model, optimizer
+
+    def size_bytes(self) -> int:
+        return sum(meta["size"] for meta in self.manifest["files"].values()) + (self.path / MANIFEST).stat().st_size
+
+
+def describe(path: str | Path) -> dict:
+    """What ``sdcreplay info`` shows: every file is verified first."""
+    bundle = Bundle.open(path, verify=True)
+    manifest = bundle.manifest
+    log = bundle.signature_log()
+    return {
+        "schema": "sdcreplay.info/1",
+        "bundle": str(bundle.path),
+        "bundle_schema": manifest["schema"],
+        "complete": manifest["complete"],
+        "created": manifest.get("created"),
+        "workload": manifest["workload"],
+        "device": manifest["device"],
+        "device_type": manifest["device_type"],
+        "digest": manifest.get("digest"),
+        "state": {k: v for k, v in manifest["state"].items()},
+        "steps": [
+            {"index": step.index, "entries": step.entries, "optimizer_step": step.optimizer_step}
+            for step in bundle.steps
+        ],
+        "entries": log.entry_count(),
+        "files": len(manifest["files"]),
+        "size_bytes": bundle.size_bytes(),
+        "integrity": "ok",
+        "environment": manifest["environment"],
+        "determinism": manifest["determinism"],
+    }

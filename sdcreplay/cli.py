@@ -1,0 +1,214 @@
+"""The command line: parse options, call the library, render, exit.
+
+Exit codes: 0 nothing diverged, 1 a divergence was found, 2 usage error,
+3 the tool could not do its job (printed as ``Error:`` + ``Hint:``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import __version__
+from .errors import SdcReplayError
+from .render import Output, human_size, styled
+
+app = typer.Typer(
+    name="sdcreplay",
+    help="Forensic replay of silent data corruption in PyTorch training.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    add_completion=False,
+)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+
+
+def run(out: Output, action) -> None:
+    """Run a command body; map tool failures to exit 3 with Error/Hint lines."""
+    try:
+        code = action()
+    except SdcReplayError as exc:
+        if os.environ.get("SDCREPLAY_DEBUG") == "1":
+            raise
+        out.error(exc)
+        raise typer.Exit(3) from None
+    except KeyboardInterrupt:
+        out.say("Interrupted.")
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if os.environ.get("SDCREPLAY_DEBUG") == "1":
+            raise
+        out.error(SdcReplayError(f"unexpected {type(exc).__name__}: {exc}",
+                                 "This is a bug in sdcreplay or the workload; rerun with SDCREPLAY_DEBUG=1 and report the traceback."))
+        raise typer.Exit(3) from None
+    raise typer.Exit(code or 0)
+
+
+def parse_kwargs(pairs: list[str]) -> dict:
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--arg")
+        try:
+            kwargs[key] = json.loads(value)
+        except ValueError:
+            kwargs[key] = value
+    return kwargs
+
+
+@app.command()
+def record(
+    workload: Annotated[str, typer.Argument(help="builtin:tiny-llama, builtin:tiny-moe, package.module:function or path/to/file.py:function.")],
+    steps: Annotated[int, typer.Option(min=1, help="Training steps to record.")] = 4,
+    out: Annotated[Path | None, typer.Option(help="Bundle directory to write (default: traces/<workload>.bundle).")] = None,
+    device: Annotated[str, typer.Option(help="Device label to record on: cpu, cpu:N or cuda:N.")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed for the workload and the RNGs.")] = 0,
+    checkpoint: Annotated[Path | None, typer.Option(help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256.")] = None,
+    arg: Annotated[list[str], typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = [],
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
+    json_mode: JsonOption = False,
+) -> None:
+    """Run WORKLOAD for --steps steps and write a deterministic trace bundle."""
+    from .recorder import record as record_bundle
+
+    output = Output(json_mode)
+    kwargs = parse_kwargs(arg)
+    target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
+
+    def action() -> int:
+        with output.progress(f"recording {workload}", steps) as advance:
+            summary = record_bundle(
+                workload, target, steps=steps, device=device, seed=seed, kwargs=kwargs,
+                checkpoint=checkpoint, overwrite=overwrite,
+                on_step=lambda index, loss: advance(note=f"loss {loss:.4f}"),
+            )
+        output.say(
+            f"Recorded {summary.steps} steps of {workload} on {device}: {summary.entries} signature entries, "
+            f"{human_size(summary.size_bytes)} in {summary.bundle}"
+        )
+        output.data({
+            "schema": "sdcreplay.record/1", "bundle": str(summary.bundle), "workload": workload,
+            "kwargs": summary.kwargs, "device": device, "steps": summary.steps,
+            "entries": summary.entries, "size_bytes": summary.size_bytes, "final_loss": summary.final_loss,
+        })
+        return 0
+
+    run(output, action)
+
+
+@app.command()
+def info(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    json_mode: JsonOption = False,
+) -> None:
+    """Show what a bundle holds and check every file against its SHA-256."""
+    from .bundle import describe
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        about = describe(bundle)
+        env = about["environment"]
+        state = about["state"]
+        state_text = f"embedded ({state['file']})" if state["kind"] == "embedded" else f"checkpoint {state['path']} (sha256 {state['sha256'][:12]}...)"
+        kwargs = ", ".join(f"{k}={v}" for k, v in about["workload"]["kwargs"].items())
+        output.table(f"Bundle {about['bundle']}", ["field", "value"], [
+            ["workload", f"{about['workload']['ref']} ({kwargs})"],
+            ["recorded on", f"{about['device']} ({env['device'].get('name')}) on host {env['host']}"],
+            ["software", f"torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, Python {env['python']}"],
+            ["steps", f"{len(about['steps'])} ({', '.join(str(s['index']) for s in about['steps'])})"
+                      + ("" if about["complete"] else " [yellow]incomplete: the recording stopped early[/]")],
+            ["signature entries", str(about["entries"])],
+            ["state", state_text],
+            ["determinism", f"deterministic algorithms {about['determinism']['deterministic_algorithms']}, "
+                            f"{about['determinism']['num_threads']} threads"],
+            ["size", f"{human_size(about['size_bytes'])} in {about['files']} files"],
+            ["integrity", styled("match") if about["integrity"] == "ok" else about["integrity"]],
+        ])
+        output.data(about)
+        return 0
+
+    run(output, action)
+
+
+@app.command()
+def replay(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    device: Annotated[list[str], typer.Option("--device", "-d", help="Device label (repeatable): cpu, cuda:N, or virtual replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas share this machine's cores and may take turns.")] = ["cpu"],
+    repeats: Annotated[int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")] = 1,
+    inject: Annotated[list[str], typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = [],
+    logs: Annotated[Path | None, typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/).")] = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Replay a bundle bit for bit on one or more devices and vote on every signature."""
+    from .replay import replay_devices
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        with output.progress("replaying", len(device)) as advance:
+            report = replay_devices(bundle, device, repeats=repeats, inject=inject, log_dir=logs,
+                                    on_done=lambda label, _: advance(note=label))
+        render_replay(output, report)
+        output.data(report.to_json())
+        return report.exit_code
+
+    run(output, action)
+
+
+def render_replay(output: Output, report) -> None:
+    rows = []
+    for run_ in report.devices:
+        data = run_.to_json()
+        first = data["first_divergence"]
+        where = f"step {first['step']} {first['name']}" if first else "-"
+        repeats = f"{data['divergent_repeats']}/{data['repeats']}" if run_.error is None else "-"
+        rows.append([run_.device, styled(run_.verdict), where, repeats])
+    if report.consensus is not None:
+        record = report.consensus.voters["record"]
+        first = record.first_divergence
+        rows.insert(0, ["record", styled(record.verdict), f"step {first.step} {first.name}" if first else "-", "-"])
+    output.table(f"Replay of {report.bundle}", ["device", "verdict", "first divergence", "diverged"], rows)
+    for run_ in report.devices:
+        for warning in run_.warnings:
+            output.warn(f"{run_.device}: {warning}")
+        if run_.error:
+            output.say(f"[bold magenta]{run_.device}[/]: {run_.error['message']}")
+            if run_.error.get("stderr_tail"):
+                output.say("  " + run_.error["stderr_tail"].replace("\n", "\n  "))
+    if report.consensus is None:
+        return
+    consensus = report.consensus
+    verdict = consensus.verdict
+    explanation = {
+        "correct": "every device reproduced the record bit for bit.",
+        "persistent": f"{', '.join(s for s in consensus.suspects if s != 'record')} diverged in every repeat.",
+        "transient": f"{', '.join(s for s in consensus.suspects if s != 'record')} diverged in some repeats only.",
+        "recording_suspect": "every replay agrees with the others but not with the record: the recording device computed wrong.",
+        "undecided": "the runs disagree and no value has a majority: replay on a third device to decide.",
+    }[verdict]
+    output.say(f"Verdict: {styled(verdict)}: {explanation}")
+    if consensus.first_divergence is not None:
+        first = consensus.first_divergence
+        output.say(f"First divergence: step {first.step}, {first.phase}, {first.name}")
+    output.say(f"Logs: {report.log_dir}")
+
+
+@app.callback(invoke_without_command=True)
+def main_callback(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    if version:
+        typer.echo(f"sdcreplay {__version__}")
+        raise typer.Exit(0)
+
+
+def main() -> None:
+    app()

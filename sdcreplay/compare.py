@@ -1,0 +1,221 @@
+"""Compare signature logs: structure first, values second, then vote.
+
+A structural difference (other steps, other entries, other order) means a
+different program or configuration, never SDC, so it raises StructureError
+instead of being reported as a divergence. Values are compared in execution
+order; the first divergent entry is where the corruption became visible.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .errors import StructureError
+from .signature import SignatureLog, layer_of, phase_of
+
+RECORD = "record"
+
+
+@dataclass
+class Divergence:
+    step: int
+    name: str
+    expected: str
+    actual: str
+
+    @property
+    def phase(self) -> str:
+        return phase_of(self.name)
+
+    @property
+    def layer(self) -> str:
+        return layer_of(self.name)
+
+    def brief(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "name": self.name}
+
+
+@dataclass
+class Comparison:
+    steps: list[int]
+    entries: int
+    divergences: list[Divergence] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+    @property
+    def first(self) -> Divergence | None:
+        return self.divergences[0] if self.divergences else None
+
+    def per_step(self) -> dict[int, int]:
+        counts = Counter(d.step for d in self.divergences)
+        return {step: counts.get(step, 0) for step in self.steps}
+
+    def per_layer(self) -> dict[str, dict[str, int]]:
+        """For each layer, how many forward/backward/... entries diverge (from the first on)."""
+        table: dict[str, Counter] = {}
+        for divergence in self.divergences:
+            table.setdefault(divergence.layer, Counter())[divergence.phase] += 1
+        return {layer: dict(counts) for layer, counts in table.items()}
+
+
+def check_comparable(a: SignatureLog, b: SignatureLog) -> None:
+    """Refuse to compare logs whose digests cannot be equal on a healthy device."""
+    for key in ("device_type", "digest"):
+        left, right = a.meta.get(key), b.meta.get(key)
+        if left and right and left != right:
+            raise StructureError(
+                f"the logs were made with a different {key.replace('_', ' ')}: {left} vs {right}",
+                "Floating-point results differ between device types by design; replay on the device type the record was made on.",
+            )
+
+
+def check_structure(reference: SignatureLog, candidate: SignatureLog, steps: list[int]) -> None:
+    for step in steps:
+        if step not in reference.steps or step not in candidate.steps:
+            where = "first" if step not in reference.steps else "second"
+            raise StructureError(
+                f"step {step} is missing from the {where} log "
+                f"(steps {sorted(reference.steps)} vs {sorted(candidate.steps)})"
+            )
+        left = [name for name, _ in reference.steps[step]]
+        right = [name for name, _ in candidate.steps[step]]
+        if left == right:
+            continue
+        position = next((i for i, (x, y) in enumerate(zip(left, right)) if x != y), min(len(left), len(right)))
+        here = lambda names: names[position] if position < len(names) else "(end of step)"  # noqa: E731
+        raise StructureError(
+            f"the logs describe different programs: step {step}, entry {position}: "
+            f"{here(left)!r} vs {here(right)!r} ({len(left)} vs {len(right)} entries)",
+            "This is a different workload, configuration or code version, not silent data corruption; "
+            "record and replay the same program.",
+        )
+
+
+def compare_logs(reference: SignatureLog, candidate: SignatureLog, steps: list[int] | None = None) -> Comparison:
+    """Every divergent entry of ``candidate`` against ``reference``, in execution order.
+
+    ``steps`` limits the comparison (a replay may stop early); by default both
+    logs must hold the same steps.
+    """
+    check_comparable(reference, candidate)
+    if steps is None:
+        if sorted(reference.steps) != sorted(candidate.steps):
+            raise StructureError(
+                f"the logs hold different steps: {sorted(reference.steps)} vs {sorted(candidate.steps)}"
+            )
+        steps = sorted(reference.steps)
+    check_structure(reference, candidate, steps)
+    comparison = Comparison(steps=list(steps), entries=sum(len(reference.steps[s]) for s in steps))
+    for step in steps:
+        for (name, expected), (_, actual) in zip(reference.steps[step], candidate.steps[step]):
+            if expected != actual:
+                comparison.divergences.append(Divergence(step, name, expected, actual))
+    return comparison
+
+
+@dataclass
+class DeviceVerdict:
+    """How one voter's runs compare with the majority."""
+
+    verdict: str  # match | persistent | intermittent
+    runs: int
+    divergent_runs: int
+    first_divergence: Divergence | None
+
+
+@dataclass
+class Consensus:
+    """Majority vote over every entry; the record counts as one voter."""
+
+    verdict: str  # correct | transient | persistent | recording_suspect | undecided
+    suspects: list[str]
+    first_divergence: Divergence | None
+    voters: dict[str, DeviceVerdict]
+    undecided_entries: int = 0
+
+    def to_json(self) -> dict:
+        first = self.first_divergence
+        return {
+            "verdict": self.verdict,
+            "suspects": self.suspects,
+            "first_divergence": None if first is None else first.brief(),
+            "undecided_entries": self.undecided_entries,
+        }
+
+
+def _modal(values: list[str]) -> str:
+    counts = Counter(values)
+    best = max(counts.values())
+    return next(value for value in values if counts[value] == best)
+
+
+def majority_log(voters: dict[str, list[SignatureLog]], steps: list[int]) -> tuple[SignatureLog, int]:
+    """The majority value of every entry, and how many entries had no strict majority.
+
+    Each voter votes with its most frequent value over its runs; where no value
+    has a strict majority, the first voter's (the record's) value stands.
+    """
+    first_voter = next(iter(voters.values()))[0]
+    reference = SignatureLog(meta={**first_voter.meta, "role": "consensus"})
+    undecided = 0
+    for step in steps:
+        entries = []
+        for position, (name, _) in enumerate(first_voter.steps[step]):
+            ballots = [_modal([log.steps[step][position][1] for log in logs]) for logs in voters.values()]
+            value, count = Counter(ballots).most_common(1)[0]
+            if count * 2 <= len(ballots):
+                value = ballots[0]
+                undecided += 1
+            entries.append((name, value))
+        reference.steps[step] = entries
+    return reference, undecided
+
+
+def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]]) -> Consensus:
+    """Judge every replica run, and the record, against the majority.
+
+    A voter whose runs all diverge is ``persistent``, one whose runs diverge
+    only sometimes ``intermittent``. When only the record is out of line, the
+    device that recorded it is the suspect (the usual case: the alert came from
+    the defective GPU itself). With no strict majority somewhere, a further
+    device is needed to decide.
+    """
+    steps = sorted(record.steps)
+    for logs in replicas.values():
+        for log in logs:
+            check_comparable(record, log)
+            check_structure(record, log, steps)
+    voters = {RECORD: [record], **replicas}
+    reference, undecided = majority_log(voters, steps)
+    verdicts: dict[str, DeviceVerdict] = {}
+    for voter, logs in voters.items():
+        comparisons = [compare_logs(reference, log, steps) for log in logs]
+        divergent = [c for c in comparisons if not c.identical]
+        firsts = [c.first for c in divergent]
+        first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
+        kind = "match" if not divergent else "persistent" if len(divergent) == len(logs) else "intermittent"
+        verdicts[voter] = DeviceVerdict(kind, len(logs), len(divergent), first)
+    suspects = [voter for voter, v in verdicts.items() if v.verdict != "match"]
+    replica_kinds = {v.verdict for voter, v in verdicts.items() if voter != RECORD}
+    if undecided:
+        verdict = "undecided"
+    elif "persistent" in replica_kinds:
+        verdict = "persistent"
+    elif "intermittent" in replica_kinds:
+        verdict = "transient"
+    elif suspects == [RECORD]:
+        verdict = "recording_suspect"
+    else:
+        verdict = "correct"
+    firsts = [v.first_divergence for v in verdicts.values() if v.first_divergence is not None]
+    first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
+    return Consensus(verdict, suspects, first, verdicts, undecided)
+
+
+def _position(log: SignatureLog, divergence: Divergence) -> int:
+    names = [name for name, _ in log.steps[divergence.step]]
+    return names.index(divergence.name)

@@ -1,0 +1,236 @@
+"""Tensor digests that see every bit and every position.
+
+``torch.hash_tensor`` XORs the elements upcast to 64 bits, so it cannot see two
+elements swapped, the same bit flipped in two elements, or two equal elements
+changed together, and it refuses several dtypes. The digests here hash the raw
+storage bytes in logical row-major order together with the dtype and shape:
+
+- on the CPU, xxh3-64 through the buffer protocol (no copy of a contiguous tensor);
+- on any other device, ``mix64``: every 32-bit word is mixed with its position
+  by a 64-bit finalizer and the results are summed with wrapping int64
+  arithmetic. The sum is associative, so the value does not depend on the
+  reduction order, the chunking or the device, and the tensor never leaves the
+  device. Each word's mix is a bijection, so any change to a single word always
+  changes the digest.
+
+The two algorithms give different values for the same tensor; a digest is only
+comparable with one made by the same algorithm (see :func:`algorithm_for`).
+Tensors of at most 8 bytes and Python scalars are not digested at all: their
+exact value is kept, identical on every device, as ``=dtype:bits`` with each
+element's bit pattern in hex, most significant digit first, elements in
+row-major order (read from the little-endian storage bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import xxhash
+
+__all__ = [
+    "CPU_ALGORITHM",
+    "DEVICE_ALGORITHM",
+    "Digester",
+    "algorithm_for",
+    "mix64",
+    "tensor_digest",
+]
+
+CPU_ALGORITHM = "xxh3-64"
+DEVICE_ALGORITHM = "mix64"
+
+EXACT_MAX_BYTES = 8
+"""Tensors this small (losses, scalars, step counters) are kept exactly."""
+
+DEFAULT_CHUNK_WORDS = 1 << 23
+"""32-bit words mixed at a time: bounds mix64's temporaries to a few x 64 MiB."""
+
+_MASK64 = (1 << 64) - 1
+_LOW_32_BITS = (1 << 32) - 1
+_LOW_31_BITS = (1 << 31) - 1  # what a logical shift right by 33 can leave set
+
+
+def _wrap_int64(value: int) -> int:
+    """The int64 with the same 64 bits as an unsigned constant (torch has no uint64 math)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_POSITION_MULTIPLIER = _wrap_int64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
+_FMIX_MULTIPLIER_1 = _wrap_int64(0xFF51AFD7ED558CCD)  # MurmurHash3 fmix64
+_FMIX_MULTIPLIER_2 = _wrap_int64(0xC4CEB9FE1A85EC53)
+
+
+def algorithm_for(device_type: str) -> str:
+    """Which digest algorithm a tensor on this device type (``cpu``, ``cuda``, ``cpu:1``) gets."""
+    return CPU_ALGORITHM if device_type.partition(":")[0] == "cpu" else DEVICE_ALGORITHM
+
+
+def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
+    """The signature entry of one value; synchronous (a device tensor's digest is fetched)."""
+    if not isinstance(value, torch.Tensor):
+        return _scalar_digest(value)
+    tensor = _plain(value)
+    data = _storage_bytes(tensor)
+    if data.numel() <= EXACT_MAX_BYTES:
+        return _exact(tensor.dtype, data.cpu().numpy().tobytes())
+    if tensor.device.type == "cpu":
+        return _hex(_xxh3(tensor, data))
+    return _hex(mix64(tensor).item())
+
+
+def mix64(t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS) -> torch.Tensor:
+    """The device digest of ``t``, as a 0-dim int64 tensor on ``t.device``, computed there.
+
+    Words are mixed ``chunk_words`` at a time so the temporaries stay bounded;
+    the result does not depend on ``chunk_words``.
+    """
+    tensor = _plain(t)
+    data = _storage_bytes(tensor)
+    chunk_bytes = 4 * chunk_words
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for first_byte in range(0, data.numel(), chunk_bytes):
+        words = _as_words(data[first_byte : first_byte + chunk_bytes])
+        total += _mixed_sum(words, first_index=first_byte // 4)
+    return total.add_(_wrap_int64(xxhash.xxh3_64_intdigest(_header(tensor, data.numel()))))
+
+
+class _Pending(NamedTuple):
+    """A value still on its device: where it will be in the fetched batch, and how to show it."""
+
+    device: torch.device
+    position: int
+    render: Callable[[int], str]
+
+
+class Digester:
+    """Collects the digests of one step; device digests are fetched to the host together (one sync).
+
+    Work on a device tensor is queued on its stream when it is added, so the
+    digest is of the tensor as it was then, even if it changes before
+    :meth:`entries`.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[str, str | _Pending]] = []
+        self._queued: dict[torch.device, list[torch.Tensor]] = {}
+
+    def add(self, name: str, value: torch.Tensor | None | int | float | bool) -> None:
+        if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+            self._entries.append((name, tensor_digest(value)))
+            return
+        tensor = _plain(value)
+        data = _storage_bytes(tensor)
+        if data.numel() <= EXACT_MAX_BYTES:
+            queued, render = _packed_exact(data), _exact_renderer(tensor.dtype, data.numel())
+        else:
+            queued, render = mix64(tensor), _hex
+        queue = self._queued.setdefault(tensor.device, [])
+        self._entries.append((name, _Pending(tensor.device, len(queue), render)))
+        queue.append(queued)
+
+    def entries(self) -> list[tuple[str, str]]:
+        """The digests in the order added (one host copy per device); clears the collector."""
+        fetched = {
+            device: torch.stack(values).cpu().tolist() for device, values in self._queued.items()
+        }
+
+        def shown(entry: str | _Pending) -> str:
+            if isinstance(entry, str):
+                return entry
+            return entry.render(fetched[entry.device][entry.position])
+
+        result = [(name, shown(entry)) for name, entry in self._entries]
+        self._entries, self._queued = [], {}
+        return result
+
+
+def _scalar_digest(value: None | int | float | bool) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        return _exact(torch.bool, bytes([value]))
+    if isinstance(value, int):
+        return _exact(torch.int64, value.to_bytes(8, "little", signed=True))
+    if isinstance(value, float):
+        return _exact(torch.float64, struct.pack("<d", value))
+    raise TypeError(
+        f"cannot digest a {type(value).__name__}; expected a tensor, None, int, float or bool"
+    )
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's logical values in row-major order; no copy when already so."""
+    return t.detach().resolve_conj().resolve_neg().contiguous()
+
+
+def _storage_bytes(contiguous: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    return contiguous.reshape(-1).view(torch.uint8)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _header(tensor: torch.Tensor, nbytes: int) -> bytes:
+    """What the bytes alone do not say: same bytes as another dtype or shape is another tensor."""
+    shape = "x".join(str(size) for size in tensor.shape)
+    return f"{_dtype_name(tensor.dtype)}:{shape}:{nbytes}".encode()
+
+
+def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
+    hasher = xxhash.xxh3_64(_header(tensor, data.numel()))
+    hasher.update(data.numpy())  # the tensor's own memory, through the buffer protocol
+    return hasher.intdigest()
+
+
+def _as_words(chunk: torch.Tensor) -> torch.Tensor:
+    """The chunk's bytes as int32 words; a zero-padded copy (on the device) when unaligned."""
+    tail = -chunk.numel() % 4
+    if tail or chunk.storage_offset() % 4:
+        chunk = torch.cat((chunk, chunk.new_zeros(tail)))
+    return chunk.view(torch.int32)
+
+
+def _mixed_sum(words: torch.Tensor, first_index: int) -> torch.Tensor:
+    """Sum over words of fmix64(word ^ position * golden), all in wrapping int64."""
+    mixed = torch.arange(
+        first_index, first_index + words.numel(), dtype=torch.int64, device=words.device
+    )
+    mixed.mul_(_POSITION_MULTIPLIER)
+    mixed.bitwise_xor_(words.to(torch.int64).bitwise_and_(_LOW_32_BITS))
+    _xor_shift_right_33_(mixed)
+    mixed.mul_(_FMIX_MULTIPLIER_1)
+    _xor_shift_right_33_(mixed)
+    mixed.mul_(_FMIX_MULTIPLIER_2)
+    _xor_shift_right_33_(mixed)
+    return mixed.sum()
+
+
+def _xor_shift_right_33_(x: torch.Tensor) -> None:
+    """x ^= x >>> 33 (logical): int64 ``>>`` copies the sign bit, so mask it off."""
+    x.bitwise_xor_(x.bitwise_right_shift(33).bitwise_and_(_LOW_31_BITS))
+
+
+def _packed_exact(data: torch.Tensor) -> torch.Tensor:
+    """Up to 8 bytes on the device, zero-padded into one 0-dim int64, to fetch with the digests."""
+    padded = torch.cat((data, data.new_zeros(EXACT_MAX_BYTES - data.numel())))
+    return padded.view(torch.int64).squeeze(0)
+
+
+def _exact_renderer(dtype: torch.dtype, nbytes: int) -> Callable[[int], str]:
+    return lambda packed: _exact(dtype, (packed & _MASK64).to_bytes(8, "little")[:nbytes])
+
+
+def _exact(dtype: torch.dtype, raw: bytes) -> str:
+    """``=dtype:bits``: each element's bit pattern as a number (1.0 is ``=float32:3f800000``)."""
+    size = dtype.itemsize
+    bits = "".join(raw[start : start + size][::-1].hex() for start in range(0, len(raw), size))
+    return f"={_dtype_name(dtype)}:{bits}"
+
+
+def _hex(digest: int) -> str:
+    return f"{digest & _MASK64:016x}"

@@ -1,0 +1,52 @@
+"""One exception family: every failure the tool can explain carries a hint.
+
+The CLI prints ``Error: <message>`` and ``Hint: <hint>`` and exits 3 for any of
+these; library users catch :class:`SdcReplayError`.
+"""
+
+from __future__ import annotations
+
+
+class SdcReplayError(Exception):
+    """The tool could not do its job; ``hint`` says what the person can do."""
+
+    default_hint = "Run with SDCREPLAY_DEBUG=1 for the full traceback."
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint or self.default_hint
+
+
+class BundleError(SdcReplayError):
+    default_hint = "The bundle is incomplete or damaged; record it again or restore a copy."
+
+
+class CheckpointError(SdcReplayError):
+    default_hint = "Point the bundle at the exact checkpoint it was recorded from."
+
+
+class WorkloadError(SdcReplayError):
+    default_hint = "Name a workload as builtin:NAME, package.module:function or path/to/file.py:function."
+
+
+class DeterminismError(SdcReplayError):
+    default_hint = "Run the replay with the recorded determinism settings (see `sdcreplay info BUNDLE`)."
+
+
+class StructureError(SdcReplayError):
+    """Two logs describe different programs: a configuration change, not SDC."""
+
+    default_hint = "Compare runs of the same workload, configuration and device type."
+
+
+class FaultSpecError(SdcReplayError):
+    default_hint = "A fault spec is comma-separated key=value pairs; see docs/fault-injection.md."
+
+
+class DeviceError(SdcReplayError):
+    default_hint = "Use cpu, cpu:N (virtual replicas) or cuda:N for a GPU this machine has."
+
+
+class ReportError(SdcReplayError):
+    default_hint = "Pass the report directory written by `sdcreplay bisect --out`."

@@ -1,0 +1,308 @@
+"""Replay engine: re-run a bundle's steps on one device label, in this process.
+
+Rebuild the workload from its recorded name, load the recorded state (a
+checkpoint only after its SHA-256 matched), put the recorded determinism
+switches in force, and run every step with the same capture as the record.
+Running several labels at once, each in its own process, is `replay_devices`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import determinism
+from .bundle import Bundle, StepRecord
+from .capture import SignatureCapture
+from .compare import RECORD, Consensus, DeviceVerdict, vote
+from .devices import torch_device, validate_label
+from .digest import algorithm_for
+from .errors import DeviceError
+from .signature import SignatureLog, read_signature_log
+from .tensorio import map_tensors
+from .workload import Workload, build_workload
+
+
+class ReplaySession:
+    """A workload rebuilt from a bundle, in the state before its first step."""
+
+    def __init__(
+        self,
+        bundle: Bundle | str | Path,
+        device: str = "cpu",
+        *,
+        apply_switches: bool = True,
+        after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
+    ):
+        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+        self.label = device
+        self.device = torch_device(device)
+        recorded = self.bundle.manifest["determinism"]
+        if apply_switches:
+            determinism.apply(recorded)
+        determinism.verify(recorded)
+        self.warnings = determinism.environment_warnings(
+            self.bundle.manifest["environment"], determinism.environment(self.device)
+        )
+        self.workload: Workload = build_workload(self.bundle.workload_ref, self.bundle.workload_kwargs)
+        self.workload.model.to(self.device)
+        model_state, optimizer_state = self.bundle.load_state()
+        self.workload.model.load_state_dict(model_state)
+        if optimizer_state is not None:
+            self.workload.optimizer.load_state_dict(optimizer_state)
+        if after_load is not None:
+            after_load(self.workload.model, self.workload.optimizer)
+        self.capture = SignatureCapture(self.workload.model, self.workload.optimizer)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.workload.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.workload.optimizer
+
+    def new_log(self, **meta) -> SignatureLog:
+        return SignatureLog(
+            meta={
+                "device_type": self.device.type,
+                "device": self.label,
+                "digest": algorithm_for(self.device.type),
+                "source": str(self.bundle.path),
+                "role": "replay",
+                **meta,
+            }
+        )
+
+    def run_step(self, record: StepRecord, instrument: contextlib.AbstractContextManager | None = None) -> list[tuple[str, str]]:
+        """Run one recorded step from its recorded batch and RNG state; return its entries."""
+        batch, rng = self.bundle.load_step(record.index)
+        batch = map_tensors(batch, lambda t: t.to(self.device))
+        determinism.restore_rng(rng, self.device)
+        workload = self.workload
+        self.capture.begin_step(determinism.capture_rng(self.device))
+        with instrument or contextlib.nullcontext():
+            loss = workload.loss_fn(workload.model, batch)
+            self.capture.record_loss(loss)
+            loss.backward()
+            self.capture.record_gradients()
+            if record.optimizer_step:
+                workload.optimizer.step()
+            workload.optimizer.zero_grad()
+        return self.capture.end_step()
+
+    def steps_until(self, last: int | None) -> Iterator[StepRecord]:
+        for record in self.bundle.steps:
+            if last is not None and record.index > last:
+                return
+            yield record
+
+    def close(self) -> None:
+        self.capture.close()
+
+
+def replay_on_device(
+    bundle: Bundle | str | Path,
+    device: str = "cpu",
+    *,
+    last_step: int | None = None,
+    instrument_for: Callable[[ReplaySession, StepRecord], contextlib.AbstractContextManager] | None = None,
+    after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
+    apply_switches: bool = True,
+    **meta,
+) -> SignatureLog:
+    """Replay the bundle's steps (up to ``last_step``) on one device label in this process."""
+    session = ReplaySession(bundle, device, apply_switches=apply_switches, after_load=after_load)
+    try:
+        log = session.new_log(warnings=session.warnings, **meta)
+        for record in session.steps_until(last_step):
+            instrument = instrument_for(session, record) if instrument_for else None
+            log.steps[record.index] = session.run_step(record, instrument)
+        return log
+    finally:
+        session.close()
+
+
+@dataclass
+class DeviceRun:
+    """What one device process produced: its logs, or why it died."""
+
+    device: str
+    logs: list[SignatureLog] = field(default_factory=list)
+    log_paths: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    error: dict | None = None
+    judgement: DeviceVerdict | None = None
+
+    @property
+    def verdict(self) -> str:
+        if self.error is not None:
+            return "error"
+        return self.judgement.verdict if self.judgement else "match"
+
+    def to_json(self) -> dict:
+        judgement = self.judgement
+        first = judgement.first_divergence if judgement else None
+        return {
+            "device": self.device,
+            "verdict": self.verdict,
+            "repeats": judgement.runs if judgement else 0,
+            "divergent_repeats": judgement.divergent_runs if judgement else 0,
+            "first_divergence": None if first is None else first.brief(),
+            "logs": self.log_paths,
+            "warnings": self.warnings,
+            "error": self.error,
+        }
+
+
+@dataclass
+class ReplayReport:
+    bundle: str
+    repeats: int
+    log_dir: str
+    devices: list[DeviceRun]
+    consensus: Consensus | None
+
+    @property
+    def record_verdict(self) -> str:
+        judgement = self.consensus.voters.get(RECORD) if self.consensus else None
+        return judgement.verdict if judgement else "match"
+
+    @property
+    def exit_code(self) -> int:
+        if self.consensus is not None and self.consensus.verdict != "correct":
+            return 1
+        return 3 if any(run.error for run in self.devices) else 0
+
+    def to_json(self) -> dict:
+        return {
+            "schema": "sdcreplay.replay/1",
+            "bundle": self.bundle,
+            "repeats": self.repeats,
+            "log_dir": self.log_dir,
+            "record": {"verdict": self.record_verdict},
+            "devices": [run.to_json() for run in self.devices],
+            "consensus": self.consensus.to_json() if self.consensus else None,
+        }
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _exit_description(status: int) -> str:
+    if status < 0:
+        try:
+            return f"killed by signal {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def run_device_processes(
+    kind: str,
+    devices: list[str],
+    task_for: Callable[[str], dict],
+    work_dir: Path,
+    on_done: Callable[[str, dict], None] | None = None,
+) -> dict[str, dict]:
+    """Run one worker process per device label at once; collect each result.
+
+    A process that dies yields ``{"error": {...}}`` with its exit status and the
+    last lines of its stderr; the others run to the end.
+    """
+    work_dir.mkdir(parents=True, exist_ok=True)
+    running = {}
+    for label in devices:
+        stem = f"{kind}-{label.replace(':', '-')}"
+        task = {"kind": kind, "device": label, "result": str(work_dir / f"{stem}.result.json"), **task_for(label)}
+        task_path = work_dir / f"{stem}.task.json"
+        task_path.write_text(json.dumps(task))
+        stderr_path = work_dir / f"{stem}.stderr.txt"
+        env = {**os.environ, "SDCREPLAY_DEVICE": label}
+        with open(stderr_path, "wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sdcreplay.worker", str(task_path)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+            )
+        running[label] = (process, Path(task["result"]), stderr_path)
+    results: dict[str, dict] = {}
+    while running:
+        for label, (process, result_path, stderr_path) in list(running.items()):
+            status = process.poll()
+            if status is None:
+                continue
+            del running[label]
+            result = None
+            if result_path.is_file():
+                with contextlib.suppress(ValueError):
+                    result = json.loads(result_path.read_text())
+            if result is None or (status != 0 and "error" not in result):
+                result = {"error": {"message": f"the {label} process {_exit_description(status)}", "hint": None}}
+            if "error" in result:
+                result["error"].update(exit_status=status, stderr_tail=_tail(stderr_path))
+            results[label] = result
+            if on_done is not None:
+                on_done(label, result)
+        if running:
+            time.sleep(0.05)
+    return results
+
+
+def default_log_dir(bundle_path: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return bundle_path.with_name(bundle_path.name + ".replay") / stamp
+
+
+def replay_devices(
+    bundle: str | Path,
+    devices: list[str],
+    *,
+    repeats: int = 1,
+    inject: list[str] | tuple[str, ...] = (),
+    last_step: int | None = None,
+    log_dir: str | Path | None = None,
+    on_done: Callable[[str, dict], None] | None = None,
+) -> ReplayReport:
+    """Replay on every device label at once, each in its own process, and vote."""
+    opened = Bundle.open(bundle)
+    labels = [validate_label(label) for label in devices]
+    if len(set(labels)) != len(labels):
+        raise DeviceError(f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ...")
+    log_dir = Path(log_dir) if log_dir else default_log_dir(opened.path)
+    results = run_device_processes(
+        "replay", labels,
+        lambda label: {"bundle": str(opened.path), "repeats": repeats, "inject": list(inject),
+                       "last_step": last_step, "log_dir": str(log_dir)},
+        log_dir, on_done,
+    )
+    runs = []
+    for label in labels:
+        result = results[label]
+        run = DeviceRun(label, error=result.get("error"), warnings=result.get("warnings", []))
+        if run.error is None:
+            run.log_paths = result["logs"]
+            run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
+        runs.append(run)
+    record = opened.signature_log()
+    if last_step is not None:
+        record.steps = {s: e for s, e in record.steps.items() if s <= last_step}
+    healthy = {run.device: run.logs for run in runs if run.error is None}
+    consensus = vote(record, healthy) if healthy else None
+    for run in runs:
+        if consensus is not None and run.device in consensus.voters:
+            run.judgement = consensus.voters[run.device]
+    return ReplayReport(str(opened.path), repeats, str(log_dir), runs, consensus)

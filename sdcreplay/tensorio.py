@@ -1,0 +1,169 @@
+"""Tensors and nested structures of them in HDF5, without pickle.
+
+Batches, RNG states, model/optimizer state and operator inputs all go through
+here, so every file sdcreplay writes can be read with h5py alone: dtypes numpy
+knows are stored natively; the others (bfloat16, float8) as same-width integer
+words with the torch dtype in an attribute.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from .errors import BundleError
+
+_NATIVE = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
+# Other dtypes are stored as unsigned words of their width (readable as bits),
+# and read back through the signed numpy type torch can wrap without a copy.
+_WORDS = {1: (np.uint8, np.uint8), 2: (np.uint16, np.int16), 4: (np.uint32, np.int32), 8: (np.uint64, np.int64)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise BundleError(f"unknown tensor dtype {name!r} in file")
+    return dtype
+
+
+def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> h5py.Dataset:
+    """Store the values in logical order; shape, dtype and strides in attributes."""
+    source = tensor.detach()
+    flat = source.cpu().contiguous()
+    if flat.dtype in _NATIVE:
+        data = flat.numpy()
+    else:
+        stored, signed = _WORDS[flat.element_size()]
+        data = flat.view(torch.from_numpy(np.zeros(0, signed)).dtype).numpy().view(stored)
+    dataset = group.create_dataset(name, data=data.reshape(tuple(flat.shape)))
+    dataset.attrs["dtype"] = dtype_name(flat.dtype)
+    dataset.attrs["shape"] = list(flat.shape)
+    dataset.attrs["stride"] = list(source.stride())
+    return dataset
+
+
+def read_tensor(dataset: h5py.Dataset, keep_strides: bool = False) -> torch.Tensor:
+    try:
+        dtype = dtype_from_name(str(dataset.attrs["dtype"]))
+        shape = [int(n) for n in dataset.attrs["shape"]]
+        data = np.ascontiguousarray(dataset[()])
+    except (KeyError, OSError, ValueError, TypeError) as exc:
+        raise BundleError(f"cannot read tensor {dataset.name}: {exc}") from exc
+    if dtype in _NATIVE:
+        tensor = torch.from_numpy(data.astype(_NATIVE[dtype], copy=False))
+    else:
+        _, signed = _WORDS[torch.empty((), dtype=dtype).element_size()]
+        tensor = torch.from_numpy(data.view(signed)).view(dtype)
+    if list(tensor.shape) != shape and tensor.numel() == int(np.prod(shape, dtype=np.int64)):
+        tensor = tensor.reshape(shape)
+    if list(tensor.shape) != shape:
+        raise BundleError(f"tensor {dataset.name} has shape {list(tensor.shape)}, expected {shape}")
+    if keep_strides and "stride" in dataset.attrs:
+        stride = [int(n) for n in dataset.attrs["stride"]]
+        if stride != list(tensor.stride()) and _strides_fit(shape, stride):
+            strided = torch.empty_strided(shape, stride, dtype=dtype)
+            strided.copy_(tensor)
+            return strided
+    return tensor
+
+
+def _strides_fit(shape: list[int], stride: list[int]) -> bool:
+    return len(shape) == len(stride) and all(s >= 0 for s in stride)
+
+
+def write_tree(group: h5py.Group, obj: Any) -> None:
+    """Store a nest of dicts/lists/tuples/scalars/tensors; the skeleton is JSON."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _encode(obj, tensors)
+    group.attrs["skeleton"] = json.dumps(skeleton)
+    for index, tensor in enumerate(tensors):
+        write_tensor(group, f"t{index}", tensor)
+
+
+def read_tree(group: h5py.Group) -> Any:
+    try:
+        skeleton = json.loads(group.attrs["skeleton"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise BundleError(f"{group.name} has no readable structure: {exc}") from exc
+    return _decode(skeleton, group)
+
+
+def _encode(obj: Any, tensors: list[torch.Tensor]) -> dict:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return {"tensor": f"t{len(tensors) - 1}"}
+    if isinstance(obj, dict):
+        for key in obj:
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise BundleError(f"cannot store a dict key of type {type(key).__name__}")
+        return {"dict": [[key, _encode(value, tensors)] for key, value in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        kind = "tuple" if isinstance(obj, tuple) else "list"
+        return {kind: [_encode(value, tensors) for value in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": dtype_name(obj)}
+    raise BundleError(
+        f"cannot store a value of type {type(obj).__name__}",
+        "Batches and states may hold tensors, numbers, strings and dicts/lists/tuples of them.",
+    )
+
+
+def _decode(node: Any, group: h5py.Group) -> Any:
+    if not isinstance(node, dict) or len(node) != 1:
+        raise BundleError(f"{group.name}: malformed structure entry {str(node)[:80]!r}")
+    (kind, payload), = node.items()
+    if kind == "tensor":
+        if not isinstance(payload, str) or payload not in group:
+            raise BundleError(f"{group.name}: missing tensor {payload!r}")
+        return read_tensor(group[payload])
+    if kind == "dict" and isinstance(payload, list):
+        return {_key(item, group): _decode(item[1], group) for item in payload}
+    if kind in ("list", "tuple") and isinstance(payload, list):
+        items = [_decode(item, group) for item in payload]
+        return items if kind == "list" else tuple(items)
+    if kind == "value":
+        return payload
+    if kind == "dtype" and isinstance(payload, str):
+        return dtype_from_name(payload)
+    raise BundleError(f"{group.name}: malformed structure entry of kind {kind!r}")
+
+
+def _key(item: Any, group: h5py.Group) -> Any:
+    if not isinstance(item, list) or len(item) != 2:
+        raise BundleError(f"{group.name}: malformed dict item")
+    return item[0]
+
+
+def map_tensors(obj: Any, fn) -> Any:
+    """Apply ``fn`` to every tensor in a nest of dicts/lists/tuples."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {key: map_tensors(value, fn) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [map_tensors(value, fn) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(value, fn) for value in obj)
+    return obj

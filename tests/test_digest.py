@@ -1,0 +1,309 @@
+"""The digests must see what torch.hash_tensor cannot: every bit, every position."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdcreplay.digest import (
+    CPU_ALGORITHM,
+    DEVICE_ALGORITHM,
+    Digester,
+    _exact_renderer,
+    _packed_exact,
+    algorithm_for,
+    mix64,
+    tensor_digest,
+)
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+NUMEL = 37  # odd, so 1- and 2-byte dtypes leave a partial 32-bit word at the end
+MASK64 = (1 << 64) - 1
+
+
+def mix64_digest(tensor: torch.Tensor) -> str:
+    return f"{int(mix64(tensor)) & MASK64:016x}"
+
+
+DIGESTS = {"xxh3": tensor_digest, "mix64": mix64_digest}
+each_digest = pytest.mark.parametrize("digest", DIGESTS.values(), ids=DIGESTS.keys())
+
+
+def needs_cuda(test):
+    """A GPU test: marked ``gpu`` and skipped where no CUDA device is present."""
+    skip_without_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    return pytest.mark.gpu(skip_without_cuda(test))
+
+
+def random_tensor(dtype: torch.dtype, numel: int = NUMEL, seed: int = 0) -> torch.Tensor:
+    """Random storage bytes of ``dtype`` (NaNs and all: the digest sees bits, not values)."""
+    generator = torch.Generator().manual_seed(seed)
+    high = 2 if dtype == torch.bool else 256
+    raw = torch.randint(0, high, (numel * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype)
+
+
+def elements(tensor: torch.Tensor) -> torch.Tensor:
+    """One row of storage bytes per element; writing to it writes the tensor."""
+    return tensor.view(torch.uint8).view(-1, tensor.dtype.itemsize)
+
+
+def flipped(tensor: torch.Tensor, *indices: int, bit: int) -> torch.Tensor:
+    """A copy with storage bit ``bit`` (little-endian) flipped in each element at ``indices``."""
+    corrupted = tensor.clone()
+    for index in indices:
+        elements(corrupted)[index, bit // 8] ^= 1 << (bit % 8)
+    return corrupted
+
+
+def swapped(tensor: torch.Tensor, first: int, second: int) -> torch.Tensor:
+    corrupted = tensor.clone()
+    elements(corrupted)[[first, second]] = elements(tensor)[[second, first]]
+    return corrupted
+
+
+def with_elements(tensor: torch.Tensor, indices: list[int], raw: list[int]) -> torch.Tensor:
+    """A copy whose elements at ``indices`` all hold the storage bytes ``raw``."""
+    changed = tensor.clone()
+    elements(changed)[indices] = torch.tensor(raw, dtype=torch.uint8)
+    return changed
+
+
+def reference_mix64(tensor: torch.Tensor) -> int:
+    """mix64 in plain Python integers: the algorithm as written down, for a small tensor."""
+    raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    shape = "x".join(str(size) for size in tensor.shape)
+    header = f"{str(tensor.dtype).removeprefix('torch.')}:{shape}:{len(raw)}"
+    raw += bytes(-len(raw) % 4)
+    total = 0
+    for index in range(len(raw) // 4):
+        x = int.from_bytes(raw[4 * index : 4 * index + 4], "little")
+        x ^= index * 0x9E3779B97F4A7C15 & MASK64
+        x ^= x >> 33
+        x = x * 0xFF51AFD7ED558CCD & MASK64
+        x ^= x >> 33
+        x = x * 0xC4CEB9FE1A85EC53 & MASK64
+        x ^= x >> 33
+        total += x
+    return (total + xxhash.xxh3_64_intdigest(header.encode())) & MASK64
+
+
+@each_digest
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), index=st.integers(0, NUMEL - 1), bit=st.integers(0, 63))
+def test_any_single_bit_flip_changes_the_digest(digest, dtype, index, bit):
+    tensor = random_tensor(dtype, seed=index)
+    assert digest(flipped(tensor, index, bit=bit % (8 * dtype.itemsize))) != digest(tensor)
+
+
+@each_digest
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_bit_of_an_element_gives_its_own_digest(digest, dtype):
+    tensor = random_tensor(dtype)
+    bits = range(8 * dtype.itemsize)
+    corrupted = {digest(flipped(tensor, NUMEL // 2, bit=bit)) for bit in bits}
+    assert len(corrupted) == len(bits)
+    assert digest(tensor) not in corrupted
+
+
+@each_digest
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swapping_two_unequal_elements_changes_the_digest(digest, dtype):
+    tensor = with_elements(random_tensor(dtype), [3], [1] * dtype.itemsize)
+    tensor = with_elements(tensor, [30], [0] * dtype.itemsize)
+    assert digest(swapped(tensor, 3, 30)) != digest(tensor)
+
+
+@each_digest
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_same_bit_flipped_in_two_elements_changes_the_digest(digest, dtype):
+    tensor = random_tensor(dtype)
+    for bit in range(8 * dtype.itemsize):
+        assert digest(flipped(tensor, 4, 20, bit=bit)) != digest(tensor)
+
+
+@each_digest
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_two_equal_elements_changed_together_change_the_digest(digest, dtype):
+    before = with_elements(random_tensor(dtype), [2, 33], [1] * dtype.itemsize)
+    after = with_elements(before, [2, 33], [0] * dtype.itemsize)
+    assert digest(after) != digest(before)
+
+
+def pair_corruptions(tensor: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The corruptions an XOR of elements cannot see, on real values (mantissa bit 3 flipped)."""
+    equal_pair = tensor.clone()
+    equal_pair[[5, 9]] = 3
+    changed_pair = equal_pair.clone()
+    changed_pair[[5, 9]] = 5
+    return {
+        "swap": (tensor, swapped(tensor, 0, 1)),
+        "same bit in two elements": (tensor, flipped(tensor, 2, 7, bit=3)),
+        "equal pair changed together": (equal_pair, changed_pair),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32], ids=str)
+def test_hash_tensor_misses_what_ours_sees(dtype):
+    generator = torch.Generator().manual_seed(1)
+    tensor = (torch.randn(64, generator=generator) * 100).to(dtype)
+    for kind, (before, after) in pair_corruptions(tensor).items():
+        assert not torch.equal(before.view(torch.uint8), after.view(torch.uint8)), kind
+        assert torch.hash_tensor(after) == torch.hash_tensor(before), kind
+        for digest in DIGESTS.values():
+            assert digest(after) != digest(before), kind
+
+
+def test_hash_tensor_refuses_dtypes_that_ours_digests():
+    tensor = random_tensor(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError):
+        torch.hash_tensor(tensor)
+    assert tensor_digest(tensor) != tensor_digest(flipped(tensor, 0, bit=0))
+
+
+@each_digest
+def test_same_bytes_as_another_shape_or_dtype_is_another_digest(digest):
+    tensor = random_tensor(torch.float32, numel=24)
+    views = [
+        tensor,
+        tensor.view(4, 6),
+        tensor.view(6, 4),
+        tensor.view(torch.int32),
+        tensor.view(torch.bfloat16),
+    ]
+    assert len({digest(view) for view in views}) == len(views)
+
+
+@each_digest
+def test_a_non_contiguous_tensor_digests_as_its_contiguous_copy(digest):
+    matrix = random_tensor(torch.float32, numel=60).view(6, 10)
+    for view in [matrix.T, matrix[:, 1:7], matrix[::2], matrix.bfloat16()[1:]]:
+        assert digest(view) == digest(view.contiguous().clone())
+
+
+@each_digest
+def test_views_that_need_resolving_digest_as_their_values(digest):
+    weight = torch.randn(16, requires_grad=True)
+    assert digest(weight) == digest(weight.detach().clone())
+    complex_values = torch.randn(8, dtype=torch.complex64)
+    assert digest(complex_values.conj()) == digest(complex_values.conj().resolve_conj())
+    assert digest(complex_values.conj()) != digest(complex_values)
+
+
+@each_digest
+@pytest.mark.parametrize(
+    "dtype", DTYPES + [torch.complex64, torch.uint16, torch.float8_e8m0fnu], ids=str
+)
+def test_digests_are_deterministic_64_bit_hex(digest, dtype):
+    tensor = random_tensor(dtype)
+    assert re.fullmatch(r"[0-9a-f]{16}", digest(tensor))
+    assert digest(tensor) == digest(tensor) == digest(tensor.clone())
+
+
+def test_small_values_are_kept_exactly():
+    assert tensor_digest(None) == "none"
+    assert tensor_digest(torch.tensor(1.0)) == "=float32:3f800000"
+    assert tensor_digest(torch.tensor(1.0, dtype=torch.bfloat16)) == "=bfloat16:3f80"
+    assert tensor_digest(torch.tensor([1.0, -2.0])) == "=float32:3f800000c0000000"
+    assert tensor_digest(torch.tensor([1, 2], dtype=torch.int16)) == "=int16:00010002"
+    assert tensor_digest(torch.tensor(True)) == "=bool:01"
+    assert tensor_digest(1.0) == "=float64:3ff0000000000000"
+    assert tensor_digest(-1) == "=int64:ffffffffffffffff"
+    assert tensor_digest(True) == "=bool:01"
+    assert tensor_digest(torch.tensor(7, dtype=torch.uint8)) == "=uint8:07"
+    assert re.fullmatch(r"[0-9a-f]{16}", tensor_digest(torch.zeros(9, dtype=torch.uint8)))
+
+
+def test_other_values_are_refused():
+    with pytest.raises(TypeError, match="str"):
+        tensor_digest("loss")
+
+
+def test_digester_returns_entries_in_order_and_clears():
+    values = {
+        "forward:layers.0": torch.randn(4, 8),
+        "loss": torch.tensor(2.5),
+        "grad:layers.0.weight": None,
+        "step": 3,
+        "param:layers.0.weight": torch.randn(3, 3, requires_grad=True).T,
+    }
+    digester = Digester()
+    for name, value in values.items():
+        digester.add(name, value)
+    assert digester.entries() == [(name, tensor_digest(value)) for name, value in values.items()]
+    assert digester.entries() == []
+
+
+@pytest.mark.parametrize(
+    "small",
+    [torch.tensor(2.5), torch.tensor([1, -2], dtype=torch.int32), torch.tensor([True] * 3)],
+    ids=str,
+)
+def test_small_values_packed_for_one_device_copy_read_back_exactly(small):
+    """The Digester's device path for small values, exercised on the CPU."""
+    raw = small.reshape(-1).view(torch.uint8)
+    packed = _packed_exact(raw)
+    assert packed.dtype == torch.int64 and packed.dim() == 0
+    assert _exact_renderer(small.dtype, raw.numel())(int(packed)) == tensor_digest(small)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.bool], ids=str)
+@pytest.mark.parametrize("numel", [3, 37, 1000])
+def test_mix64_is_the_reference_algorithm_whatever_the_chunk_size(dtype, numel):
+    tensor = random_tensor(dtype, numel=numel)
+    expected = reference_mix64(tensor)
+    for chunk_words in [1, 3, 7, 64, 1 << 23]:
+        result = mix64(tensor, chunk_words=chunk_words)
+        assert result.dtype == torch.int64 and result.dim() == 0
+        assert int(result) & MASK64 == expected
+
+
+def test_algorithm_names():
+    assert algorithm_for("cpu") == CPU_ALGORITHM == "xxh3-64"
+    assert algorithm_for("cpu:1") == CPU_ALGORITHM
+    assert algorithm_for("cuda") == DEVICE_ALGORITHM == "mix64"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mix64_on_cuda_equals_mix64_on_cpu(dtype):
+    tensor = random_tensor(dtype, numel=(1 << 20) + 3)
+    on_cuda = mix64(tensor.cuda(), chunk_words=1 << 16)
+    assert on_cuda.device.type == "cuda"
+    assert int(on_cuda) == int(mix64(tensor))
+    assert tensor_digest(tensor.cuda()) == mix64_digest(tensor)
+
+
+@needs_cuda
+def test_digester_on_cuda_matches_tensor_digest_and_small_values_match_the_cpu():
+    values = {
+        "loss": torch.tensor(2.5, device="cuda"),
+        "pair": torch.tensor([1, -2], dtype=torch.int32, device="cuda"),
+        "cpu": torch.randn(10),
+        "activations": torch.randn(8, 8, device="cuda").bfloat16(),
+        "none": None,
+    }
+    digester = Digester()
+    for name, value in values.items():
+        digester.add(name, value)
+    entries = dict(digester.entries())
+    assert list(entries) == list(values)
+    assert entries == {name: tensor_digest(value) for name, value in values.items()}
+    assert entries["loss"] == tensor_digest(values["loss"].cpu()) == "=float32:40200000"
+    assert entries["pair"] == "=int32:00000001fffffffe"
