@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
         "--sizes", default="1,16,64,256", help="tensor sizes in MiB, comma-separated"
     )
     parser.add_argument("--repeats", type=int, default=7, help="timings of each; the best counts")
-    parser.add_argument("--device", default="cpu", choices=devices)
+    parser.add_argument("--device", default="cpu", choices=devices, help="where the tensors live")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
     return parser.parse_args()
 
@@ -73,7 +73,6 @@ def main() -> None:
                 f"| {ours_ms / theirs_ms:.2f} | {nbytes / ours_ms / 1e6:.1f} "
                 f"| {nbytes / theirs_ms / 1e6:.1f} |"
             )
-            del tensor
 
 
 if __name__ == "__main__":

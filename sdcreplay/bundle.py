@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -35,11 +36,18 @@ STATE = "state.h5"
 PARTIAL_SUFFIX = ".partial"
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, limit: int | None = None) -> str:
+    """SHA-256 of the file, or of its first ``limit`` bytes."""
     digest = hashlib.sha256()
+    left = limit
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
+        while left is None or left > 0:
+            block = handle.read(1 << 20 if left is None else min(1 << 20, left))
+            if not block:
+                break
             digest.update(block)
+            if left is not None:
+                left -= len(block)
     return digest.hexdigest()
 
 
@@ -206,9 +214,24 @@ class StepRecord:
     optimizer_step: bool
 
 
+STREAMS = (SIGNATURES, MESSAGES)
+"""Append-only files: in a ``.partial`` bundle they may hold a frame the manifest does not list yet."""
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+_PRECISIONS = ("highest", "high", "medium")
+
+
+def step_file(index: int) -> str:
+    return f"steps/{index:06d}.h5"
+
+
 def _require(condition: bool, what: str) -> None:
     if not condition:
         raise BundleError(f"manifest is malformed: {what}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _validate_manifest(manifest: Any) -> None:
@@ -224,11 +247,16 @@ def _validate_manifest(manifest: Any) -> None:
     _require(isinstance(workload.get("kwargs"), dict), "workload.kwargs")
     _require(isinstance(manifest.get("device"), str), "device")
     _require(isinstance(manifest.get("device_type"), str), "device_type")
-    _require(isinstance(manifest.get("determinism"), dict), "determinism")
+    switches = manifest.get("determinism")
+    _require(isinstance(switches, dict), "determinism")
     for key in ("deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark",
-                "cuda_matmul_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision",
-                "num_threads", "env"):
-        _require(key in manifest["determinism"], f"determinism.{key}")
+                "cuda_matmul_allow_tf32", "cudnn_allow_tf32"):
+        _require(isinstance(switches.get(key), bool), f"determinism.{key}")
+    _require(switches.get("float32_matmul_precision") in _PRECISIONS, "determinism.float32_matmul_precision")
+    _require(_is_int(switches.get("num_threads")) and switches["num_threads"] > 0, "determinism.num_threads")
+    env = switches.get("env")
+    _require(isinstance(env, dict) and all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                           for k, v in env.items()), "determinism.env")
     _require(isinstance(manifest.get("environment"), dict), "environment")
     _require(isinstance(manifest.get("complete"), bool), "complete")
     state = manifest.get("state")
@@ -240,17 +268,23 @@ def _validate_manifest(manifest: Any) -> None:
     files = manifest.get("files")
     _require(isinstance(files, dict), "files")
     for name, meta in files.items():
-        _require(isinstance(name, str) and not name.startswith("/") and ".." not in Path(name).parts, f"file name {name!r}")
-        _require(isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and isinstance(meta.get("size"), int), f"files[{name!r}]")
+        _require(_SAFE_NAME.fullmatch(name) is not None and ".." not in name.split("/"), f"file name {name!r}")
+        _require(isinstance(meta, dict) and isinstance(meta.get("sha256"), str)
+                 and _is_int(meta.get("size")) and meta["size"] >= 0, f"files[{name!r}]")
+    if state["kind"] == "embedded":
+        _require(STATE in files, f"files[{STATE!r}]")
     steps = manifest.get("steps")
     _require(isinstance(steps, list), "steps")
-    seen = set()
+    previous = None
     for step in steps:
-        _require(isinstance(step, dict) and isinstance(step.get("index"), int) and isinstance(step.get("file"), str), "steps[]")
-        _require(isinstance(step.get("entries"), int) and isinstance(step.get("optimizer_step"), bool), "steps[].entries")
-        _require(step["file"] in files and step["index"] not in seen, f"step {step.get('index')} file")
-        seen.add(step["index"])
-    for name in (SIGNATURES, MESSAGES):
+        _require(isinstance(step, dict) and _is_int(step.get("index")) and step["index"] >= 0, "steps[].index")
+        index = step["index"]
+        _require(previous is None or index > previous, f"steps in increasing order (step {index} after {previous})")
+        _require(step.get("file") == step_file(index) and step["file"] in files, f"step {index} file")
+        _require(_is_int(step.get("entries")) and step["entries"] >= 0, f"step {index} entries")
+        _require(isinstance(step.get("optimizer_step"), bool), f"step {index} optimizer_step")
+        previous = index
+    for name in STREAMS:
         _require(name in files, f"files[{name!r}]")
 
 
@@ -260,7 +294,10 @@ class Bundle:
     def __init__(self, path: Path, manifest: dict):
         self.path = path
         self.manifest = manifest
-        self.steps = [StepRecord(**step) for step in manifest["steps"]]
+        self.steps = [
+            StepRecord(step["index"], step["file"], step["entries"], step["optimizer_step"])
+            for step in manifest["steps"]
+        ]
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
@@ -273,25 +310,43 @@ class Bundle:
                 "Give the directory `sdcreplay record --out` wrote.",
             )
         try:
-            manifest = json.loads((path / MANIFEST).read_text())
+            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise BundleError(f"{path} has no {MANIFEST}") from exc
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise BundleError(f"{path / MANIFEST} is not valid JSON: {exc}") from exc
+        except OSError as exc:
+            raise BundleError(f"cannot read {path / MANIFEST}: {exc}") from exc
         _validate_manifest(manifest)
         bundle = cls(path, manifest)
         if verify:
             bundle.verify_files()
         return bundle
 
+    @property
+    def complete(self) -> bool:
+        return self.manifest["complete"]
+
     def verify_files(self) -> None:
+        """Check every listed file's size and SHA-256.
+
+        In an incomplete bundle an append-only log may be longer than listed
+        (the recording died between appending a step and rewriting the
+        manifest): only the bytes the manifest vouches for are checked and read.
+        """
         for name, meta in self.manifest["files"].items():
             file = self.path / name
             if not file.is_file():
                 raise BundleError(f"bundle file {name} is missing from {self.path}")
-            if file.stat().st_size != meta["size"]:
-                raise BundleError(f"bundle file {name} is {file.stat().st_size} bytes, the manifest says {meta['size']} (truncated?)")
-            if sha256_file(file) != meta["sha256"]:
+            size = file.stat().st_size
+            growing = name in STREAMS and not self.complete
+            if size < meta["size"] or (size > meta["size"] and not growing):
+                raise BundleError(f"bundle file {name} is {size} bytes, the manifest says {meta['size']} (truncated or damaged)")
+            try:
+                actual = sha256_file(file, meta["size"] if growing else None)
+            except OSError as exc:
+                raise BundleError(f"cannot read bundle file {name}: {exc}") from exc
+            if actual != meta["sha256"]:
                 raise BundleError(f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)")
 
     @property
@@ -307,10 +362,19 @@ class Bundle:
         return [step.index for step in self.steps]
 
     def signature_log(self) -> SignatureLog:
-        log = read_signature_log(self.path / SIGNATURES)
+        """The recorded log; it must hold exactly the manifest's steps and entry counts."""
+        log = read_signature_log(self.path / SIGNATURES, size=self.manifest["files"][SIGNATURES]["size"])
         log.meta.update(source=str(self.path), device=self.manifest["device"], role="record")
-        recorded = set(self.step_indices)
-        log.steps = {step: entries for step, entries in log.steps.items() if step in recorded}
+        if list(log.steps) != self.step_indices:
+            raise BundleError(
+                f"the signature log holds steps {list(log.steps)}, the manifest lists {self.step_indices}"
+            )
+        for step in self.steps:
+            if len(log.steps[step.index]) != step.entries:
+                raise BundleError(
+                    f"the signature log holds {len(log.steps[step.index])} entries for step {step.index}, "
+                    f"the manifest says {step.entries}"
+                )
         return log
 
     def _open_h5(self, name: str) -> h5py.File:

@@ -1,22 +1,46 @@
-"""Layer-level capture of the signature log.
+"""Layer-level capture of the signature log, and operator-level capture.
 
-Forward hooks digest every module's output and hang a tensor hook on it, so
-the gradient flowing back into that module is digested when it arrives (much
-cheaper than ``register_full_backward_hook``). Gradients, the loss, the
-parameters after the optimizer step and the RNG states complete a step.
+Layer level: forward hooks digest every module's output. For the backward,
+the autograd nodes a module created are known by their sequence numbers
+(taken in the forward pre-hook and hook); a hook on each node where the
+module's graph hands a gradient to its inputs digests what the module's own
+backward produced, before it is summed with other consumers' gradients (so a
+corrupted backward is named by its module, at a fraction of the cost of
+``register_full_backward_hook``). Gradients, the loss, the parameters after
+the optimizer step and the RNG states complete a step.
+
+Operator level (bisect): ``OperatorMode`` names every aten call of a step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .determinism import RngState
 from .digest import Digester
 
 ROOT = "<root>"
+
+_capture_work = threading.local()
+
+
+@contextlib.contextmanager
+def _own_work() -> Iterator[None]:
+    """Mark the capture's own tensor work, which an OperatorMode must not count as the step's."""
+    _capture_work.active = True
+    try:
+        yield
+    finally:
+        _capture_work.active = False
 
 
 def flatten_tensors(value) -> list[torch.Tensor]:
@@ -28,6 +52,36 @@ def flatten_tensors(value) -> list[torch.Tensor]:
     if isinstance(value, dict):
         return [t for key in value for t in flatten_tensors(value[key])]
     return []
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def _input_edges(roots: list, first: int, end: int) -> list[tuple[object, int]]:
+    """(node, input slot) pairs where a module's graph passes a gradient to its inputs.
+
+    The module's nodes are those created during its forward (sequence numbers
+    in ``[first, end)``); an edge from one of them to a node created before is
+    where the module's backward hands a gradient back to whoever fed it.
+    Parameter leaves are not inputs (their gradients are ``grad:`` entries).
+    """
+    edges, seen = [], set()
+    queue = [node for node in roots if first <= node._sequence_nr() < end]
+    while queue:
+        node = queue.pop(0)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for slot, (child, _) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            if first <= child._sequence_nr() < end:
+                queue.append(child)
+            elif not hasattr(child, "variable"):
+                edges.append((node, slot))
+    return edges
 
 
 class SignatureCapture:
@@ -44,11 +98,12 @@ class SignatureCapture:
         self._digester: Digester | None = None
         self._in_forward_window = False
         self._calls: Counter[str] = Counter()
+        self._starts: dict[str, list[int]] = {}
         self.optimizer_stepped = False
-        self._handles = [
-            module.register_forward_hook(partial(self._on_forward, path or ROOT))
-            for path, module in model.named_modules()
-        ]
+        self._handles = []
+        for path, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(partial(self._on_forward_begin, path or ROOT)))
+            self._handles.append(module.register_forward_hook(partial(self._on_forward, path or ROOT)))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_step))
 
@@ -61,51 +116,66 @@ class SignatureCapture:
         self._calls.clear()
         self.optimizer_stepped = False
         self._in_forward_window = True
-        for name, value in rng.signature_items():
-            self._digester.add(name, value)
+        with _own_work():
+            for name, value in rng.signature_items():
+                self._digester.add(name, value)
 
     def _numbered(self, name: str) -> str:
         count = self._calls[name]
         self._calls[name] += 1
         return name if count == 0 else f"{name}#{count}"
 
+    def _on_forward_begin(self, path: str, module, inputs) -> None:
+        if self._in_forward_window:
+            self._starts.setdefault(path, []).append(_next_sequence_nr())
+
     def _on_forward(self, path: str, module, inputs, output) -> None:
         if not self._in_forward_window:
             return
+        first_node = self._starts[path].pop()
         base = self._numbered(path)
         tensors = flatten_tensors(output)
-        for position, tensor in enumerate(tensors):
-            suffix = f"[{position}]" if len(tensors) > 1 else ""
-            self._digester.add(f"forward:{base}{suffix}", tensor)
-            if tensor.requires_grad:
-                tensor.register_hook(partial(self._on_output_grad, f"backward:{base}{suffix}"))
+        with _own_work():
+            for position, tensor in enumerate(tensors):
+                suffix = f"[{position}]" if len(tensors) > 1 else ""
+                self._digester.add(f"forward:{base}{suffix}", tensor)
+            roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
+            edges = _input_edges(roots, first_node, _next_sequence_nr())
+            for position, (node, slot) in enumerate(edges):
+                suffix = f"[{position}]" if len(edges) > 1 else ""
+                node.register_hook(partial(self._on_input_grad, f"backward:{base}{suffix}", slot))
 
-    def _on_output_grad(self, name: str, grad: torch.Tensor) -> None:
+    def _on_input_grad(self, name: str, slot: int, grad_inputs, grad_outputs) -> None:
         if self._digester is not None:
-            self._digester.add(name, grad)
+            with _own_work():
+                self._digester.add(name, grad_inputs[slot])
 
     def record_loss(self, loss: torch.Tensor) -> None:
         if self._digester is not None:
-            self._digester.add(self._numbered("loss"), loss)
+            with _own_work():
+                self._digester.add(self._numbered("loss"), loss)
 
     def record_gradients(self) -> None:
         """Close the forward/backward window with every parameter's gradient."""
         self._in_forward_window = False
-        for name, param in self.model.named_parameters():
-            self._digester.add(f"grad:{name}", param.grad)
+        with _own_work():
+            for name, param in self.model.named_parameters():
+                self._digester.add(f"grad:{name}", param.grad)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._digester is None or self._in_forward_window:
             return
-        for name, param in self.model.named_parameters():
-            self._digester.add(f"param:{name}", param)
-        for name, buffer in self.model.named_buffers():
-            self._digester.add(f"buffer:{name}", buffer)
+        with _own_work():
+            for name, param in self.model.named_parameters():
+                self._digester.add(f"param:{name}", param)
+            for name, buffer in self.model.named_buffers():
+                self._digester.add(f"buffer:{name}", buffer)
         self.optimizer_stepped = True
 
     def end_step(self) -> list[tuple[str, str]]:
         """Fetch the step's digests (one device sync) and close the step."""
-        entries = self._digester.entries()
+        with _own_work():
+            entries = self._digester.entries()
         self._digester = None
         self._in_forward_window = False
         return entries
@@ -114,3 +184,143 @@ class SignatureCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+# ---------------------------------------------------------------------------
+# Operator level: every aten call of a step, with where and when it ran.
+
+OUTSIDE = "<outside>"
+"""Module path of operators that ran outside every module (e.g. the loss)."""
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """Which operator call this is; the same call on another device has the same site."""
+
+    step: int
+    phase: str  # forward | backward | optimizer
+    module: str  # module path; in the optimizer, the parameter the call updates
+    op: str  # aten overload, e.g. aten.mm.default
+    index: int  # position among all operator calls of the step
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.op, self.module, self.phase)
+
+
+class OperatorObserver(Protocol):
+    def on_call(self, site: CallSite, func, args, kwargs, out): ...
+
+
+def op_name(func) -> str:
+    return f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname or 'default'}" if hasattr(func, "_schema") else str(func)
+
+
+class OperatorMode(TorchDispatchMode):
+    """A dispatch mode that names every operator call and hands it to observers.
+
+    The module a call ran under comes from forward pre/post hooks; in backward,
+    from the forward module that created the autograd node now executing
+    (matched by its sequence number); in the optimizer, from the parameter
+    (or its gradient or optimizer state) the call reads. Observers run in
+    order on the output: a fault injector first, then a logger that sees what
+    the injector left.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 observers: list[OperatorObserver], step: int):
+        super().__init__()
+        self.observers = observers
+        self.step = step
+        self.index = 0
+        self._stack: list[str] = []
+        self._node_module: dict[int, str] = {}
+        self._last_sequence_nr = torch._C._autograd._get_sequence_nr()
+        self._in_optimizer = False
+        self._tensor_owner: dict[int, str] = {}
+        self._model, self._optimizer = model, optimizer
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        self._module_of_param = {
+            id(p): path or ROOT for path, m in model.named_modules() for p in m.parameters(recurse=False)
+        }
+        self._handles = []
+
+    def __enter__(self):
+        for path, module in self._model.named_modules():
+            name = path or ROOT
+            self._handles.append(module.register_forward_pre_hook(partial(self._push, name)))
+            self._handles.append(module.register_forward_hook(partial(self._pop, name), always_call=True))
+        if self._optimizer is not None:
+            self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_begins))
+            self._handles.append(self._optimizer.register_step_post_hook(self._optimizer_ends))
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return super().__exit__(*exc_info)
+
+    def _push(self, name, module, args) -> None:
+        self._stack.append(name)
+
+    def _pop(self, name, module, args, output) -> None:
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+
+    def _optimizer_begins(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer = True
+        owner = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                name = self._param_names.get(id(param), "optimizer")
+                tensors = [param, param.grad, *optimizer.state.get(param, {}).values()]
+                owner.update({t.data_ptr(): name for t in tensors if isinstance(t, torch.Tensor) and t.numel() > 1})
+        self._tensor_owner = owner
+
+    def _optimizer_ends(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer = False
+
+    def _site(self, func, args) -> CallSite:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            phase = "backward"
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                module = self._module_of_param.get(id(variable), OUTSIDE)
+            else:
+                module = self._node_module.get(node._sequence_nr(), OUTSIDE)
+        elif self._in_optimizer:
+            phase = "optimizer"
+            first = next((t for t in _tensors_in(args) if t.data_ptr() in self._tensor_owner), None)
+            module = self._tensor_owner[first.data_ptr()] if first is not None else "optimizer"
+        else:
+            phase = "forward"
+            module = self._stack[-1] if self._stack else OUTSIDE
+            sequence_nr = torch._C._autograd._get_sequence_nr()
+            if sequence_nr != self._last_sequence_nr:
+                self._node_module[sequence_nr - 1] = module
+                self._last_sequence_nr = sequence_nr
+        site = CallSite(self.step, phase, module, op_name(func), self.index)
+        self.index += 1
+        return site
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_capture_work, "active", False):
+            return func(*args, **kwargs)
+        site = self._site(func, args)
+        out = func(*args, **kwargs)
+        for observer in self.observers:
+            out = observer.on_call(site, func, args, kwargs, out)
+        return out
+
+
+def _tensors_in(args) -> list[torch.Tensor]:
+    found = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            found.extend(t for t in arg if isinstance(t, torch.Tensor))
+    return found

@@ -73,6 +73,7 @@ def record(
     checkpoint: Annotated[Path | None, typer.Option(help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256.")] = None,
     arg: Annotated[list[str], typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = [],
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
+    inject: Annotated[list[str], typer.Option("--inject", help="Fault spec to inject while recording (repeatable); the bundle does not carry it.")] = [],
     json_mode: JsonOption = False,
 ) -> None:
     """Run WORKLOAD for --steps steps and write a deterministic trace bundle."""
@@ -86,7 +87,7 @@ def record(
         with output.progress(f"recording {workload}", steps) as advance:
             summary = record_bundle(
                 workload, target, steps=steps, device=device, seed=seed, kwargs=kwargs,
-                checkpoint=checkpoint, overwrite=overwrite,
+                checkpoint=checkpoint, overwrite=overwrite, inject=inject,
                 on_step=lambda index, loss: advance(note=f"loss {loss:.4f}"),
             )
         output.say(

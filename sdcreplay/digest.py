@@ -54,7 +54,7 @@ _LOW_31_BITS = (1 << 31) - 1  # what a logical shift right by 33 can leave set
 
 
 def _wrap_int64(value: int) -> int:
-    """The int64 with the same 64 bits as an unsigned constant (torch has no uint64 math)."""
+    """The int64 with the same 64 bits as an unsigned constant (torch's uint64 lacks shifts)."""
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
@@ -84,7 +84,9 @@ def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
 def mix64(t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS) -> torch.Tensor:
     """The device digest of ``t``, as a 0-dim int64 tensor on ``t.device``, computed there.
 
-    Words are mixed ``chunk_words`` at a time so the temporaries stay bounded;
+    ``sum_i fmix64(word_i ^ i * golden) + xxh3(dtype, shape, length)``, wrapping
+    at 64 bits, over the bytes as little-endian 32-bit words (the tail
+    zero-padded). Words are mixed ``chunk_words`` at a time so the temporaries stay bounded;
     the result does not depend on ``chunk_words``.
     """
     tensor = _plain(t)

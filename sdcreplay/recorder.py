@@ -15,7 +15,7 @@ later keeps every step that completed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,11 @@ import torch
 
 from . import determinism
 from .bundle import Bundle, BundleWriter, checkpoint_reference, load_checkpoint
-from .capture import SignatureCapture
+from .capture import OperatorMode, SignatureCapture
 from .devices import torch_device
 from .digest import algorithm_for
 from .errors import CheckpointError
+from .faults import Injector, parse_specs
 from .tensorio import map_tensors
 from .workload import accepts_seed, build_workload
 
@@ -173,9 +174,14 @@ def record(
     kwargs: dict | None = None,
     checkpoint: str | Path | None = None,
     overwrite: bool = False,
+    inject: Sequence[str] = (),
     on_step: Callable[[int, float], None] | None = None,
 ) -> RecordSummary:
-    """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does)."""
+    """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
+
+    ``inject`` corrupts the recording device as a defective GPU would; the
+    bundle does not say so, exactly like one recorded on a defective GPU.
+    """
     kwargs = dict(kwargs or {})
     if accepts_seed(workload):
         kwargs.setdefault("seed", seed)
@@ -189,6 +195,7 @@ def record(
         if optimizer_state is not None:
             built.optimizer.load_state_dict(optimizer_state)
     torch.manual_seed(seed)
+    injector = Injector(parse_specs(inject), device)
     loss_value = None
     recorder = Recorder(
         out, workload, built.model, built.optimizer, workload_kwargs=kwargs,
@@ -197,11 +204,15 @@ def record(
     with recorder:
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
-            with recorder.step(batch):
-                loss = built.loss_fn(built.model, batch)
-                loss.backward()
-            built.optimizer.step()
-            built.optimizer.zero_grad()
+            injector.before_step(index, built.model)
+            chain = [injector] if injector.has_operator_faults else []
+            mode = OperatorMode(built.model, built.optimizer, chain, index) if chain else contextlib.nullcontext()
+            with mode:
+                with recorder.step(batch):
+                    loss = built.loss_fn(built.model, batch)
+                    loss.backward()
+                built.optimizer.step()
+                built.optimizer.zero_grad()
             loss_value = float(loss.detach())
             if on_step is not None:
                 on_step(index, loss_value)

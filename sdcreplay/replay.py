@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +23,12 @@ import torch
 
 from . import determinism
 from .bundle import Bundle, StepRecord
-from .capture import SignatureCapture
+from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
 from .digest import algorithm_for
 from .errors import DeviceError
+from .faults import Injector, parse_specs
 from .signature import SignatureLog, read_signature_log
 from .tensorio import map_tensors
 from .workload import Workload, build_workload
@@ -43,8 +44,11 @@ class ReplaySession:
         *,
         apply_switches: bool = True,
         after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
+        inject: Sequence[str] = (),
+        repeat: int = 0,
     ):
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+        self.injector = Injector(parse_specs(inject), device, salt=repeat)
         self.label = device
         self.device = torch_device(device)
         recorded = self.bundle.manifest["determinism"]
@@ -84,14 +88,21 @@ class ReplaySession:
             }
         )
 
-    def run_step(self, record: StepRecord, instrument: contextlib.AbstractContextManager | None = None) -> list[tuple[str, str]]:
-        """Run one recorded step from its recorded batch and RNG state; return its entries."""
+    def run_step(self, record: StepRecord, observers: Sequence[OperatorObserver] = ()) -> list[tuple[str, str]]:
+        """Run one recorded step from its recorded batch and RNG state; return its entries.
+
+        ``observers`` see every operator call (through an OperatorMode, after
+        the fault injector), e.g. bisect's operator log.
+        """
         batch, rng = self.bundle.load_step(record.index)
         batch = map_tensors(batch, lambda t: t.to(self.device))
         determinism.restore_rng(rng, self.device)
+        self.injector.before_step(record.index, self.model)
+        chain = ([self.injector] if self.injector.has_operator_faults else []) + list(observers)
+        mode = OperatorMode(self.model, self.optimizer, chain, record.index) if chain else contextlib.nullcontext()
         workload = self.workload
         self.capture.begin_step(determinism.capture_rng(self.device))
-        with instrument or contextlib.nullcontext():
+        with mode:
             loss = workload.loss_fn(workload.model, batch)
             self.capture.record_loss(loss)
             loss.backward()
@@ -116,18 +127,23 @@ def replay_on_device(
     device: str = "cpu",
     *,
     last_step: int | None = None,
-    instrument_for: Callable[[ReplaySession, StepRecord], contextlib.AbstractContextManager] | None = None,
+    inject: Sequence[str] = (),
+    repeat: int = 0,
     after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
     apply_switches: bool = True,
-    **meta,
 ) -> SignatureLog:
-    """Replay the bundle's steps (up to ``last_step``) on one device label in this process."""
-    session = ReplaySession(bundle, device, apply_switches=apply_switches, after_load=after_load)
+    """Replay the bundle's steps (up to ``last_step``) on one device label in this process.
+
+    ``inject`` adds fault specs (``SDCREPLAY_INJECT`` is read too); ``repeat``
+    varies the draws of intermittent faults between repeats.
+    """
+    session = ReplaySession(bundle, device, apply_switches=apply_switches, after_load=after_load,
+                            inject=inject, repeat=repeat)
     try:
-        log = session.new_log(warnings=session.warnings, **meta)
+        log = session.new_log(warnings=session.warnings, repeat=repeat)
         for record in session.steps_until(last_step):
-            instrument = instrument_for(session, record) if instrument_for else None
-            log.steps[record.index] = session.run_step(record, instrument)
+            log.steps[record.index] = session.run_step(record)
+        log.meta["injected"] = [injection.to_json() for injection in session.injector.fired]
         return log
     finally:
         session.close()

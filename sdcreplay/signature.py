@@ -8,7 +8,6 @@ used inside a bundle and for a replay's own log, so ``diff`` takes either.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +56,9 @@ class SignatureLogWriter:
         self.path = Path(path)
         self._hash = hashlib.sha256()
         self.size = 0
-        self._compressor = zstandard.ZstdCompressor(level=3)
+        # The frame checksum lets a reader tell a damaged standalone log (a
+        # replay log has no manifest SHA-256 to guard it) from a valid one.
+        self._compressor = zstandard.ZstdCompressor(level=3, write_checksum=True)
         self.path.write_bytes(b"")
         self._append([{"schema": SCHEMA, **meta}])
 
@@ -84,17 +85,25 @@ def write_signature_log(path: Path, log: SignatureLog) -> None:
         writer.append_step(step, entries)
 
 
-def read_signature_log(path: Path) -> SignatureLog:
+def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
+    """Read a log; ``size`` limits it to its first bytes (what a manifest vouches for).
+
+    Every frame must be complete: a log cut off mid-frame is damaged, never
+    read as fewer entries.
+    """
     path = Path(path)
     try:
         raw = path.read_bytes()
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True)
-        text = io.TextIOWrapper(reader, encoding="utf-8").read()
     except FileNotFoundError as exc:
         raise BundleError(f"signature log {path} does not exist") from exc
-    except (zstandard.ZstdError, UnicodeDecodeError, OSError) as exc:
-        raise BundleError(f"signature log {path} is damaged: {exc}") from exc
-    lines = text.splitlines()
+    except OSError as exc:
+        raise BundleError(f"cannot read signature log {path}: {exc}") from exc
+    if size is not None:
+        if len(raw) < size:
+            raise BundleError(f"signature log {path} is {len(raw)} bytes, expected at least {size} (truncated)")
+        raw = raw[:size]
+    text = _decompress_frames(path, raw)
+    lines = text.split("\n")[:-1] if text else []
     if not lines:
         raise BundleError(f"signature log {path} is empty")
     try:
@@ -108,9 +117,29 @@ def read_signature_log(path: Path) -> SignatureLog:
         for line in lines[1:]:
             entry = json.loads(line)
             step, name, digest = entry["step"], entry["name"], entry["digest"]
-            if not (isinstance(step, int) and isinstance(name, str) and isinstance(digest, str)):
+            if not (type(step) is int and isinstance(name, str) and isinstance(digest, str)):
                 raise ValueError(f"bad entry {line[:80]!r}")
             steps.setdefault(step, []).append((name, digest))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise BundleError(f"signature log {path} is damaged: {exc}") from exc
     return SignatureLog(meta=meta, steps=steps)
+
+
+def _decompress_frames(path: Path, raw: bytes) -> str:
+    """The frames' text, in order; each frame must be whole and end with a newline."""
+    decompressor = zstandard.ZstdDecompressor()
+    parts = []
+    try:
+        while raw:
+            frame = decompressor.decompressobj()
+            chunk = frame.decompress(raw)
+            if not frame.eof:
+                raise BundleError(f"signature log {path} is damaged: it ends in the middle of a frame (truncated)")
+            text = chunk.decode("utf-8")
+            if not text.endswith("\n"):
+                raise BundleError(f"signature log {path} is damaged: a frame does not end with a complete line")
+            parts.append(text)
+            raw = frame.unused_data
+    except (zstandard.ZstdError, UnicodeDecodeError) as exc:
+        raise BundleError(f"signature log {path} is damaged: {exc}") from exc
+    return "".join(parts)

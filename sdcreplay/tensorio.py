@@ -79,16 +79,41 @@ def read_tensor(dataset: h5py.Dataset, keep_strides: bool = False) -> torch.Tens
     if list(tensor.shape) != shape:
         raise BundleError(f"tensor {dataset.name} has shape {list(tensor.shape)}, expected {shape}")
     if keep_strides and "stride" in dataset.attrs:
-        stride = [int(n) for n in dataset.attrs["stride"]]
+        try:
+            stride = [int(n) for n in dataset.attrs["stride"]]
+        except (TypeError, ValueError) as exc:
+            raise BundleError(f"tensor {dataset.name} has unreadable strides: {exc}") from exc
         if stride != list(tensor.stride()) and _strides_fit(shape, stride):
-            strided = torch.empty_strided(shape, stride, dtype=dtype)
-            strided.copy_(tensor)
-            return strided
+            return _restride(tensor, stride)
     return tensor
 
 
 def _strides_fit(shape: list[int], stride: list[int]) -> bool:
-    return len(shape) == len(stride) and all(s >= 0 for s in stride)
+    """Strides that can be rebuilt: no two elements share memory (except
+    broadcast dimensions of stride 0) and the memory needed stays near the
+    tensor's size, whatever a damaged attribute says."""
+    if len(shape) != len(stride) or any(s < 0 for s in stride):
+        return False
+    dims = sorted((s, n) for n, s in zip(shape, stride, strict=True) if n > 1 and s > 0)
+    extent = 1
+    for s, n in dims:
+        if s < extent:
+            return False  # overlapping: two indices would address one element
+        extent = s * (n - 1) + extent
+    numel = int(np.prod(shape, dtype=np.int64))
+    return extent <= 64 * max(numel, 1) + 4096
+
+
+def _restride(tensor: torch.Tensor, stride: list[int]) -> torch.Tensor:
+    """The same values laid out with ``stride``; stride-0 dimensions become a broadcast (expand)."""
+    broadcast = [i for i, (n, s) in enumerate(zip(tensor.shape, stride, strict=True)) if s == 0 and n > 1]
+    base = tensor
+    for dim in broadcast:
+        base = base.narrow(dim, 0, 1)
+    base_stride = [1 if i in broadcast else s for i, s in enumerate(stride)]
+    strided = torch.empty_strided(tuple(base.shape), base_stride, dtype=tensor.dtype)
+    strided.copy_(base)
+    return strided.expand(tensor.shape) if broadcast else strided
 
 
 def write_tree(group: h5py.Group, obj: Any) -> None:
@@ -100,12 +125,13 @@ def write_tree(group: h5py.Group, obj: Any) -> None:
         write_tensor(group, f"t{index}", tensor)
 
 
-def read_tree(group: h5py.Group) -> Any:
+def read_tree(group: h5py.Group, keep_strides: bool = False) -> Any:
+    """The nest :func:`write_tree` stored; ``keep_strides`` restores each tensor's memory layout."""
     try:
         skeleton = json.loads(group.attrs["skeleton"])
     except (KeyError, ValueError, TypeError) as exc:
         raise BundleError(f"{group.name} has no readable structure: {exc}") from exc
-    return _decode(skeleton, group)
+    return _decode(skeleton, group, keep_strides)
 
 
 def _encode(obj: Any, tensors: list[torch.Tensor]) -> dict:
@@ -130,18 +156,18 @@ def _encode(obj: Any, tensors: list[torch.Tensor]) -> dict:
     )
 
 
-def _decode(node: Any, group: h5py.Group) -> Any:
+def _decode(node: Any, group: h5py.Group, keep_strides: bool = False) -> Any:
     if not isinstance(node, dict) or len(node) != 1:
         raise BundleError(f"{group.name}: malformed structure entry {str(node)[:80]!r}")
     (kind, payload), = node.items()
     if kind == "tensor":
         if not isinstance(payload, str) or payload not in group:
             raise BundleError(f"{group.name}: missing tensor {payload!r}")
-        return read_tensor(group[payload])
+        return read_tensor(group[payload], keep_strides)
     if kind == "dict" and isinstance(payload, list):
-        return {_key(item, group): _decode(item[1], group) for item in payload}
+        return {_key(item, group): _decode(item[1], group, keep_strides) for item in payload}
     if kind in ("list", "tuple") and isinstance(payload, list):
-        items = [_decode(item, group) for item in payload]
+        items = [_decode(item, group, keep_strides) for item in payload]
         return items if kind == "list" else tuple(items)
     if kind == "value":
         return payload

@@ -19,7 +19,7 @@ def run_replay_task(task: dict) -> dict:
     from .replay import replay_on_device
     from .signature import write_signature_log
 
-    logs, warnings = [], []
+    logs, warnings, injected = [], [], []
     for repeat in range(task["repeats"]):
         log = replay_on_device(
             task["bundle"], task["device"], last_step=task.get("last_step"),
@@ -29,7 +29,8 @@ def run_replay_task(task: dict) -> dict:
         write_signature_log(path, log)
         logs.append(str(path))
         warnings = log.meta.get("warnings", [])
-    return {"logs": logs, "warnings": warnings}
+        injected.append(log.meta.get("injected", []))
+    return {"logs": logs, "warnings": warnings, "injected": injected}
 
 
 TASKS = {"replay": run_replay_task}

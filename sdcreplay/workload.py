@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import operator
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +72,11 @@ def resolve_factory(ref: str) -> Callable[..., Workload]:
                 f"cannot import module {target!r} for workload {ref!r}: {exc}",
                 "Check the module is on PYTHONPATH (or give a path/to/file.py:function).",
             ) from exc
+        except Exception as exc:  # the module itself raised while importing
+            raise WorkloadError(
+                f"importing {target} raised {type(exc).__name__}: {exc}",
+                "Fix the workload module; SDCREPLAY_DEBUG=1 shows the traceback.",
+            ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise WorkloadError(f"{target} has no function {attr!r}")
@@ -98,14 +104,23 @@ def build_workload(ref: str, kwargs: dict[str, Any] | None = None) -> Workload:
     """Call the factory with ``kwargs`` under a fixed seed; wrap its errors."""
     factory = resolve_factory(ref)
     kwargs = dict(kwargs or {})
+    signature = _signature(ref, factory)
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:
+            raise WorkloadError(
+                f"workload {ref!r} does not take these arguments: {exc}",
+                f"Its signature is {ref}{signature}.",
+            ) from exc
     try:
-        inspect.signature(factory).bind(**kwargs)
+        seed = operator.index(kwargs.get("seed", 0))
     except TypeError as exc:
         raise WorkloadError(
-            f"workload {ref!r} does not take these arguments: {exc}",
-            f"Its signature is {ref}{inspect.signature(factory)}.",
+            f"workload seed must be an integer, got {kwargs.get('seed')!r}",
+            "Pass --seed N (or -a seed=N) with a whole number.",
         ) from exc
-    torch.manual_seed(int(kwargs.get("seed", 0)))
+    torch.manual_seed(seed)
     try:
         workload = factory(**kwargs)
     except Exception as exc:
@@ -120,6 +135,17 @@ def build_workload(ref: str, kwargs: dict[str, Any] | None = None) -> Workload:
     return workload
 
 
+def _signature(ref: str, factory: Callable[..., Workload]) -> inspect.Signature | None:
+    """The factory's signature, or None for a callable Python cannot introspect."""
+    try:
+        return inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+
+
 def accepts_seed(ref: str) -> bool:
-    params = inspect.signature(resolve_factory(ref)).parameters
+    signature = _signature(ref, resolve_factory(ref))
+    if signature is None:
+        return False
+    params = signature.parameters
     return "seed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

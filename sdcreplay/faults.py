@@ -1,0 +1,275 @@
+"""Fault specs and the injector: how sdcreplay proves it finds what it claims.
+
+A spec such as ``kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,
+step=1,index=5,bit=22,device=cpu:1`` corrupts the output of matching operator
+calls (or, for ``memflip``, a parameter's memory before a step) on the device
+label it names. Matching is by call site (step, phase, module, operator, and
+position among the matching calls), so a call re-run alone by bisect or
+minimize is the same call and the fault fires there too, as a real defect
+fires on the same kernel with the same inputs. Grammar: docs/fault-injection.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .capture import CallSite
+from .errors import FaultSpecError
+
+KINDS = ("bitflip", "pairflip", "swap", "bias", "nan", "memflip")
+PHASES = ("forward", "backward", "optimizer")
+ENV_VAR = "SDCREPLAY_INJECT"
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MANTISSA_TOP = {torch.float64: 51, torch.float32: 22, torch.float16: 9, torch.bfloat16: 6}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    op: str | None = None
+    param: str | None = None
+    module: str | None = None
+    phase: str | None = None
+    step: int | None = None
+    nth: int | None = None
+    index: int = 0
+    bit: int | None = None
+    count: int = 1
+    scale: float = 1e-3
+    p: float = 1.0
+    seed: int = 0
+    device: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        values: dict = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for part in filter(None, (piece.strip() for piece in text.split(","))):
+            key, sep, value = part.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or key not in types:
+                raise FaultSpecError(
+                    f"fault spec {text!r}: unknown or malformed part {part!r}",
+                    f"Keys: {', '.join(types)}; e.g. kind=bitflip,op=aten.mm,step=0,index=3,bit=22.",
+                )
+            try:
+                values[key] = _convert(types[key], value)
+            except ValueError:
+                raise FaultSpecError(f"fault spec {text!r}: {key}={value!r} is not a valid {types[key].split('|')[0].strip()}") from None
+        if "kind" not in values:
+            raise FaultSpecError(f"fault spec {text!r} has no kind", f"kind is one of {', '.join(KINDS)}.")
+        spec = cls(**values)
+        spec._validate(text)
+        return spec
+
+    def _validate(self, text: str) -> None:
+        problem = None
+        if self.kind not in KINDS:
+            problem = f"kind {self.kind!r} is not one of {', '.join(KINDS)}"
+        elif self.kind == "memflip" and (self.param is None or self.step is None):
+            problem = "memflip needs param= (a parameter or buffer name) and step="
+        elif self.kind != "memflip" and self.op is None:
+            problem = f"{self.kind} needs op= (e.g. aten.mm or aten.mm.default)"
+        elif self.phase is not None and self.phase not in PHASES:
+            problem = f"phase {self.phase!r} is not one of {', '.join(PHASES)}"
+        elif not 0.0 <= self.p <= 1.0:
+            problem = f"p={self.p} is not a probability"
+        elif self.count < 1 or self.index < 0 or (self.nth is not None and self.nth < 0):
+            problem = "count must be at least 1, index and nth at least 0"
+        elif self.bit is not None and not 0 <= self.bit < 64:
+            problem = f"bit={self.bit} is outside 0..63"
+        if problem:
+            raise FaultSpecError(f"fault spec {text!r}: {problem}")
+
+    def __str__(self) -> str:
+        defaults = FaultSpec(kind=self.kind)
+        parts = [f"kind={self.kind}"] + [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.name != "kind" and getattr(self, f.name) != getattr(defaults, f.name)
+        ]
+        return ",".join(parts)
+
+    def applies_to(self, device_label: str) -> bool:
+        return self.device is None or self.device == device_label
+
+    def matches_key(self, op: str, module: str, phase: str) -> bool:
+        """Does a call of ``op`` under ``module`` in ``phase`` match (step and nth aside)?"""
+        if self.kind == "memflip":
+            return False
+        if op != self.op and op.rsplit(".", 1)[0] != self.op:
+            return False
+        if self.module is not None and not _under(module, self.module):
+            return False
+        return self.phase is None or phase == self.phase
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".") or prefix == ""
+
+
+def _convert(annotation: str, value: str):
+    if "int" in annotation:
+        return int(value)
+    if "float" in annotation:
+        return float(value)
+    return value
+
+
+def parse_specs(specs: Iterable[str] = (), include_env: bool = True) -> list[FaultSpec]:
+    """Specs from the command line, then from ``SDCREPLAY_INJECT`` (``;``-separated)."""
+    texts = list(specs)
+    if include_env:
+        texts += [s for s in os.environ.get(ENV_VAR, "").split(";") if s.strip()]
+    return [FaultSpec.parse(text) for text in texts]
+
+
+@dataclass
+class Injection:
+    """One fault that fired: where, and what it changed."""
+
+    spec: str
+    step: int
+    phase: str
+    module: str
+    op: str
+    op_index: int
+    elements: list[int]
+    bit: int | None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Injector:
+    """Corrupts matching operator outputs on one device label (an OperatorMode observer)."""
+
+    specs: list[FaultSpec]
+    device_label: str
+    salt: int = 0
+    fired: list[Injection] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.specs = [spec for spec in self.specs if spec.applies_to(self.device_label)]
+        self._draws = [random.Random(f"{spec.seed}:{self.salt}:{position}") for position, spec in enumerate(self.specs)]
+        self._seen: Counter[tuple[int, int]] = Counter()
+
+    @property
+    def has_operator_faults(self) -> bool:
+        return any(spec.kind != "memflip" for spec in self.specs)
+
+    def on_call(self, site: CallSite, func, args, kwargs, out):
+        for position, spec in enumerate(self.specs):
+            if not self._selects(spec, site):
+                continue
+            ordinal = self._seen[(position, site.step)]
+            self._seen[(position, site.step)] += 1
+            self._maybe_fire(position, spec, site, ordinal, out)
+        return out
+
+    def on_isolated_call(self, site: CallSite, prior: Counter, out) -> None:
+        """Fire as in the full step, for a call re-run alone.
+
+        ``prior`` counts the calls of the step before this one by
+        ``(op, module, phase)``, which gives each spec its ``nth`` position.
+        """
+        for position, spec in enumerate(self.specs):
+            if self._selects(spec, site):
+                ordinal = sum(n for key, n in prior.items() if spec.matches_key(*key))
+                self._maybe_fire(position, spec, site, ordinal, out)
+
+    def _selects(self, spec: FaultSpec, site: CallSite) -> bool:
+        return (spec.step is None or spec.step == site.step) and spec.matches_key(*site.key)
+
+    def _maybe_fire(self, position: int, spec: FaultSpec, site: CallSite, ordinal: int, out) -> None:
+        if spec.nth is not None and ordinal != spec.nth:
+            return
+        if spec.p < 1.0 and self._draws[position].random() >= spec.p:
+            return
+        target = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(target, torch.Tensor) or target.numel() == 0:
+            return
+        elements, bit = corrupt(spec, target)
+        self.fired.append(Injection(str(spec), site.step, site.phase, site.module, site.op, site.index, elements, bit))
+
+    def before_step(self, step: int, model: torch.nn.Module) -> None:
+        """Flip the memory of parameters/buffers that ``memflip`` names for this step."""
+        tensors = dict(model.named_parameters())
+        tensors.update(model.named_buffers())
+        for spec in self.specs:
+            if spec.kind != "memflip" or spec.step != step:
+                continue
+            if spec.param not in tensors:
+                raise FaultSpecError(
+                    f"memflip names {spec.param!r}, which the model does not have",
+                    "Use a name from model.named_parameters() or named_buffers(), e.g. layers.0.attn.wq.weight.",
+                )
+            elements, bit = corrupt(spec, tensors[spec.param].data)
+            self.fired.append(Injection(str(spec), step, "state", spec.param, "memory", -1, elements, bit))
+
+
+def default_bit(dtype: torch.dtype) -> int:
+    """The top mantissa bit of a float (a visible, finite change), bit 0 otherwise."""
+    return _MANTISSA_TOP.get(dtype, 0)
+
+
+def flip_bits(tensor: torch.Tensor, elements: list[int], bit: int) -> None:
+    """XOR one bit of the storage word of each element (logical flat indices), in place."""
+    words = tensor.view(_WORD[tensor.element_size()])
+    width = 8 * tensor.element_size()
+    if bit >= width:
+        raise FaultSpecError(f"bit {bit} does not exist in a {width}-bit {tensor.dtype} element")
+    mask = 1 << bit
+    mask = mask - (1 << width) if mask >= 1 << (width - 1) else mask
+    if tensor.dtype == torch.bool and bit != 0:
+        raise FaultSpecError("a bool element has only bit 0")
+    for element in elements:
+        position = _unravel(element, tensor.shape)
+        words[position] = words[position] ^ mask
+
+
+def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    position = []
+    for size in reversed(shape):
+        position.append(flat % size)
+        flat //= size
+    return tuple(reversed(position))
+
+
+@torch.no_grad()
+def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | None]:
+    """Apply one fault to ``tensor`` in place; return the flat elements touched and the bit."""
+    numel = tensor.numel()
+    first = spec.index % numel
+    second = (spec.index + spec.count) % numel
+    bit = spec.bit if spec.bit is not None else default_bit(tensor.dtype)
+    if spec.kind in ("bitflip", "memflip"):
+        flip_bits(tensor, [first], bit)
+        return [first], bit
+    if spec.kind == "pairflip":
+        flip_bits(tensor, [first, second], bit)
+        return [first, second], bit
+    if spec.kind == "swap":
+        a, b = _unravel(first, tensor.shape), _unravel(second, tensor.shape)
+        held = tensor[a].clone()
+        tensor[a] = tensor[b]
+        tensor[b] = held
+        return [first, second], None
+    if not tensor.is_floating_point():
+        raise FaultSpecError(f"{spec.kind} needs a floating-point output; {spec.op} gave {tensor.dtype}")
+    if spec.kind == "nan":
+        tensor[_unravel(first, tensor.shape)] = math.nan
+        return [first], None
+    block = [(spec.index + k) % numel for k in range(spec.count)]
+    for element in block:
+        position = _unravel(element, tensor.shape)
+        tensor[position] = tensor[position] * (1.0 + spec.scale)
+    return block, None
