@@ -202,6 +202,51 @@ def render_replay(output: Output, report) -> None:
     output.say(f"Logs: {report.log_dir}")
 
 
+@app.command()
+def diff(
+    first: Annotated[Path, typer.Argument(help="Bundle directory or replay log (*.sig.zst).")],
+    second: Annotated[Path, typer.Argument(help="Bundle directory or replay log to compare with FIRST.")],
+    plot: Annotated[Path | None, typer.Option(help="Draw which layers diverge at each step into this PNG.")] = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Compare two signature logs: structure first, then the first divergent entry."""
+    from .compare import compare_logs, load_log
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        reference, candidate = load_log(first), load_log(second)
+        comparison = compare_logs(reference, candidate)
+        render_diff(output, comparison)
+        result = comparison.to_json()
+        if plot is not None:
+            from .plot import plot_divergence_map
+
+            plot_divergence_map(reference, comparison, plot)
+            result["plot"] = str(plot)
+            output.say(f"Plot: {plot}")
+        output.data(result)
+        return 0 if comparison.identical else 1
+
+    run(output, action)
+
+
+def render_diff(output: Output, comparison) -> None:
+    if comparison.identical:
+        output.say(f"{styled('identical')}: {comparison.entries} entries over steps {comparison.steps} match bit for bit.")
+        return
+    first = comparison.first
+    output.say(f"First divergence: step {first.step}, {first.phase}, {first.name} "
+               f"(expected {first.expected}, got {first.actual})")
+    output.table("Divergent entries per step", ["step", "divergent entries"], [
+        [str(step), str(count)] for step, count in comparison.per_step().items()
+    ])
+    output.table("Divergent entries per layer (from the first divergence on)", ["layer", "forward", "backward", "optimizer"], [
+        [layer, str(counts.get("forward", 0)), str(counts.get("backward", 0)), str(counts.get("optimizer", 0))]
+        for layer, counts in comparison.per_layer().items()
+    ])
+
+
 @app.callback(invoke_without_command=True)
 def main_callback(
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,

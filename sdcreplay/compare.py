@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .errors import StructureError
-from .signature import SignatureLog, layer_of, phase_of
+from pathlib import Path
+
+from .bundle import Bundle
+from .errors import BundleError, StructureError
+from .signature import SignatureLog, layer_of, phase_of, read_signature_log
 
 RECORD = "record"
 
@@ -60,6 +63,29 @@ class Comparison:
         for divergence in self.divergences:
             table.setdefault(divergence.layer, Counter())[divergence.phase] += 1
         return {layer: dict(counts) for layer, counts in table.items()}
+
+    def to_json(self) -> dict:
+        first = self.first
+        return {
+            "schema": "sdcreplay.diff/1",
+            "identical": self.identical,
+            "steps": self.steps,
+            "entries": self.entries,
+            "first_divergence": None if first is None else {**first.brief(), "expected": first.expected, "actual": first.actual},
+            "divergent_entries": len(self.divergences),
+            "per_step": {str(step): count for step, count in self.per_step().items()},
+            "per_layer": self.per_layer(),
+        }
+
+
+def load_log(path: str | Path) -> SignatureLog:
+    """A bundle directory's recorded log, or a replay log file."""
+    path = Path(path)
+    if path.is_dir() or path.with_name(path.name + ".partial").is_dir():
+        return Bundle.open(path).signature_log()
+    if not path.exists():
+        raise BundleError(f"{path} does not exist", "Give a bundle directory or a replay log (*.sig.zst).")
+    return read_signature_log(path)
 
 
 def check_comparable(a: SignatureLog, b: SignatureLog) -> None:

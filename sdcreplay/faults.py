@@ -197,7 +197,10 @@ class Injector:
         target = out[0] if isinstance(out, (tuple, list)) else out
         if not isinstance(target, torch.Tensor) or target.numel() == 0:
             return
-        elements, bit = corrupt(spec, target)
+        changed = corrupt(spec, target)
+        if changed is None:
+            return
+        elements, bit = changed
         self.fired.append(Injection(str(spec), site.step, site.phase, site.module, site.op, site.index, elements, bit))
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
@@ -212,7 +215,10 @@ class Injector:
                     f"memflip names {spec.param!r}, which the model does not have",
                     "Use a name from model.named_parameters() or named_buffers(), e.g. layers.0.attn.wq.weight.",
                 )
-            elements, bit = corrupt(spec, tensors[spec.param].data)
+            changed = corrupt(spec, tensors[spec.param].data)
+            if changed is None:
+                raise FaultSpecError(f"memflip index {spec.index} is outside {spec.param} ({tensors[spec.param].numel()} elements)")
+            elements, bit = changed
             self.fired.append(Injection(str(spec), step, "state", spec.param, "memory", -1, elements, bit))
 
 
@@ -245,11 +251,17 @@ def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | None]:
-    """Apply one fault to ``tensor`` in place; return the flat elements touched and the bit."""
+def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | None] | None:
+    """Apply one fault to ``tensor`` in place; the flat elements touched and the bit.
+
+    Returns None (nothing fired) when the elements lie outside the tensor: a
+    defect tied to an output position cannot fire where the output is smaller.
+    """
     numel = tensor.numel()
-    first = spec.index % numel
-    second = (spec.index + spec.count) % numel
+    first, second = spec.index, spec.index + spec.count
+    needed = {"pairflip": second, "swap": second, "bias": spec.index + spec.count - 1}.get(spec.kind, first)
+    if needed >= numel:
+        return None
     bit = spec.bit if spec.bit is not None else default_bit(tensor.dtype)
     if spec.kind in ("bitflip", "memflip"):
         flip_bits(tensor, [first], bit)
@@ -268,7 +280,7 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
     if spec.kind == "nan":
         tensor[_unravel(first, tensor.shape)] = math.nan
         return [first], None
-    block = [(spec.index + k) % numel for k in range(spec.count)]
+    block = list(range(spec.index, spec.index + spec.count))
     for element in block:
         position = _unravel(element, tensor.shape)
         tensor[position] = tensor[position] * (1.0 + spec.scale)

@@ -35,9 +35,15 @@ def phase_of(name: str) -> str:
 
 
 def layer_of(name: str) -> str:
-    """The module path an entry belongs to (``forward:layers.1.attn#1`` -> ``layers.1.attn``)."""
-    _, _, rest = name.partition(":")
-    return rest.split("#", 1)[0] if rest else name
+    """The module an entry belongs to: ``backward:layers.1.attn#1[0]`` and
+    ``grad:layers.1.attn.wq.weight`` belong to ``layers.1.attn`` / ``layers.1.attn.wq``."""
+    kind, _, rest = name.partition(":")
+    if not rest:
+        return name
+    path = rest.split("#", 1)[0].split("[", 1)[0]
+    if kind in ("grad", "param", "buffer"):
+        path = path.rpartition(".")[0] or "<root>"
+    return path
 
 
 @dataclass

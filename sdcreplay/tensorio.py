@@ -150,6 +150,10 @@ def _encode(obj: Any, tensors: list[torch.Tensor]) -> dict:
         return {"value": obj}
     if isinstance(obj, torch.dtype):
         return {"dtype": dtype_name(obj)}
+    if isinstance(obj, torch.device):
+        return {"device": str(obj)}
+    if isinstance(obj, (torch.layout, torch.memory_format)):
+        return {type(obj).__name__: str(obj).removeprefix("torch.")}
     raise BundleError(
         f"cannot store a value of type {type(obj).__name__}",
         "Batches and states may hold tensors, numbers, strings and dicts/lists/tuples of them.",
@@ -173,6 +177,10 @@ def _decode(node: Any, group: h5py.Group, keep_strides: bool = False) -> Any:
         return payload
     if kind == "dtype" and isinstance(payload, str):
         return dtype_from_name(payload)
+    if kind == "device" and isinstance(payload, str):
+        return torch.device(payload)
+    if kind in ("layout", "memory_format") and isinstance(getattr(torch, str(payload), None), (torch.layout, torch.memory_format)):
+        return getattr(torch, payload)
     raise BundleError(f"{group.name}: malformed structure entry of kind {kind!r}")
 
 

@@ -1,0 +1,130 @@
+"""Shared fixtures: small real bundles on disk, the CLI, and isolation of global switches.
+
+Recording and replaying change process-wide state (deterministic algorithms,
+thread count, ``CUBLAS_WORKSPACE_CONFIG``...); every test gets that state back
+as it found it, so test order never matters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sdcreplay import determinism
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small enough that a step takes milliseconds and a bundle ~100 KiB.
+SMALL = {"layers": 1, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
+SMALL_MOE = {**SMALL, "experts": 2, "top_k": 1}
+SMALL_ARGS = [arg for key, value in SMALL.items() for arg in ("-a", f"{key}={value}")]
+
+
+@contextlib.contextmanager
+def preserved_global_state() -> Iterator[None]:
+    """Put back torch's determinism switches, thread count and the switch env vars."""
+    saved = {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "precision": torch.get_float32_matmul_precision(),
+        "threads": torch.get_num_threads(),
+    }
+    env = {name: os.environ.get(name) for name in determinism.SWITCH_ENV_VARS}
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved["deterministic"], warn_only=saved["warn_only"])
+        torch.backends.cudnn.deterministic = saved["cudnn_deterministic"]
+        torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
+        torch.backends.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
+        torch.backends.cudnn.allow_tf32 = saved["cudnn_tf32"]
+        torch.set_float32_matmul_precision(saved["precision"])
+        if torch.get_num_threads() != saved["threads"]:
+            torch.set_num_threads(saved["threads"])
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _isolate_global_switches() -> Iterator[None]:
+    with preserved_global_state():
+        yield
+
+
+@pytest.fixture(scope="session")
+def _small_bundle_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Recorded once per session: 2 steps of a 1-layer tiny-llama (embedded state)."""
+    from sdcreplay import record
+
+    out = tmp_path_factory.mktemp("template") / "small.bundle"
+    with preserved_global_state():
+        record("builtin:tiny-llama", out, steps=2, seed=0, kwargs=dict(SMALL))
+    return out
+
+
+@pytest.fixture
+def small_bundle(tmp_path: Path, _small_bundle_template: Path) -> Path:
+    """A private copy of the session's small bundle, free to damage."""
+    target = tmp_path / "small.bundle"
+    shutil.copytree(_small_bundle_template, target)
+    return target
+
+
+@pytest.fixture
+def cli():
+    """Invoke the typer app in-process: ``cli(*args, env=...)`` -> Result with .stdout/.stderr."""
+    from sdcreplay.cli import app
+
+    runner = CliRunner()
+
+    def invoke(*args: str, env: dict | None = None):
+        return runner.invoke(app, [str(arg) for arg in args], env=env)
+
+    return invoke
+
+
+def _console_script() -> str:
+    beside = Path(sys.executable).parent / "sdcreplay"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("sdcreplay")
+    if found is None:
+        pytest.skip("the sdcreplay console script is not installed")
+    return found
+
+
+@pytest.fixture
+def sdcreplay_exe() -> str:
+    return _console_script()
+
+
+@pytest.fixture
+def run_exe(tmp_path: Path):
+    """Run the installed ``sdcreplay`` console script in a real process (cwd: tmp_path)."""
+    exe = _console_script()
+
+    def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("SDCREPLAY_DEBUG", None)
+        return subprocess.run(
+            [exe, *[str(arg) for arg in args]], cwd=tmp_path, env=full_env,
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+    return run
