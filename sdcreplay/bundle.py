@@ -34,6 +34,7 @@ SIGNATURES = "signatures.jsonl.zst"
 MESSAGES = "messages.jsonl.zst"
 STATE = "state.h5"
 PARTIAL_SUFFIX = ".partial"
+MANIFEST_DIGEST = "manifest_sha256"
 
 
 def sha256_file(path: Path, limit: int | None = None) -> str:
@@ -49,6 +50,17 @@ def sha256_file(path: Path, limit: int | None = None) -> str:
             if left is not None:
                 left -= len(block)
     return digest.hexdigest()
+
+
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON (sorted keys, no spaces), without this digest itself.
+
+    It makes an edit of any value in the manifest detectable, while formatting
+    (indentation, key order) stays free.
+    """
+    body = {key: value for key, value in manifest.items() if key != MANIFEST_DIGEST}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
@@ -191,6 +203,8 @@ class BundleWriter:
         self._save_manifest()
 
     def _save_manifest(self) -> None:
+        self.manifest.pop(MANIFEST_DIGEST, None)
+        self.manifest[MANIFEST_DIGEST] = manifest_digest(self.manifest)
         _write_json_atomic(self.path / MANIFEST, self.manifest)
 
     def close(self) -> Path:
@@ -242,6 +256,13 @@ def _validate_manifest(manifest: Any) -> None:
             f"unsupported bundle schema {schema!r} (this sdcreplay reads {SCHEMA})",
             "Use the sdcreplay version that wrote the bundle, or record it again.",
         )
+    if MANIFEST_DIGEST in manifest:  # bundles written before it existed have none
+        _require(isinstance(manifest[MANIFEST_DIGEST], str), MANIFEST_DIGEST)
+        if manifest[MANIFEST_DIGEST] != manifest_digest(manifest):
+            raise BundleError(
+                "the manifest does not match its own SHA-256 (damaged or edited by hand)",
+                "Restore the bundle from a copy or record it again; a bundle is evidence and is not edited.",
+            )
     workload = manifest.get("workload")
     _require(isinstance(workload, dict) and isinstance(workload.get("ref"), str), "workload.ref")
     _require(isinstance(workload.get("kwargs"), dict), "workload.kwargs")

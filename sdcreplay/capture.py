@@ -26,7 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .determinism import RngState
-from .digest import Digester
+from .digest import Digester, tensor_digest
+from .tensorio import map_tensors
 
 ROOT = "<root>"
 
@@ -231,6 +232,7 @@ class OperatorMode(TorchDispatchMode):
                  observers: list[OperatorObserver], step: int):
         super().__init__()
         self.observers = observers
+        self._before = [o for o in observers if hasattr(o, "before_call")]
         self.step = step
         self.index = 0
         self._stack: list[str] = []
@@ -310,6 +312,8 @@ class OperatorMode(TorchDispatchMode):
         if getattr(_capture_work, "active", False):
             return func(*args, **kwargs)
         site = self._site(func, args)
+        for observer in self._before:
+            observer.before_call(site, func, args, kwargs)
         out = func(*args, **kwargs)
         for observer in self.observers:
             out = observer.on_call(site, func, args, kwargs, out)
@@ -324,3 +328,105 @@ def _tensors_in(args) -> list[torch.Tensor]:
         elif isinstance(arg, (list, tuple)):
             found.extend(t for t in arg if isinstance(t, torch.Tensor))
     return found
+
+
+@dataclass
+class OperatorRecord:
+    site: CallSite
+    digests: list[str]  # one per output; empty for views (they compute nothing)
+
+
+def _mutated_inputs(func, args) -> dict[int, object]:
+    """Positions and values (tensors or lists of them) an in-place/out= operator writes to."""
+    written = {}
+    for position, argument in enumerate(func._schema.arguments[: len(args)]):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written[position] = args[position]
+    return written
+
+
+class OperatorLog:
+    """An OperatorMode observer: a digest of every operator's outputs, in order.
+
+    Given the log of a reference device (``expected``), it compares as the
+    step runs and keeps the inputs and outputs of the first divergent call
+    (inputs as they were *before* the call, even for in-place operators);
+    given ``watch``, it keeps those of that call index.
+    """
+
+    def __init__(self, expected: list[OperatorRecord] | None = None, watch: int | None = None):
+        self.records: list[OperatorRecord] = []
+        self.expected = expected
+        self.watch = watch
+        self.structure_error: str | None = None
+        self.divergent: OperatorRecord | None = None
+        self.kept: tuple | None = None  # (args, kwargs, outputs), on the CPU
+        self._inputs_before: tuple | None = None
+
+    def before_call(self, site: CallSite, func, args, kwargs) -> None:
+        self._inputs_before = None
+        if self.kept is not None or func.is_view:
+            return
+        written = _mutated_inputs(func, args)
+        if written and (self.expected is not None or site.index == self.watch):
+            self._inputs_before = _cpu_copy(([written.get(i, a) for i, a in enumerate(args)], kwargs))
+
+    def on_call(self, site: CallSite, func, args, kwargs, out):
+        with _own_work():
+            digests = [] if func.is_view else [tensor_digest(value) for value in operator_results(func, args, out)]
+        record = OperatorRecord(site, digests)
+        self.records.append(record)
+        if self.kept is None and self.structure_error is None:
+            if self.expected is not None:
+                self._compare(record, func, args, kwargs, out)
+            elif site.index == self.watch:
+                self._keep(func, args, kwargs, out)
+        return out
+
+    def _compare(self, record: OperatorRecord, func, args, kwargs, out) -> None:
+        index = record.site.index
+        if index >= len(self.expected) or self.expected[index].site.key != record.site.key:
+            theirs = self.expected[index].site if index < len(self.expected) else None
+            self.structure_error = f"operator call {index}: {record.site.op} under {record.site.module} ({record.site.phase}) here, " + (
+                f"{theirs.op} under {theirs.module} ({theirs.phase}) on the reference" if theirs else "nothing on the reference")
+            return
+        if record.digests != self.expected[index].digests:
+            self.divergent = record
+            self._keep(func, args, kwargs, out)
+
+    def _keep(self, func, args, kwargs, out) -> None:
+        with _own_work():
+            inputs = self._inputs_before or _cpu_copy((list(args), kwargs))
+            self.kept = (tuple(inputs[0]), inputs[1], _cpu_copy(operator_results(func, args, out)))
+
+
+def operator_results(func, args, out) -> list:
+    """What an operator call produced: the tensors it wrote for in-place/out= calls, else its outputs."""
+    written = _mutated_inputs(func, args)
+    if written:
+        return _tensors_in(list(written.values()))
+    return _outputs(out)
+
+
+def _outputs(out) -> list:
+    """Outputs that can be digested (tensors, numbers, None), in order."""
+    values = out if isinstance(out, (list, tuple)) else [out]
+    return [value for value in values if value is None or isinstance(value, (torch.Tensor, int, float, bool))]
+
+
+def _cpu_copy(tree):
+    with _own_work():
+        return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """Everything a step starts from, by name: parameters, buffers, optimizer state."""
+    tensors = {f"param:{name}": p for name, p in model.named_parameters()}
+    tensors.update({f"buffer:{name}": b for name, b in model.named_buffers()})
+    if optimizer is not None:
+        names = {id(p): name for name, p in model.named_parameters()}
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optimizer:{names.get(id(param), '?')}.{key}"] = value
+    return tensors

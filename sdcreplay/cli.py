@@ -71,23 +71,23 @@ def record(
     device: Annotated[str, typer.Option(help="Device label to record on: cpu, cpu:N or cuda:N.")] = "cpu",
     seed: Annotated[int, typer.Option(help="Seed for the workload and the RNGs.")] = 0,
     checkpoint: Annotated[Path | None, typer.Option(help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256.")] = None,
-    arg: Annotated[list[str], typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = [],
+    arg: Annotated[list[str] | None, typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
-    inject: Annotated[list[str], typer.Option("--inject", help="Fault spec to inject while recording (repeatable); the bundle does not carry it.")] = [],
+    inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject while recording (repeatable); the bundle does not carry it.")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Run WORKLOAD for --steps steps and write a deterministic trace bundle."""
     from .recorder import record as record_bundle
 
     output = Output(json_mode)
-    kwargs = parse_kwargs(arg)
+    kwargs = parse_kwargs(arg or [])
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
 
     def action() -> int:
         with output.progress(f"recording {workload}", steps) as advance:
             summary = record_bundle(
                 workload, target, steps=steps, device=device, seed=seed, kwargs=kwargs,
-                checkpoint=checkpoint, overwrite=overwrite, inject=inject,
+                checkpoint=checkpoint, overwrite=overwrite, inject=inject or [],
                 on_step=lambda index, loss: advance(note=f"loss {loss:.4f}"),
             )
         output.say(
@@ -142,9 +142,9 @@ def info(
 @app.command()
 def replay(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
-    device: Annotated[list[str], typer.Option("--device", "-d", help="Device label (repeatable): cpu, cuda:N, or virtual replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas share this machine's cores and may take turns.")] = ["cpu"],
+    device: Annotated[list[str] | None, typer.Option("--device", "-d", help="Device label (repeatable; default cpu): cpu, cuda:N, or virtual replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas share this machine's cores and may take turns.")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")] = 1,
-    inject: Annotated[list[str], typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = [],
+    inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
     logs: Annotated[Path | None, typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/).")] = None,
     json_mode: JsonOption = False,
 ) -> None:
@@ -154,8 +154,9 @@ def replay(
     output = Output(json_mode)
 
     def action() -> int:
-        with output.progress("replaying", len(device)) as advance:
-            report = replay_devices(bundle, device, repeats=repeats, inject=inject, log_dir=logs,
+        devices = device or ["cpu"]
+        with output.progress("replaying", len(devices)) as advance:
+            report = replay_devices(bundle, devices, repeats=repeats, inject=inject or [], log_dir=logs,
                                     on_done=lambda label, _: advance(note=label))
         render_replay(output, report)
         output.data(report.to_json())
@@ -200,6 +201,62 @@ def render_replay(output: Output, report) -> None:
         first = consensus.first_divergence
         output.say(f"First divergence: step {first.step}, {first.phase}, {first.name}")
     output.say(f"Logs: {report.log_dir}")
+
+
+@app.command()
+def bisect(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    suspect: Annotated[str | None, typer.Option(help="Device label that computes wrong (default: the recording itself).")] = None,
+    reference: Annotated[str, typer.Option(help="Device label you trust.")] = "cpu:0",
+    step: Annotated[int | None, typer.Option(help="Step to bisect (default: the first divergent step, found by a replay).")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Repeats of the step on the suspect until a divergence shows (intermittent faults).")] = 1,
+    inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Report directory (default: BUNDLE.bisect/).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Heatmap PNG of where in the output tensor the bits differ.")] = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Name the first corrupted operator call of a step, the kernel it launched and the bits it got wrong."""
+    from .bisect import bisect as run_bisect
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        result = run_bisect(bundle, suspect=suspect, reference=reference, step=step, repeats=repeats,
+                            inject=inject or [], out=out, plot=plot,
+                            on_event=lambda kind, text: output.say(f"[dim]{text}[/]"))
+        render_bisect(output, result.to_json())
+        output.data(result.to_json())
+        return result.exit_code
+
+    run(output, action)
+
+
+def render_bisect(output: Output, report: dict) -> None:
+    if report["verdict"] == "no_divergence":
+        step = f" in step {report['step']}" if report.get("step") is not None else ""
+        output.say(f"{styled('correct')}: no divergence{step} after {report.get('repeats_run')} repeat(s) on {report['suspect']}.")
+        return
+    rows = [["step", str(report["step"])], ["phase", str(report.get("phase"))], ["module", str(report.get("module"))]]
+    if report.get("op"):
+        rows += [["operator", f"{report['op']} (call {report['op_index']} of the step)"],
+                 ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
+                 ["isolated", f"{styled(report['isolated'])} ({report['isolation']['failures']} of {report['isolation']['runs']} runs alone wrong)"]]
+        elements = report.get("elements") or {}
+        if elements.get("count") is not None:
+            rows += [["elements", f"{elements['count']} of {elements['total']} differ, first at {elements['positions'][:4]}"],
+                     ["pattern", str(report.get("pattern"))],
+                     ["bits flipped", ", ".join(f"bit {b} x{n}" for b, n in report["bits"]["histogram"].items())],
+                     ["first element", f"expected {elements['expected'][0]}, got {elements['actual'][0]} (XOR {elements['xor'][0]})"],
+                     ["max abs diff", str(elements.get("max_abs_diff"))]]
+    elif report.get("entry"):
+        rows.append(["first divergent entry", report["entry"]])
+    for state in report.get("state") or []:
+        bits = ", ".join(f"bit {b}" for b in state["bits"]["histogram"])
+        rows.append(["state entering step", f"{state['tensor']}: {state['count']} element(s) differ at {state['positions'][:4]} ({bits})"])
+    output.table(f"Bisect: {report['suspect']} vs {report['reference']}", ["", ""], rows)
+    if report.get("next"):
+        output.say(report["next"])
+    output.say(f"Report: {report['report']}")
 
 
 @app.command()

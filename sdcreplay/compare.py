@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 from .bundle import Bundle
@@ -112,13 +111,16 @@ def check_structure(reference: SignatureLog, candidate: SignatureLog, steps: lis
         if left == right:
             continue
         position = next((i for i, (x, y) in enumerate(zip(left, right)) if x != y), min(len(left), len(right)))
-        here = lambda names: names[position] if position < len(names) else "(end of step)"  # noqa: E731
         raise StructureError(
             f"the logs describe different programs: step {step}, entry {position}: "
-            f"{here(left)!r} vs {here(right)!r} ({len(left)} vs {len(right)} entries)",
+            f"{_entry_at(left, position)!r} vs {_entry_at(right, position)!r} ({len(left)} vs {len(right)} entries)",
             "This is a different workload, configuration or code version, not silent data corruption; "
             "record and replay the same program.",
         )
+
+
+def _entry_at(names: list[str], position: int) -> str:
+    return names[position] if position < len(names) else "(end of step)"
 
 
 def compare_logs(reference: SignatureLog, candidate: SignatureLog, steps: list[int] | None = None) -> Comparison:

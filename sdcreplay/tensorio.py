@@ -178,7 +178,10 @@ def _decode(node: Any, group: h5py.Group, keep_strides: bool = False) -> Any:
     if kind == "dtype" and isinstance(payload, str):
         return dtype_from_name(payload)
     if kind == "device" and isinstance(payload, str):
-        return torch.device(payload)
+        try:
+            return torch.device(payload)
+        except (RuntimeError, ValueError) as exc:
+            raise BundleError(f"{group.name}: unknown device {payload[:40]!r}") from exc
     if kind in ("layout", "memory_format") and isinstance(getattr(torch, str(payload), None), (torch.layout, torch.memory_format)):
         return getattr(torch, payload)
     raise BundleError(f"{group.name}: malformed structure entry of kind {kind!r}")

@@ -33,7 +33,21 @@ def run_replay_task(task: dict) -> dict:
     return {"logs": logs, "warnings": warnings, "injected": injected}
 
 
-TASKS = {"replay": run_replay_task}
+def _bisect_task(name: str):
+    def run(task: dict) -> dict:
+        from . import bisect
+
+        return getattr(bisect, name)(task)
+
+    return run
+
+
+TASKS = {
+    "replay": run_replay_task,
+    "oplog": _bisect_task("run_oplog_task"),
+    "fetch": _bisect_task("run_fetch_task"),
+    "isolate": _bisect_task("run_isolate_task"),
+}
 
 
 def main(argv: list[str]) -> int:

@@ -157,10 +157,12 @@ def test_nested_tree_round_trip(h5):
         "empty": {},
         "dtype": torch.float16,
         "nan": math.nan,
+        "where": (torch.device("cpu"), torch.strided, torch.channels_last),
     }
     tensorio.write_tree(h5.create_group("tree"), tree)
     back = tensorio.read_tree(h5["tree"])
-    assert list(back) == ["tokens", "mask", "pair", 0, 7, "empty", "dtype", "nan"]
+    assert list(back) == ["tokens", "mask", "pair", 0, 7, "empty", "dtype", "nan", "where"]
+    assert back["where"] == (torch.device("cpu"), torch.strided, torch.channels_last)
     assert isinstance(back["pair"], tuple) and isinstance(back["pair"][1], list)
     assert back["pair"][1] == [1, 2.5, None, "text", False]
     assert isinstance(back[0], dict) and list(back[0]) == ["step", 1]
@@ -174,11 +176,13 @@ def test_nested_tree_round_trip(h5):
 
 
 def test_int_and_str_keys_stay_distinct(h5):
-    tree = {1: torch.tensor([1.0]), "1": torch.tensor([2.0]), True: "flag"}
+    tree = {1: torch.tensor([1.0]), "1": torch.tensor([2.0]), 2.5: "float key", None: "none key"}
     tensorio.write_tree(h5.create_group("g"), tree)
     back = tensorio.read_tree(h5["g"])
-    assert set(back) == {1, "1"}  # True == 1 in Python: the dict held two keys
+    assert list(back) == [1, "1", 2.5, None]
+    assert torch.equal(back[1], torch.tensor([1.0]))
     assert torch.equal(back["1"], torch.tensor([2.0]))
+    assert back[2.5] == "float key" and back[None] == "none key"
 
 
 def test_optimizer_state_dict_round_trip(h5):
@@ -212,7 +216,10 @@ def test_unstorable_values_raise_bundle_error(h5, value):
 
 @pytest.mark.parametrize(
     "skeleton",
-    ['{"tensor": "t9"}', '{"dict": [["a"]]}', '{"list": 3}', '{"weird": 1}', '[1, 2]', "not json", '{"dtype": "nope"}'],
+    [
+        '{"tensor": "t9"}', '{"dict": [["a"]]}', '{"list": 3}', '{"weird": 1}', '[1, 2]', "not json",
+        '{"dtype": "nope"}', '{"device": "nope:x"}', '{"layout": "nope"}', '{"memory_format": "float32"}',
+    ],
 )
 def test_malformed_skeletons_raise_bundle_error(h5, skeleton: str):
     group = h5.create_group("g")

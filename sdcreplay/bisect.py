@@ -1,0 +1,465 @@
+"""Bisect: from a divergent step to the first corrupted operator call and its bits.
+
+The step is replayed once more with operator-level capture on the reference
+device, then on the suspect, which compares as it runs and keeps the inputs
+and outputs of the first call whose outputs differ (and the state tensors
+that already differed when the step began). The reference then hands over the
+same call's inputs and outputs, and the call is re-run alone on the suspect
+from the reference's inputs: still wrong means the operator itself computes
+wrong there (``kernel``); right means the corruption came from before
+(``upstream``) or does not fire every time (``intermittent``). Every device
+runs in its own process; the whole bisect is four replays of one window.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import h5py
+import torch
+
+from . import determinism
+from .bundle import Bundle, StepRecord
+from .capture import CallSite, OperatorLog, OperatorRecord, operator_results, state_tensors
+from .compare import RECORD
+from .devices import torch_device, validate_label
+from .digest import tensor_digest
+from .errors import SdcReplayError, StructureError
+from .faults import Injector, parse_specs
+from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
+from .replay import ReplaySession, replay_devices, run_device_processes
+from .signature import layer_of
+from .tensorio import read_tensor, write_tensor
+
+REPORT_FILE = "report.json"
+STATE_FILE = "state.h5"
+SCHEMA = "sdcreplay.bisect/1"
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ---------------------------------------------------------------------------
+# Worker side: each function runs in a device process (see worker.py).
+
+def _replay_window(task: dict, repeat: int) -> tuple[ReplaySession, dict, dict, StepRecord]:
+    """Replay up to the bisected step; the state entering it (digests and tensors) and its record."""
+    session = ReplaySession(task["bundle"], task["device"], inject=task.get("inject", ()), repeat=repeat)
+    step = task["step"]
+    target = next((r for r in session.bundle.steps if r.index == step), None)
+    if target is None:
+        session.close()
+        raise SdcReplayError(f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}.")
+    for record in session.steps_until(step - 1):
+        session.run_step(record)
+    state = state_tensors(session.model, session.optimizer)
+    digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
+    return session, digests, state, target
+
+
+def _records_to_json(records: list[OperatorRecord]) -> list:
+    return [[r.site.phase, r.site.module, r.site.op, r.digests] for r in records]
+
+
+def _records_from_json(rows: list, step: int) -> list[OperatorRecord]:
+    return [OperatorRecord(CallSite(step, phase, module, op, index), digests)
+            for index, (phase, module, op, digests) in enumerate(rows)]
+
+
+def run_oplog_task(task: dict) -> dict:
+    """Reference: write the step's operator log. Suspect: compare and keep the first divergence."""
+    step, work = task["step"], Path(task["work_dir"])
+    expected = json.loads(Path(task["expected"]).read_text()) if task.get("expected") else None
+    repeats = task.get("repeats", 1) if expected else 1
+    for repeat in range(repeats):
+        oplog = OperatorLog(expected=_records_from_json(expected["operators"], step) if expected else None)
+        session, digests, state, target = _replay_window(task, repeat)
+        try:
+            differing = [n for n, d in digests.items() if expected and expected["state"].get(n) != d]
+            _save_state(work / f"state-{task['device'].replace(':', '-')}.h5", state, differing)
+            session.run_step(target, observers=[oplog])
+        finally:
+            session.close()
+        environment = determinism.environment(session.device)
+        if expected is None:
+            path = work / "oplog-reference.json"
+            path.write_text(json.dumps({"state": digests, "operators": _records_to_json(oplog.records)}))
+            return {"oplog": str(path), "operators": len(oplog.records), "environment": environment}
+        if oplog.structure_error:
+            return {"structure_error": oplog.structure_error, "repeat": repeat}
+        if oplog.divergent is not None or differing:
+            case_path = work / "suspect-call.h5"
+            if oplog.kept is not None:
+                args, kwargs, outputs = oplog.kept
+                OperatorCase(oplog.divergent.site, Counter(), args, kwargs, outputs, outputs).write(case_path)
+            return {
+                "divergent": True, "repeat": repeat, "repeats_run": repeat + 1, "environment": environment,
+                "op_index": oplog.divergent.site.index if oplog.divergent else None,
+                "state_differs": differing, "case": str(case_path) if oplog.kept is not None else None,
+            }
+    return {"divergent": False, "repeats_run": repeats}
+
+
+def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]) -> None:
+    if not names:
+        return
+    with h5py.File(path, "w") as handle:
+        for name in names:
+            write_tensor(handle, name.replace("/", "|"), state[name])
+
+
+def run_fetch_task(task: dict) -> dict:
+    """Reference: keep the inputs and outputs of one call, and named state tensors."""
+    oplog = OperatorLog(watch=task["op_index"])
+    session, _, state, target = _replay_window(task, 0)
+    try:
+        _save_state(Path(task["work_dir"]) / "state-reference.h5", state, task.get("state_names", []))
+        if task["op_index"] is not None:
+            session.run_step(target, observers=[oplog])
+    finally:
+        session.close()
+    if oplog.kept is None:
+        return {"case": None}
+    args, kwargs, outputs = oplog.kept
+    path = Path(task["work_dir"]) / "reference-call.h5"
+    site = oplog.records[task["op_index"]].site
+    prior = Counter(r.site.key for r in oplog.records[: task["op_index"]])
+    OperatorCase(site, prior, args, kwargs, outputs, outputs).write(path)
+    return {"case": str(path)}
+
+
+def run_isolate_task(task: dict) -> dict:
+    """Suspect: run the one call alone from the reference's inputs, ``runs`` times."""
+    bundle = Bundle.open(task["bundle"])
+    determinism.apply(bundle.manifest["determinism"])
+    device = torch_device(task["device"])
+    case = OperatorCase.read(Path(task["case"]))
+    op = resolve_op(case.op)
+    injector = Injector(parse_specs(task.get("inject", ())), task["device"], salt=task.get("salt", 0))
+    expected = [tensor_digest(v) for v in place(case.expected, device)]
+    failures, first_failure = 0, None
+    for run in range(task["runs"]):
+        args, kwargs = place((list(case.args), case.kwargs), device)
+        out = op(*args, **kwargs)
+        injector.on_isolated_call(case.site, case.prior, out)
+        if [tensor_digest(v) for v in operator_results(op, args, out)] != expected:
+            failures += 1
+            first_failure = run if first_failure is None else first_failure
+    return {"runs": task["runs"], "failures": failures, "first_failure": first_failure,
+            "kernels": _kernel_names(op, case, device)}
+
+
+def _kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
+    """The GPU kernels one call launches, from the profiler (none on a CPU)."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    args, kwargs = place((list(case.args), case.kwargs), device)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        op(*args, **kwargs)
+        torch.cuda.synchronize(device)
+    names = []
+    for event in prof.events():
+        if event.device_type.name == "CUDA" and event.name not in names:
+            names.append(event.name)
+    return names
+
+
+# ---------------------------------------------------------------------------
+# Forensics: which elements, which bits, what shape the damage has.
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(_WORD[tensor.element_size()]).reshape(-1).to(torch.int64)
+
+
+def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int = 16) -> dict:
+    """Differing elements (bitwise), their XOR masks, flipped-bit histogram and pattern."""
+    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+        return {"count": None, "note": f"shape/dtype differ: {tuple(expected.shape)} {expected.dtype} vs {tuple(actual.shape)} {actual.dtype}"}
+    width = 8 * expected.element_size()
+    xor = _words(expected) ^ _words(actual)
+    if width < 64:
+        xor &= (1 << width) - 1
+    indices = torch.nonzero(xor).flatten()
+    masks = xor[indices]
+    histogram = Counter()
+    for bit in range(width):
+        flipped = int(((masks >> bit) & 1).sum()) if bit < 63 else int((masks < 0).sum())
+        if flipped:
+            histogram[bit] = flipped
+    flat_e, flat_a = expected.reshape(-1), actual.reshape(-1)
+    chosen = indices[:shown]
+    result = {
+        "count": int(indices.numel()),
+        "total": int(expected.numel()),
+        "indices": [int(i) for i in chosen],
+        "positions": [list(_unravel(int(i), expected.shape)) for i in chosen],
+        "xor": [f"{int(m) & ((1 << width) - 1):0{width // 4}x}" for m in masks[:shown]],
+        "expected": [_value(flat_e[i]) for i in chosen],
+        "actual": [_value(flat_a[i]) for i in chosen],
+        "bits": {"width": width, "histogram": {str(b): n for b, n in sorted(histogram.items())}},
+        "dtype": str(expected.dtype).removeprefix("torch."),
+        "shape": list(expected.shape),
+    }
+    if expected.is_floating_point() and indices.numel():
+        e, a = flat_e[indices].double(), flat_a[indices].double()
+        diff = (e - a).abs()
+        result["max_abs_diff"] = _number(diff.max())
+        result["max_rel_diff"] = _number((diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)).max())
+    else:
+        result["max_abs_diff"] = _number((flat_e[indices].double() - flat_a[indices].double()).abs().max()) if indices.numel() else 0.0
+    result["pattern"] = _pattern(indices, masks, expected, actual)
+    return result
+
+
+def _value(scalar: torch.Tensor):
+    value = scalar.item()
+    return _number(value) if isinstance(value, float) else value
+
+
+def _number(value) -> float | str:
+    value = float(value)
+    return value if value == value and abs(value) != float("inf") else str(value)
+
+
+def _unravel(flat: int, shape) -> tuple[int, ...]:
+    position = []
+    for size in reversed(list(shape)):
+        position.append(flat % size)
+        flat //= size
+    return tuple(reversed(position))
+
+
+def _pattern(indices: torch.Tensor, masks: torch.Tensor, expected: torch.Tensor, actual: torch.Tensor) -> str:
+    """A word for the set of differing elements, as a vendor would describe it."""
+    count = indices.numel()
+    if count == 0:
+        return "none"
+    if count == 1:
+        return "single element"
+    flat_e, flat_a = expected.reshape(-1), actual.reshape(-1)
+    if count == 2:
+        i, j = int(indices[0]), int(indices[1])
+        if _words(flat_a[i:i + 1]).equal(_words(flat_e[j:j + 1])) and _words(flat_a[j:j + 1]).equal(_words(flat_e[i:i + 1])):
+            return "two elements swapped"
+        if int(masks[0]) == int(masks[1]):
+            return "two elements, same bit"
+    columns = expected.shape[-1] if expected.dim() else 1
+    rows, cols = indices // columns, indices % columns
+    span = int(indices[-1] - indices[0]) + 1
+    if rows.unique().numel() == 1:
+        return "row segment" if span == count else "scattered in one row"
+    if cols.unique().numel() == 1:
+        return "column segment"
+    height = int(rows.max() - rows.min()) + 1
+    width = int(cols.max() - cols.min()) + 1
+    if height * width == count:
+        return f"block {height}x{width}"
+    steps = (indices[1:] - indices[:-1]).unique()
+    if steps.numel() == 1:
+        return f"strided (every {int(steps[0])} elements)"
+    return "scattered"
+
+
+# ---------------------------------------------------------------------------
+# Orchestration.
+
+class BisectResult:
+    """The report: ``to_json()`` is what ``--json`` prints and report.json holds."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.data["verdict"] == "divergence" else 0
+
+    def to_json(self) -> dict:
+        return self.data
+
+
+def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, repeats: int,
+                          inject: Sequence[str], work: Path, on_event) -> tuple[int | None, dict]:
+    labels = [reference] + ([suspect] if suspect else [])
+    on_event("replay", f"replaying the window on {', '.join(labels)} to find the first divergent step")
+    report = replay_devices(bundle.path, labels, repeats=repeats, inject=inject, log_dir=work / "replay")
+    for run in report.devices:
+        if run.error:
+            raise SdcReplayError(f"the {run.device} replay failed: {run.error['message']}",
+                                 run.error.get("hint") or "See the device's stderr in the work directory.")
+    consensus = report.consensus
+    first = consensus.first_divergence
+    if suspect is None:
+        record = consensus.voters[RECORD]
+        first = record.first_divergence
+    elif consensus.voters[suspect].first_divergence is not None:
+        first = consensus.voters[suspect].first_divergence
+    elif consensus.verdict == "correct":
+        first = None
+    return (first.step if first else None), {"replay": report.to_json(), "first_entry": first.brief() if first else None}
+
+
+def bisect(
+    bundle: str | Path,
+    *,
+    suspect: str | None = None,
+    reference: str = "cpu:0",
+    step: int | None = None,
+    repeats: int = 1,
+    isolation_runs: int | None = None,
+    inject: Sequence[str] = (),
+    out: str | Path | None = None,
+    plot: str | Path | None = None,
+    on_event: Callable[[str, str], None] | None = None,
+) -> BisectResult:
+    """Find the first corrupted operator call of a step on ``suspect`` (see module docstring)."""
+    on_event = on_event or (lambda kind, text: None)
+    opened = Bundle.open(bundle)
+    reference = validate_label(reference)
+    suspect = validate_label(suspect) if suspect else None
+    if suspect == reference:
+        raise SdcReplayError("--suspect and --reference are the same device",
+                             "Compare the suspect with a device you trust, e.g. --reference cpu:0.")
+    out = Path(out) if out else opened.path.with_name(opened.path.name + ".bisect")
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    base = {
+        "schema": SCHEMA, "bundle": str(opened.path), "suspect": suspect or RECORD, "reference": reference,
+        "inject": list(inject), "workload": opened.manifest["workload"], "report": str(out),
+        "commands": [_command_line()],
+    }
+    replayed: dict = {}
+    if step is None or suspect is None:
+        found, replayed = _first_divergent_step(opened, suspect, reference, repeats, inject, work, on_event)
+        step = found if step is None else step
+    if step is None:
+        return _finish(out, {**base, "verdict": "no_divergence", "step": None, "repeats_run": repeats, **replayed}, on_event)
+    if suspect is None:
+        entry = replayed["first_entry"]
+        return _finish(out, {
+            **base, "verdict": "divergence", "step": entry["step"], "phase": entry["phase"],
+            "module": layer_of(entry["name"]), "entry": entry["name"], "op": None, "isolated": None,
+            "repeats_run": 1,
+            "next": f"The recording diverges from {reference} at {entry['name']}; to name the operator, "
+                    f"bisect again with --suspect set to the device that recorded ({opened.manifest['device']} on "
+                    f"{opened.manifest['environment'].get('host')}).",
+            **replayed,
+        }, on_event)
+
+    common = {"bundle": str(opened.path), "step": step, "inject": list(inject), "work_dir": str(work)}
+    on_event("oplog", f"operator-level replay of step {step} on {reference}")
+    ref_log = _one(run_device_processes("oplog", [reference], lambda _: common, work), reference)
+    on_event("oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)")
+    sus = _one(run_device_processes("oplog", [suspect], lambda _: {**common, "expected": ref_log["oplog"], "repeats": repeats}, work), suspect)
+    if "structure_error" in sus:
+        raise StructureError(
+            f"{suspect} runs a different sequence of operators than {reference} in step {step}: {sus['structure_error']}",
+            "The devices run different code or configuration (different kernels chosen?); this is not silent data corruption.",
+        )
+    if not sus["divergent"]:
+        return _finish(out, {**base, "verdict": "no_divergence", "step": step, "repeats_run": sus["repeats_run"], **replayed}, on_event)
+
+    on_event("fetch", f"fetching the reference's inputs of the divergent call from {reference}")
+    fetched = _one(run_device_processes("fetch", [reference], lambda _: {
+        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"]}, work), reference)
+    state_report = _state_forensics(work, suspect, sus["state_differs"])
+    result = {**base, "verdict": "divergence", "step": step, "repeats_run": sus["repeats_run"],
+              "state": state_report, **replayed}
+    if fetched["case"] is None:
+        result.update(phase="state", module=state_report[0]["tensor"] if state_report else None, op=None,
+                      op_index=None, isolated="upstream", kernels=[])
+        return _finish(out, result, on_event)
+
+    reference_case = OperatorCase.read(Path(fetched["case"]))
+    suspect_case = OperatorCase.read(Path(sus["case"]))
+    case = OperatorCase(reference_case.site, reference_case.prior, reference_case.args, reference_case.kwargs,
+                        reference_case.expected, suspect_case.actual, suspect_case.args, suspect_case.kwargs)
+    case.write(out / OPERATOR_FILE)
+    runs = isolation_runs or max(repeats, 3)
+    on_event("isolate", f"re-running {case.op} alone on {suspect} from {reference}'s inputs ({runs} runs)")
+    isolated = _one(run_device_processes("isolate", [suspect], lambda _: {
+        "bundle": str(opened.path), "case": str(out / OPERATOR_FILE), "inject": list(inject), "runs": runs}, work), suspect)
+    output_index, forensics = _first_differing_output(case)
+    inputs_equal = _trees_equal((case.args, case.kwargs), (case.suspect_args, case.suspect_kwargs))
+    verdict = "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream")
+    site = case.site
+    result.update(
+        phase=site.phase, module=site.module, op=site.op, op_index=site.index, output_index=output_index,
+        kernels=isolated["kernels"], isolated=verdict,
+        isolation={"runs": isolated["runs"], "failures": isolated["failures"], "first_failure": isolated["first_failure"]},
+        inputs_match_reference=inputs_equal,
+        elements={k: forensics.get(k) for k in ("count", "total", "indices", "positions", "xor", "expected", "actual",
+                                                 "max_abs_diff", "max_rel_diff", "dtype", "shape")},
+        bits=forensics.get("bits"), pattern=forensics.get("pattern"),
+        site=asdict(site), prior_calls=[[*key, n] for key, n in case.prior.items()],
+        environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
+    )
+    if plot is not None and forensics.get("count"):
+        from .plot import plot_element_heatmap
+
+        expected = [v for v in case.expected if isinstance(v, torch.Tensor)][output_index]
+        actual = [v for v in case.actual if isinstance(v, torch.Tensor)][output_index]
+        result["plot"] = str(plot_element_heatmap(expected, actual, Path(plot), f"{site.op} under {site.module} ({site.phase}), step {step}"))
+    return _finish(out, result, on_event)
+
+
+def _one(results: dict, label: str) -> dict:
+    result = results[label]
+    if "error" in result:
+        error = result["error"]
+        detail = f": {error['stderr_tail'].splitlines()[-1]}" if error.get("stderr_tail") else ""
+        raise SdcReplayError(f"the {label} process failed: {error['message']}{detail}",
+                             error.get("hint") or "See the stderr file in the report's work directory.")
+    return result
+
+
+def _trees_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(_words(a), _words(b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_trees_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_trees_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _first_differing_output(case: OperatorCase) -> tuple[int, dict]:
+    expected = [v for v in case.expected if isinstance(v, torch.Tensor)]
+    actual = [v for v in case.actual if isinstance(v, torch.Tensor)]
+    for index, (e, a) in enumerate(zip(expected, actual)):
+        report = element_forensics(e, a)
+        if report.get("count") != 0:
+            return index, report
+    return 0, {"count": 0}
+
+
+def _state_forensics(work: Path, suspect: str, names: list[str]) -> list[dict]:
+    if not names:
+        return []
+    found = []
+    with h5py.File(work / f"state-{suspect.replace(':', '-')}.h5") as mine, h5py.File(work / "state-reference.h5") as theirs:
+        for name in names:
+            key = name.replace("/", "|")
+            report = element_forensics(read_tensor(theirs[key]), read_tensor(mine[key]))
+            found.append({"tensor": name, **{k: report.get(k) for k in ("count", "indices", "positions", "xor", "expected", "actual", "bits", "pattern")}})
+    return found
+
+
+def _finish(out: Path, data: dict, on_event) -> BisectResult:
+    (out / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
+    on_event("done", f"report written to {out}")
+    return BisectResult(data)
+
+
+def _command_line() -> str:
+    argv = sys.argv[:]
+    if argv and argv[0].endswith("sdcreplay"):
+        argv[0] = "sdcreplay"
+    return " ".join(shlex.quote(a) for a in argv)

@@ -1,0 +1,531 @@
+"""The bundle on disk: written atomically, read back exactly, refused when damaged.
+
+The fuzz test is the promise of DESIGN.md's "Reliability and security": a
+flipped byte or a truncation anywhere in a bundle gives a BundleError (exit 3
+in the CLI), or, when the byte changed nothing (JSON whitespace), the very
+same data; never any other exception, never other data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sdcreplay import determinism
+from sdcreplay.bundle import (
+    MANIFEST,
+    MANIFEST_DIGEST,
+    SCHEMA,
+    SIGNATURES,
+    STATE,
+    Bundle,
+    BundleWriter,
+    checkpoint_reference,
+    describe,
+    load_checkpoint,
+    manifest_digest,
+)
+from sdcreplay.errors import BundleError, CheckpointError, SdcReplayError
+
+
+def header() -> dict:
+    device = torch.device("cpu")
+    return {
+        "workload": {"ref": "builtin:tiny-llama", "kwargs": {"layers": 1}},
+        "device": "cpu",
+        "device_type": "cpu",
+        "digest": "xxh3-64",
+        "environment": determinism.environment(device),
+        "determinism": determinism.current_switches(),
+    }
+
+
+def rng_state() -> determinism.RngState:
+    torch.manual_seed(0)
+    return determinism.capture_rng(torch.device("cpu"))
+
+
+def write_bundle(path: Path, steps: int = 2, close: bool = True) -> BundleWriter:
+    writer = BundleWriter(path, header())
+    model = torch.nn.Linear(3, 2)
+    writer.embed_state(model.state_dict(), torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+    for index in range(steps):
+        batch = {"x": torch.full((2, 3), float(index)), "meta": (index, "text")}
+        entries = [("rng:cpu", f"=uint8:{index:02x}"), ("forward:<root>", f"{index:016x}"), ("loss", "=float32:3f800000")]
+        writer.add_step(index, batch, rng_state(), entries, optimizer_step=True)
+    if close:
+        writer.close()
+    return writer
+
+
+def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
+    """Hand-edit the manifest; ``rehash`` keeps its own SHA-256 valid so the validator is what is tested."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    edit(manifest)
+    if rehash and isinstance(manifest, dict):
+        manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def canonical(value):
+    """Tensors and arrays as (dtype, shape, bytes), so == compares bits."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(value, np.ndarray):
+        return ("array", str(value.dtype), value.shape, value.tobytes())
+    if isinstance(value, dict):
+        return {key: canonical(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [canonical(item) for item in value])
+    return value
+
+
+def evidence(path: Path) -> dict:
+    """Everything a reader can get out of a bundle: info, every step, the state, the log."""
+    bundle = Bundle.open(path)
+    about = describe(path)
+    steps = {}
+    for index in bundle.step_indices:
+        batch, rng = bundle.load_step(index)
+        steps[index] = canonical([batch, rng.python, rng.numpy, rng.cpu, rng.accelerator])
+    log = bundle.signature_log()
+    log.meta.pop("source")  # where this copy lies
+    return {
+        "info": {key: value for key, value in about.items() if key not in ("bundle", "size_bytes")},
+        "manifest": bundle.manifest,
+        "steps": steps,
+        "state": canonical(bundle.load_state()),
+        "log": (log.meta, log.steps),
+    }
+
+
+# --- writing -----------------------------------------------------------------
+
+
+def test_writer_builds_in_partial_and_renames_on_close(tmp_path: Path):
+    path = tmp_path / "run.bundle"
+    writer = write_bundle(path, close=False)
+    assert writer.path == tmp_path / "run.bundle.partial"
+    assert not path.exists()
+    partial = json.loads((writer.path / MANIFEST).read_text())
+    assert partial["complete"] is False and len(partial["steps"]) == 2
+    assert writer.close() == path
+    assert not writer.path.exists()
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["complete"] is True
+    assert sorted(os.listdir(path)) == sorted([MANIFEST, SIGNATURES, "messages.jsonl.zst", STATE, "steps"])
+    assert sorted(os.listdir(path / "steps")) == ["000000.h5", "000001.h5"]
+    assert not list(path.rglob("*.tmp"))
+
+
+def test_manifest_layout(tmp_path: Path):
+    path = tmp_path / "run.bundle"
+    write_bundle(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["schema"] == SCHEMA == "sdcreplay.bundle/1"
+    assert manifest["workload"] == {"ref": "builtin:tiny-llama", "kwargs": {"layers": 1}}
+    assert manifest["state"] == {"kind": "embedded", "file": STATE}
+    assert manifest["steps"] == [
+        {"index": 0, "file": "steps/000000.h5", "entries": 3, "optimizer_step": True},
+        {"index": 1, "file": "steps/000001.h5", "entries": 3, "optimizer_step": True},
+    ]
+    assert set(manifest["files"]) == {SIGNATURES, "messages.jsonl.zst", STATE, "steps/000000.h5", "steps/000001.h5"}
+    for name, meta in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert meta["size"] == len(data)
+        import hashlib
+
+        assert meta["sha256"] == hashlib.sha256(data).hexdigest()
+    assert manifest[MANIFEST_DIGEST] == manifest_digest(manifest)
+
+
+def test_round_trip_of_steps_and_state(tmp_path: Path):
+    path = tmp_path / "run.bundle"
+    write_bundle(path)
+    bundle = Bundle.open(path)
+    assert bundle.step_indices == [0, 1]
+    batch, rng = bundle.load_step(1)
+    assert torch.equal(batch["x"], torch.full((2, 3), 1.0))
+    assert batch["meta"] == (1, "text")
+    assert torch.equal(rng.cpu, rng_state().cpu)
+    model_state, optimizer_state = bundle.load_state()
+    assert set(model_state) == {"weight", "bias"}
+    assert optimizer_state["param_groups"][0]["lr"] == 0.1
+    assert bundle.signature_log().steps[1][1] == ("forward:<root>", "0000000000000001")
+    with pytest.raises(BundleError, match="has no step 5"):
+        bundle.load_step(5)
+
+
+def test_writer_refuses_an_existing_bundle_unless_overwrite(tmp_path: Path):
+    path = tmp_path / "run.bundle"
+    write_bundle(path)
+    with pytest.raises(BundleError, match="already exists"):
+        BundleWriter(path, header())
+    writer = BundleWriter(path, header(), overwrite=True)
+    writer.embed_state({"w": torch.zeros(1)}, None)
+    writer.close()
+    assert Bundle.open(path).steps == []
+    assert Bundle.open(path).load_state() == ({"w": torch.zeros(1)}, None)
+
+
+def test_abort_leaves_nothing(tmp_path: Path):
+    writer = write_bundle(tmp_path / "run.bundle", close=False)
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_open_falls_back_to_the_partial_bundle(tmp_path: Path):
+    write_bundle(tmp_path / "run.bundle", close=False)
+    bundle = Bundle.open(tmp_path / "run.bundle")
+    assert bundle.path == tmp_path / "run.bundle.partial"
+    assert bundle.complete is False
+    assert bundle.step_indices == [0, 1]
+    assert describe(tmp_path / "run.bundle")["complete"] is False
+
+
+def test_partial_bundle_with_a_half_written_step_reads_as_the_completed_steps(tmp_path: Path):
+    """Killed after appending step 2's frame and file but before the manifest said so."""
+    writer = write_bundle(tmp_path / "run.bundle", close=False)
+    before = evidence(tmp_path / "run.bundle")
+    with (writer.path / SIGNATURES).open("ab") as handle:
+        handle.write(b"\x28\xb5\x2f\xfd\x24\x00 half a frame")
+    (writer.path / "steps" / "000002.h5").write_bytes(b"\x89HDF half a file")
+    (writer.path / "manifest.json.tmp").write_text('{"schema": "sdcreplay.bun')
+    assert evidence(tmp_path / "run.bundle") == before
+
+
+def test_a_complete_bundle_with_trailing_bytes_in_its_log_is_refused(tmp_path: Path):
+    write_bundle(tmp_path / "run.bundle")
+    with (tmp_path / "run.bundle" / SIGNATURES).open("ab") as handle:
+        handle.write(b"extra")
+    with pytest.raises(BundleError, match="the manifest says"):
+        Bundle.open(tmp_path / "run.bundle")
+
+
+def test_describe(small_bundle: Path):
+    about = describe(small_bundle)
+    assert about["schema"] == "sdcreplay.info/1"
+    assert about["bundle_schema"] == SCHEMA
+    assert about["integrity"] == "ok"
+    assert about["complete"] is True
+    assert about["workload"]["ref"] == "builtin:tiny-llama"
+    assert [step["index"] for step in about["steps"]] == [0, 1]
+    assert about["entries"] == sum(step["entries"] for step in about["steps"])
+    assert about["size_bytes"] == sum(f.stat().st_size for f in small_bundle.rglob("*") if f.is_file())
+    json.dumps(about)
+
+
+# --- refusing -----------------------------------------------------------------
+
+
+def test_missing_bundle(tmp_path: Path):
+    with pytest.raises(BundleError, match="is not a bundle directory"):
+        Bundle.open(tmp_path / "nope.bundle")
+
+
+def test_a_file_is_not_a_bundle(tmp_path: Path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BundleError, match="is not a bundle directory"):
+        Bundle.open(tmp_path / "file")
+
+
+def test_directory_without_manifest(tmp_path: Path):
+    (tmp_path / "empty.bundle").mkdir()
+    with pytest.raises(BundleError, match="has no manifest.json"):
+        Bundle.open(tmp_path / "empty.bundle")
+
+
+@pytest.mark.parametrize("name", ["steps/000000.h5", STATE, SIGNATURES, "messages.jsonl.zst"])
+def test_truncated_data_file(small_bundle: Path, name: str):
+    file = small_bundle / name
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(BundleError, match=f"bundle file {name} is .* bytes, the manifest says"):
+        Bundle.open(small_bundle)
+
+
+def test_missing_data_file(small_bundle: Path):
+    (small_bundle / "steps" / "000001.h5").unlink()
+    with pytest.raises(BundleError, match="steps/000001.h5 is missing"):
+        Bundle.open(small_bundle)
+
+
+def test_flipped_byte_in_a_data_file(small_bundle: Path):
+    file = small_bundle / STATE
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="does not match its SHA-256"):
+        Bundle.open(small_bundle)
+    # Without verification the bytes are read, and they are wrong: the check matters.
+    assert Bundle.open(small_bundle, verify=False).path == small_bundle
+
+
+def test_wrong_schema_version(small_bundle: Path):
+    rewrite_manifest(small_bundle, lambda m: m.update(schema="sdcreplay.bundle/99"))
+    with pytest.raises(BundleError) as info:
+        Bundle.open(small_bundle)
+    assert info.value.message == "unsupported bundle schema 'sdcreplay.bundle/99' (this sdcreplay reads sdcreplay.bundle/1)"
+    assert "sdcreplay version that wrote the bundle" in info.value.hint
+
+
+def test_wrong_file_sha256_in_manifest(small_bundle: Path):
+    rewrite_manifest(small_bundle, lambda m: m["files"]["steps/000000.h5"].update(sha256="0" * 64))
+    with pytest.raises(BundleError, match="steps/000000.h5 does not match its SHA-256"):
+        Bundle.open(small_bundle)
+
+
+def test_edited_value_without_rehash(small_bundle: Path):
+    rewrite_manifest(small_bundle, lambda m: m["workload"]["kwargs"].update(layers=2), rehash=False)
+    with pytest.raises(BundleError, match="does not match its own SHA-256"):
+        Bundle.open(small_bundle)
+
+
+def test_reformatted_manifest_is_still_valid(small_bundle: Path):
+    before = evidence(small_bundle)
+    manifest = json.loads((small_bundle / MANIFEST).read_text())
+    (small_bundle / MANIFEST).write_text(json.dumps(dict(reversed(list(manifest.items())))))
+    assert evidence(small_bundle) == before
+
+
+def test_manifest_without_its_digest_is_read(small_bundle: Path):
+    """Bundles written before the manifest digest existed stay readable."""
+    before = evidence(small_bundle)
+    rewrite_manifest(small_bundle, lambda m: m.pop(MANIFEST_DIGEST), rehash=False)
+    after = evidence(small_bundle)
+    before["manifest"].pop(MANIFEST_DIGEST)
+    assert after == before
+
+
+def _set(path: list, value):
+    def edit(manifest):
+        target = manifest
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return edit
+
+
+def _delete(path: list):
+    def edit(manifest):
+        target = manifest
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+    return edit
+
+
+HAND_EDITS = {
+    "empty-object": (lambda m: m.clear(), "unsupported bundle schema None"),
+    "steps-not-a-list": (_set(["steps"], {"0": "steps/000000.h5"}), "steps"),
+    "index-a-string": (_set(["steps", 0, "index"], "0"), "steps\\[\\].index"),
+    "index-a-bool": (_set(["steps", 0, "index"], False), "steps\\[\\].index"),
+    "index-negative": (_set(["steps", 0, "index"], -1), "steps\\[\\].index"),
+    "entries-a-float": (_set(["steps", 0, "entries"], 3.0), "step 0 entries"),
+    "optimizer-step-an-int": (_set(["steps", 0, "optimizer_step"], 1), "step 0 optimizer_step"),
+    "steps-out-of-order": (lambda m: m["steps"].reverse(), "increasing order"),
+    "step-duplicated": (lambda m: m["steps"].append(m["steps"][0]), "increasing order"),
+    "step-file-elsewhere": (_set(["steps", 1, "file"], "steps/000000.h5"), "step 1 file"),
+    "step-file-not-listed": (_delete(["files", "steps/000001.h5"]), "step 1 file"),
+    "state-file-not-listed": (_delete(["files", STATE]), "files\\['state.h5'\\]"),
+    "log-not-listed": (_delete(["files", SIGNATURES]), "files\\['signatures.jsonl.zst'\\]"),
+    "files-not-a-dict": (_set(["files"], []), "files"),
+    "size-a-string": (_set(["files", STATE, "size"], "100"), "files\\['state.h5'\\]"),
+    "sha-missing": (_delete(["files", STATE, "sha256"]), "files\\['state.h5'\\]"),
+    "path-traversal": (lambda m: m["files"].update({"../outside": {"size": 1, "sha256": "0"}}), "file name"),
+    "absolute-path": (lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0"}}), "file name"),
+    "state-kind": (_set(["state", "kind"], "pickle"), "state.kind"),
+    "state-file": (_set(["state", "file"], "other.h5"), "state.file"),
+    "checkpoint-without-sha": (_set(["state"], {"kind": "checkpoint", "path": "/x.pt"}), "state.path/sha256"),
+    "workload-missing": (_delete(["workload"]), "workload.ref"),
+    "kwargs-a-list": (_set(["workload", "kwargs"], []), "workload.kwargs"),
+    "switch-a-string": (_set(["determinism", "deterministic_algorithms"], "true"), "determinism.deterministic_algorithms"),
+    "threads-zero": (_set(["determinism", "num_threads"], 0), "determinism.num_threads"),
+    "precision-unknown": (_set(["determinism", "float32_matmul_precision"], "fast"), "float32_matmul_precision"),
+    "env-not-strings": (_set(["determinism", "env"], {"CUBLAS_WORKSPACE_CONFIG": 4096}), "determinism.env"),
+    "complete-a-string": (_set(["complete"], "yes"), "complete"),
+    "digest-not-a-string": (_set([MANIFEST_DIGEST], 0), MANIFEST_DIGEST),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HAND_EDITS))
+def test_hand_edited_manifests_raise_bundle_error(small_bundle: Path, edit: str):
+    change, message = HAND_EDITS[edit]
+    if edit == "digest-not-a-string":
+        rewrite_manifest(small_bundle, change, rehash=False)
+    else:
+        rewrite_manifest(small_bundle, change)
+    with pytest.raises(BundleError, match=message):
+        evidence(small_bundle)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_set(["steps", 1, "entries"], 5), "holds .* entries for step 1, the manifest says 5"),
+        (lambda m: m["steps"].pop(), "the signature log holds steps \\[0, 1\\], the manifest lists \\[0\\]"),
+    ],
+    ids=["entry-count", "step-dropped"],
+)
+def test_manifest_must_agree_with_the_signature_log(small_bundle: Path, edit, message: str):
+    rewrite_manifest(small_bundle, edit)
+    with pytest.raises(BundleError, match=message):
+        describe(small_bundle)
+
+
+def test_unknown_keys_in_a_step_are_ignored(small_bundle: Path):
+    rewrite_manifest(small_bundle, lambda m: m["steps"][0].update(note="added by a later version"))
+    assert Bundle.open(small_bundle).step_indices == [0, 1]
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", "null", '"a string"', "\xff\xfe", "[" * 100000])
+def test_manifest_that_is_not_a_json_object(small_bundle: Path, text: str):
+    (small_bundle / MANIFEST).write_bytes(text.encode("latin-1") if text == "\xff\xfe" else text.encode())
+    with pytest.raises(BundleError):
+        Bundle.open(small_bundle)
+
+
+# --- fuzz ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fuzz_original(_small_bundle_template: Path) -> tuple[Path, dict, list[str]]:
+    files = sorted(str(f.relative_to(_small_bundle_template)) for f in _small_bundle_template.rglob("*") if f.is_file())
+    return _small_bundle_template, evidence(_small_bundle_template), files
+
+
+def _check_damaged(template: Path, original: dict, name: str, damage) -> str:
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "fuzz.bundle"
+        shutil.copytree(template, path)
+        file = path / name
+        data = bytearray(file.read_bytes())
+        file.write_bytes(bytes(damage(data)))
+        try:
+            got = evidence(path)
+        except SdcReplayError:
+            return "refused"
+        # Any other exception propagates and fails the test.
+        assert got == original, f"{name} damaged, read back as different data"
+        return "same"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_flipped_or_truncated_files(fuzz_original, data):
+    template, original, files = fuzz_original
+    name = data.draw(st.sampled_from(files), label="file")
+    size = (template / name).stat().st_size
+    if data.draw(st.booleans(), label="truncate"):
+        length = data.draw(st.integers(0, size - 1), label="length")
+        assert _check_damaged(template, original, name, lambda b: b[:length]) == "refused"
+    else:
+        position = data.draw(st.integers(0, size - 1), label="position")
+        mask = data.draw(st.integers(1, 255), label="mask")
+
+        def flip(b: bytearray) -> bytearray:
+            b[position] ^= mask
+            return b
+
+        outcome = _check_damaged(template, original, name, flip)
+        if name != MANIFEST:
+            assert outcome == "refused"  # every data file is covered by its SHA-256
+
+
+def test_sweep_of_manifest_byte_flips(fuzz_original):
+    """Deterministic companion of the fuzz test: flips spread over the whole manifest."""
+    template, original, _ = fuzz_original
+    size = (template / MANIFEST).stat().st_size
+    outcomes = []
+    for position in range(0, size, max(1, size // 150)):
+        for mask in (0x01, 0x20):
+            def flip(b: bytearray, position=position, mask=mask) -> bytearray:
+                b[position] ^= mask
+                return b
+            outcomes.append(_check_damaged(template, original, MANIFEST, flip))
+    assert outcomes.count("refused") > 0.8 * len(outcomes)
+
+
+# --- checkpoints ------------------------------------------------------------------
+
+
+def test_checkpoint_reference_and_load(tmp_path: Path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+    reference = checkpoint_reference(tmp_path / "ckpt.pt")
+    assert reference["kind"] == "checkpoint"
+    assert reference["path"] == str((tmp_path / "ckpt.pt").resolve())
+    assert reference["size"] == (tmp_path / "ckpt.pt").stat().st_size
+    model_state, optimizer_state = load_checkpoint(reference)
+    assert torch.equal(model_state["weight"], model.weight.detach())
+    assert optimizer_state["param_groups"][0]["lr"] == 0.1
+
+
+def test_bare_state_dict_checkpoint(tmp_path: Path):
+    torch.save({"weight": torch.ones(2)}, tmp_path / "sd.pt")
+    model_state, optimizer_state = load_checkpoint(checkpoint_reference(tmp_path / "sd.pt"))
+    assert torch.equal(model_state["weight"], torch.ones(2)) and optimizer_state is None
+
+
+def test_changed_checkpoint_is_refused(tmp_path: Path):
+    torch.save({"model": {"w": torch.zeros(2)}}, tmp_path / "ckpt.pt")
+    reference = checkpoint_reference(tmp_path / "ckpt.pt")
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(reference)
+    assert "changed since the recording" in info.value.message
+    assert "exact checkpoint" in info.value.hint
+
+
+def test_missing_checkpoint_is_refused(tmp_path: Path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint_reference(tmp_path / "nope.pt")
+    torch.save({"w": torch.zeros(1)}, tmp_path / "ckpt.pt")
+    reference = checkpoint_reference(tmp_path / "ckpt.pt")
+    (tmp_path / "ckpt.pt").unlink()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(reference)
+
+
+class _Payload:
+    """Unpickling this runs code: it would create a file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_checkpoint_is_never_unpickled(tmp_path: Path):
+    marker = tmp_path / "pwned"
+    torch.save({"model": {"w": torch.zeros(1)}, "extra": _Payload(str(marker))}, tmp_path / "evil.pt")
+    reference = checkpoint_reference(tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
+        load_checkpoint(reference)
+    assert not marker.exists()
+
+
+def test_state_is_hdf5_with_plain_datasets(small_bundle: Path):
+    """Readable with h5py alone; nothing in a bundle is a pickle."""
+    with h5py.File(small_bundle / STATE, "r") as handle:
+        assert set(handle) == {"model", "optimizer"}
+        skeleton = json.loads(handle["model"].attrs["skeleton"])
+        name, node = skeleton["dict"][0]
+        assert name == "tok_embeddings.weight"
+        dataset = handle["model"][node["tensor"]]
+        assert dataset.dtype == np.float32 and dataset.attrs["dtype"] == "float32"
+    magic = {".json": b"{", ".h5": b"\x89HDF\r\n\x1a\n", ".zst": b"\x28\xb5\x2f\xfd"}
+    for file in small_bundle.rglob("*"):
+        if file.is_file():
+            assert file.read_bytes().startswith(magic[file.suffix]), file.name
