@@ -56,6 +56,7 @@ def _replay_window(task: dict, repeat: int) -> tuple[ReplaySession, dict, dict, 
         raise SdcReplayError(f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}.")
     for record in session.steps_until(step - 1):
         session.run_step(record)
+    session.injector.before_step(step, session.model)  # memory corrupted before the step belongs to its state
     state = state_tensors(session.model, session.optimizer)
     digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
     return session, digests, state, target

@@ -256,13 +256,12 @@ def _validate_manifest(manifest: Any) -> None:
             f"unsupported bundle schema {schema!r} (this sdcreplay reads {SCHEMA})",
             "Use the sdcreplay version that wrote the bundle, or record it again.",
         )
-    if MANIFEST_DIGEST in manifest:  # bundles written before it existed have none
-        _require(isinstance(manifest[MANIFEST_DIGEST], str), MANIFEST_DIGEST)
-        if manifest[MANIFEST_DIGEST] != manifest_digest(manifest):
-            raise BundleError(
-                "the manifest does not match its own SHA-256 (damaged or edited by hand)",
-                "Restore the bundle from a copy or record it again; a bundle is evidence and is not edited.",
-            )
+    _require(isinstance(manifest.get(MANIFEST_DIGEST), str), MANIFEST_DIGEST)
+    if manifest[MANIFEST_DIGEST] != manifest_digest(manifest):
+        raise BundleError(
+            "the manifest does not match its own SHA-256 (damaged or edited by hand)",
+            "Restore the bundle from a copy or record it again; a bundle is evidence and is not edited.",
+        )
     workload = manifest.get("workload")
     _require(isinstance(workload, dict) and isinstance(workload.get("ref"), str), "workload.ref")
     _require(isinstance(workload.get("kwargs"), dict), "workload.kwargs")

@@ -161,6 +161,7 @@ class Injector:
         self.specs = [spec for spec in self.specs if spec.applies_to(self.device_label)]
         self._draws = [random.Random(f"{spec.seed}:{self.salt}:{position}") for position, spec in enumerate(self.specs)]
         self._seen: Counter[tuple[int, int]] = Counter()
+        self._memory_flipped: set[int] = set()
 
     @property
     def has_operator_faults(self) -> bool:
@@ -204,7 +205,10 @@ class Injector:
         self.fired.append(Injection(str(spec), site.step, site.phase, site.module, site.op, site.index, elements, bit))
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
-        """Flip the memory of parameters/buffers that ``memflip`` names for this step."""
+        """Flip the memory of parameters/buffers that ``memflip`` names for this step (once)."""
+        if step in self._memory_flipped:
+            return
+        self._memory_flipped.add(step)
         tensors = dict(model.named_parameters())
         tensors.update(model.named_buffers())
         for spec in self.specs:

@@ -1,0 +1,1 @@
+"""Files sdcreplay writes out verbatim (the ticket's repro.py)."""

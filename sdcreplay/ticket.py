@@ -1,0 +1,230 @@
+"""The ticket directory: what a vendor needs to act on a silent data corruption.
+
+    TICKET/
+      repro.py     standalone reproducer, needs only torch and h5py (templates/repro.py, verbatim)
+      inputs.h5    an operator case (operator_case.py): the minimal inputs, the reference's
+                   expected output, the suspect's failing output, the call site and prior
+                   counts, plus the operator name and the determinism switches as attributes
+      ticket.json  ``sdcreplay.ticket/1``: device identity, software, operator, shapes, rate,
+                   interval, acceptance numbers, data dependence, first mismatch, bits, commands
+      ticket.md    the same, for a person
+
+The directory is written beside itself and renamed into place, so a ticket
+is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import h5py
+
+from . import determinism
+from .devices import torch_device
+from .operator_case import OperatorCase
+
+SCHEMA = "sdcreplay.ticket/1"
+REPRO_FILE = "repro.py"
+INPUTS_FILE = "inputs.h5"
+JSON_FILE = "ticket.json"
+MARKDOWN_FILE = "ticket.md"
+
+
+def repro_source() -> str:
+    return resources.files("sdcreplay.templates").joinpath(REPRO_FILE).read_text(encoding="utf-8")
+
+
+def device_identity(label: str) -> dict:
+    """Who the device is: NVML's serial, UUID, driver, VBIOS and ECC counters for a GPU; the CPU model otherwise."""
+    device = torch_device(label)
+    identity = {"label": label, **determinism.device_description(device)}
+    if device.type == "cuda":
+        identity["nvml"] = nvml_identity(identity.get("uuid", ""))
+    elif hasattr(os, "sched_getaffinity"):
+        identity["cpu_affinity"] = sorted(os.sched_getaffinity(0))
+    return identity
+
+
+def nvml_identity(uuid: str) -> dict:
+    """NVML's view of the GPU with this UUID (found by UUID, so CUDA_VISIBLE_DEVICES cannot mislead)."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"available": False, "note": "install nvidia-ml-py for serial, VBIOS and ECC counters"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"available": False, "note": f"NVML: {exc}"}
+    try:
+        name = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+        ecc = {
+            f"{when}_{kind}": (lambda h, e=error, c=counter: pynvml.nvmlDeviceGetTotalEccErrors(h, e, c))
+            for when, counter in (("volatile", pynvml.NVML_VOLATILE_ECC), ("aggregate", pynvml.NVML_AGGREGATE_ECC))
+            for kind, error in (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                                ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
+        }
+        queries = {
+            "name": pynvml.nvmlDeviceGetName, "uuid": pynvml.nvmlDeviceGetUUID,
+            "serial": pynvml.nvmlDeviceGetSerial, "vbios": pynvml.nvmlDeviceGetVbiosVersion,
+            "pci_bus_id": lambda h: pynvml.nvmlDeviceGetPciInfo(h).busId,
+            "remapped_rows": lambda h: list(pynvml.nvmlDeviceGetRemappedRows(h)),
+            **{f"ecc_{key}": query for key, query in ecc.items()},
+        }
+        found = {"available": True, "driver": _text(pynvml.nvmlSystemGetDriverVersion())}
+        for key, query in queries.items():
+            try:
+                found[key] = _text(query(handle))
+            except pynvml.NVMLError as exc:  # not supported on this board, or no permission
+                found[key] = f"unavailable ({exc})"
+        return found
+    except pynvml.NVMLError as exc:
+        return {"available": False, "note": f"NVML: {exc}"}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def ticket_document(result: dict, report: dict) -> dict:
+    """ticket.json: the measurement (``result``, sdcreplay.minimize/1) said for a vendor."""
+    environment = determinism.environment(torch_device(result["device"]))
+    reproduced = result["reproduced"]
+    measured = {key: result[key] for key in ("trials", "failures", "rate", "ci95", "trials_to_first_failure")}
+    return {
+        "schema": SCHEMA,
+        "status": "reproduced" if reproduced else "not reproduced",
+        "title": _title(result),
+        "drill": bool(result["inject"]),
+        "injected_faults": result["inject"],
+        "device": device_identity(result["device"]),
+        "reference": device_identity(result["reference"]),
+        "observed_on": (report.get("environment") or {}).get("suspect"),
+        "software": {key: environment[key] for key in ("torch", "cuda", "cudnn", "python", "numpy", "platform", "host")},
+        "switches": result["switches"],
+        "operator": {"op": result["op"], "kernels": result["kernels"], "dtypes": result["dtypes"], "site": result["site"]},
+        "shapes": {"original": result["input_shapes_original"], "minimal": result["input_shapes_minimal"],
+                   "shrink": result["shrink"]},
+        "rate": measured,
+        "minimal_rate": result["minimal"],
+        "reference_check": {"device": result["reference"], "trials": result["reference_trials"],
+                            "failures": result["reference_failures"]},
+        "acceptance": result["acceptance"],
+        "data_dependent": result["data_dependent"],
+        "first_mismatch": result["first_mismatch"],
+        "bits": result["bits"],
+        "pattern": result["pattern"],
+        "bisect": {key: report.get(key) for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")},
+        "commands": result["commands"],
+        "reproduce": f"python {REPRO_FILE} --device {_repro_device(result['device'])} --trials {max(result['trials'], 1000)}",
+        "files": {"reproducer": REPRO_FILE, "inputs": INPUTS_FILE},
+    }
+
+
+def _repro_device(label: str) -> str:
+    return label if label.startswith("cuda") else "cpu"
+
+
+def _percent(rate: float) -> str:
+    return f"{100 * rate:.3g}%"
+
+
+def _title(result: dict) -> str:
+    where = f"{result['op']} on {result['device']}"
+    if not result["reproduced"]:
+        return f"{where}: not reproduced in {result['trials']} trials (rate below {_percent(result['ci95'][1])}, 95% upper bound)"
+    low, high = result["ci95"]
+    return (f"{where} computes wrong: failed {result['failures']} of {result['trials']} trials "
+            f"({_percent(result['rate'])}, 95% interval {_percent(low)} to {_percent(high)})")
+
+
+def render_markdown(doc: dict) -> str:
+    """ticket.md: the ticket as a person reads it, most important first."""
+    device, operator, shapes = doc["device"], doc["operator"], doc["shapes"]
+    nvml = device.get("nvml") or {}
+    lines = [f"# {doc['title']}", ""]
+    if doc["drill"]:
+        lines += ["> **Drill:** the failure was injected by sdcreplay (" + "; ".join(doc["injected_faults"])
+                  + "). This ticket tests the tooling; it says nothing about the hardware.", ""]
+    lines += ["## Reproduce", "", "```", doc["reproduce"], "```", "",
+              f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. It prints `failed F of N` and "
+              "the first mismatching element, and exits 1 if any trial failed.", "",
+              "## Device", "", "| | |", "| --- | --- |",
+              f"| label | {device['label']} |", f"| name | {device.get('name')} |"]
+    for key in ("uuid", "serial", "driver", "vbios", "pci_bus_id", "remapped_rows"):
+        if key in nvml:
+            lines.append(f"| {key} | {nvml[key]} |")
+    lines += [f"| {key.replace('_', ' ')} | {value} |" for key, value in nvml.items() if key.startswith("ecc_")]
+    if "cpu_affinity" in device:
+        lines.append(f"| cores | {device.get('cores')} (this process may run on {device['cpu_affinity']}) |")
+    if nvml and not nvml.get("available"):
+        lines.append(f"| NVML | {nvml.get('note')} |")
+    software = doc["software"]
+    lines += [f"| software | torch {software['torch']}, CUDA {software['cuda']}, cuDNN {software['cudnn']}, "
+              f"Python {software['python']} on {software['platform']} |", "",
+              "## Operator", "", "| | |", "| --- | --- |",
+              f"| operator | `{operator['op']}` |",
+              f"| kernels | {', '.join(f'`{k}`' for k in operator['kernels']) or '- (none recorded: CPU)'} |",
+              f"| dtypes | {', '.join(operator['dtypes'])} |",
+              f"| in training | step {operator['site']['step']}, {operator['site']['phase']}, "
+              f"module `{operator['site']['module']}`, call {operator['site']['index']} |",
+              f"| original input shapes | {shapes['original']} |",
+              f"| minimal input shapes | {shapes['minimal']} (shrink: {shapes['shrink']['status']}"
+              + (f", {shapes['shrink']['reason']}" if shapes["shrink"].get("reason") else "") + ") |", "",
+              "## Measurement", "", "| | |", "| --- | --- |"]
+    rate = doc["rate"]
+    lines.append(f"| original inputs | failed {rate['failures']} of {rate['trials']} "
+                 f"({_percent(rate['rate'])}, 95% Wilson interval {_percent(rate['ci95'][0])} to {_percent(rate['ci95'][1])})"
+                 + (f", first at trial {rate['trials_to_first_failure']}" if rate["trials_to_first_failure"] else "") + " |")
+    if doc["minimal_rate"]:
+        minimal = doc["minimal_rate"]
+        lines.append(f"| minimal inputs | failed {minimal['failures']} of {minimal['trials']} "
+                     f"({_percent(minimal['rate'])}, 95% interval {_percent(minimal['ci95'][0])} to {_percent(minimal['ci95'][1])}) |")
+    check = doc["reference_check"]
+    acceptance = doc["acceptance"]
+    lines += [f"| reference {check['device']} | failed {check['failures']} of {check['trials']} |",
+              f"| acceptance rule | reference passes all {acceptance['good_trials']} good trials, "
+              f"suspect fails within {acceptance['bad_trials']} bad trials |",
+              f"| depends on the data | {_dependence(doc['data_dependent'])} |"]
+    first = doc["first_mismatch"]
+    if first and "index" in first:
+        lines += [f"| first mismatch | output {first['output']}, element {first['index']} at {first['position']} "
+                  f"of {first['count']} wrong in {first['total']}: expected {first['expected']}, actual {first['actual']}, "
+                  f"XOR mask 0x{first['xor']} |",
+                  f"| pattern | {doc['pattern']} |",
+                  f"| flipped bits | {', '.join(f'bit {b}: {n}' for b, n in (doc['bits'] or {}).get('histogram', {}).items())} |"]
+    lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
+    return "\n".join(lines)
+
+
+def _dependence(data_dependent: bool | None) -> str:
+    if data_dependent is None:
+        return "unknown (not reproduced)"
+    if data_dependent:
+        return "yes: random data of the same shape, dtype and range does not fail"
+    return "no: random data of the same shape, dtype and range fails too"
+
+
+def write_ticket(target: Path, result: dict, report: dict, case: OperatorCase) -> Path:
+    """Write the ticket directory for ``result`` (replacing one already there)."""
+    target = Path(target)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    case.write(staging / INPUTS_FILE)
+    with h5py.File(staging / INPUTS_FILE, "a") as handle:
+        handle.attrs["op"] = case.op
+        handle.attrs["switches"] = json.dumps(result["switches"])
+    (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
+    doc = ticket_document(result, report)
+    (staging / JSON_FILE).write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
+    (staging / MARKDOWN_FILE).write_text(render_markdown(doc), encoding="utf-8")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
