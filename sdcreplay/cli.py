@@ -304,6 +304,37 @@ def render_diff(output: Output, comparison) -> None:
     ])
 
 
+@app.command()
+def doctor(
+    device: Annotated[str, typer.Option(help="Device label to check: cpu or cuda:N.")] = "cpu",
+    workload: Annotated[str, typer.Option(help="Workload whose step is run twice.")] = "builtin:tiny-llama",
+    runs: Annotated[int, typer.Option(min=2, help="Runs of the step from the same state.")] = 2,
+    json_mode: JsonOption = False,
+) -> None:
+    """Is this device bitwise reproducible? Runs a step twice and names the first operator that is not."""
+    from .doctor import doctor as run_doctor
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        report = run_doctor(device, workload, runs=runs)
+        env = report["environment"]
+        output.say(f"{device}: {env['device'].get('name')}, torch {env['torch']}, CUDA {env['cuda']}, "
+                   f"{report['switches']['num_threads']} threads; {report['operators']} operator calls per step")
+        for problem in report["problems"]:
+            output.warn(problem)
+        if report["reproducible"]:
+            output.say(f"{styled('correct')}: {runs} runs of the step were identical bit for bit; replays on this device are evidence.")
+        else:
+            first = report["first_nondeterministic"]
+            where = f"{first.get('op')} under {first.get('module')} ({first.get('phase')}), call {first.get('index')}"
+            output.say(f"{styled('error')}: the step is not reproducible on {device}; first difference at {where}.")
+        output.data(report)
+        return 0 if report["reproducible"] else 3
+
+    run(output, action)
+
+
 @app.callback(invoke_without_command=True)
 def main_callback(
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,

@@ -1,0 +1,68 @@
+"""The whole story on builtin:tiny-llama, as library calls: what `sdcreplay demo` runs.
+
+A healthy recording, then three virtual replicas of which one (cpu:1) has a
+planted defect: a single bit of one matmul output flipped in the forward pass
+of step 1. Each stage is what a person would type; the demo only chains them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .bisect import bisect
+from .compare import compare_logs, load_log
+from .minimize import minimize
+from .recorder import record
+from .replay import replay_devices
+
+DEFECT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5,bit=22,device=cpu:1"
+REPLICAS = ["cpu:0", "cpu:1", "cpu:2"]
+
+
+@dataclass
+class DemoStage:
+    name: str
+    command: str
+    result: object
+
+
+@dataclass
+class Demo:
+    out: Path
+    stages: list[DemoStage] = field(default_factory=list)
+
+
+def run_demo(out: str | Path, on_stage: Callable[[DemoStage], None] = lambda stage: None,
+             steps: int = 3) -> Demo:
+    """Record, replay on three replicas, diff, bisect, minimize; call ``on_stage`` after each."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    demo = Demo(out)
+    bundle = out / "tiny.bundle"
+
+    def stage(name: str, command: str, result) -> object:
+        demo.stages.append(DemoStage(name, command, result))
+        on_stage(demo.stages[-1])
+        return result
+
+    stage("record", f"sdcreplay record builtin:tiny-llama --steps {steps} --out {bundle}",
+          record("builtin:tiny-llama", bundle, steps=steps))
+    logs = out / "replay"
+    report = stage("replay", f"sdcreplay replay {bundle} " + " ".join(f"--device {d}" for d in REPLICAS)
+                   + f" --inject {DEFECT} --logs {logs}",
+                   replay_devices(bundle, REPLICAS, inject=[DEFECT], log_dir=logs))
+    suspect_log = next(run.log_paths[0] for run in report.devices if run.device == "cpu:1")
+    stage("diff", f"sdcreplay diff {bundle} {suspect_log}",
+          compare_logs(load_log(bundle), load_log(suspect_log)))
+    bisect_dir = out / "bisect"
+    stage("bisect", f"sdcreplay bisect {bundle} --suspect cpu:1 --reference cpu:0 --inject {DEFECT} --out {bisect_dir}",
+                   bisect(bundle, suspect="cpu:1", reference="cpu:0", inject=[DEFECT], out=bisect_dir))
+    ticket = out / "ticket"
+    stage("minimize", f"sdcreplay minimize {bisect_dir} --inject {DEFECT} --out {ticket}",
+          minimize(bisect_dir, inject=[DEFECT], out=ticket, trials=200))
+    return demo

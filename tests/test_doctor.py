@@ -1,0 +1,67 @@
+"""doctor: a device that cannot reproduce a step is named, with the first operator that differs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from typer.testing import CliRunner
+
+from sdcreplay.cli import app
+from sdcreplay.doctor import doctor
+
+NOISY_WORKLOAD = '''
+import time
+
+import torch
+
+from sdcreplay import Workload
+
+
+class Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.jitter = torch.nn.Identity()
+
+    def forward(self, x):
+        h = self.proj(x)
+        # A value that depends on the clock: the kind of nondeterminism doctor exists to catch.
+        return self.jitter(h * (1.0 + (time.perf_counter_ns() % 1000) * 1e-9))
+
+
+def make_workload(seed=0):
+    model = Noisy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return Workload(model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), lambda m, b: m(b).square().mean())
+'''
+
+
+def test_cpu_step_is_reproducible():
+    report = doctor("cpu", "builtin:tiny-llama", {"layers": 1, "dim": 32})
+    assert report["schema"] == "sdcreplay.doctor/1"
+    assert report["reproducible"] is True
+    assert report["first_nondeterministic"] is None
+    assert report["operators"] > 100
+    assert report["problems"] == []
+
+
+def test_names_the_first_nondeterministic_operator(tmp_path):
+    path = tmp_path / "noisy.py"
+    path.write_text(textwrap.dedent(NOISY_WORKLOAD))
+    report = doctor("cpu", f"{path}:make_workload")
+    assert report["reproducible"] is False
+    first = report["first_nondeterministic"]
+    assert (first["op"], first["module"], first["phase"]) == ("aten.mul.Tensor", "<root>", "forward")
+
+
+def test_cli_exit_codes(tmp_path):
+    runner = CliRunner()
+    clean = runner.invoke(app, ["doctor", "--json"])
+    assert clean.exit_code == 0, clean.output
+    assert json.loads(clean.stdout)["reproducible"] is True
+    path = tmp_path / "noisy.py"
+    path.write_text(textwrap.dedent(NOISY_WORKLOAD))
+    noisy = runner.invoke(app, ["doctor", "--workload", f"{path}:make_workload"])
+    assert noisy.exit_code == 3
+    assert "first difference at aten.mul.Tensor under <root>" in noisy.stderr
