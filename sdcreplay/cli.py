@@ -165,6 +165,11 @@ def replay(
     run(output, action)
 
 
+def _step_marks(per_step: dict[str, int]) -> str:
+    """One mark per step: a check for a bit-identical step, the divergent entry count otherwise."""
+    return " ".join(f"{step}:[green]ok[/]" if count == 0 else f"{step}:[red]{count}[/]" for step, count in per_step.items())
+
+
 def render_replay(output: Output, report) -> None:
     rows = []
     for run_ in report.devices:
@@ -172,12 +177,13 @@ def render_replay(output: Output, report) -> None:
         first = data["first_divergence"]
         where = f"step {first['step']} {first['name']}" if first else "-"
         repeats = f"{data['divergent_repeats']}/{data['repeats']}" if run_.error is None else "-"
-        rows.append([run_.device, styled(run_.verdict), where, repeats])
+        rows.append([run_.device, styled(run_.verdict), where, repeats, _step_marks(data["steps"])])
     if report.consensus is not None:
         record = report.consensus.voters["record"]
         first = record.first_divergence
-        rows.insert(0, ["record", styled(record.verdict), f"step {first.step} {first.name}" if first else "-", "-"])
-    output.table(f"Replay of {report.bundle}", ["device", "verdict", "first divergence", "diverged"], rows)
+        rows.insert(0, ["record", styled(record.verdict), f"step {first.step} {first.name}" if first else "-", "-",
+                        _step_marks({str(s): n for s, n in record.per_step.items()})])
+    output.table(f"Replay of {report.bundle}", ["device", "verdict", "first divergence", "diverged", "steps"], rows)
     for run_ in report.devices:
         for warning in run_.warnings:
             output.warn(f"{run_.device}: {warning}")
@@ -333,6 +339,66 @@ def doctor(
         return 0 if report["reproducible"] else 3
 
     run(output, action)
+
+
+@app.command()
+def minimize(
+    report: Annotated[Path, typer.Argument(help="Bisect report directory (`sdcreplay bisect --out`).")],
+    device: Annotated[str | None, typer.Option(help="Device label to run the trials on (default: the report's suspect).")] = None,
+    reference: Annotated[str | None, typer.Option(help="Device label you trust (default: the report's reference).")] = None,
+    trials: Annotated[int, typer.Option(min=1, help="Runs of the operator alone on each device.")] = 1000,
+    good_trials: Annotated[int, typer.Option(min=1, help="A smaller input is kept only if the reference passes all of these runs...")] = 10,
+    bad_trials: Annotated[int | None, typer.Option(min=1, help="...and the suspect fails within these (default: enough to see the measured rate fail with 99% probability).")] = None,
+    inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Ticket directory to write (default: REPORT/ticket).")] = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Measure how often the reported operator fails alone, shrink its inputs, write a reproducer and a hardware ticket."""
+    from .minimize import minimize as run_minimize
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        shown = {}
+        with output.progress("minimize", None) as advance:
+            def on_progress(stage: str, done: int, total: int | None, failures: int) -> None:
+                counted = "kept" if stage == "shrink" else "failed"
+                advance(done - shown.get(stage, 0), note=f"{stage}: {done}{f'/{total}' if total else ''}, {failures} {counted}")
+                shown[stage] = done
+
+            result = run_minimize(report, device=device, reference=reference, trials=trials, good_trials=good_trials,
+                                  bad_trials=bad_trials, inject=inject or [], out=out, on_progress=on_progress)
+        render_minimize(output, result.to_json())
+        output.data(result.to_json())
+        return result.exit_code
+
+    run(output, action)
+
+
+def render_minimize(output: Output, result: dict) -> None:
+    low, high = result["ci95"]
+    if result["reproduced"]:
+        verdict = (f"{styled('persistent' if result['rate'] == 1 else 'intermittent')}: failed {result['failures']} of "
+                   f"{result['trials']} ({result['rate']:.2%}, 95% interval {low:.2%} to {high:.2%}), "
+                   f"first at trial {result['trials_to_first_failure']}")
+    else:
+        verdict = f"{styled('correct')}: not reproduced in {result['trials']} trials (rate below {high:.3%}, 95% upper bound)"
+    shrink = result["shrink"]
+    rows = [["operator", result["op"]], ["suspect", f"{result['device']}: {verdict}"],
+            ["reference", f"{result['reference']}: failed {result['reference_failures']} of {result['reference_trials']}"],
+            ["inputs", f"{result['input_shapes_original']} -> {result['input_shapes_minimal']} ({shrink['status']}"
+                       + (f": {shrink['reason']}" if shrink.get("reason") else f", {shrink['tests']} candidates tested") + ")"],
+            ["acceptance", f"reference passes {result['acceptance']['good_trials']} runs, suspect fails within {result['acceptance']['bad_trials']}"]]
+    if result["data_dependent"] is not None:
+        rows.append(["data dependent", "yes: random data of that shape passes" if result["data_dependent"] else "no: random data fails too"])
+    first = result.get("first_mismatch") or {}
+    if "index" in first:
+        rows.append(["first mismatch", f"element {first['index']} {first['position']}: expected {first['expected']}, "
+                                       f"got {first['actual']} (XOR {first['xor']})"])
+    output.table(f"Minimize: {result['op']} on {result['device']}", ["", ""], rows)
+    for warning in result["warnings"]:
+        output.warn(warning)
+    output.say(f"Ticket: {result['ticket']}")
 
 
 @app.callback(invoke_without_command=True)

@@ -153,6 +153,7 @@ class DeviceVerdict:
     runs: int
     divergent_runs: int
     first_divergence: Divergence | None
+    per_step: dict[int, int]  # divergent entries per step, in the first divergent run
 
 
 @dataclass
@@ -226,7 +227,8 @@ def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]]) -> Conse
         firsts = [c.first for c in divergent]
         first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
         kind = "match" if not divergent else "persistent" if len(divergent) == len(logs) else "intermittent"
-        verdicts[voter] = DeviceVerdict(kind, len(logs), len(divergent), first)
+        per_step = (divergent or comparisons)[0].per_step()
+        verdicts[voter] = DeviceVerdict(kind, len(logs), len(divergent), first, per_step)
     suspects = [voter for voter, v in verdicts.items() if v.verdict != "match"]
     replica_kinds = {v.verdict for voter, v in verdicts.items() if voter != RECORD}
     if undecided:

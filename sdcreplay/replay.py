@@ -175,6 +175,7 @@ class DeviceRun:
             "repeats": judgement.runs if judgement else 0,
             "divergent_repeats": judgement.divergent_runs if judgement else 0,
             "first_divergence": None if first is None else first.brief(),
+            "steps": {str(step): count for step, count in judgement.per_step.items()} if judgement else {},
             "logs": self.log_paths,
             "warnings": self.warnings,
             "error": self.error,
