@@ -27,14 +27,14 @@ import torch
 from . import determinism
 from .bundle import Bundle, StepRecord
 from .capture import CallSite, OperatorLog, OperatorRecord, operator_results, state_tensors
-from .compare import RECORD
+from .compare import RECORD, Divergence, compare_logs
 from .devices import torch_device, validate_label
 from .digest import tensor_digest
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .replay import ReplaySession, replay_devices, run_device_processes
-from .signature import layer_of
+from .signature import SignatureLog, layer_of
 from .tensorio import read_tensor, write_tensor
 
 REPORT_FILE = "report.json"
@@ -90,8 +90,9 @@ def run_oplog_task(task: dict) -> dict:
             path = work / "oplog-reference.json"
             path.write_text(json.dumps({"state": digests, "operators": _records_to_json(oplog.records)}))
             return {"oplog": str(path), "operators": len(oplog.records), "environment": environment}
-        if oplog.structure_error:
-            return {"structure_error": oplog.structure_error, "repeat": repeat}
+        structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
+        if structure_error:
+            return {"structure_error": structure_error, "repeat": repeat}
         if oplog.divergent is not None or differing:
             case_path = work / "suspect-call.h5"
             if oplog.kept is not None:
@@ -103,6 +104,20 @@ def run_oplog_task(task: dict) -> dict:
                 "state_differs": differing, "case": str(case_path) if oplog.kept is not None else None,
             }
     return {"divergent": False, "repeats_run": repeats}
+
+
+def _missing_calls(oplog: OperatorLog, expected: list) -> str | None:
+    """The first reference call the suspect never made, when its calls were a strict prefix.
+
+    OperatorLog compares each call as it comes, so a suspect that stops early
+    (fewer operators, same values) would otherwise pass as no divergence. After
+    a value divergence the rest of the sequence may legitimately differ.
+    """
+    made = len(oplog.records)
+    if oplog.divergent is not None or made >= len(expected):
+        return None
+    phase, module, op, _ = expected[made]
+    return f"operator call {made}: nothing here, {op} under {module} ({phase}) on the reference"
 
 
 def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]) -> None:
@@ -253,18 +268,22 @@ def _pattern(indices: torch.Tensor, masks: torch.Tensor, expected: torch.Tensor,
             return "two elements, same bit"
     columns = expected.shape[-1] if expected.dim() else 1
     rows, cols = indices // columns, indices % columns
-    span = int(indices[-1] - indices[0]) + 1
-    if rows.unique().numel() == 1:
-        return "row segment" if span == count else "scattered in one row"
-    if cols.unique().numel() == 1:
-        return "column segment"
+    one_row, one_column = rows.unique().numel() == 1, cols.unique().numel() == 1
     height = int(rows.max() - rows.min()) + 1
     width = int(cols.max() - cols.min()) + 1
+    if one_row and width == count:
+        return "row segment"
+    if one_column and height == count:
+        return "column segment"
     if height * width == count:
         return f"block {height}x{width}"
     steps = (indices[1:] - indices[:-1]).unique()
-    if steps.numel() == 1:
+    if count > 2 and steps.numel() == 1:  # checked before "one row": a 1-D tensor is all one row
         return f"strided (every {int(steps[0])} elements)"
+    if one_row:
+        return "scattered in one row"
+    if one_column:
+        return "scattered in one column"
     return "scattered"
 
 
@@ -287,6 +306,13 @@ class BisectResult:
 
 def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, repeats: int,
                           inject: Sequence[str], work: Path, on_event) -> tuple[int | None, dict]:
+    """Replay the bundle; the first entry where the suspect (or the recording) leaves the reference.
+
+    The reference is trusted by definition, so the suspect is compared with it
+    directly, not through a majority vote: with the recording and one device
+    there is no majority, and a recording made on the suspect would outvote
+    the reference.
+    """
     labels = [reference] + ([suspect] if suspect else [])
     on_event("replay", f"replaying the window on {', '.join(labels)} to find the first divergent step")
     report = replay_devices(bundle.path, labels, repeats=repeats, inject=inject, log_dir=work / "replay")
@@ -294,16 +320,25 @@ def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, r
         if run.error:
             raise SdcReplayError(f"the {run.device} replay failed: {run.error['message']}",
                                  run.error.get("hint") or "See the device's stderr in the work directory.")
-    consensus = report.consensus
-    first = consensus.first_divergence
-    if suspect is None:
-        record = consensus.voters[RECORD]
-        first = record.first_divergence
-    elif consensus.voters[suspect].first_divergence is not None:
-        first = consensus.voters[suspect].first_divergence
-    elif consensus.verdict == "correct":
-        first = None
-    return (first.step if first else None), {"replay": report.to_json(), "first_entry": first.brief() if first else None}
+    runs = {run.device: run for run in report.devices}
+    trusted = runs[reference].logs[0]
+    record_first = _first_divergence(trusted, [bundle.signature_log()])
+    first = record_first if suspect is None else _first_divergence(trusted, runs[suspect].logs)
+    return (first.step if first else None), {
+        "replay": report.to_json(), "first_entry": first.brief() if first else None,
+        "record_first_entry": record_first.brief() if record_first else None,
+    }
+
+
+def _first_divergence(trusted: SignatureLog, logs: Sequence[SignatureLog]) -> Divergence | None:
+    """The earliest entry, in execution order, where any of ``logs`` differs from ``trusted``."""
+    found = []
+    for log in logs:
+        first = compare_logs(trusted, log, sorted(set(trusted.steps) & set(log.steps))).first
+        if first is not None:
+            names = [name for name, _ in trusted.steps[first.step]]
+            found.append(((first.step, names.index(first.name)), first))
+    return min(found, key=lambda pair: pair[0])[1] if found else None
 
 
 def bisect(
@@ -327,9 +362,12 @@ def bisect(
     if suspect == reference:
         raise SdcReplayError("--suspect and --reference are the same device",
                              "Compare the suspect with a device you trust, e.g. --reference cpu:0.")
+    if plot is not None:
+        _plotter()
     out = Path(out) if out else opened.path.with_name(opened.path.name + ".bisect")
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
     base = {
         "schema": SCHEMA, "bundle": str(opened.path), "suspect": suspect or RECORD, "reference": reference,
         "inject": list(inject), "workload": opened.manifest["workload"], "report": str(out),
@@ -339,8 +377,14 @@ def bisect(
     if step is None or suspect is None:
         found, replayed = _first_divergent_step(opened, suspect, reference, repeats, inject, work, on_event)
         step = found if step is None else step
-    if step is None:
-        return _finish(out, {**base, "verdict": "no_divergence", "step": None, "repeats_run": repeats, **replayed}, on_event)
+    if step is None or (suspect is None and replayed["first_entry"] is None):
+        result = {**base, "verdict": "no_divergence", "step": step, "repeats_run": repeats, **replayed}
+        recorded = replayed.get("record_first_entry")
+        if suspect is not None and recorded is not None:
+            result["next"] = (f"{suspect} reproduces {reference}, but the recording differs from {reference} at step "
+                              f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest['device']} on "
+                              f"{opened.manifest['environment'].get('host')}) is the suspect; bisect with --suspect set to it.")
+        return _finish(out, result, on_event)
     if suspect is None:
         entry = replayed["first_entry"]
         return _finish(out, {
@@ -402,12 +446,20 @@ def bisect(
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
     )
     if plot is not None and forensics.get("count"):
-        from .plot import plot_element_heatmap
-
+        plot_element_heatmap = _plotter()
         expected = [v for v in case.expected if isinstance(v, torch.Tensor)][output_index]
         actual = [v for v in case.actual if isinstance(v, torch.Tensor)][output_index]
         result["plot"] = str(plot_element_heatmap(expected, actual, Path(plot), f"{site.op} under {site.module} ({site.phase}), step {step}"))
     return _finish(out, result, on_event)
+
+
+def _plotter():
+    try:
+        from .plot import plot_element_heatmap
+    except ImportError as exc:
+        raise SdcReplayError(f"--plot is not available here: {exc}",
+                             "Install the plot extra (pip install 'sdcreplay[plot]'), or leave out --plot.") from exc
+    return plot_element_heatmap
 
 
 def _one(results: dict, label: str) -> dict:

@@ -65,8 +65,9 @@ def manifest_digest(manifest: dict) -> str:
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        json.dump(obj, handle, indent=2, sort_keys=False)
+    data = json.dumps(obj, indent=2).encode()  # one write, not json.dump's many small ones
+    with open(tmp, "wb") as handle:
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)

@@ -8,6 +8,7 @@ order; the first divergent entry is where the corruption became visible.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,10 +82,29 @@ def load_log(path: str | Path) -> SignatureLog:
     """A bundle directory's recorded log, or a replay log file."""
     path = Path(path)
     if path.is_dir() or path.with_name(path.name + ".partial").is_dir():
-        return Bundle.open(path).signature_log()
+        bundle = Bundle.open(path)
+        log = bundle.signature_log()
+        log.meta.setdefault("workload", {"ref": bundle.workload_ref, "kwargs": bundle.workload_kwargs})
+        return log
     if not path.exists():
         raise BundleError(f"{path} does not exist", "Give a bundle directory or a replay log (*.sig.zst).")
-    return read_signature_log(path)
+    log = read_signature_log(path)
+    if "workload" not in log.meta and log.meta.get("source"):
+        # A replay log names the bundle it replayed; its workload is the replay's program.
+        with contextlib.suppress(BundleError, OSError, KeyError, TypeError, ValueError):
+            source = Bundle.open(log.meta["source"], verify=False)
+            log.meta["workload"] = {"ref": source.workload_ref, "kwargs": source.workload_kwargs}
+    return log
+
+
+def _workload_difference(left: dict, right: dict) -> str:
+    """``builtin:x vs file.py:y``, or the keyword arguments that differ: ``dim=32 vs dim=48``."""
+    if left.get("ref") != right.get("ref"):
+        return f"workload {left.get('ref')} vs {right.get('ref')}"
+    a, b = left.get("kwargs") or {}, right.get("kwargs") or {}
+    keys = sorted(key for key in set(a) | set(b) if a.get(key, "(unset)") != b.get(key, "(unset)"))
+    show = lambda kwargs: ", ".join(f"{key}={kwargs.get(key, '(unset)')}" for key in keys)  # noqa: E731
+    return f"workload {left.get('ref')} with {show(a)} vs {show(b)}"
 
 
 def check_comparable(a: SignatureLog, b: SignatureLog) -> None:
@@ -96,6 +116,14 @@ def check_comparable(a: SignatureLog, b: SignatureLog) -> None:
                 f"the logs were made with a different {key.replace('_', ' ')}: {left} vs {right}",
                 "Floating-point results differ between device types by design; replay on the device type the record was made on.",
             )
+    left, right = a.meta.get("workload"), b.meta.get("workload")
+    if isinstance(left, dict) and isinstance(right, dict) and left != right:
+        # Same entry names, other sizes or settings: every digest differs, and none of it is SDC.
+        raise StructureError(
+            f"the logs describe different programs: {_workload_difference(left, right)}",
+            "This is a different workload or configuration, not silent data corruption; "
+            "record and replay the same program.",
+        )
 
 
 def check_structure(reference: SignatureLog, candidate: SignatureLog, steps: list[int]) -> None:

@@ -35,6 +35,7 @@ from .bisect import SCHEMA as BISECT_SCHEMA
 from .bundle import Bundle
 from .capture import CallSite, operator_results
 from .devices import torch_device, validate_label
+from .digest import tensor_digest
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op, to_cpu
@@ -63,7 +64,9 @@ def wilson_interval(failures: int, trials: int, z: float = Z95) -> tuple[float, 
     spread = z * z / trials
     center = (rate + spread / 2) / (1 + spread)
     half = z * math.sqrt(rate * (1 - rate) / trials + spread / (4 * trials)) / (1 + spread)
-    return (max(0.0, center - half), min(1.0, center + half))
+    low = 0.0 if failures == 0 else max(0.0, center - half)
+    high = 1.0 if failures == trials else min(1.0, center + half)
+    return (low, high)
 
 
 def ddmin(units: Sequence, test: Callable[[tuple], bool]) -> tuple:
@@ -148,10 +151,11 @@ class TrialRunner:
 
     Inputs are placed on the device once per measurement (cloned per trial
     only when the operator writes to them). Each output is compared with the
-    expected one on the device, bitwise; on a CPU right away (``torch.equal``
-    on the raw words), on an accelerator as a flag kept on the device and
-    fetched once per block of trials, so the trial loop does not wait for the
-    device. Only a failing trial's outputs are copied back.
+    expected one where it lies, over the raw bits: on a CPU by its xxh3 digest
+    (one pass over the bytes, several times faster than ``torch.equal``), on
+    an accelerator word by word into a flag that stays on the device and is
+    fetched once per block of trials, so the loop never waits for the device.
+    Only a failing trial's outputs are copied back.
     """
 
     def __init__(self, op, site: CallSite, prior, label: str, specs: Sequence[FaultSpec]):
@@ -182,7 +186,7 @@ class TrialRunner:
                 stop_at_first_failure: bool = False,
                 progress: Callable[[int, int, int], None] | None = None) -> Measurement:
         placed_args, placed_kwargs = place((list(args), kwargs), self.device)
-        wanted = [raw_bits(e) if isinstance(e, torch.Tensor) else e for e in place(list(expected), self.device)]
+        wanted = self._expectation(expected)
         injector = self._injector()
         block = 1 if self.device.type == "cpu" else _block_size(expected)
         failures, first_trial, first_outputs = 0, None, None
@@ -205,26 +209,35 @@ class TrialRunner:
         described = describe_failure(list(expected), first_outputs) if first_outputs is not None else None
         return Measurement(self.label, done, failures, first_trial, described, first_outputs, seconds)
 
+    def _expectation(self, expected: Sequence) -> list:
+        """What each trial's outputs are compared with: digests on a CPU, raw words elsewhere."""
+        if self.device.type == "cpu":
+            return [tensor_digest(value) for value in expected]
+        return [raw_bits(e) if isinstance(e, torch.Tensor) else e for e in place(list(expected), self.device)]
+
     def _differs(self, results: list, wanted: list) -> bool | torch.Tensor:
         """Does one trial's output differ from the expected? A device flag on accelerators."""
-        if len(results) != len(wanted):
-            return True
-        flag: bool | torch.Tensor = False
-        for result, expected in zip(results, wanted, strict=True):
-            if not isinstance(expected, torch.Tensor):
-                if result != expected:
-                    return True
-                continue
-            if not isinstance(result, torch.Tensor) or result.dtype.itemsize != expected.dtype.itemsize \
-                    or result.shape != expected.shape:
+        if self.device.type == "cpu":
+            return [tensor_digest(value) for value in results] != wanted
+        return _device_flag(results, wanted)
+
+
+def _device_flag(results: list, wanted: list) -> bool | torch.Tensor:
+    """Outputs vs expected words on the device: a 0-dim bool tensor, or a bool when decided on the host."""
+    if len(results) != len(wanted):
+        return True
+    flag: bool | torch.Tensor = False
+    for result, expected in zip(results, wanted, strict=True):
+        if not isinstance(expected, torch.Tensor):
+            if result != expected:
                 return True
-            if self.device.type == "cpu":
-                if not torch.equal(raw_bits(result), expected):
-                    return True
-            else:
-                differs = torch.ne(raw_bits(result), expected).any()
-                flag = differs if flag is False else flag | differs
-        return flag
+        elif not isinstance(result, torch.Tensor) or result.dtype.itemsize != expected.dtype.itemsize \
+                or result.shape != expected.shape:
+            return True
+        else:
+            differs = torch.ne(raw_bits(result), expected).any()
+            flag = differs if flag is False else flag | differs
+    return flag
 
 
 def _block_size(expected: Sequence) -> int:
@@ -370,7 +383,7 @@ class Shrinker:
     shrink still has a result.
     """
 
-    def __init__(self, args: Sequence, kwargs: dict, axes: list[Axis], accepts: Callable[[list, dict], bool],
+    def __init__(self, args: Sequence, kwargs: dict, axes: list[Axis], accepts: Callable[[list, dict], bool] | None,
                  on_test: Callable[[int, int], None] | None = None):
         self.args, self.kwargs, self.axes = list(args), kwargs, axes
         self.accepts, self.on_test = accepts, on_test
@@ -506,6 +519,8 @@ def default_bad_trials(rate: float, trials: int) -> int:
     """Trials that see a failure at ``rate`` with probability 1 - MISS_PROBABILITY, at most ``trials``."""
     if rate >= 1.0:
         return 1
+    if rate <= 0.0:
+        return trials
     return max(1, min(trials, math.ceil(math.log(MISS_PROBABILITY) / math.log1p(-rate))))
 
 
@@ -553,35 +568,20 @@ def minimize(
     reproduced = measured.failures > 0
     bad_trials = bad_trials or default_bad_trials(measured.rate, trials)
     acceptance = Acceptance(suspect, checker, good_trials, bad_trials)
-    axes, reason = shrink_axes(case.op, op, case.args, case.expected)
-    shrinker = Shrinker(case.args, case.kwargs, axes, acceptance.holds,
-                        on_test=lambda tested, kept: progress("shrink", tested, None, kept))
-    status = "not reproduced" if not reproduced else ("not applicable" if not axes else "shrunk")
-    if reproduced and axes:
-        try:
-            shrinker.run()
-        except KeyboardInterrupt:
-            status = "interrupted"
-    candidate = shrinker.best
-    args, kwargs = shrinker.inputs(candidate)
-    if status == "shrunk" and shrinker.kept == 0:
-        status = "already minimal"
-
-    data_dependent = None
-    minimal = measured
+    args, kwargs, shrink = shrink_inputs(case, op, acceptance if reproduced else None,
+                                         on_test=lambda tested, kept: progress("shrink", tested, None, kept))
     expected = checker.outputs(args, kwargs)
+    minimal, data_dependent = None, None
     if reproduced:
-        generator = torch.Generator().manual_seed(seed)
-        draws = [random_inputs(args, kwargs, generator) for _ in range(RANDOM_DATA_DRAWS)]
         progress("random data", 0, RANDOM_DATA_DRAWS, 0)
-        data_dependent = not any(acceptance.holds(*draw) for draw in draws)
+        data_dependent = depends_on_data(args, kwargs, acceptance, seed)
         minimal = suspect.measure(args, kwargs, expected, trials, progress=partial(progress, "minimal"))
 
     target = Path(out) if out else report_dir / "ticket"
     kernels = report.get("kernels") or []
     if suspect.device.type == "cuda":
         kernels = _kernel_names(op, OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, expected), suspect.device)
-    failure = minimal.first_failure or measured.first_failure
+    failure = (minimal.first_failure if minimal else None) or measured.first_failure
     data = {
         "schema": SCHEMA,
         "reproduced": reproduced,
@@ -600,12 +600,9 @@ def minimize(
         "dtypes": [dtype_name(t.dtype) for t in case.args if isinstance(t, torch.Tensor)],
         "input_shapes_original": shapes_of((list(case.args), case.kwargs)),
         "input_shapes_minimal": shapes_of((args, kwargs)),
-        "shrink": {
-            "status": status, "reason": reason, "tests": shrinker.tests,
-            "axes": {axis.name: [axis.size, len(kept)] for axis, kept in zip(axes, candidate, strict=True)},
-        },
+        "shrink": shrink,
         "acceptance": {"good_trials": good_trials, "bad_trials": bad_trials},
-        "minimal": minimal.to_json() if reproduced else None,
+        "minimal": minimal.to_json() if minimal else None,
         "data_dependent": data_dependent,
         "first_mismatch": _first_element(failure),
         "bits": failure.get("bits") if failure else None,
@@ -619,11 +616,42 @@ def minimize(
         "commands": [*report.get("commands", []), _command_line(report_dir, device, reference, trials, good_trials,
                                                                  bad_trials, inject, out)],
     }
-    suspect_outputs = minimal.failing_outputs if minimal.failing_outputs is not None else expected
+    suspect_outputs = minimal.failing_outputs if minimal and minimal.failing_outputs is not None else expected
     ticket_case = OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs)
     data["seconds"] = round(time.perf_counter() - started, 3)
     ticket.write_ticket(target, data, report, ticket_case)
     return MinimizeResult(data)
+
+
+def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
+                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict]:
+    """The smallest inputs that still meet the acceptance rule, and how the shrink went.
+
+    Without an acceptance rule (nothing reproduced) the inputs stay whole. The
+    inputs are always fresh copies in the originals' layout: what repro.py rebuilds.
+    """
+    axes, reason = shrink_axes(case.op, op, case.args, case.expected)
+    shrinker = Shrinker(case.args, case.kwargs, axes, acceptance.holds if acceptance else None, on_test)
+    status = "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk")
+    if status == "shrunk":
+        try:
+            shrinker.run()
+        except KeyboardInterrupt:
+            status = "interrupted"
+        if status == "shrunk" and shrinker.kept == 0:
+            status = "already minimal"
+    args, kwargs = shrinker.inputs(shrinker.best)
+    return args, kwargs, {
+        "status": status, "reason": reason, "tests": shrinker.tests,
+        "axes": {axis.name: [axis.size, len(kept)] for axis, kept in zip(axes, shrinker.best, strict=True)},
+    }
+
+
+def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int) -> bool:
+    """True when random data of the same shape, dtype and range never meets the acceptance rule."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = [random_inputs(args, kwargs, generator) for _ in range(RANDOM_DATA_DRAWS)]
+    return not any(acceptance.holds(*draw) for draw in draws)
 
 
 def _report_warnings(report: dict, specs: list[FaultSpec]) -> list[str]:

@@ -25,6 +25,7 @@ import h5py
 
 from . import determinism
 from .devices import torch_device
+from .errors import SdcReplayError
 from .operator_case import OperatorCase
 
 SCHEMA = "sdcreplay.ticket/1"
@@ -122,13 +123,9 @@ def ticket_document(result: dict, report: dict) -> dict:
         "pattern": result["pattern"],
         "bisect": {key: report.get(key) for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")},
         "commands": result["commands"],
-        "reproduce": f"python {REPRO_FILE} --device {_repro_device(result['device'])} --trials {max(result['trials'], 1000)}",
+        "reproduce": f"python {REPRO_FILE} --device {result['device']} --trials {max(result['trials'], 1000)}",
         "files": {"reproducer": REPRO_FILE, "inputs": INPUTS_FILE},
     }
-
-
-def _repro_device(label: str) -> str:
-    return label if label.startswith("cuda") else "cpu"
 
 
 def _percent(rate: float) -> str:
@@ -214,6 +211,9 @@ def _dependence(data_dependent: bool | None) -> str:
 def write_ticket(target: Path, result: dict, report: dict, case: OperatorCase) -> Path:
     """Write the ticket directory for ``result`` (replacing one already there)."""
     target = Path(target)
+    if target.exists() and not (target / JSON_FILE).is_file():
+        raise SdcReplayError(f"{target} exists and is not a ticket directory",
+                             "Name a new --out directory, or remove that one.")
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -23,6 +23,13 @@ from sdcreplay import determinism
 
 REPO = Path(__file__).resolve().parent.parent
 
+# One intra-op thread, here and in every process the tests start (CLI, device
+# workers inherit the environment): the models are tiny, and on a 2-core CI
+# machine running other work, OpenMP threads spinning against each other make
+# a step 5-10x slower. Set OMP_NUM_THREADS to choose otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # Small enough that a step takes milliseconds and a bundle ~100 KiB.
 SMALL = {"layers": 1, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 SMALL_MOE = {**SMALL, "experts": 2, "top_k": 1}
@@ -94,7 +101,7 @@ def cli():
     runner = CliRunner()
 
     def invoke(*args: str, env: dict | None = None):
-        return runner.invoke(app, [str(arg) for arg in args], env=env)
+        return runner.invoke(app, [str(arg) for arg in args], env={"SDCREPLAY_DEBUG": None, **(env or {})})
 
     return invoke
 

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL
 
 from sdcreplay import Workload
 from sdcreplay.errors import SdcReplayError, WorkloadError
 from sdcreplay.workload import accepts_seed, build_workload, builtin_names, resolve_factory
 from sdcreplay.workloads import tiny_llama, tiny_moe
-
-from conftest import SMALL
 
 FACTORY_SOURCE = '''
 import torch

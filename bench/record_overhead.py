@@ -1,0 +1,144 @@
+"""Step time of tiny-llama with and without the Recorder, measured side by side in one run.
+
+    python bench/record_overhead.py                 # layers=4 dim=256 seq_len=128 batch_size=8
+    python bench/record_overhead.py --profile       # also: where the recorder's time goes (cProfile)
+
+Both modes train the same model in the same process, in alternating blocks of
+steps (plain, recorded, recorded, plain, ...), after a warm-up, so drift in
+the machine's speed (other load, thermal, allocator state) hits both alike.
+A recorded step is everything the Recorder adds to a training step: the RNG
+capture and batch copy, the forward/backward hooks and digests, gradient and
+parameter digests, and writing the step (HDF5 file, signature frame,
+manifest) from the optimizer-step hook. Setting up a recording (embedding the
+initial state) and closing it are not per-step costs and are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sdcreplay import determinism
+from sdcreplay.recorder import Recorder
+from sdcreplay.workload import build_workload
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=12, help="blocks per mode (alternating)")
+    parser.add_argument("--block-steps", type=int, default=5, help="steps per block")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each mode first")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the recorded steps and print the top functions")
+    return parser.parse_args()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, scratch: Path):
+        self.kwargs = {
+            "layers": args.layers, "dim": args.dim, "heads": args.heads, "seq_len": args.seq_len,
+            "batch_size": args.batch_size, "seed": 0,
+        }
+        self.workload = build_workload("builtin:tiny-llama", self.kwargs)
+        self.batches = [self.workload.get_batch(i) for i in range(8)]
+        self.scratch = scratch
+        self.recordings = 0
+        self.step_index = 0
+
+    def _batch(self):
+        self.step_index += 1
+        return self.batches[self.step_index % len(self.batches)]
+
+    def plain_block(self, steps: int) -> list[float]:
+        model, optimizer, loss_fn = self.workload.model, self.workload.optimizer, self.workload.loss_fn
+        times = []
+        for _ in range(steps):
+            batch = self._batch()
+            start = time.perf_counter()
+            loss = loss_fn(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def recorded_block(self, steps: int, profiler: cProfile.Profile | None = None) -> list[float]:
+        model, optimizer, loss_fn = self.workload.model, self.workload.optimizer, self.workload.loss_fn
+        self.recordings += 1
+        path = self.scratch / f"run{self.recordings}.bundle"
+        recorder = Recorder(path, "builtin:tiny-llama", model, optimizer, workload_kwargs=self.kwargs)
+        times = []
+        for _ in range(steps):
+            batch = self._batch()
+            if profiler is not None:
+                profiler.enable()
+            start = time.perf_counter()
+            with recorder.step(batch):
+                loss = loss_fn(model, batch)
+                loss.backward()
+            optimizer.step()  # the recorder writes the step from this hook
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+            if profiler is not None:
+                profiler.disable()
+        recorder.close()
+        shutil.rmtree(path)
+        return times
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    determinism.enable()  # the recorder turns these on; the plain steps run under them too
+    with tempfile.TemporaryDirectory(prefix="sdcreplay-bench-") as scratch:
+        bench = Bench(args, Path(scratch))
+        bench.plain_block(args.warmup)
+        bench.recorded_block(args.warmup)
+        plain: list[float] = []
+        recorded: list[float] = []
+        for block in range(args.blocks):
+            if block % 2 == 0:
+                plain += bench.plain_block(args.block_steps)
+                recorded += bench.recorded_block(args.block_steps)
+            else:
+                recorded += bench.recorded_block(args.block_steps)
+                plain += bench.plain_block(args.block_steps)
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler is not None:
+            bench.recorded_block(args.block_steps * 2, profiler)
+
+    plain_ms = statistics.median(plain) * 1e3
+    recorded_ms = statistics.median(recorded) * 1e3
+    sizes = ", ".join(f"{key}={value}" for key, value in bench.kwargs.items() if key != "seed")
+    print(f"tiny-llama ({sizes}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{len(plain)} steps per mode in {args.blocks} alternating blocks")
+    print(f"{'mode':<16}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
+    for name, times in (("without recorder", plain), ("with recorder", recorded)):
+        deciles = statistics.quantiles(times, n=10)
+        print(f"{name:<16}{statistics.median(times) * 1e3:>12.2f}{deciles[0] * 1e3:>10.2f}{deciles[-1] * 1e3:>10.2f}")
+    ratio = recorded_ms / plain_ms
+    print(f"ratio {ratio:.3f} (overhead {100 * (ratio - 1):+.1f}%; target at most +3%: "
+          f"{'met' if ratio <= 1.03 else 'NOT met'})")
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()

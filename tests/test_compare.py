@@ -1,0 +1,314 @@
+"""compare.py and `sdcreplay diff`: structure first, then values, then the vote.
+
+One small two-layer tiny-llama bundle is recorded per module; a clean replay
+and a replay with one injected bit flip (step 1, ``layers.1.attn.wq``) are made
+in this process, so no test here starts a device process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import preserved_global_state
+
+from sdcreplay import Bundle, record, replay_on_device
+from sdcreplay.compare import Divergence, compare_logs, load_log, vote
+from sdcreplay.errors import StructureError
+from sdcreplay.signature import SignatureLog, layer_of, write_signature_log
+
+KWARGS = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
+ARGS = [arg for key, value in KWARGS.items() for arg in ("-a", f"{key}={value}")]
+FAULT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=101"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> dict[str, Path]:
+    """a.bundle (2 steps), a clean replay log and a replay log with FAULT."""
+    root = tmp_path_factory.mktemp("compare")
+    with preserved_global_state():
+        record("builtin:tiny-llama", root / "a.bundle", steps=2, kwargs=dict(KWARGS))
+        write_signature_log(root / "clean.sig.zst", replay_on_device(root / "a.bundle", "cpu:0"))
+        write_signature_log(root / "faulty.sig.zst", replay_on_device(root / "a.bundle", "cpu:1", inject=[FAULT]))
+    return {"bundle": root / "a.bundle", "clean": root / "clean.sig.zst", "faulty": root / "faulty.sig.zst"}
+
+
+@pytest.fixture
+def paths(recorded, tmp_path) -> dict[str, Path]:
+    """Private copies (tests may write next to them)."""
+    copies = {}
+    for key, path in recorded.items():
+        copies[key] = tmp_path / path.name
+        (shutil.copytree if path.is_dir() else shutil.copy)(path, copies[key])
+    return copies
+
+
+# ---------------------------------------------------------------------------
+# compare_logs on real logs
+
+
+def test_identical_logs(recorded):
+    reference, replayed = load_log(recorded["bundle"]), load_log(recorded["clean"])
+    comparison = compare_logs(reference, replayed)
+    assert comparison.identical and comparison.first is None
+    assert comparison.steps == [0, 1]
+    assert comparison.entries == reference.entry_count() == replayed.entry_count()
+    assert comparison.per_step() == {0: 0, 1: 0}
+    assert comparison.per_layer() == {}
+    assert comparison.to_json() == {
+        "schema": "sdcreplay.diff/1", "identical": True, "steps": [0, 1], "entries": comparison.entries,
+        "first_divergence": None, "divergent_entries": 0, "per_step": {"0": 0, "1": 0}, "per_layer": {},
+    }
+
+
+def test_value_divergence_names_the_first_entry_and_counts_the_spread(recorded):
+    reference, faulty = load_log(recorded["bundle"]), load_log(recorded["faulty"])
+    comparison = compare_logs(reference, faulty)
+    names = [name for name, _ in reference.steps[1]]
+    first = comparison.first
+    assert (first.step, first.phase, first.name, first.layer) == (1, "forward", "forward:layers.1.attn.wq", "layers.1.attn.wq")
+    assert first.expected == dict(reference.steps[1])["forward:layers.1.attn.wq"]
+    assert first.actual == dict(faulty.steps[1])["forward:layers.1.attn.wq"]
+    # exactly the entries whose digests differ, in execution order, none before the first
+    expected = [
+        (name, a) for (name, a), (_, b) in zip(reference.steps[1], faulty.steps[1]) if a != b
+    ]
+    assert [(d.name, d.expected) for d in comparison.divergences] == expected
+    assert all(names.index(d.name) >= names.index("forward:layers.1.attn.wq") for d in comparison.divergences)
+    per_step = comparison.per_step()
+    assert per_step == {0: 0, 1: len(comparison.divergences)}
+    per_layer = comparison.per_layer()
+    assert sum(sum(counts.values()) for counts in per_layer.values()) == len(comparison.divergences)
+    assert next(iter(per_layer)) == "layers.1.attn.wq"
+    assert per_layer["layers.1.attn.wq"] == {"forward": 1, "backward": 2, "optimizer": 1}
+    # upstream layers compute the same forward, but their gradients and updates are hit
+    for layer in ("tok_embeddings", "layers.0.attn.wq", "layers.0.mlp.w2"):
+        assert "forward" not in per_layer[layer]
+        assert per_layer[layer]["optimizer"] == 1
+    assert not any(d.name.startswith("rng:") for d in comparison.divergences)
+    as_json = comparison.to_json()
+    assert as_json["first_divergence"] == {
+        "step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq",
+        "expected": first.expected, "actual": first.actual,
+    }
+    assert as_json["divergent_entries"] == len(comparison.divergences)
+
+
+def _log(values: dict[int, list[tuple[str, str]]], **meta) -> SignatureLog:
+    return SignatureLog(meta={"device_type": "cpu", "digest": "mix64+xxh3", **meta},
+                        steps={step: list(entries) for step, entries in values.items()})
+
+
+NAMES = ["rng:cpu", "forward:l0", "forward:l0.a", "forward:l1", "loss", "backward:l1",
+         "backward:l0", "grad:l0.a.weight", "grad:l1.weight", "param:l0.a.weight", "param:l1.weight"]
+
+
+def _clean(steps=(0, 1, 2)) -> SignatureLog:
+    return _log({step: [(name, f"{step}-{i}") for i, name in enumerate(NAMES)] for step in steps})
+
+
+def _with(log: SignatureLog, changes: dict[tuple[int, str], str]) -> SignatureLog:
+    out = _log({step: [(n, changes.get((step, n), v)) for n, v in entries] for step, entries in log.steps.items()},
+               **log.meta)
+    return out
+
+
+def test_per_step_and_per_layer_counts_are_exact():
+    clean = _clean()
+    bad = _with(clean, {(1, "forward:l1"): "x", (1, "loss"): "x", (1, "backward:l0"): "x",
+                        (1, "grad:l0.a.weight"): "x", (2, "param:l0.a.weight"): "x", (2, "param:l1.weight"): "x"})
+    comparison = compare_logs(clean, bad)
+    assert comparison.entries == 3 * len(NAMES)
+    assert [(d.step, d.name) for d in comparison.divergences] == [
+        (1, "forward:l1"), (1, "loss"), (1, "backward:l0"), (1, "grad:l0.a.weight"),
+        (2, "param:l0.a.weight"), (2, "param:l1.weight"),
+    ]
+    assert comparison.first == Divergence(1, "forward:l1", "1-3", "x")
+    assert comparison.per_step() == {0: 0, 1: 4, 2: 2}
+    assert comparison.per_layer() == {
+        "l1": {"forward": 1, "optimizer": 1},
+        "loss": {"forward": 1},
+        "l0": {"backward": 1},
+        "l0.a": {"backward": 1, "optimizer": 1},
+    }
+
+
+@pytest.mark.parametrize("name, layer", [
+    ("forward:layers.1.attn", "layers.1.attn"), ("backward:layers.1.attn#1[0]", "layers.1.attn"),
+    ("grad:layers.1.attn.wq.weight", "layers.1.attn.wq"), ("param:norm.weight", "norm"),
+    ("buffer:bias", "<root>"), ("loss", "loss"), ("rng:cpu", "cpu"),
+])
+def test_layer_of(name, layer):
+    assert layer_of(name) == layer
+
+
+# ---------------------------------------------------------------------------
+# Structure first
+
+
+def test_other_layers_are_a_structural_difference_naming_step_and_entry(recorded, small_bundle):
+    two_layers = Bundle.open(recorded["bundle"]).signature_log()
+    one_layer = Bundle.open(small_bundle).signature_log()
+    names = [name for name, _ in two_layers.steps[0]]
+    position = names.index("forward:layers.1.attention_norm")
+    assert [name for name, _ in one_layer.steps[0]][position] == "forward:norm"
+    with pytest.raises(StructureError) as caught:
+        compare_logs(two_layers, one_layer)
+    assert caught.value.message == (
+        f"the logs describe different programs: step 0, entry {position}: "
+        f"'forward:layers.1.attention_norm' vs 'forward:norm' "
+        f"({len(two_layers.steps[0])} vs {len(one_layer.steps[0])} entries)"
+    )
+    assert "not silent data corruption" in caught.value.hint
+
+
+def test_other_workload_settings_are_a_structural_difference(recorded, small_bundle):
+    """Same entry names, other sizes: the manifest's workload tells the programs apart."""
+    with pytest.raises(StructureError, match=r"different programs: workload builtin:tiny-llama with layers=2 vs layers=1"):
+        compare_logs(load_log(recorded["bundle"]), load_log(small_bundle))
+
+
+def test_missing_steps_reordered_and_extra_entries():
+    clean = _clean()
+    with pytest.raises(StructureError, match=r"the logs hold different steps: \[0, 1, 2\] vs \[0, 1\]"):
+        compare_logs(clean, _clean(steps=(0, 1)))
+    with pytest.raises(StructureError, match="step 2 is missing from the second log"):
+        compare_logs(clean, _clean(steps=(0, 1)), steps=[0, 1, 2])
+    assert compare_logs(clean, _clean(steps=(0, 1)), steps=[0, 1]).identical
+    swapped = _clean()
+    swapped.steps[1][3], swapped.steps[1][4] = swapped.steps[1][4], swapped.steps[1][3]
+    with pytest.raises(StructureError, match=r"step 1, entry 3: 'forward:l1' vs 'loss' \(11 vs 11 entries\)"):
+        compare_logs(clean, swapped)
+    longer = _clean()
+    longer.steps[0].append(("param:extra", "z"))
+    with pytest.raises(StructureError, match=r"step 0, entry 11: '\(end of step\)' vs 'param:extra' \(11 vs 12 entries\)"):
+        compare_logs(clean, longer)
+
+
+def test_different_device_type_or_digest_is_refused():
+    with pytest.raises(StructureError, match="different device type: cpu vs cuda") as caught:
+        compare_logs(_clean(), _log(_clean().steps, device_type="cuda"))
+    assert "device type the record was made on" in caught.value.hint
+    with pytest.raises(StructureError, match="different digest: mix64\\+xxh3 vs other"):
+        compare_logs(_clean(), _log(_clean().steps, digest="other"))
+
+
+# ---------------------------------------------------------------------------
+# vote(): the record is one voter, each device votes with its modal value
+
+
+def test_vote_correct():
+    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [_clean()], "cpu:2": [_clean(), _clean()]})
+    assert (consensus.verdict, consensus.suspects, consensus.first_divergence) == ("correct", [], None)
+    assert {voter: (v.verdict, v.runs, v.divergent_runs) for voter, v in consensus.voters.items()} == {
+        "record": ("match", 1, 0), "cpu:0": ("match", 1, 0), "cpu:1": ("match", 1, 0), "cpu:2": ("match", 2, 0)}
+    assert consensus.to_json() == {"verdict": "correct", "suspects": [], "first_divergence": None, "undecided_entries": 0}
+
+
+def test_vote_persistent_names_the_odd_device():
+    bad = _with(_clean(), {(1, "forward:l0.a"): "x", (2, "loss"): "y"})
+    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [bad, bad], "cpu:2": [_clean()]})
+    assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:1"])
+    assert consensus.first_divergence.brief() == {"step": 1, "phase": "forward", "name": "forward:l0.a"}
+    cpu1 = consensus.voters["cpu:1"]
+    assert (cpu1.verdict, cpu1.runs, cpu1.divergent_runs) == ("persistent", 2, 2)
+    assert cpu1.per_step == {0: 0, 1: 1, 2: 1}
+
+
+def test_vote_intermittent_is_transient_and_the_modal_value_votes():
+    bad = _with(_clean(), {(1, "forward:l1"): "x"})
+    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [_clean(), bad, _clean()], "cpu:2": [_clean()]})
+    assert (consensus.verdict, consensus.suspects) == ("transient", ["cpu:1"])
+    cpu1 = consensus.voters["cpu:1"]
+    assert (cpu1.verdict, cpu1.runs, cpu1.divergent_runs) == ("intermittent", 3, 1)
+    assert cpu1.first_divergence.name == "forward:l1"
+    # a device whose corrupted value is its most frequent one still loses to the others
+    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [bad, bad, _clean()]})
+    assert (consensus.verdict, consensus.voters["cpu:1"].divergent_runs) == ("transient", 2)
+
+
+def test_vote_recording_suspect():
+    bad_record = _with(_clean(), {(0, "backward:l1"): "x"})
+    consensus = vote(bad_record, {"cpu:0": [_clean()], "cpu:1": [_clean()]})
+    assert (consensus.verdict, consensus.suspects) == ("recording_suspect", ["record"])
+    assert consensus.first_divergence.brief() == {"step": 0, "phase": "backward", "name": "backward:l1"}
+    assert consensus.voters["record"].verdict == "persistent"
+
+
+def test_vote_record_and_a_replica_both_wrong():
+    bad_record = _with(_clean(), {(0, "backward:l1"): "x"})
+    bad = _with(_clean(), {(0, "forward:l1"): "y"})
+    consensus = vote(bad_record, {"cpu:0": [_clean()], "cpu:1": [bad], "cpu:2": [_clean()]})
+    assert (consensus.verdict, consensus.suspects) == ("persistent", ["record", "cpu:1"])
+    assert consensus.first_divergence.name == "forward:l1"  # earliest in execution order
+
+
+def test_vote_undecided_without_a_strict_majority():
+    bad = _with(_clean(), {(1, "forward:l1"): "x", (1, "loss"): "x"})
+    consensus = vote(_clean(), {"cpu:0": [bad]})  # one against one
+    assert (consensus.verdict, consensus.undecided_entries) == ("undecided", 2)
+    other = _with(_clean(), {(1, "forward:l1"): "z", (1, "loss"): "z"})
+    consensus = vote(_clean(), {"cpu:0": [bad], "cpu:1": [other]})  # three different values
+    assert (consensus.verdict, consensus.undecided_entries) == ("undecided", 2)
+    assert consensus.suspects == ["cpu:0", "cpu:1"]  # judged against the record's value where undecided
+
+
+def test_vote_refuses_a_replica_of_another_program():
+    with pytest.raises(StructureError):
+        vote(_clean(), {"cpu:0": [_clean(steps=(0, 1))]})
+
+
+# ---------------------------------------------------------------------------
+# sdcreplay diff
+
+
+def test_cli_diff_identical_exit_0(cli, paths):
+    result = cli("diff", paths["bundle"], paths["clean"])
+    assert result.exit_code == 0, result.stderr
+    assert "identical" in result.stderr and "match bit for bit" in result.stderr
+    result = cli("diff", paths["bundle"], paths["clean"], "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert (data["schema"], data["identical"], data["first_divergence"], data["divergent_entries"]) == (
+        "sdcreplay.diff/1", True, None, 0)
+
+
+def test_cli_diff_divergent_exit_1(cli, paths, recorded):
+    result = cli("diff", paths["bundle"], paths["faulty"], "--json")
+    assert result.exit_code == 1, result.stderr
+    data = json.loads(result.stdout)
+    comparison = compare_logs(load_log(recorded["bundle"]), load_log(recorded["faulty"]))
+    assert data["schema"] == "sdcreplay.diff/1"
+    assert data["identical"] is False
+    assert {k: data["first_divergence"][k] for k in ("step", "phase", "name")} == {
+        "step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+    assert data["divergent_entries"] == len(comparison.divergences)
+    assert data["per_step"] == {"0": 0, "1": len(comparison.divergences)}
+    assert "First divergence: step 1, forward, forward:layers.1.attn.wq" in result.stderr
+    assert "Divergent entries per step" in result.stderr
+    assert "Divergent entries per layer" in result.stderr
+    # replay log against replay log, in either order
+    assert cli("diff", paths["faulty"], paths["clean"]).exit_code == 1
+
+
+def test_cli_diff_structural_difference_exit_3(cli, paths, tmp_path):
+    other = tmp_path / "b.bundle"
+    args = [a if a != "dim=32" else "dim=48" for a in ARGS]
+    made = cli("record", "builtin:tiny-llama", "--steps", "2", "--out", other, *args)
+    assert made.exit_code == 0, made.stderr
+    result = cli("diff", paths["bundle"], other, "--json")
+    assert result.exit_code == 3
+    assert result.stdout == ""
+    assert "Error: the logs describe different programs: workload builtin:tiny-llama with dim=32 vs dim=48" in result.stderr
+    assert "Hint: This is a different workload or configuration, not silent data corruption" in result.stderr
+    assert "Traceback" not in result.stderr
+    # a replay log of a.bundle knows its program too
+    assert cli("diff", other, paths["clean"]).exit_code == 3
+
+
+def test_cli_diff_missing_file_exit_3(cli, paths, tmp_path):
+    result = cli("diff", paths["bundle"], tmp_path / "nothing.sig.zst")
+    assert result.exit_code == 3
+    assert "does not exist" in result.stderr and "Hint:" in result.stderr

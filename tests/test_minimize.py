@@ -1,0 +1,278 @@
+"""minimize: trials and their interval, the acceptance rule, delta debugging, the command.
+
+The report minimize starts from is built the way bisect builds one: tiny-llama's
+forward runs under the operator-level dispatch mode, the inputs and output of
+the ``layers.0.attn.wq`` matmul are kept, and the suspect's output is what the
+injected fault makes of it. The fault is the ground truth every assertion
+checks against.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL
+
+from sdcreplay import build_workload
+from sdcreplay.bisect import REPORT_FILE
+from sdcreplay.bisect import SCHEMA as BISECT_SCHEMA
+from sdcreplay.capture import OperatorLog, OperatorMode
+from sdcreplay.errors import DeterminismError
+from sdcreplay.faults import Injector, parse_specs
+from sdcreplay.minimize import (
+    Z95,
+    Acceptance,
+    Shrinker,
+    TrialRunner,
+    ddmin,
+    minimize,
+    shrink_axes,
+    wilson_interval,
+)
+from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, resolve_op
+
+MODULE = "layers.0.attn.wq"
+STICKY = f"kind=bitflip,op=aten.mm,module={MODULE},phase=forward,step=1,index=5,bit=22,device=cpu:1"
+
+
+def capture_call(op: str = "aten.mm.default", module: str = MODULE, step: int = 1) -> OperatorCase:
+    """The inputs and outputs of the first ``op`` call under ``module`` in tiny-llama's forward."""
+    workload = build_workload("builtin:tiny-llama", dict(SMALL))
+    model = workload.model.eval()
+    batch = workload.get_batch(step)
+
+    def forward(observer: OperatorLog) -> OperatorLog:
+        with torch.no_grad(), OperatorMode(model, workload.optimizer, [observer], step):
+            workload.loss_fn(model, batch)
+        return observer
+
+    index = next(r.site.index for r in forward(OperatorLog()).records if r.site.key == (op, module, "forward"))
+    log = forward(OperatorLog(watch=index))
+    args, kwargs, outputs = log.kept
+    prior = Counter(record.site.key for record in log.records[:index])
+    return OperatorCase(log.records[index].site, prior, args, kwargs, outputs, [t.clone() for t in outputs])
+
+
+def write_report(directory: Path, case: OperatorCase, inject: str) -> Path:
+    """A bisect report (report.json + operator.h5) naming ``case`` as corrupted by ``inject`` on cpu:1."""
+    Injector(parse_specs([inject], include_env=False), "cpu:1").on_isolated_call(case.site, case.prior, case.actual)
+    directory.mkdir(parents=True)
+    case.write(directory / OPERATOR_FILE)
+    site = case.site
+    (directory / REPORT_FILE).write_text(json.dumps({
+        "schema": BISECT_SCHEMA, "verdict": "divergence", "step": site.step, "phase": site.phase,
+        "module": site.module, "op": site.op, "op_index": site.index, "kernels": [], "isolated": "kernel",
+        "suspect": "cpu:1", "reference": "cpu:0", "repeats_run": 1, "report": str(directory),
+        "bundle": str(directory.parent / "absent.bundle"), "inject": [inject],
+        "workload": {"ref": "builtin:tiny-llama", "kwargs": dict(SMALL)},
+        "environment": {"suspect": {"device": {"type": "cpu"}}, "reference": {"device": {"type": "cpu"}}},
+        "commands": [f"sdcreplay bisect absent.bundle --suspect cpu:1 --inject {inject}"],
+    }))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def wq_call() -> OperatorCase:
+    return capture_call()
+
+
+@pytest.fixture
+def report(tmp_path: Path, wq_call: OperatorCase, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.delenv("SDCREPLAY_INJECT", raising=False)
+    case = OperatorCase(wq_call.site, wq_call.prior, wq_call.args, wq_call.kwargs, wq_call.expected,
+                        [t.clone() for t in wq_call.expected])
+    return write_report(tmp_path / "report", case, STICKY)
+
+
+@pytest.fixture(scope="session")
+def sticky_result(tmp_path_factory: pytest.TempPathFactory, wq_call: OperatorCase):
+    """One minimize of the sticky bitflip, shared by the tests that only read it."""
+    from conftest import preserved_global_state
+
+    directory = tmp_path_factory.mktemp("sticky") / "report"
+    case = OperatorCase(wq_call.site, wq_call.prior, wq_call.args, wq_call.kwargs, wq_call.expected,
+                        [t.clone() for t in wq_call.expected])
+    write_report(directory, case, STICKY)
+    with preserved_global_state(), pytest.MonkeyPatch.context() as patch:
+        patch.delenv("SDCREPLAY_INJECT", raising=False)
+        return minimize(directory, trials=300, inject=[STICKY])
+
+
+def test_wilson_interval_known_values():
+    assert wilson_interval(0, 10) == (0.0, pytest.approx(Z95**2 / (10 + Z95**2)))
+    low, high = wilson_interval(5, 10)
+    assert (round(low, 4), round(high, 4)) == (0.2366, 0.7634)
+    assert wilson_interval(10, 10) == (pytest.approx(10 / (10 + Z95**2)), 1.0)
+
+
+def test_ddmin_finds_a_1_minimal_subset():
+    needed = {3, 11, 17}
+    tested = []
+
+    def test(subset: tuple) -> bool:
+        tested.append(subset)
+        return needed <= set(subset)
+
+    assert ddmin(range(40), test) == (3, 11, 17)
+    assert () not in tested
+
+
+def test_shrinker_keeps_the_best_when_interrupted(wq_call: OperatorCase):
+    axes, _ = shrink_axes(wq_call.op, resolve_op(wq_call.op), wq_call.args, wq_call.expected)
+    verdicts = iter([False, True, False, True])
+
+    def accepts(args, kwargs) -> bool:
+        verdict = next(verdicts, None)
+        if verdict is None:
+            raise KeyboardInterrupt
+        return verdict
+
+    shrinker = Shrinker(wq_call.args, wq_call.kwargs, axes, accepts)
+    with pytest.raises(KeyboardInterrupt):
+        shrinker.run()
+    # rows: first half refused, second half kept (8 rows); then its first quarter refused, the second kept
+    assert [len(kept) for kept in shrinker.best] == [4, 32, 32]
+    assert shrinker.best[0] == (12, 13, 14, 15)
+
+
+def test_shrink_axes_by_operator_family():
+    a, b, bias = torch.ones(4, 3), torch.ones(3, 5), torch.ones(5)
+    mm = resolve_op("aten.addmm.default")
+    axes, _ = shrink_axes("aten.addmm.default", mm, [bias, a, b], [torch.ones(4, 5)])
+    assert [(axis.name, axis.size, axis.members) for axis in axes] == [
+        ("rows", 4, ((1, 0),)), ("cols", 5, ((2, 1), (0, 0))), ("inner", 3, ((1, 1), (2, 0)))]
+    x, weight = torch.ones(2, 6, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    norm = resolve_op("aten._fused_rms_norm.default")
+    axes, _ = shrink_axes("aten._fused_rms_norm.default", norm, [x, [8], weight, 1e-6], list(norm(x, [8], weight, 1e-6)))
+    assert [(axis.name, axis.members) for axis in axes] == [("dim 0", ((0, 0),)), ("dim 1", ((0, 1),))]
+    mul = resolve_op("aten.mul.Tensor")
+    axes, _ = shrink_axes("aten.mul.Tensor", mul, [x, weight], [x * weight])
+    assert [(axis.name, axis.members) for axis in axes] == [
+        ("dim 0", ((0, 0),)), ("dim 1", ((0, 1),)), ("dim 2", ((0, 2), (1, 0)))]
+    sort = resolve_op("aten.sort.default")
+    axes, reason = shrink_axes("aten.sort.default", sort, [x], list(sort(x)))
+    assert axes == [] and "does not apply" in reason
+
+
+def test_sticky_bitflip_fails_every_trial(sticky_result):
+    data = sticky_result.to_json()
+    assert data["schema"] == "sdcreplay.minimize/1"
+    assert (data["trials"], data["failures"], data["rate"]) == (300, 300, 1.0)
+    assert data["ci95"] == [pytest.approx(300 / (300 + Z95**2)), 1.0]
+    assert data["trials_to_first_failure"] == 1
+    assert (data["reference_trials"], data["reference_failures"]) == (300, 0)
+    assert data["first_mismatch"]["index"] == 5 and data["first_mismatch"]["xor"] == "00400000"
+    assert data["bits"]["histogram"] == {"22": 1}
+    assert data["data_dependent"] is False
+    assert sticky_result.exit_code == 1
+
+
+def test_minimal_inputs_are_smaller_still_fail_and_are_1_minimal(sticky_result, wq_call: OperatorCase):
+    data = sticky_result.to_json()
+    assert data["input_shapes_original"] == [[16, 32], [32, 32]]
+    # the fault flips element 5 of the output: one row, six columns, one inner element are enough
+    assert data["input_shapes_minimal"] == [[1, 1], [1, 6]]
+    assert data["shrink"]["status"] == "shrunk"
+    assert data["minimal"]["failures"] == data["minimal"]["trials"] == 300
+    minimal = OperatorCase.read(Path(data["ticket"]) / "inputs.h5")
+    a, b = minimal.args
+    specs = parse_specs([STICKY], include_env=False)
+    op = resolve_op(wq_call.op)
+    runners = [TrialRunner(op, wq_call.site, wq_call.prior, label, specs) for label in ("cpu:1", "cpu:0")]
+    acceptance = Acceptance(*runners, good_trials=10, bad_trials=1)
+    assert acceptance.holds([a, b], {})
+    for column in range(b.shape[1]):  # rows and inner already have one element each
+        kept = [c for c in range(b.shape[1]) if c != column]
+        assert not acceptance.holds([a, b[:, kept].contiguous()], {})
+
+
+def test_intermittent_fault_rate_interval_contains_p(report: Path):
+    spec = f"kind=bitflip,op=aten.mm,module={MODULE},step=1,index=5,p=0.05,seed=7,device=cpu:1"
+    data = minimize(report, trials=2000, inject=[spec]).to_json()
+    draws = random.Random("7:0:0")  # the injector's stream for the first block of suspect trials
+    assert data["failures"] == sum(draws.random() < 0.05 for _ in range(2000))
+    low, high = data["ci95"]
+    assert low < 0.05 < high
+    # --bad-trials defaults to what sees a failure at the measured rate with 99% probability
+    assert (1 - data["rate"]) ** data["acceptance"]["bad_trials"] <= 0.01 < (1 - data["rate"]) ** (data["acceptance"]["bad_trials"] - 1)
+
+
+def test_fault_that_does_not_reproduce_gives_a_not_reproduced_ticket(report: Path):
+    result = minimize(report, trials=200)  # the report was made with an injection; none is given here
+    data = result.to_json()
+    assert (data["reproduced"], data["failures"], result.exit_code) == (False, 0, 0)
+    assert data["ci95"] == [0.0, pytest.approx(Z95**2 / (200 + Z95**2))]
+    assert data["input_shapes_minimal"] == data["input_shapes_original"]
+    assert data["data_dependent"] is None
+    assert any("--inject" in warning for warning in data["warnings"])
+    ticket = json.loads((Path(data["ticket"]) / "ticket.json").read_text())
+    assert ticket["status"] == "not reproduced"
+    assert "rate below 1.88%" in ticket["title"]
+
+
+def test_cli_json_and_exit_codes(cli, report: Path, tmp_path: Path):
+    result = cli("minimize", report, "--inject", STICKY, "--trials", "50", "--out", tmp_path / "t", "--json")
+    assert result.exit_code == 1, result.stderr
+    data = json.loads(result.stdout)
+    assert data["schema"] == "sdcreplay.minimize/1"
+    assert (data["op"], data["device"], data["reference"]) == ("aten.mm.default", "cpu:1", "cpu:0")
+    assert (data["trials"], data["failures"]) == (50, 50)
+    assert data["ticket"] == str(tmp_path / "t")
+    assert (tmp_path / "t" / "repro.py").is_file()
+    healthy = cli("minimize", report, "--trials", "50", "--json")
+    assert healthy.exit_code == 0, healthy.stderr
+    assert json.loads(healthy.stdout)["failures"] == 0
+    assert "not reproduced" in healthy.stderr
+
+
+def test_cli_missing_or_damaged_report(cli, report: Path, tmp_path: Path):
+    missing = cli("minimize", tmp_path / "nowhere")
+    assert missing.exit_code == 3
+    assert "Error:" in missing.stderr and "Hint:" in missing.stderr
+    (report / OPERATOR_FILE).write_bytes(b"not hdf5 at all")
+    damaged = cli("minimize", report, "--json")
+    assert damaged.exit_code == 3
+    assert "operator.h5" in damaged.stderr and "Hint:" in damaged.stderr
+    assert damaged.stdout == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_trials_count_every_failure_with_one_sync_per_block(wq_call: OperatorCase):
+    op = resolve_op(wq_call.op)
+    spec = "kind=bitflip,op=aten.mm,step=1,index=5,p=0.5,seed=3,device=cuda:0"
+    expected = TrialRunner(op, wq_call.site, wq_call.prior, "cuda:0", []).outputs(wq_call.args, wq_call.kwargs)
+    runner = TrialRunner(op, wq_call.site, wq_call.prior, "cuda:0", parse_specs([spec], include_env=False))
+    measured = runner.measure(wq_call.args, wq_call.kwargs, expected, 500)
+    draws = random.Random("3:0:0")
+    fired = [draws.random() < 0.5 for _ in range(500)]
+    assert measured.failures == sum(fired)
+    assert measured.trials_to_first_failure == fired.index(True) + 1
+    assert measured.first_failure["indices"] == [5]
+
+
+def test_reference_that_disagrees_with_the_record_stops(tmp_path: Path, wq_call: OperatorCase):
+    recorded = [t.clone() for t in wq_call.expected]
+    recorded[0].view(-1)[0] += 1.0  # not what this reference computes from these inputs
+    case = OperatorCase(wq_call.site, wq_call.prior, wq_call.args, wq_call.kwargs, recorded, [t.clone() for t in recorded])
+    with pytest.raises(DeterminismError, match="does not reproduce the recorded output"):
+        minimize(write_report(tmp_path / "report", case, STICKY), trials=5)
+
+
+def test_accelerator_verdicts_stay_on_the_device_until_one_fetch():
+    """The comparison a GPU runs (a flag per trial, fetched per block), exercised on CPU tensors."""
+    from sdcreplay.minimize import _device_flag, _fetch, raw_bits
+
+    expected = torch.tensor([1.0, -0.0, float("nan")])
+    wanted = [raw_bits(expected), 3]
+    flipped = expected.clone()
+    flipped.view(torch.int32)[1] ^= 1 << 31  # -0.0 -> +0.0: equal as floats, not as bits
+    flags = [_device_flag([expected.clone(), 3], wanted), _device_flag([flipped, 3], wanted),
+             _device_flag([expected.clone(), 4], wanted), _device_flag([expected[:2].clone(), 3], wanted)]
+    assert isinstance(flags[0], torch.Tensor) and isinstance(flags[1], torch.Tensor)
+    assert _fetch(flags) == [False, True, True, True]

@@ -1,0 +1,251 @@
+"""The Recorder inside a user's own training loop, and what it writes."""
+
+from __future__ import annotations
+
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, SMALL
+
+import sdcreplay
+from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
+from sdcreplay.bundle import STATE
+from sdcreplay.errors import BundleError, CheckpointError
+from sdcreplay.workload import build_workload
+
+KIND_ORDER = ["rng", "forward", "loss", "backward", "grad", "param", "buffer"]
+
+
+def kind(name: str) -> str:
+    return name.split(":", 1)[0]
+
+
+def exact_float32(value: torch.Tensor) -> str:
+    bits = struct.unpack("<I", struct.pack("<f", value.item()))[0]
+    return f"=float32:{bits:08x}"
+
+
+def user_loop(path: Path, steps: int = 3, *, skip_optimizer_at: int | None = None, **recorder_kwargs):
+    """The loop from the README, on a 1-layer tiny-llama; returns the Recorder and the losses."""
+    kwargs = dict(SMALL, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    model, opt = workload.model, workload.optimizer
+    rec = Recorder(path, workload="builtin:tiny-llama", model=model, optimizer=opt,
+                   workload_kwargs=kwargs, **recorder_kwargs)
+    losses = []
+    for index in range(steps):
+        batch = workload.get_batch(index)
+        with rec.step(batch):
+            loss = workload.loss_fn(model, batch)
+            loss.backward()
+        if index != skip_optimizer_at:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    rec.close()
+    return rec, losses
+
+
+def assert_replays_identically(path: Path, steps: list[int]) -> None:
+    bundle = Bundle.open(path)
+    record_log = bundle.signature_log()
+    comparison = compare_logs(record_log, replay_on_device(bundle, "cpu"))
+    assert comparison.steps == steps
+    assert comparison.divergences == []
+    assert comparison.entries == record_log.entry_count() > 0
+
+
+def test_user_loop_records_a_bundle_that_replays_identically(tmp_path: Path):
+    rec, losses = user_loop(tmp_path / "run.bundle", steps=3)
+    assert rec.path == tmp_path / "run.bundle"
+    assert rec.steps_written == 3
+    bundle = Bundle.open(rec.path)
+    assert bundle.complete
+    assert bundle.workload_ref == "builtin:tiny-llama"
+    assert bundle.workload_kwargs == dict(SMALL, seed=0)
+    assert bundle.manifest["state"] == {"kind": "embedded", "file": STATE}
+    assert [s.optimizer_step for s in bundle.steps] == [True, True, True]
+    log = bundle.signature_log()
+    assert rec.entries_written == log.entry_count()
+    params = [name for name, _ in build_workload("builtin:tiny-llama", SMALL).model.named_parameters()]
+    for index, entries in log.steps.items():
+        names = [name for name, _ in entries]
+        # The loss is whatever tensor went to backward, kept exactly.
+        assert dict(entries)["loss"] == exact_float32(losses[index])
+        assert names.count("loss") == 1
+        ranks = [KIND_ORDER.index(kind(name)) for name in names]
+        assert ranks == sorted(ranks), "entries are not in the order rng, forward, loss, backward, grad, param"
+        assert {kind(name) for name in names} == set(KIND_ORDER)
+        assert names[:3] == ["rng:python", "rng:numpy", "rng:cpu"]
+        assert [n for n in names if kind(n) == "grad"] == [f"grad:{p}" for p in params]
+        assert [n for n in names if kind(n) == "param"] == [f"param:{p}" for p in params]
+        assert "forward:layers.0.attn.wq" in names and "backward:layers.0.attn.wq" in names
+    assert_replays_identically(rec.path, [0, 1, 2])
+
+
+def test_batches_and_rng_are_stored_exactly(tmp_path: Path):
+    rec, _ = user_loop(tmp_path / "run.bundle", steps=2)
+    workload = build_workload("builtin:tiny-llama", SMALL)
+    bundle = Bundle.open(rec.path)
+    for index in (0, 1):
+        batch, rng = bundle.load_step(index)
+        assert torch.equal(batch["tokens"], workload.get_batch(index)["tokens"])
+        assert rng.cpu.dtype == torch.uint8 and rng.accelerator is None
+
+
+def test_start_step_numbers_the_steps(tmp_path: Path):
+    rec, _ = user_loop(tmp_path / "run.bundle", steps=2, start_step=500)
+    bundle = Bundle.open(rec.path)
+    assert bundle.step_indices == [500, 501]
+    assert [s.file for s in bundle.steps] == ["steps/000500.h5", "steps/000501.h5"]
+    assert_replays_identically(rec.path, [500, 501])
+
+
+def test_a_step_without_optimizer_step_is_recorded_as_such(tmp_path: Path):
+    rec, _ = user_loop(tmp_path / "run.bundle", steps=3, skip_optimizer_at=1)
+    bundle = Bundle.open(rec.path)
+    assert [s.optimizer_step for s in bundle.steps] == [True, False, True]
+    names = [name for name, _ in bundle.signature_log().steps[1]]
+    assert not any(kind(name) in ("param", "buffer") for name in names)
+    assert_replays_identically(rec.path, [0, 1, 2])
+
+
+def test_a_step_that_raises_is_not_recorded(tmp_path: Path):
+    kwargs = dict(SMALL, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    model, opt = workload.model, workload.optimizer
+    with Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, opt, workload_kwargs=kwargs) as rec:
+        for index in range(3):
+            batch = workload.get_batch(index)
+            try:
+                with rec.step(batch):
+                    loss = workload.loss_fn(model, batch)
+                    if index == 1:
+                        raise RuntimeError("simulated OOM")
+                    loss.backward()
+            except RuntimeError:
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+    bundle = Bundle.open(tmp_path / "run.bundle")
+    assert bundle.step_indices == [0, 1]  # the failed step left no record and no gap
+    assert torch.equal(bundle.load_step(1)[0]["tokens"], workload.get_batch(2)["tokens"])
+    assert_replays_identically(tmp_path / "run.bundle", [0, 1])
+
+
+def test_recorder_with_a_checkpoint_references_it(tmp_path: Path):
+    kwargs = dict(SMALL, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    checkpoint = tmp_path / "ckpt.pt"
+    torch.save({"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()}, checkpoint)
+    rec = Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
+                   workload_kwargs=kwargs, checkpoint=checkpoint)
+    batch = workload.get_batch(0)
+    with rec.step(batch):
+        workload.loss_fn(workload.model, batch).backward()
+    workload.optimizer.step()
+    workload.optimizer.zero_grad()
+    rec.close()
+    bundle = Bundle.open(tmp_path / "run.bundle")
+    assert bundle.manifest["state"]["kind"] == "checkpoint"
+    assert bundle.manifest["state"]["path"] == str(checkpoint.resolve())
+    assert STATE not in bundle.manifest["files"]
+    assert_replays_identically(tmp_path / "run.bundle", [0])
+
+
+def test_recorder_refuses_a_checkpoint_the_model_was_not_loaded_from(tmp_path: Path):
+    workload = build_workload("builtin:tiny-llama", dict(SMALL, seed=0))
+    other = build_workload("builtin:tiny-llama", dict(SMALL, seed=1))
+    torch.save({"model": other.model.state_dict()}, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="differs from checkpoint"):
+        Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
+                 checkpoint=tmp_path / "ckpt.pt")
+
+
+def test_recorder_refuses_to_overwrite(tmp_path: Path):
+    user_loop(tmp_path / "run.bundle", steps=1)
+    with pytest.raises(BundleError, match="already exists"):
+        user_loop(tmp_path / "run.bundle", steps=1)
+    rec, _ = user_loop(tmp_path / "run.bundle", steps=2, overwrite=True)
+    assert Bundle.open(rec.path).step_indices == [0, 1]
+
+
+def test_record_api_summary(tmp_path: Path):
+    summary = sdcreplay.record("builtin:tiny-moe", tmp_path / "moe.bundle", steps=2, seed=5,
+                               kwargs={**SMALL, "experts": 2})
+    bundle = Bundle.open(summary.bundle)
+    assert summary.bundle == tmp_path / "moe.bundle"
+    assert summary.steps == 2 and bundle.step_indices == [0, 1]
+    assert summary.kwargs == {**SMALL, "experts": 2, "seed": 5}
+    assert bundle.workload_kwargs == summary.kwargs
+    assert summary.entries == bundle.signature_log().entry_count()
+    assert summary.size_bytes == bundle.size_bytes()
+    assert isinstance(summary.final_loss, float)
+
+
+KILLED_SCRIPT = """
+import sys, time
+import sdcreplay
+from sdcreplay.workload import build_workload
+
+kwargs = {kwargs!r}
+workload = build_workload("builtin:tiny-llama", kwargs)
+model, opt = workload.model, workload.optimizer
+rec = sdcreplay.Recorder(sys.argv[1], "builtin:tiny-llama", model, opt, workload_kwargs=kwargs)
+for index in range(4):
+    batch = workload.get_batch(index)
+    with rec.step(batch):
+        loss = workload.loss_fn(model, batch)
+        loss.backward()
+    if index == 3:
+        break  # the fourth step is mid-way: backward done, no optimizer step yet
+    opt.step()
+    opt.zero_grad()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_recording_killed_mid_write_reads_as_the_completed_steps(tmp_path: Path):
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(KILLED_SCRIPT.format(kwargs=dict(SMALL, seed=0))))
+    process = subprocess.Popen([sys.executable, str(script), "run.bundle"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.strip() == "ready", process.stderr.read()
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not (tmp_path / "run.bundle").exists()
+    bundle = Bundle.open(tmp_path / "run.bundle")
+    assert bundle.path == tmp_path / "run.bundle.partial"
+    assert bundle.complete is False
+    assert bundle.step_indices == [0, 1, 2]
+    assert sdcreplay.describe(tmp_path / "run.bundle")["complete"] is False
+    assert_replays_identically(tmp_path / "run.bundle", [0, 1, 2])
+
+
+def test_example_train_loop_records_a_replayable_bundle(tmp_path: Path):
+    example = REPO / "examples" / "train_loop.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--out", str(tmp_path / "run.bundle"), "--steps", "3", "--hidden", "16"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"sdcreplay replay {tmp_path / 'run.bundle'}" in done.stdout
+    bundle = Bundle.open(tmp_path / "run.bundle")
+    assert bundle.workload_ref == f"{example.resolve()}:make_workload"
+    assert bundle.workload_kwargs == {"seed": 0, "hidden": 16}
+    assert bundle.step_indices == [0, 1, 2]
+    assert_replays_identically(tmp_path / "run.bundle", [0, 1, 2])

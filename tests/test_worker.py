@@ -1,0 +1,310 @@
+"""Replay on several devices through real worker processes, with injected faults as ground truth.
+
+Every device label is its own ``python -m sdcreplay.worker`` process, and a
+process costs seconds to start (torch import), so the scenarios share few
+``replay_devices`` calls:
+
+* one call replays a two-layer tiny-llama bundle on two healthy replicas and
+  seven faulty ones, each with one fault kind. Each kind is then judged as
+  "three replicas, the fault on one of them" by voting the record, the two
+  healthy replicas and that faulty replica (the logs are the workers' own);
+* tiny-moe with a fault in the expert scatter (``index_add_``);
+* a bundle recorded *with* a fault, replayed through the CLI (``--json``);
+* a device whose process is killed by SIGKILL next to an intermittent one
+  (``p=0.3``, ten repeats) and two healthy ones.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import preserved_global_state
+
+from sdcreplay import Bundle, ReplaySession, record, replay_devices, replay_on_device
+from sdcreplay.capture import CallSite
+from sdcreplay.compare import compare_logs, vote
+from sdcreplay.digest import tensor_digest
+from sdcreplay.faults import FaultSpec, Injector, corrupt
+
+LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
+MOE = {**LLAMA, "layers": 1, "experts": 2, "top_k": 1}
+HEALTHY = ["cpu:0", "cpu:1"]
+
+# label -> (fault on that label alone, the first divergent entry at step 1 that it must produce)
+KINDS = {
+    "cpu:2": ("kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=101",
+              "forward:layers.1.attn.wq"),
+    "cpu:3": ("kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=1",
+              "backward:layers.0.mlp.w2"),
+    "cpu:4": ("kind=pairflip,op=aten.mm,module=layers.0.attn.wk,phase=forward,step=1,index=35,count=64",
+              "forward:layers.0.attn.wk"),
+    "cpu:5": ("kind=swap,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,index=66,count=1",
+              "forward:layers.1.mlp.w3"),
+    "cpu:6": ("kind=bias,op=aten.mm,module=layers.0.attn.wo,phase=forward,step=1,index=64,count=8,scale=1e-4",
+              "forward:layers.0.attn.wo"),
+    "cpu:7": ("kind=nan,op=aten.mm,module=layers.1.mlp.w1,phase=forward,step=1,index=97",
+              "forward:layers.1.mlp.w1"),
+    "cpu:8": ("kind=memflip,param=layers.0.mlp.w3.weight,step=1,index=40,bit=20",
+              "forward:layers.0.mlp.w3"),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("worker")
+
+
+@pytest.fixture(scope="module")
+def llama(root) -> Path:
+    with preserved_global_state():
+        record("builtin:tiny-llama", root / "llama.bundle", steps=2, kwargs=dict(LLAMA))
+    return root / "llama.bundle"
+
+
+@pytest.fixture(scope="module")
+def kinds(llama, root):
+    """One replay: two healthy replicas and one replica per fault kind."""
+    specs = [f"{spec},device={label}" for label, (spec, _) in KINDS.items()]
+    return replay_devices(llama, HEALTHY + list(KINDS), inject=specs, log_dir=root / "kinds")
+
+
+@pytest.fixture(scope="module")
+def llama_record(llama):
+    return _record_of(llama)
+
+
+def three_replicas(report, record_log, faulty: str):
+    """The vote of the record, the two healthy replicas and one faulty replica."""
+    runs = {run.device: run.logs for run in report.devices}
+    return vote(record_log, {label: runs[label] for label in (*HEALTHY, faulty)})
+
+
+def _record_of(bundle: Path):
+    return Bundle.open(bundle).signature_log()
+
+
+# ---------------------------------------------------------------------------
+# Each fault kind on one of three replicas
+
+
+@pytest.mark.parametrize("label", list(KINDS), ids=[spec.split(",")[0].removeprefix("kind=") + "-" + label
+                                                    for label, (spec, _) in KINDS.items()])
+def test_each_kind_names_the_odd_device_step_and_layer(kinds, llama_record, label):
+    _, entry = KINDS[label]
+    consensus = three_replicas(kinds, llama_record, label)
+    assert consensus.verdict == "persistent"
+    assert consensus.suspects == [label]
+    assert (consensus.first_divergence.step, consensus.first_divergence.name) == (1, entry)
+    judged = consensus.voters[label]
+    assert (judged.verdict, judged.runs, judged.divergent_runs) == ("persistent", 1, 1)
+    assert all(consensus.voters[voter].verdict == "match" for voter in ("record", *HEALTHY))
+    # and in the report of the nine-device replay itself
+    run = next(run for run in kinds.devices if run.device == label)
+    assert run.error is None
+    assert run.verdict == "persistent"
+    assert run.to_json()["first_divergence"] == {"step": 1, "phase": entry.split(":")[0], "name": entry}
+    assert run.to_json()["steps"]["0"] == 0
+
+
+def test_the_many_faulty_replay_report(kinds, root):
+    """Seven of nine replicas faulty in different ways: no value has a majority downstream."""
+    assert kinds.consensus.verdict == "undecided"
+    assert kinds.consensus.undecided_entries > 0
+    assert kinds.consensus.suspects == list(KINDS)
+    assert [run.verdict for run in kinds.devices] == ["match", "match"] + ["persistent"] * len(KINDS)
+    assert kinds.exit_code == 1
+    assert Path(kinds.log_dir) == root / "kinds"
+    for run in kinds.devices:
+        assert run.log_paths == [str(root / "kinds" / f"{run.device.replace(':', '-')}.r0.sig.zst")]
+        assert Path(run.log_paths[0]).is_file()
+        assert (root / "kinds" / f"replay-{run.device.replace(':', '-')}.stderr.txt").is_file()
+
+
+def test_two_replicas_that_disagree_with_the_record_are_undecided(kinds, llama_record):
+    runs = {run.device: run.logs for run in kinds.devices}
+    consensus = vote(llama_record, {"cpu:2": runs["cpu:2"], "cpu:4": runs["cpu:4"]})
+    assert consensus.verdict == "undecided"
+    assert consensus.undecided_entries > 0
+    assert consensus.suspects == ["cpu:2", "cpu:4"]
+
+
+def _clean_outputs(bundle: Path, specs: list[str]) -> dict[str, torch.Tensor]:
+    """The output each spec's call produced in a clean in-process replay (before any fault)."""
+    parsed = {text: FaultSpec.parse(text) for text in specs}
+    seen: dict[str, torch.Tensor] = {}
+
+    class Keep:
+        def on_call(self, site: CallSite, func, args, kwargs, out):
+            for text, spec in parsed.items():
+                if text not in seen and site.step == spec.step and spec.matches_key(*site.key):
+                    seen[text] = out.detach().clone()
+            return out
+
+    session = ReplaySession(bundle, "cpu")
+    try:
+        for step in session.steps_until(1):
+            session.run_step(step, observers=[Keep()])
+    finally:
+        session.close()
+    return seen
+
+
+def test_pairflip_and_swap_would_be_missed_by_hash_tensor(kinds, llama):
+    """The same corruption of the same output: torch.hash_tensor cannot see it, the digest does."""
+    specs = [KINDS["cpu:4"][0], KINDS["cpu:5"][0]]
+    for text, clean in _clean_outputs(llama, specs).items():
+        corrupted = clean.clone()
+        assert corrupt(FaultSpec.parse(text), corrupted) is not None
+        assert not torch.equal(corrupted, clean)
+        assert torch.hash_tensor(corrupted) == torch.hash_tensor(clean)
+        assert tensor_digest(corrupted) != tensor_digest(clean)
+    assert {run.device: run.verdict for run in kinds.devices}.get("cpu:4") == "persistent"
+    assert {run.device: run.verdict for run in kinds.devices}.get("cpu:5") == "persistent"
+
+
+def test_a_fault_the_network_masks_shows_only_at_its_own_entry(llama, llama_record):
+    """Query position 0 attends only to itself: a flip there changes q and nothing downstream."""
+    log = replay_on_device(llama, "cpu:9", inject=[
+        "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"])
+    comparison = compare_logs(llama_record, log)
+    assert [(d.step, d.name) for d in comparison.divergences] == [(1, "forward:layers.1.attn.wq")]
+
+
+def test_a_weight_gradient_fault_is_named_by_its_grad_entry(llama, llama_record):
+    """In a Linear's backward the weight-gradient matmul runs first (nth=0), the input gradient second."""
+    log = replay_on_device(llama, "cpu:9", inject=[
+        "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0"])
+    first = compare_logs(llama_record, log).first
+    assert (first.step, first.name) == (1, "grad:layers.0.mlp.w2.weight")
+
+
+# ---------------------------------------------------------------------------
+# tiny-moe: the expert scatter
+
+
+def test_moe_expert_scatter_fault(root):
+    bundle = root / "moe.bundle"
+    with preserved_global_state():
+        record("builtin:tiny-moe", bundle, steps=2, kwargs=dict(MOE))
+    spec = "kind=bitflip,op=aten.index_add_,module=layers.0.moe,phase=forward,step=1,nth=1,index=40,device=cpu:1"
+    report = replay_devices(bundle, ["cpu:0", "cpu:1", "cpu:2"], inject=[spec], log_dir=root / "moe")
+    assert report.consensus.verdict == "persistent"
+    assert report.consensus.suspects == ["cpu:1"]
+    assert report.consensus.first_divergence.brief() == {"step": 1, "phase": "forward", "name": "forward:layers.0.moe"}
+    assert [run.verdict for run in report.devices] == ["match", "persistent", "match"]
+    assert report.to_json()["consensus"]["first_divergence"] == {
+        "step": 1, "phase": "forward", "name": "forward:layers.0.moe"}
+
+
+# ---------------------------------------------------------------------------
+# A fault at record time: the recording device is the suspect (through the CLI)
+
+RECORD_FAULT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=101"
+
+
+def test_fault_at_record_time_is_recording_suspect(root, cli):
+    bundle = root / "recorded-bad.bundle"
+    with preserved_global_state():
+        record("builtin:tiny-llama", bundle, steps=2, kwargs=dict(LLAMA), inject=[RECORD_FAULT])
+    manifest = (bundle / "manifest.json").read_text()
+    assert "bitflip" not in manifest and "inject" not in manifest  # looks like any bundle from a bad GPU
+
+    logs = root / "recorded-bad-logs"
+    result = cli("replay", bundle, "-d", "cpu:0", "-d", "cpu:1", "-d", "cpu:2", "--logs", logs, "--json")
+    assert result.exit_code == 1, result.stderr
+    data = json.loads(result.stdout)
+    assert data["schema"] == "sdcreplay.replay/1"
+    assert data["record"] == {"verdict": "persistent"}
+    assert data["consensus"]["verdict"] == "recording_suspect"
+    assert data["consensus"]["suspects"] == ["record"]
+    assert data["consensus"]["first_divergence"] == {"step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+    assert [(d["device"], d["verdict"], d["repeats"], d["divergent_repeats"], d["error"]) for d in data["devices"]] == [
+        ("cpu:0", "match", 1, 0, None), ("cpu:1", "match", 1, 0, None), ("cpu:2", "match", 1, 0, None)]
+    assert data["log_dir"] == str(logs)
+    assert all(Path(d["logs"][0]).parent == logs for d in data["devices"])
+    assert "Verdict: recording_suspect" in result.stderr
+
+
+# ---------------------------------------------------------------------------
+# A process killed by a signal, next to an intermittent device
+
+KILLER = '''
+import os
+import signal
+
+from sdcreplay.workloads import tiny_llama
+
+
+def make(**kwargs):
+    """tiny-llama, except that the process replaying as cpu:1 dies in its first step."""
+    workload = tiny_llama.make_workload(**kwargs)
+    inner = workload.loss_fn
+
+    def loss_fn(model, batch):
+        if os.environ.get("SDCREPLAY_DEVICE") == "cpu:1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return inner(model, batch)
+
+    workload.loss_fn = loss_fn
+    return workload
+'''
+
+FLAKY = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=0,index=101,p=0.3,seed=7,device=cpu:3"
+REPEATS = 10
+
+
+def _expected_fires(spec: str, label: str, repeats: int) -> list[int]:
+    """Repeats in which the intermittent fault fires (the injector is salted with the repeat)."""
+    fired = []
+    for repeat in range(repeats):
+        injector = Injector([FaultSpec.parse(spec)], label, salt=repeat)
+        injector.on_call(CallSite(0, "forward", "layers.1.attn.wq", "aten.mm.default", 0), None, (), {}, torch.zeros(200))
+        if injector.fired:
+            fired.append(repeat)
+    return fired
+
+
+def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(tmp_path, monkeypatch):
+    monkeypatch.delenv("SDCREPLAY_DEVICE", raising=False)  # the workload must not kill this process
+    workload = tmp_path / "killer.py"
+    workload.write_text(textwrap.dedent(KILLER))
+    bundle = tmp_path / "killer.bundle"
+    with preserved_global_state():
+        record(f"{workload}:make", bundle, steps=1, kwargs=dict(LLAMA))
+
+    report = replay_devices(bundle, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], repeats=REPEATS,
+                            inject=[FLAKY], log_dir=tmp_path / "logs")
+    runs = {run.device: run for run in report.devices}
+
+    killed = runs["cpu:1"]
+    assert killed.verdict == "error"
+    assert killed.error["message"] == "the cpu:1 process killed by signal SIGKILL"
+    assert killed.error["exit_status"] == -signal.SIGKILL
+    assert killed.logs == [] and killed.to_json()["error"]["message"].endswith("SIGKILL")
+
+    assert runs["cpu:0"].verdict == runs["cpu:2"].verdict == "match"
+    assert len(runs["cpu:0"].logs) == len(runs["cpu:2"].logs) == REPEATS
+
+    expected = _expected_fires(FLAKY, "cpu:3", REPEATS)
+    assert 0 < len(expected) < REPEATS / 2  # seed 7 fires in a minority of the repeats
+    flaky = runs["cpu:3"].to_json()
+    assert (flaky["verdict"], flaky["repeats"], flaky["divergent_repeats"]) == ("intermittent", REPEATS, len(expected))
+    assert flaky["first_divergence"] == {"step": 0, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+    record_log = _record_of(bundle)
+    diverged = [r for r, log in enumerate(runs["cpu:3"].logs) if not compare_logs(record_log, log).identical]
+    assert diverged == expected
+
+    assert report.consensus.verdict == "transient"
+    assert report.consensus.suspects == ["cpu:3"]
+    assert report.exit_code == 1
+    assert json.loads(json.dumps(report.to_json()))["devices"][1]["verdict"] == "error"
+
+
+def test_repeats_are_salted_differently():
+    assert _expected_fires(FLAKY, "cpu:3", REPEATS) != _expected_fires(FLAKY.replace("seed=7", "seed=8"), "cpu:3", REPEATS)
+    assert _expected_fires(FLAKY, "cpu:0", REPEATS) == []  # another device's fault
