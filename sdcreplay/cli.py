@@ -304,10 +304,14 @@ def render_diff(output: Output, comparison) -> None:
     output.table("Divergent entries per step", ["step", "divergent entries"], [
         [str(step), str(count)] for step, count in comparison.per_step().items()
     ])
-    output.table("Divergent entries per layer (from the first divergence on)", ["layer", "forward", "backward", "optimizer"], [
+    layers = list(comparison.per_layer().items())
+    shown = 12
+    output.table("Divergent entries per layer, in order of first divergence", ["layer", "forward", "backward", "optimizer"], [
         [layer, str(counts.get("forward", 0)), str(counts.get("backward", 0)), str(counts.get("optimizer", 0))]
-        for layer, counts in comparison.per_layer().items()
+        for layer, counts in layers[:shown]
     ])
+    if len(layers) > shown:
+        output.say(f"(+{len(layers) - shown} more layers; --json or --plot shows them all)")
 
 
 @app.command()
@@ -399,6 +403,44 @@ def render_minimize(output: Output, result: dict) -> None:
     for warning in result["warnings"]:
         output.warn(warning)
     output.say(f"Ticket: {result['ticket']}")
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Directory for everything the demo writes (replaced).")] = Path("demo-out"),
+) -> None:
+    """The whole story on builtin:tiny-llama: record, replay on 3 replicas (cpu:1 defective), diff, bisect, minimize."""
+    from .demo import DEFECT, run_demo
+
+    output = Output(False)
+
+    def show(stage) -> None:
+        output.say(f"\n[bold]$ {stage.command}[/]")
+        result = stage.result
+        if stage.name == "record":
+            output.say(f"Recorded {result.steps} steps: {result.entries} signature entries, {human_size(result.size_bytes)} in {result.bundle}")
+        elif stage.name == "replay":
+            render_replay(output, result)
+        elif stage.name == "diff":
+            render_diff(output, result)
+        elif stage.name == "bisect":
+            render_bisect(output, result.to_json())
+        elif stage.name == "minimize":
+            render_minimize(output, result.to_json())
+
+    def action() -> int:
+        output.say(f"Planted defect on the virtual replica cpu:1: [bold]{DEFECT}[/]")
+        story = run_demo(out, on_stage=show)
+        problems = story.mismatches()
+        for problem in problems:
+            output.say(f"[bold red]Mismatch:[/] {problem}")
+        if problems:
+            return 1
+        ticket = story.result("minimize").to_json()["ticket"]
+        output.say(f"\n[bold green]The findings match the planted defect.[/] Ticket for the vendor: {ticket}")
+        return 0
+
+    run(output, action)
 
 
 @app.callback(invoke_without_command=True)

@@ -34,6 +34,27 @@ class Demo:
     out: Path
     stages: list[DemoStage] = field(default_factory=list)
 
+    def result(self, name: str):
+        return next(stage.result for stage in self.stages if stage.name == name)
+
+    def mismatches(self) -> list[str]:
+        """Where the findings differ from the planted defect (empty: the story holds)."""
+        problems = []
+        consensus = self.result("replay").consensus
+        if consensus.verdict != "persistent" or consensus.suspects != ["cpu:1"]:
+            problems.append(f"replay said {consensus.verdict} with suspects {consensus.suspects}, expected persistent [cpu:1]")
+        first = self.result("diff").first
+        if first is None or (first.step, first.name) != (1, "forward:layers.1.attn.wq"):
+            problems.append(f"diff's first divergence is {first}, expected step 1 forward:layers.1.attn.wq")
+        found = self.result("bisect").to_json()
+        named = (found.get("op"), found.get("module"), found.get("isolated"), (found.get("elements") or {}).get("indices"))
+        if named != ("aten.mm.default", "layers.1.attn.wq", "kernel", [5]):
+            problems.append(f"bisect named {named}, expected aten.mm.default under layers.1.attn.wq, kernel, element [5]")
+        ticket = self.result("minimize").to_json()
+        if not ticket.get("reproduced"):
+            problems.append("minimize did not reproduce the failure")
+        return problems
+
 
 def run_demo(out: str | Path, on_stage: Callable[[DemoStage], None] = lambda stage: None,
              steps: int = 3) -> Demo:
