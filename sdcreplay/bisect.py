@@ -13,6 +13,7 @@ runs in its own process; the whole bisect is four replays of one window.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import sys
@@ -454,11 +455,14 @@ def bisect(
 
 
 def _plotter():
+    """The heatmap function, checked before any work is done (it draws only at the end)."""
+    hint = "Install the plot extra (pip install 'sdcreplay[plot]'), or leave out --plot."
     try:
         from .plot import plot_element_heatmap
     except ImportError as exc:
-        raise SdcReplayError(f"--plot is not available here: {exc}",
-                             "Install the plot extra (pip install 'sdcreplay[plot]'), or leave out --plot.") from exc
+        raise SdcReplayError(f"--plot is not available here: {exc}", hint) from exc
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SdcReplayError("--plot needs matplotlib, which is not installed", hint)
     return plot_element_heatmap
 
 

@@ -121,8 +121,8 @@ def checkpoint_reference(path: Path) -> dict:
     return {"kind": "checkpoint", "path": str(path), "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def load_checkpoint(reference: dict) -> tuple[dict, dict | None]:
-    """Verify the checkpoint is the recorded one, then load it without pickle."""
+def verify_checkpoint(reference: dict) -> Path:
+    """Refuse a checkpoint that is missing or whose SHA-256 changed since the recording."""
     path = Path(reference["path"])
     if not path.is_file():
         raise CheckpointError(
@@ -135,6 +135,12 @@ def load_checkpoint(reference: dict) -> tuple[dict, dict | None]:
             f"checkpoint {path} changed since the recording (SHA-256 {actual[:16]}..., recorded {reference['sha256'][:16]}...)",
             "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
         )
+    return path
+
+
+def load_checkpoint(reference: dict) -> tuple[dict, dict | None]:
+    """Verify the checkpoint is the recorded one, then load it without pickle."""
+    path = verify_checkpoint(reference)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -159,6 +159,8 @@ def replay(
             report = replay_devices(bundle, devices, repeats=repeats, inject=inject or [], log_dir=logs,
                                     on_done=lambda label, _: advance(note=label))
         render_replay(output, report)
+        if inject and not any(fired for run_ in report.devices for fired in run_.injected):
+            output.warn("no injected fault fired on any device: check op=, module=, phase=, step= and index= against the workload")
         output.data(report.to_json())
         return report.exit_code
 
@@ -189,6 +191,8 @@ def render_replay(output: Output, report) -> None:
             output.warn(f"{run_.device}: {warning}")
         if run_.error:
             output.say(f"[bold magenta]{run_.device}[/]: {run_.error['message']}")
+            if run_.error.get("hint"):
+                output.say(f"  Hint: {run_.error['hint']}")
             if run_.error.get("stderr_tail"):
                 output.say("  " + run_.error["stderr_tail"].replace("\n", "\n  "))
     if report.consensus is None:

@@ -9,6 +9,7 @@ order; the first divergent entry is where the corruption became visible.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,13 +98,36 @@ def load_log(path: str | Path) -> SignatureLog:
     return log
 
 
-def _workload_difference(left: dict, right: dict) -> str:
-    """``builtin:x vs file.py:y``, or the keyword arguments that differ: ``dim=32 vs dim=48``."""
+def _effective_kwargs(workload: dict) -> dict:
+    """The workload's keyword arguments, with a built-in factory's defaults filled in.
+
+    Only built-in factories are inspected: diff never imports a workload named
+    in a file it was given (that would run a stranger's code).
+    """
+    kwargs = dict(workload.get("kwargs") or {})
+    ref = workload.get("ref")
+    if isinstance(ref, str) and ref.startswith("builtin:"):
+        from .workload import resolve_factory
+
+        with contextlib.suppress(Exception):
+            parameters = inspect.signature(resolve_factory(ref)).parameters.values()
+            kwargs = {p.name: p.default for p in parameters if p.default is not p.empty} | kwargs
+    return kwargs
+
+
+def _workload_difference(left: dict, right: dict) -> str | None:
+    """``builtin:x vs file.py:y``, or the keyword arguments that differ (``dim=32 vs dim=48``), or None.
+
+    A keyword argument given on one side only (a default of a factory that is
+    not built in) cannot be compared and is left out.
+    """
     if left.get("ref") != right.get("ref"):
         return f"workload {left.get('ref')} vs {right.get('ref')}"
-    a, b = left.get("kwargs") or {}, right.get("kwargs") or {}
-    keys = sorted(key for key in set(a) | set(b) if a.get(key, "(unset)") != b.get(key, "(unset)"))
-    show = lambda kwargs: ", ".join(f"{key}={kwargs.get(key, '(unset)')}" for key in keys)  # noqa: E731
+    a, b = _effective_kwargs(left), _effective_kwargs(right)
+    keys = sorted(key for key in set(a) & set(b) if a[key] != b[key])
+    if not keys:
+        return None
+    show = lambda kwargs: ", ".join(f"{key}={kwargs[key]}" for key in keys)  # noqa: E731
     return f"workload {left.get('ref')} with {show(a)} vs {show(b)}"
 
 
@@ -117,10 +141,11 @@ def check_comparable(a: SignatureLog, b: SignatureLog) -> None:
                 "Floating-point results differ between device types by design; replay on the device type the record was made on.",
             )
     left, right = a.meta.get("workload"), b.meta.get("workload")
-    if isinstance(left, dict) and isinstance(right, dict) and left != right:
+    difference = _workload_difference(left, right) if isinstance(left, dict) and isinstance(right, dict) else None
+    if difference:
         # Same entry names, other sizes or settings: every digest differs, and none of it is SDC.
         raise StructureError(
-            f"the logs describe different programs: {_workload_difference(left, right)}",
+            f"the logs describe different programs: {difference}",
             "This is a different workload or configuration, not silent data corruption; "
             "record and replay the same program.",
         )

@@ -66,24 +66,30 @@ def enable(num_threads: int | None = None) -> dict:
     return current_switches()
 
 
+def check_environment(recorded: dict) -> None:
+    """Refuse when a switch variable is set here to another value than in the recording."""
+    conflicts = [
+        f"{name}={os.environ[name]!r} (recorded {value!r})"
+        for name, value in recorded.get("env", {}).items()
+        if os.environ.get(name) is not None and os.environ[name] != value
+    ]
+    if conflicts:
+        raise DeterminismError(
+            "the environment differs from the recording: " + "; ".join(conflicts),
+            "Unset those variables or set them to the recorded values, then replay again.",
+        )
+
+
 def apply(recorded: dict) -> None:
     """Put the recorded switches in force; refuse what cannot be changed from here.
 
     An environment variable the person set to another value is not overridden:
     they may have a reason, and the replay would not be evidence either way.
     """
-    conflicts = []
+    check_environment(recorded)
     for name, value in recorded.get("env", {}).items():
-        now = os.environ.get(name)
-        if now is not None and now != value:
-            conflicts.append(f"{name}={now!r} (recorded {value!r})")
-        elif value is not None:
+        if value is not None:
             os.environ[name] = value
-    if conflicts:
-        raise DeterminismError(
-            "the environment differs from the recording: " + "; ".join(conflicts),
-            "Unset those variables or set them to the recorded values, then replay again.",
-        )
     torch.use_deterministic_algorithms(bool(recorded["deterministic_algorithms"]))
     torch.backends.cudnn.deterministic = bool(recorded["cudnn_deterministic"])
     torch.backends.cudnn.benchmark = bool(recorded["cudnn_benchmark"])
@@ -194,6 +200,13 @@ class RngState:
     def python_from_json(text: str) -> tuple:
         version, internal, gauss = json.loads(text)
         return (version, tuple(internal), gauss)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a step may draw from, so two recordings of a run are identical."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def capture_rng(device: torch.device) -> RngState:

@@ -127,18 +127,30 @@ class Recorder:
     def close(self) -> Path:
         """Write the last step, mark the bundle complete and give it its final name."""
         self._finish_pending()
-        self._hook.remove()
-        self._capture.close()
+        self._release()
         self.path = self._writer.close()
         return self.path
+
+    def abandon(self) -> Path:
+        """Stop after a failure: keep the steps written so far as an incomplete ``.partial`` bundle."""
+        if self._capture.step_open and self._pending is None:
+            self._capture.end_step()  # a step that raised mid-way is not evidence
+        self._finish_pending()
+        self._release()
+        return self.path
+
+    def _release(self) -> None:
+        self._hook.remove()
+        self._capture.close()
 
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        if self._capture.step_open and self._pending is None:
-            self._capture.end_step()  # a step that raised mid-way is not evidence
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
 
 
 def _check_model_matches_checkpoint(model: torch.nn.Module, reference: dict) -> None:
@@ -194,7 +206,7 @@ def record(
         built.model.load_state_dict(model_state)
         if optimizer_state is not None:
             built.optimizer.load_state_dict(optimizer_state)
-    torch.manual_seed(seed)
+    determinism.seed_everything(seed)
     injector = Injector(parse_specs(inject), device)
     loss_value = None
     recorder = Recorder(

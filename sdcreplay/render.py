@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -53,7 +54,7 @@ class Output:
         self.console.print(text)
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]Warning:[/] {text}")
+        self.console.print(f"[yellow]Warning:[/] {escape(text)}")
 
     def table(self, title: str | None, columns: list[str], rows: list[list[str]]) -> None:
         table = Table(title=title, title_justify="left", header_style="bold")
@@ -64,8 +65,8 @@ class Output:
         self.console.print(table)
 
     def error(self, exc: SdcReplayError) -> None:
-        self.console.print(f"[bold red]Error:[/] {exc.message}", markup=True)
-        self.console.print(f"[bold]Hint:[/] {exc.hint}")
+        self.console.print(f"[bold red]Error:[/] {escape(exc.message)}")
+        self.console.print(f"[bold]Hint:[/] {escape(exc.hint)}")
 
     @contextlib.contextmanager
     def progress(self, description: str, total: int | None) -> Iterator[callable]:

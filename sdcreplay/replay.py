@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from . import determinism
-from .bundle import Bundle, StepRecord
+from .bundle import Bundle, StepRecord, verify_checkpoint
 from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
 from .digest import algorithm_for
-from .errors import DeviceError
+from .errors import DeviceError, SdcReplayError
 from .faults import Injector, parse_specs
 from .signature import SignatureLog, read_signature_log
 from .tensorio import map_tensors
@@ -158,6 +158,7 @@ class DeviceRun:
     log_paths: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: dict | None = None
+    injected: list[list[dict]] = field(default_factory=list)  # faults that fired, per repeat
     judgement: DeviceVerdict | None = None
 
     @property
@@ -178,6 +179,7 @@ class DeviceRun:
             "steps": {str(step): count for step, count in judgement.per_step.items()} if judgement else {},
             "logs": self.log_paths,
             "warnings": self.warnings,
+            "injected": self.injected,
             "error": self.error,
         }
 
@@ -297,6 +299,11 @@ def replay_devices(
     """Replay on every device label at once, each in its own process, and vote."""
     opened = Bundle.open(bundle)
     labels = [validate_label(label) for label in devices]
+    # What would fail on every device is refused here, once, before any process starts.
+    parse_specs(inject)
+    determinism.check_environment(opened.manifest["determinism"])
+    if opened.manifest["state"]["kind"] == "checkpoint":
+        verify_checkpoint(opened.manifest["state"])
     if len(set(labels)) != len(labels):
         raise DeviceError(f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ...")
     log_dir = Path(log_dir) if log_dir else default_log_dir(opened.path)
@@ -306,10 +313,14 @@ def replay_devices(
                        "last_step": last_step, "log_dir": str(log_dir)},
         log_dir, on_done,
     )
+    if all("error" in result for result in results.values()) and len({r["error"]["message"] for r in results.values()}) == 1:
+        error = next(iter(results.values()))["error"]  # the same failure everywhere: the tool's, not a device's
+        raise SdcReplayError(f"every device failed: {error['message']}", error.get("hint") or None)
     runs = []
     for label in labels:
         result = results[label]
-        run = DeviceRun(label, error=result.get("error"), warnings=result.get("warnings", []))
+        run = DeviceRun(label, error=result.get("error"), warnings=result.get("warnings", []),
+                        injected=result.get("injected", []))
         if run.error is None:
             run.log_paths = result["logs"]
             run.logs = [read_signature_log(Path(path)) for path in run.log_paths]

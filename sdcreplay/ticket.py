@@ -97,13 +97,14 @@ def ticket_document(result: dict, report: dict) -> dict:
     """ticket.json: the measurement (``result``, sdcreplay.minimize/1) said for a vendor."""
     environment = determinism.environment(torch_device(result["device"]))
     reproduced = result["reproduced"]
+    injected = result["inject"] or report.get("inject") or []  # here, or when bisect found the call
     measured = {key: result[key] for key in ("trials", "failures", "rate", "ci95", "trials_to_first_failure")}
     return {
         "schema": SCHEMA,
         "status": "reproduced" if reproduced else "not reproduced",
         "title": _title(result),
-        "drill": bool(result["inject"]),
-        "injected_faults": result["inject"],
+        "drill": bool(injected),
+        "injected_faults": injected,
         "device": device_identity(result["device"]),
         "reference": device_identity(result["reference"]),
         "observed_on": (report.get("environment") or {}).get("suspect"),
@@ -147,7 +148,7 @@ def render_markdown(doc: dict) -> str:
     nvml = device.get("nvml") or {}
     lines = [f"# {doc['title']}", ""]
     if doc["drill"]:
-        lines += ["> **Drill:** the failure was injected by sdcreplay (" + "; ".join(doc["injected_faults"])
+        lines += ["> **Drill:** the corruption was injected by sdcreplay (" + "; ".join(doc["injected_faults"])
                   + "). This ticket tests the tooling; it says nothing about the hardware.", ""]
     lines += ["## Reproduce", "", "```", doc["reproduce"], "```", "",
               f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. It prints `failed F of N` and "

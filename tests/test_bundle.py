@@ -443,7 +443,7 @@ def test_sweep_of_manifest_byte_flips(fuzz_original):
     template, original, _ = fuzz_original
     size = (template / MANIFEST).stat().st_size
     outcomes = []
-    for position in range(0, size, max(1, size // 150)):
+    for position in range(0, size, max(1, size // 60)):
         for mask in (0x01, 0x20):
             def flip(b: bytearray, position=position, mask=mask) -> bytearray:
                 b[position] ^= mask

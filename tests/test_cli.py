@@ -201,20 +201,8 @@ def changed_checkpoint_bundle(tmp_path: Path, cli) -> Path:
     return bundle
 
 
-WORKER_HINT_BUG = (
-    "cli.render_replay prints a device process's error as '<device>: <message>' and drops its hint: "
-    "a refusal raised inside the replay worker (changed checkpoint, conflicting environment) "
-    "gets no Error:/Hint: lines"
-)
-
-
 def assert_refused_in_the_replay_process(result, message: str) -> None:
-    """Exit 3, the cause on stderr, no traceback; then the Error/Hint pair (a known gap, see WORKER_HINT_BUG)."""
-    assert result.exit_code == 3, result.output
-    assert "Traceback" not in result.output
-    assert message in result.stderr
-    if not any(line.startswith("Error: ") for line in result.stderr.splitlines()):
-        pytest.xfail(WORKER_HINT_BUG)
+    """Refused before any device process starts: exit 3 with Error/Hint, no traceback."""
     assert_tool_error(result, message)
 
 
@@ -229,11 +217,6 @@ def test_conflicting_environment_is_refused(small_bundle: Path, tmp_path: Path, 
     assert_refused_in_the_replay_process(result, "CUBLAS_WORKSPACE_CONFIG=':16:8' (recorded ':4096:8')")
 
 
-@pytest.mark.xfail(
-    reason="render.Output.error prints the message as rich markup: '[/x]' in a message raises MarkupError "
-    "(traceback, exit 1) and '[red]' in a path is swallowed; the message and hint need rich.markup.escape()",
-    strict=False,
-)
 def test_error_text_is_printed_verbatim(tmp_path: Path, cli):
     (tmp_path / "brackets.py").write_text('def make_workload(seed=0):\n    raise ValueError("shape [/batch] vs [red]")\n')
     result = cli("record", f"{tmp_path / 'brackets.py'}:make_workload", "--out", tmp_path / "x.bundle")

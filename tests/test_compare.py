@@ -170,6 +170,23 @@ def test_other_workload_settings_are_a_structural_difference(recorded, small_bun
         compare_logs(load_log(recorded["bundle"]), load_log(small_bundle))
 
 
+def test_workload_settings_compare_with_the_builtin_defaults_filled_in():
+    def logged(ref, **kwargs):
+        return _log(_clean().steps, workload={"ref": ref, "kwargs": kwargs})
+
+    default = logged("builtin:tiny-llama", seed=0)
+    assert compare_logs(default, logged("builtin:tiny-llama", seed=0, dim=64)).identical  # 64 is the default
+    with pytest.raises(StructureError, match=r"workload builtin:tiny-llama with dim=64, layers=2 vs dim=96, layers=3$"):
+        compare_logs(default, logged("builtin:tiny-llama", seed=0, dim=96, layers=3))
+    with pytest.raises(StructureError, match=r"workload builtin:tiny-llama vs builtin:tiny-moe$"):
+        compare_logs(default, logged("builtin:tiny-moe", seed=0))
+    # a factory diff does not import: only the arguments both sides name are compared
+    assert compare_logs(logged("train.py:make", lr=0.1), logged("train.py:make", lr=0.1, depth=4)).identical
+    with pytest.raises(StructureError, match=r"with lr=0.1 vs lr=0.2$"):
+        compare_logs(logged("train.py:make", lr=0.1), logged("train.py:make", lr=0.2))
+    assert compare_logs(default, _clean()).identical  # a log without workload meta
+
+
 def test_missing_steps_reordered_and_extra_entries():
     clean = _clean()
     with pytest.raises(StructureError, match=r"the logs hold different steps: \[0, 1, 2\] vs \[0, 1\]"):
@@ -312,3 +329,19 @@ def test_cli_diff_missing_file_exit_3(cli, paths, tmp_path):
     result = cli("diff", paths["bundle"], tmp_path / "nothing.sig.zst")
     assert result.exit_code == 3
     assert "does not exist" in result.stderr and "Hint:" in result.stderr
+
+
+def test_two_recordings_of_the_same_run_are_identical(tmp_path):
+    import random
+
+    import numpy as np
+    from conftest import SMALL
+
+    random.seed(1)
+    np.random.seed(1)  # whatever the training script did before
+    record("builtin:tiny-llama", tmp_path / "first.bundle", steps=1, kwargs=dict(SMALL))
+    random.seed(2)
+    np.random.seed(2)
+    record("builtin:tiny-llama", tmp_path / "second.bundle", steps=1, kwargs=dict(SMALL))
+    comparison = compare_logs(load_log(tmp_path / "first.bundle"), load_log(tmp_path / "second.bundle"))
+    assert comparison.identical, comparison.first

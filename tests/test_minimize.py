@@ -212,6 +212,7 @@ def test_fault_that_does_not_reproduce_gives_a_not_reproduced_ticket(report: Pat
     assert any("--inject" in warning for warning in data["warnings"])
     ticket = json.loads((Path(data["ticket"]) / "ticket.json").read_text())
     assert ticket["status"] == "not reproduced"
+    assert ticket["drill"] is True and ticket["injected_faults"] == [STICKY]  # bisect found it by injection
     assert "rate below 1.88%" in ticket["title"]
 
 

@@ -249,3 +249,22 @@ def test_example_train_loop_records_a_replayable_bundle(tmp_path: Path):
     assert bundle.workload_kwargs == {"seed": 0, "hidden": 16}
     assert bundle.step_indices == [0, 1, 2]
     assert_replays_identically(tmp_path / "run.bundle", [0, 1, 2])
+
+
+def test_a_loop_that_raises_leaves_an_incomplete_bundle(tmp_path: Path):
+    kwargs = dict(SMALL, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    model, opt = workload.model, workload.optimizer
+    with pytest.raises(RuntimeError, match="simulated CUDA error"):
+        with Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, opt, workload_kwargs=kwargs) as rec:
+            for index in range(3):
+                batch = workload.get_batch(index)
+                with rec.step(batch):
+                    if index == 2:
+                        raise RuntimeError("simulated CUDA error")
+                    workload.loss_fn(model, batch).backward()
+                opt.step()
+                opt.zero_grad()
+    bundle = Bundle.open(tmp_path / "run.bundle")
+    assert bundle.step_indices == [0, 1]
+    assert bundle.complete is False

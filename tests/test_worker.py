@@ -92,6 +92,7 @@ def _record_of(bundle: Path):
 # Each fault kind on one of three replicas
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", list(KINDS), ids=[spec.split(",")[0].removeprefix("kind=") + "-" + label
                                                     for label, (spec, _) in KINDS.items()])
 def test_each_kind_names_the_odd_device_step_and_layer(kinds, llama_record, label):
@@ -111,6 +112,7 @@ def test_each_kind_names_the_odd_device_step_and_layer(kinds, llama_record, labe
     assert run.to_json()["steps"]["0"] == 0
 
 
+@pytest.mark.slow
 def test_the_many_faulty_replay_report(kinds, root):
     """Seven of nine replicas faulty in different ways: no value has a majority downstream."""
     assert kinds.consensus.verdict == "undecided"
@@ -125,6 +127,7 @@ def test_the_many_faulty_replay_report(kinds, root):
         assert (root / "kinds" / f"replay-{run.device.replace(':', '-')}.stderr.txt").is_file()
 
 
+@pytest.mark.slow
 def test_two_replicas_that_disagree_with_the_record_are_undecided(kinds, llama_record):
     runs = {run.device: run.logs for run in kinds.devices}
     consensus = vote(llama_record, {"cpu:2": runs["cpu:2"], "cpu:4": runs["cpu:4"]})
@@ -154,6 +157,7 @@ def _clean_outputs(bundle: Path, specs: list[str]) -> dict[str, torch.Tensor]:
     return seen
 
 
+@pytest.mark.slow
 def test_pairflip_and_swap_would_be_missed_by_hash_tensor(kinds, llama):
     """The same corruption of the same output: torch.hash_tensor cannot see it, the digest does."""
     specs = [KINDS["cpu:4"][0], KINDS["cpu:5"][0]]
@@ -187,6 +191,7 @@ def test_a_weight_gradient_fault_is_named_by_its_grad_entry(llama, llama_record)
 # tiny-moe: the expert scatter
 
 
+@pytest.mark.slow
 def test_moe_expert_scatter_fault(root):
     bundle = root / "moe.bundle"
     with preserved_global_state():
@@ -207,6 +212,7 @@ def test_moe_expert_scatter_fault(root):
 RECORD_FAULT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=101"
 
 
+@pytest.mark.slow
 def test_fault_at_record_time_is_recording_suspect(root, cli):
     bundle = root / "recorded-bad.bundle"
     with preserved_global_state():
@@ -269,6 +275,7 @@ def _expected_fires(spec: str, label: str, repeats: int) -> list[int]:
     return fired
 
 
+@pytest.mark.slow
 def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(tmp_path, monkeypatch):
     monkeypatch.delenv("SDCREPLAY_DEVICE", raising=False)  # the workload must not kill this process
     workload = tmp_path / "killer.py"
@@ -308,3 +315,11 @@ def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(t
 def test_repeats_are_salted_differently():
     assert _expected_fires(FLAKY, "cpu:3", REPEATS) != _expected_fires(FLAKY.replace("seed=7", "seed=8"), "cpu:3", REPEATS)
     assert _expected_fires(FLAKY, "cpu:0", REPEATS) == []  # another device's fault
+
+
+def test_a_bad_fault_spec_is_refused_before_any_process_starts(llama, tmp_path):
+    from sdcreplay.errors import FaultSpecError
+
+    with pytest.raises(FaultSpecError, match="phase 'sideways' is not one of"):
+        replay_devices(llama, ["cpu:0"], inject=["kind=bitflip,op=aten.mm,phase=sideways"], log_dir=tmp_path / "logs")
+    assert not (tmp_path / "logs").exists()

@@ -1,0 +1,190 @@
+"""Cost of bisect: operator-level capture over the plain step, and bisect end to end.
+
+1. One tiny-llama training step (forward, backward, AdamW) three ways, the
+   timings interleaved in one run (median of --repeats each, after a warm-up),
+   every timed step starting from the same saved state so that all of them
+   run the same step:
+
+   - plain: no capture at all;
+   - reference: under an ``OperatorMode`` with an ``OperatorLog`` observer,
+     every operator call named and its outputs digested (the reference run);
+   - suspect: the same, comparing each call with the reference's log as it
+     goes (the suspect run; the step matches throughout, the worst case).
+
+2. ``sdcreplay bisect`` on a small tiny-llama bundle with an injected fault, in
+   a real subprocess, with and without ``--step``: wall time and the number of
+   worker processes it started.
+
+Run from the repository root:
+
+    PYTHONPATH=. python bench/bisect_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sdcreplay import determinism
+from sdcreplay.capture import OperatorLog, OperatorMode
+from sdcreplay.workload import build_workload
+
+FAULT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5,device=cpu:1"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=9, help="timed steps of each kind; the median counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--skip-end-to-end", action="store_true", help="time only the step")
+    parser.add_argument("--profile", action="store_true", help="cProfile one captured step (suspect mode)")
+    return parser.parse_args()
+
+
+class Step:
+    """One workload, one batch, one saved state: every call runs the very same step."""
+
+    def __init__(self, kwargs: dict):
+        self.workload = build_workload("builtin:tiny-llama", kwargs)
+        self.batch = self.workload.get_batch(0)
+        self.model, self.optimizer = self.workload.model, self.workload.optimizer
+        self.run(None)  # creates the optimizer state, so the saved state is a steady-state step
+        self.saved = copy.deepcopy((self.model.state_dict(), self.optimizer.state_dict()))
+        self.rng = torch.get_rng_state()
+
+    def reset(self) -> None:
+        self.model.load_state_dict(self.saved[0])
+        # A copy: load_state_dict keeps the saved "step" tensors, which AdamW then increments.
+        self.optimizer.load_state_dict(copy.deepcopy(self.saved[1]))
+        torch.set_rng_state(self.rng)
+
+    def run(self, observer) -> None:
+        mode = OperatorMode(self.model, self.optimizer, [observer], 0) if observer is not None else None
+        if mode is not None:
+            mode.__enter__()
+        try:
+            loss = self.workload.loss_fn(self.model, self.batch)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+
+
+def time_step(step: Step, repeats: int) -> dict:
+    step.reset()
+    reference = OperatorLog()
+    step.run(reference)  # also the warm-up of the captured path
+    kinds = {
+        "plain": lambda: None,
+        "reference": OperatorLog,
+        "suspect": lambda: OperatorLog(expected=reference.records),
+    }
+    for make in kinds.values():  # warm-up of each
+        step.reset()
+        step.run(make())
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    last = {}
+    for _ in range(repeats):
+        for kind, make in kinds.items():
+            observer = make()
+            step.reset()
+            start = time.perf_counter()
+            step.run(observer)
+            times[kind].append(time.perf_counter() - start)
+            last[kind] = observer
+    suspect = last["suspect"]
+    assert suspect.divergent is None and suspect.structure_error is None, "the timed steps must be the same step"
+    medians = {kind: statistics.median(values) * 1e3 for kind, values in times.items()}
+    return {"ms": medians, "operators": len(reference.records),
+            "min_ms": {kind: min(values) * 1e3 for kind, values in times.items()}}
+
+
+def profile_step(step: Step) -> None:
+    import cProfile
+    import pstats
+
+    step.reset()
+    reference = OperatorLog()
+    step.run(reference)
+    step.reset()
+    observer = OperatorLog(expected=reference.records)
+    profiler = cProfile.Profile()
+    profiler.runcall(step.run, observer)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
+def _console_script() -> str:
+    beside = Path(sys.executable).parent / "sdcreplay"
+    return str(beside) if beside.is_file() else "sdcreplay"
+
+
+def end_to_end(folder: Path) -> list[dict]:
+    """``sdcreplay bisect`` on a 3-step, 2-layer bundle with a forward bitflip, as a person runs it."""
+    exe = _console_script()
+    bundle = folder / "bench.bundle"
+    small = ["-a", "layers=2", "-a", "dim=64", "-a", "seq_len=32", "-a", "batch_size=4"]
+    subprocess.run([exe, "record", "builtin:tiny-llama", "--steps", "3", "--out", str(bundle), *small],
+                   check=True, capture_output=True)
+    rows = []
+    for label, extra in (("with --step 1", ["--step", "1"]), ("without --step", [])):
+        out = folder / f"report-{len(rows)}"
+        start = time.perf_counter()
+        done = subprocess.run([exe, "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
+                               "--inject", FAULT, "--out", str(out), "--json", *extra],
+                              capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode != 1:
+            raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
+        report = json.loads(done.stdout)
+        workers = len(list((out / "work").rglob("*.task.json")))
+        rows.append({"run": label, "wall_s": wall, "workers": workers,
+                     "found": f"{report['op']} under {report['module']}, call {report['op_index']}"})
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    determinism.enable(num_threads=args.threads)
+    kwargs = {"layers": args.layers, "dim": args.dim, "seq_len": args.seq_len, "batch_size": args.batch_size}
+    step = Step(kwargs)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu count {os.cpu_count()}; "
+          f"tiny-llama {kwargs}")
+    if args.profile:
+        profile_step(step)
+        return
+    result = time_step(step, args.repeats)
+    ms = result["ms"]
+    print(f"operator calls per step: {result['operators']}")
+    print("| step | median ms | min ms | ratio over plain |")
+    print("| --- | ---: | ---: | ---: |")
+    for kind in ("plain", "reference", "suspect"):
+        print(f"| {kind} | {ms[kind]:.1f} | {result['min_ms'][kind]:.1f} | {ms[kind] / ms['plain']:.2f}x |")
+    if args.skip_end_to_end:
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        rows = end_to_end(Path(folder))
+    print()
+    print("| bisect | wall s | worker processes | found |")
+    print("| --- | ---: | ---: | --- |")
+    for row in rows:
+        print(f"| {row['run']} | {row['wall_s']:.1f} | {row['workers']} | {row['found']} |")
+
+
+if __name__ == "__main__":
+    main()
