@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import determinism
+from . import determinism, worker
 from .bundle import Bundle, StepRecord, verify_checkpoint
 from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
@@ -251,19 +248,14 @@ def run_device_processes(
         task_path = work_dir / f"{stem}.task.json"
         task_path.write_text(json.dumps(task))
         stderr_path = work_dir / f"{stem}.stderr.txt"
-        env = {**os.environ, "SDCREPLAY_DEVICE": label}
-        with open(stderr_path, "wb") as stderr:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "sdcreplay.worker", str(task_path)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
-            )
-        running[label] = (process, Path(task["result"]), stderr_path)
+        running[label] = (worker.start(task_path, stderr_path, label), Path(task["result"]), stderr_path)
     results: dict[str, dict] = {}
     while running:
         for label, (process, result_path, stderr_path) in list(running.items()):
-            status = process.poll()
+            status = process.exitcode
             if status is None:
                 continue
+            process.join()
             del running[label]
             result = None
             if result_path.is_file():

@@ -1,13 +1,18 @@
-"""Entry point of a device process: ``python -m sdcreplay.worker TASK.json``.
+"""The device process: one per device label, so a device that crashes takes only its own result.
 
-Each device label runs in a process of its own, so a device that crashes or
-hangs takes only its own result with it. The task and the result are JSON
-files; logs are written next to the result.
+The task and the result are JSON files; logs are written next to the result.
+Processes are forked from a multiprocessing *forkserver* that has imported
+torch once (a fresh interpreter would pay several seconds per device to import
+torch and torch._dynamo); the server never runs a torch operator or touches
+CUDA, so every child starts clean. ``python -m sdcreplay.worker TASK.json``
+runs a task by hand.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -65,6 +70,43 @@ def main(argv: list[str]) -> int:
         status = 3
     result_path.write_text(json.dumps(result))
     return status
+
+
+_server = None
+
+
+def _process_context():
+    global _server
+    if _server is None:
+        _server = multiprocessing.get_context("forkserver")
+        _server.set_forkserver_preload(["sdcreplay.worker", "sdcreplay.bisect", "torch._dynamo"])
+    return _server
+
+
+def _child(task_path: str, stderr_path: str, env: dict, cwd: str) -> None:
+    """In the forked process: the caller's environment and directory, stderr to a file."""
+    descriptor = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    status = main(["worker", task_path])
+    sys.stderr.flush()
+    sys.exit(status)
+
+
+def start(task_path: Path, stderr_path: Path, label: str):
+    """Start the device process for one task; ``.exitcode`` is None while it runs."""
+    env = {**os.environ, "SDCREPLAY_DEVICE": label}
+    process = _process_context().Process(
+        target=_child, args=(str(task_path), str(stderr_path), env, os.getcwd()), name=f"sdcreplay-{label}", daemon=False
+    )
+    process.start()
+    return process
 
 
 if __name__ == "__main__":
