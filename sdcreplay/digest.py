@@ -23,7 +23,10 @@ row-major order (read from the little-endian storage bytes).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import struct
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -72,6 +75,8 @@ def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
     """The signature entry of one value; synchronous (a device tensor's digest is fetched)."""
     if not isinstance(value, torch.Tensor):
         return _scalar_digest(value)
+    if value.device.type == "cpu" and _plain_in_memory(value) and value.numel() * value.element_size() > EXACT_MAX_BYTES:
+        return _hex(_xxh3_in_place(value))
     tensor = _plain(value)
     data = _storage_bytes(tensor)
     if data.numel() <= EXACT_MAX_BYTES:
@@ -118,11 +123,26 @@ class Digester:
     def __init__(self) -> None:
         self._entries: list[tuple[str, str | _Pending]] = []
         self._queued: dict[torch.device, list[torch.Tensor]] = {}
+        self._seen: dict[int, tuple[weakref.ref, tuple, str | _Pending]] = {}
 
     def add(self, name: str, value: torch.Tensor | None | int | float | bool) -> None:
-        if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+        if not isinstance(value, torch.Tensor):
             self._entries.append((name, tensor_digest(value)))
             return
+        # The same tensor is often captured twice in a step (a container returns its
+        # last child's output; a gradient reaches both branches of a residual): hash it once.
+        key = (value._version, value.dtype, tuple(value.shape), value.stride(), value.storage_offset())
+        seen = self._seen.get(id(value))
+        if seen is not None and seen[0]() is value and seen[1] == key:
+            self._entries.append((name, seen[2]))
+            return
+        digest = self._digest(value)
+        self._seen[id(value)] = (weakref.ref(value), key, digest)
+        self._entries.append((name, digest))
+
+    def _digest(self, value: torch.Tensor) -> str | _Pending:
+        if value.device.type == "cpu":
+            return tensor_digest(value)
         tensor = _plain(value)
         data = _storage_bytes(tensor)
         if data.numel() <= EXACT_MAX_BYTES:
@@ -130,8 +150,8 @@ class Digester:
         else:
             queued, render = mix64(tensor), _hex
         queue = self._queued.setdefault(tensor.device, [])
-        self._entries.append((name, _Pending(tensor.device, len(queue), render)))
         queue.append(queued)
+        return _Pending(tensor.device, len(queue) - 1, render)
 
     def entries(self) -> list[tuple[str, str]]:
         """The digests in the order added (one host copy per device); clears the collector."""
@@ -145,7 +165,7 @@ class Digester:
             return entry.render(fetched[entry.device][entry.position])
 
         result = [(name, shown(entry)) for name, entry in self._entries]
-        self._entries, self._queued = [], {}
+        self._entries, self._queued, self._seen = [], {}, {}
         return result
 
 
@@ -187,6 +207,28 @@ def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
     hasher = xxhash.xxh3_64(_header(tensor, data.numel()))
     hasher.update(data.numpy())  # the tensor's own memory, through the buffer protocol
     return hasher.intdigest()
+
+
+def _plain_in_memory(tensor: torch.Tensor) -> bool:
+    """Its memory already holds the logical values in row-major order."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def _xxh3_in_place(tensor: torch.Tensor) -> int:
+    """``_xxh3`` without a single torch call: the hot path of layer-level capture.
+
+    Same value as ``_xxh3``: the header is hashed into a state that is copied,
+    then the tensor's memory is read where it lies.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    hasher = _header_hasher(tensor.dtype, tuple(tensor.shape), nbytes).copy()
+    hasher.update((ctypes.c_char * nbytes).from_address(tensor.data_ptr()))
+    return hasher.intdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_hasher(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> xxhash.xxh3_64:
+    return xxhash.xxh3_64(f"{_dtype_name(dtype)}:{'x'.join(map(str, shape))}:{nbytes}".encode())
 
 
 def _as_words(chunk: torch.Tensor) -> torch.Tensor:
