@@ -15,7 +15,7 @@ import typer
 
 from . import __version__
 from .errors import SdcReplayError
-from .render import Output, human_size, styled
+from .render import Output, escape, human_size, styled
 
 app = typer.Typer(
     name="sdcreplay",
@@ -190,11 +190,11 @@ def render_replay(output: Output, report) -> None:
         for warning in run_.warnings:
             output.warn(f"{run_.device}: {warning}")
         if run_.error:
-            output.say(f"[bold magenta]{run_.device}[/]: {run_.error['message']}")
+            output.say(f"[bold magenta]{run_.device}[/]: {escape(run_.error['message'])}")
             if run_.error.get("hint"):
-                output.say(f"  Hint: {run_.error['hint']}")
+                output.say(f"  Hint: {escape(run_.error['hint'])}")
             if run_.error.get("stderr_tail"):
-                output.say("  " + run_.error["stderr_tail"].replace("\n", "\n  "))
+                output.say("  " + escape(run_.error["stderr_tail"]).replace("\n", "\n  "))
     if report.consensus is None:
         return
     consensus = report.consensus

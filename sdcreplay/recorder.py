@@ -30,7 +30,7 @@ from .digest import algorithm_for
 from .errors import CheckpointError
 from .faults import Injector, parse_specs
 from .tensorio import map_tensors
-from .workload import accepts_seed, build_workload
+from .workload import accepts_seed, build_workload, canonical_ref
 
 
 @contextlib.contextmanager
@@ -78,7 +78,7 @@ class Recorder:
         self.model, self.optimizer = model, optimizer
         switches = determinism.enable() if deterministic else determinism.current_switches()
         header = {
-            "workload": {"ref": workload, "kwargs": dict(workload_kwargs or {})},
+            "workload": {"ref": canonical_ref(workload), "kwargs": dict(workload_kwargs or {})},
             "device": device_label or str(self.device),
             "device_type": self.device.type,
             "digest": algorithm_for(self.device.type),

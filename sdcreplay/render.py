@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 from rich.console import Console
 from rich.markup import escape
+
+__all__ = ["Output", "escape", "human_size", "styled"]
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 

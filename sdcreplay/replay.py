@@ -24,7 +24,7 @@ from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
 from .digest import algorithm_for
-from .errors import DeviceError, SdcReplayError
+from .errors import DeviceError, SdcReplayError, WorkloadError
 from .faults import Injector, parse_specs
 from .signature import SignatureLog, read_signature_log
 from .tensorio import map_tensors
@@ -58,9 +58,15 @@ class ReplaySession:
         self.workload: Workload = build_workload(self.bundle.workload_ref, self.bundle.workload_kwargs)
         self.workload.model.to(self.device)
         model_state, optimizer_state = self.bundle.load_state()
-        self.workload.model.load_state_dict(model_state)
-        if optimizer_state is not None:
-            self.workload.optimizer.load_state_dict(optimizer_state)
+        try:
+            self.workload.model.load_state_dict(model_state)
+            if optimizer_state is not None:
+                self.workload.optimizer.load_state_dict(optimizer_state)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise WorkloadError(
+                f"{self.bundle.workload_ref} no longer builds the recorded model: {str(exc).splitlines()[0]}",
+                "Replay with the code (and workload arguments) the bundle was recorded with.",
+            ) from exc
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
         self.capture = SignatureCapture(self.workload.model, self.workload.optimizer)

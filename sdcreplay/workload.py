@@ -100,6 +100,14 @@ def _load_file(path: Path):
     return module
 
 
+def canonical_ref(ref: str) -> str:
+    """A ``file.py:fn`` reference with an absolute path, so replay works from any directory."""
+    target, sep, attr = ref.rpartition(":")
+    if sep and target.endswith(".py") and not ref.startswith("builtin:"):
+        return f"{Path(target).resolve()}:{attr}"
+    return ref
+
+
 def build_workload(ref: str, kwargs: dict[str, Any] | None = None) -> Workload:
     """Call the factory with ``kwargs`` under a fixed seed; wrap its errors."""
     factory = resolve_factory(ref)
