@@ -167,10 +167,10 @@ def run_isolate_task(task: dict) -> dict:
             failures += 1
             first_failure = run if first_failure is None else first_failure
     return {"runs": task["runs"], "failures": failures, "first_failure": first_failure,
-            "kernels": _kernel_names(op, case, device)}
+            "kernels": kernel_names(op, case, device)}
 
 
-def _kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
+def kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
     """The GPU kernels one call launches, from the profiler (none on a CPU)."""
     if device.type != "cuda":
         return []
@@ -372,6 +372,7 @@ def bisect(
     base = {
         "schema": SCHEMA, "bundle": str(opened.path), "suspect": suspect or RECORD, "reference": reference,
         "inject": list(inject), "workload": opened.manifest["workload"], "report": str(out),
+        "determinism": opened.manifest["determinism"],
         "commands": [_command_line()],
     }
     replayed: dict = {}

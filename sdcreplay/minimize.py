@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from . import determinism, ticket
-from .bisect import REPORT_FILE, _kernel_names, element_forensics
+from .bisect import REPORT_FILE, kernel_names, element_forensics
 from .bisect import SCHEMA as BISECT_SCHEMA
 from .bundle import Bundle
 from .capture import CallSite, operator_results
@@ -195,8 +195,7 @@ class TrialRunner:
         done = 0
         while done < trials and not (stop_at_first_failure and failures):
             pending = [self._call(placed_args, placed_kwargs, injector) for _ in range(min(block, trials - done))]
-            verdicts = _fetch([self._differs(results, wanted) for results in pending])
-            for offset, failed in enumerate(verdicts):
+            for offset, failed in enumerate(self._verdicts(pending, wanted)):
                 if failed:
                     failures += 1
                     if first_trial is None:
@@ -215,11 +214,11 @@ class TrialRunner:
             return [fingerprint(value) for value in expected]
         return [raw_bits(e) if isinstance(e, torch.Tensor) else e for e in place(list(expected), self.device)]
 
-    def _differs(self, results: list, wanted: list) -> bool | torch.Tensor:
-        """Does one trial's output differ from the expected? A device flag on accelerators."""
+    def _verdicts(self, pending: list, wanted: list) -> list[bool]:
+        """Which trials of a block failed; an accelerator's flags come back in one copy (one sync)."""
         if self.device.type == "cpu":
-            return [fingerprint(value) for value in results] != wanted
-        return _device_flag(results, wanted)
+            return [[fingerprint(value) for value in results] != wanted for results in pending]
+        return _fetch([_device_flag(results, wanted) for results in pending])
 
 
 def fingerprint(value: Any) -> Any:
@@ -592,7 +591,7 @@ def minimize(
     target = Path(out) if out else report_dir / "ticket"
     kernels = report.get("kernels") or []
     if suspect.device.type == "cuda":
-        kernels = _kernel_names(op, OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, expected), suspect.device)
+        kernels = kernel_names(op, OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, expected), suspect.device)
     failure = (minimal.first_failure if minimal else None) or measured.first_failure
     data = {
         "schema": SCHEMA,

@@ -60,8 +60,8 @@ class OperatorCase:
             with h5py.File(path, "r") as handle:
                 site = CallSite(**json.loads(handle.attrs["site"]))
                 prior = Counter({(op, module, phase): count for op, module, phase, count in json.loads(handle.attrs["prior"])})
-                inputs = tensorio.read_tree(handle["reference_inputs"])
-                suspect = tensorio.read_tree(handle["suspect_inputs"]) if "suspect_inputs" in handle else None
+                inputs = tensorio.read_tree(handle["reference_inputs"], keep_strides=True)
+                suspect = tensorio.read_tree(handle["suspect_inputs"], keep_strides=True) if "suspect_inputs" in handle else None
                 return cls(
                     site=site, prior=prior, args=tuple(inputs["args"]), kwargs=inputs["kwargs"],
                     expected=tensorio.read_tree(handle["reference_outputs"]),
