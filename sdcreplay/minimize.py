@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from . import determinism, ticket
-from .bisect import REPORT_FILE, kernel_names, element_forensics
+from .bisect import REPORT_FILE, element_forensics, kernel_names
 from .bisect import SCHEMA as BISECT_SCHEMA
 from .bundle import Bundle
 from .capture import CallSite, operator_results
