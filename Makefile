@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 traces: $(STAMP)
 	rm -rf traces/tiny.bundle
-	$(VENV)/bin/sdcreplay record builtin:tiny-llama --steps 3 --seed 0 --out traces/tiny.bundle
+	$(VENV)/bin/sdcreplay record builtin:tiny-llama --steps 3 --seed 0 -a dim=48 --out traces/tiny.bundle
 
 bench: $(STAMP)
 	$(PY) bench/digest.py
