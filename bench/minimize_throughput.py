@@ -31,8 +31,8 @@ from sdcreplay.operator_case import place, resolve_op
 
 # name -> (operator, input maker, trials per round on a CPU, on a GPU)
 CASES: dict[str, tuple[str, Callable[[], list], int, int]] = {
-    "mm 256x256 float32": ("aten.mm.default", lambda: [torch.randn(256, 256), torch.randn(256, 256)], 400, 20000),
-    "mm 4096x4096 float32": ("aten.mm.default", lambda: [torch.randn(4096, 4096), torch.randn(4096, 4096)], 2, 100),
+    "mm 256x256 float32": ("aten.mm.default", lambda: [torch.randn(256, 256), torch.randn(256, 256)], 100, 20000),
+    "mm 4096x4096 float32": ("aten.mm.default", lambda: [torch.randn(4096, 4096), torch.randn(4096, 4096)], 1, 100),
     "rms_norm 4096x4096 bfloat16": ("aten._fused_rms_norm.default", lambda: [
         torch.randn(4096, 4096).to(torch.bfloat16), [4096], torch.randn(4096).to(torch.bfloat16), 1e-6], 6, 2000),
 }
@@ -41,7 +41,7 @@ CASES: dict[str, tuple[str, Callable[[], list], int, int]] = {
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of each loop; the best counts")
+    parser.add_argument("--repeats", type=int, default=9, help="rounds of each loop; the best counts")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every case's trials per round")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     return parser.parse_args()
