@@ -33,7 +33,7 @@ from .devices import torch_device, validate_label
 from .digest import tensor_digest
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
-from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
+from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op, restore_operator_rng
 from .replay import ReplaySession, replay_devices, run_device_processes
 from .signature import SignatureLog, layer_of
 from .tensorio import read_tensor, write_tensor
@@ -145,7 +145,7 @@ def run_fetch_task(task: dict) -> dict:
     path = Path(task["work_dir"]) / "reference-call.h5"
     site = oplog.records[task["op_index"]].site
     prior = Counter(r.site.key for r in oplog.records[: task["op_index"]])
-    OperatorCase(site, prior, args, kwargs, outputs, outputs).write(path)
+    OperatorCase(site, prior, args, kwargs, outputs, outputs, rng=oplog.rng_before).write(path)
     return {"case": str(path)}
 
 
@@ -161,6 +161,7 @@ def run_isolate_task(task: dict) -> dict:
     failures, first_failure = 0, None
     for run in range(task["runs"]):
         args, kwargs = place((list(case.args), case.kwargs), device)
+        restore_operator_rng(case.rng, device)
         out = op(*args, **kwargs)
         injector.on_isolated_call(case.site, case.prior, out)
         if [tensor_digest(v) for v in operator_results(op, args, out)] != expected:
@@ -426,7 +427,8 @@ def bisect(
     reference_case = OperatorCase.read(Path(fetched["case"]))
     suspect_case = OperatorCase.read(Path(sus["case"]))
     case = OperatorCase(reference_case.site, reference_case.prior, reference_case.args, reference_case.kwargs,
-                        reference_case.expected, suspect_case.actual, suspect_case.args, suspect_case.kwargs)
+                        reference_case.expected, suspect_case.actual, suspect_case.args, suspect_case.kwargs,
+                        rng=reference_case.rng)
     case.write(out / OPERATOR_FILE)
     runs = isolation_runs or max(repeats, 3)
     on_event("isolate", f"re-running {case.op} alone on {suspect} from {reference}'s inputs ({runs} runs)")

@@ -15,6 +15,7 @@ Operator level (bisect): ``OperatorMode`` names every aten call of a step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -213,6 +214,7 @@ class OperatorObserver(Protocol):
     def on_call(self, site: CallSite, func, args, kwargs, out): ...
 
 
+@functools.cache
 def op_name(func) -> str:
     return f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname or 'default'}" if hasattr(func, "_schema") else str(func)
 
@@ -336,13 +338,18 @@ class OperatorRecord:
     digests: list[str]  # one per output; empty for views (they compute nothing)
 
 
+@functools.cache
+def _written_positions(func) -> tuple[int, ...]:
+    """Argument positions an in-place/out= operator writes to (from its schema, once per operator)."""
+    return tuple(
+        position for position, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
 def _mutated_inputs(func, args) -> dict[int, object]:
     """Positions and values (tensors or lists of them) an in-place/out= operator writes to."""
-    written = {}
-    for position, argument in enumerate(func._schema.arguments[: len(args)]):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            written[position] = args[position]
-    return written
+    return {position: args[position] for position in _written_positions(func) if position < len(args)}
 
 
 class OperatorLog:
@@ -361,19 +368,24 @@ class OperatorLog:
         self.structure_error: str | None = None
         self.divergent: OperatorRecord | None = None
         self.kept: tuple | None = None  # (args, kwargs, outputs), on the CPU
-        self._inputs_before: tuple | None = None
+        self.rng_before: dict | None = None  # the watched call's generator states
+        self._written_before: dict[int, object] = {}
 
     def before_call(self, site: CallSite, func, args, kwargs) -> None:
-        self._inputs_before = None
+        self._written_before = {}
         if self.kept is not None or func.is_view:
             return
-        written = _mutated_inputs(func, args)
-        if written and (self.expected is not None or site.index == self.watch):
-            self._inputs_before = _cpu_copy(([written.get(i, a) for i, a in enumerate(args)], kwargs))
+        if site.index == self.watch:
+            from .operator_case import capture_operator_rng
+
+            device = next((t.device for t in _tensors_in(args)), torch.device("cpu"))
+            self.rng_before = capture_operator_rng(device)
+        if self.expected is not None or site.index == self.watch:
+            # Only what the call overwrites must be copied before it runs.
+            self._written_before = {i: _cpu_copy(value) for i, value in _mutated_inputs(func, args).items()}
 
     def on_call(self, site: CallSite, func, args, kwargs, out):
-        with _own_work():
-            digests = [] if func.is_view else [tensor_digest(value) for value in operator_results(func, args, out)]
+        digests = [] if func.is_view else [tensor_digest(value) for value in operator_results(func, args, out)]
         record = OperatorRecord(site, digests)
         self.records.append(record)
         if self.kept is None and self.structure_error is None:
@@ -396,8 +408,9 @@ class OperatorLog:
 
     def _keep(self, func, args, kwargs, out) -> None:
         with _own_work():
-            inputs = self._inputs_before or _cpu_copy((list(args), kwargs))
-            self.kept = (tuple(inputs[0]), inputs[1], _cpu_copy(operator_results(func, args, out)))
+            inputs = [self._written_before[i] if i in self._written_before else _cpu_copy(value)
+                      for i, value in enumerate(args)]
+            self.kept = (tuple(inputs), _cpu_copy(kwargs), _cpu_copy(operator_results(func, args, out)))
 
 
 def operator_results(func, args, out) -> list:

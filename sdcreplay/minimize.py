@@ -38,7 +38,14 @@ from .capture import CallSite, operator_results
 from .devices import torch_device, validate_label
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
-from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op, to_cpu
+from .operator_case import (
+    OPERATOR_FILE,
+    OperatorCase,
+    place,
+    resolve_op,
+    restore_operator_rng,
+    to_cpu,
+)
 from .tensorio import dtype_name, map_tensors
 
 SCHEMA = "sdcreplay.minimize/1"
@@ -158,8 +165,9 @@ class TrialRunner:
     Only a failing trial's outputs are copied back.
     """
 
-    def __init__(self, op, site: CallSite, prior, label: str, specs: Sequence[FaultSpec]):
+    def __init__(self, op, site: CallSite, prior, label: str, specs: Sequence[FaultSpec], rng: dict | None = None):
         self.op, self.site, self.prior, self.label = op, site, prior, label
+        self.rng = rng  # a random operator draws the numbers it drew in the step, every trial
         self.device = torch_device(label)
         self.specs = list(specs)
         self.mutates = op._schema.is_mutable
@@ -172,6 +180,7 @@ class TrialRunner:
     def _call(self, args: list, kwargs: dict, injector: Injector | None) -> list:
         if self.mutates:
             args, kwargs = map_tensors((args, kwargs), torch.clone)
+        restore_operator_rng(self.rng, self.device)
         out = self.op(*args, **kwargs)
         if injector is not None:
             injector.on_isolated_call(self.site, self.prior, out)
@@ -563,8 +572,8 @@ def minimize(
     warnings = _report_warnings(report, specs)
     switches = deterministic_switches(report, report_dir, warnings)
     op = resolve_op(case.op)
-    suspect = TrialRunner(op, case.site, case.prior, suspect_label, specs)
-    checker = TrialRunner(op, case.site, case.prior, reference_label, specs)
+    suspect = TrialRunner(op, case.site, case.prior, suspect_label, specs, rng=case.rng)
+    checker = TrialRunner(op, case.site, case.prior, reference_label, specs, rng=case.rng)
     started = time.perf_counter()
 
     measured = suspect.measure(case.args, case.kwargs, case.expected, trials, progress=partial(progress, "suspect"))
@@ -628,7 +637,7 @@ def minimize(
                                                                  bad_trials, inject, out)],
     }
     suspect_outputs = minimal.failing_outputs if minimal and minimal.failing_outputs is not None else expected
-    ticket_case = OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs)
+    ticket_case = OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs, rng=case.rng)
     data["seconds"] = round(time.perf_counter() - started, 3)
     ticket.write_ticket(target, data, report, ticket_case)
     return MinimizeResult(data)

@@ -36,6 +36,7 @@ class OperatorCase:
     actual: Any  # the suspect device's outputs in the step
     suspect_args: tuple | None = None
     suspect_kwargs: dict | None = None
+    rng: dict | None = None  # generator states just before the call (random operators, e.g. dropout)
 
     @property
     def op(self) -> str:
@@ -48,6 +49,8 @@ class OperatorCase:
             tensorio.write_tree(handle.create_group("reference_inputs"), {"args": list(self.args), "kwargs": self.kwargs})
             tensorio.write_tree(handle.create_group("reference_outputs"), self.expected)
             tensorio.write_tree(handle.create_group("suspect_outputs"), self.actual)
+            if self.rng is not None:
+                tensorio.write_tree(handle.create_group("rng"), self.rng)
             if self.suspect_args is not None:
                 tensorio.write_tree(
                     handle.create_group("suspect_inputs"),
@@ -68,9 +71,27 @@ class OperatorCase:
                     actual=tensorio.read_tree(handle["suspect_outputs"]),
                     suspect_args=tuple(suspect["args"]) if suspect else None,
                     suspect_kwargs=suspect["kwargs"] if suspect else None,
+                    rng=tensorio.read_tree(handle["rng"]) if "rng" in handle else None,
                 )
         except (OSError, KeyError, TypeError, ValueError) as exc:
             raise ReportError(f"cannot read operator case {path}: {exc}") from exc
+
+
+def capture_operator_rng(device: torch.device) -> dict:
+    """The generators a random operator on ``device`` draws from, before the call."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_operator_rng(state: dict | None, device: torch.device) -> None:
+    """Give a call re-run alone the random numbers it drew in the step."""
+    if not state:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def resolve_op(name: str):

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import sys
 import traceback
+import types
 from pathlib import Path
 
 from .errors import SdcReplayError
@@ -105,7 +106,15 @@ def start(task_path: Path, stderr_path: Path, label: str):
     process = _process_context().Process(
         target=_child, args=(str(task_path), str(stderr_path), env, os.getcwd()), name=f"sdcreplay-{label}", daemon=False
     )
-    process.start()
+    # multiprocessing would re-import the caller's script in the child (as it does for
+    # spawn); a script that calls replay_devices() without a __main__ guard would then
+    # run again there. The child needs nothing from it.
+    caller_main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = caller_main
     return process
 
 

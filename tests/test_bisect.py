@@ -409,11 +409,6 @@ def test_suspect_that_reproduces_the_reference_points_at_the_recording(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "worker.py (lead): the forkserver re-imports the caller's __main__ in every device process "
-    "(multiprocessing's init_main_from_path), so a script without an `if __name__ == '__main__':` "
-    "guard runs again in each worker, and its bisect() call fails there with 'An attempt has been "
-    "made to start a new process before the current process has finished its bootstrapping phase'"))
 def test_bisect_from_a_plain_python_script(llama_bundle, tmp_path):
     """The library is callable from Python: a script calling bisect() at top level works."""
     script = tmp_path / "plain_script.py"
@@ -577,3 +572,21 @@ def test_forensics_shows_the_first_elements_and_counts_all():
 def test_forensics_shape_or_dtype_mismatch_is_a_note():
     report = element_forensics(torch.zeros(3), torch.zeros(4))
     assert report["count"] is None and "shape/dtype differ" in report["note"]
+
+
+@pytest.mark.slow
+def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundle, tmp_path):
+    """A fault in dropout's random mask (aten.bernoulli_): re-run alone with the step's generator state, the reference reproduces its
+    recorded output bit for bit, so the suspect's failures are the fault's, not fresh random numbers."""
+    from sdcreplay.minimize import minimize
+
+    spec = "kind=bitflip,op=aten.bernoulli_,module=layers.0.attn_dropout,phase=forward,step=1,index=3,bit=20,device=cpu:1"
+    fired = only_fired(llama_bundle, spec)
+    report = bisect(llama_bundle, suspect="cpu:1", reference="cpu:0", step=1, inject=[spec], out=tmp_path / "rep")
+    found = report.to_json()
+    assert (found["op"], found["module"], found["op_index"]) == ("aten.bernoulli_.float", "layers.0.attn_dropout", fired["op_index"])
+    assert found["isolated"] == "kernel"
+    assert found["elements"]["indices"] == [3]
+    assert OperatorCase.read(tmp_path / "rep" / "operator.h5").rng is not None
+    ticket = minimize(tmp_path / "rep", inject=[spec], trials=20, out=tmp_path / "ticket").to_json()
+    assert ticket["reproduced"] and ticket["reference_failures"] == 0

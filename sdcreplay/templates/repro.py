@@ -173,6 +173,7 @@ def main() -> int:
         apply_switches(json.loads(handle.attrs["switches"]))
         inputs = read_tree(handle["reference_inputs"])
         expected = read_tree(handle["reference_outputs"])
+        rng = read_tree(handle["rng"]) if "rng" in handle else None  # a random operator's generator states
         inject = optional_injection(options.device, handle)
     op = resolve(op_name)
     args, kwargs = to_device((inputs["args"], inputs["kwargs"]), device)
@@ -183,6 +184,10 @@ def main() -> int:
     failures, first = 0, None
     for trial in range(1, options.trials + 1):
         call_args, call_kwargs = (to_device((args, kwargs), device) if op._schema.is_mutable else (args, kwargs))
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], device)
         out = op(*call_args, **call_kwargs)
         if inject is not None:
             inject(out)
