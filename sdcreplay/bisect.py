@@ -29,11 +29,12 @@ from . import determinism
 from .bundle import Bundle, StepRecord
 from .capture import CallSite, OperatorLog, OperatorRecord, operator_results, state_tensors
 from .compare import RECORD, Divergence, compare_logs
+from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
 from .digest import tensor_digest
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
-from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op, restore_operator_rng
+from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .replay import ReplaySession, replay_devices, run_device_processes
 from .signature import SignatureLog, layer_of
 from .tensorio import read_tensor, write_tensor

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import determinism
 from .determinism import RngState
 from .digest import Digester, tensor_digest
 from .tensorio import map_tensors
@@ -375,11 +376,9 @@ class OperatorLog:
         self._written_before = {}
         if self.kept is not None or func.is_view:
             return
-        if site.index == self.watch:
-            from .operator_case import capture_operator_rng
-
+        if site.index == self.watch and torch.Tag.nondeterministic_seeded in func.tags:
             device = next((t.device for t in _tensors_in(args)), torch.device("cpu"))
-            self.rng_before = capture_operator_rng(device)
+            self.rng_before = determinism.capture_operator_rng(device)
         if self.expected is not None or site.index == self.watch:
             # Only what the call overwrites must be copied before it runs.
             self._written_before = {i: _cpu_copy(value) for i, value in _mutated_inputs(func, args).items()}

@@ -229,3 +229,20 @@ def restore_rng(state: RngState, device: torch.device) -> None:
     torch.set_rng_state(state.cpu)
     if state.accelerator is not None and device.type == "cuda":
         torch.cuda.set_rng_state(state.accelerator, device)
+
+
+def capture_operator_rng(device: torch.device) -> dict:
+    """The generators a random operator on ``device`` draws from, before the call."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_operator_rng(state: dict | None, device: torch.device) -> None:
+    """Give a call re-run alone the random numbers it drew in the step."""
+    if not state:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -35,6 +35,7 @@ from .bisect import REPORT_FILE, element_forensics, kernel_names
 from .bisect import SCHEMA as BISECT_SCHEMA
 from .bundle import Bundle
 from .capture import CallSite, operator_results
+from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
@@ -43,7 +44,6 @@ from .operator_case import (
     OperatorCase,
     place,
     resolve_op,
-    restore_operator_rng,
     to_cpu,
 )
 from .tensorio import dtype_name, map_tensors

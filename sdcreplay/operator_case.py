@@ -77,23 +77,6 @@ class OperatorCase:
             raise ReportError(f"cannot read operator case {path}: {exc}") from exc
 
 
-def capture_operator_rng(device: torch.device) -> dict:
-    """The generators a random operator on ``device`` draws from, before the call."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_operator_rng(state: dict | None, device: torch.device) -> None:
-    """Give a call re-run alone the random numbers it drew in the step."""
-    if not state:
-        return
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def resolve_op(name: str):
     """``aten.mm.default`` -> ``torch.ops.aten.mm.default``."""
     namespace, _, rest = name.partition(".")
