@@ -104,14 +104,5 @@ def place(tree: Any, device: torch.device) -> Any:
     return move(tree)
 
 
-def output_tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors an operator returned, in order (non-tensors dropped)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
-    return []
-
-
 def to_cpu(tree: Any) -> Any:
     return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
