@@ -61,7 +61,7 @@ class Output:
     def table(self, title: str | None, columns: list[str], rows: list[list[str]]) -> None:
         table = Table(title=title, title_justify="left", header_style="bold")
         for column in columns:
-            table.add_column(column)
+            table.add_column(column, overflow="fold")  # a device label or entry name is never cut short
         for row in rows:
             table.add_row(*row)
         self.console.print(table)
