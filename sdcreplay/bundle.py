@@ -288,6 +288,9 @@ def _validate_manifest(manifest: Any) -> None:
     _require(isinstance(env, dict) and all(isinstance(k, str) and (v is None or isinstance(v, str))
                                            for k, v in env.items()), "determinism.env")
     _require(isinstance(manifest.get("environment"), dict), "environment")
+    capture = manifest.get("capture", {"max_depth": None})
+    depth = capture.get("max_depth") if isinstance(capture, dict) else "?"
+    _require(depth is None or (type(depth) is int and depth >= 0), "capture.max_depth")
     _require(isinstance(manifest.get("complete"), bool), "complete")
     state = manifest.get("state")
     _require(isinstance(state, dict) and state.get("kind") in ("embedded", "checkpoint"), "state.kind")

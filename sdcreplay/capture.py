@@ -57,6 +57,16 @@ def flatten_tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def within_depth(path: str, max_depth: int | None) -> bool:
+    """Is a module captured at this signature depth? The root is depth 0, ``layers.1`` depth 2.
+
+    Fewer modules mean fewer activation digests (the recorder's main cost);
+    gradients and parameters are always captured, and bisect localizes to the
+    operator either way.
+    """
+    return max_depth is None or (path.count(".") + 1 if path else 0) <= max_depth
+
+
 def _next_sequence_nr() -> int:
     """The sequence number the next autograd node created on this thread will get."""
     return torch._C._autograd._get_sequence_nr()
@@ -96,7 +106,8 @@ class SignatureCapture:
     the same names in the same order.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 max_depth: int | None = None):
         self.model = model
         self._digester: Digester | None = None
         self._in_forward_window = False
@@ -105,6 +116,8 @@ class SignatureCapture:
         self.optimizer_stepped = False
         self._handles = []
         for path, module in model.named_modules():
+            if not within_depth(path, max_depth):
+                continue
             self._handles.append(module.register_forward_pre_hook(partial(self._on_forward_begin, path or ROOT)))
             self._handles.append(module.register_forward_hook(partial(self._on_forward, path or ROOT)))
         if optimizer is not None:

@@ -74,6 +74,7 @@ def record(
     arg: Annotated[list[str] | None, typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject while recording (repeatable); the bundle does not carry it.")] = None,
+    depth: Annotated[int | None, typer.Option(min=0, help="Capture module outputs only down to this depth (root 0, layers.N 2); fewer activation digests, cheaper recording. Default: every module.")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Run WORKLOAD for --steps steps and write a deterministic trace bundle."""
@@ -87,7 +88,7 @@ def record(
         with output.progress(f"recording {workload}", steps) as advance:
             summary = record_bundle(
                 workload, target, steps=steps, device=device, seed=seed, kwargs=kwargs,
-                checkpoint=checkpoint, overwrite=overwrite, inject=inject or [],
+                checkpoint=checkpoint, overwrite=overwrite, inject=inject or [], max_depth=depth,
                 on_step=lambda index, loss: advance(note=f"loss {loss:.4f}"),
             )
         output.say(

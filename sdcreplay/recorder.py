@@ -70,6 +70,7 @@ class Recorder:
         checkpoint: str | Path | None = None,
         device_label: str | None = None,
         start_step: int = 0,
+        max_depth: int | None = None,
         deterministic: bool = True,
         overwrite: bool = False,
     ):
@@ -84,6 +85,7 @@ class Recorder:
             "digest": algorithm_for(self.device.type),
             "environment": determinism.environment(self.device),
             "determinism": switches,
+            "capture": {"max_depth": max_depth},
         }
         self._writer = BundleWriter(Path(path), header, overwrite=overwrite)
         if checkpoint is not None:
@@ -92,7 +94,7 @@ class Recorder:
             self._writer.reference_checkpoint(reference)
         else:
             self._writer.embed_state(model.state_dict(), optimizer.state_dict())
-        self._capture = SignatureCapture(model, optimizer)
+        self._capture = SignatureCapture(model, optimizer, max_depth=max_depth)
         self._hook = optimizer.register_step_post_hook(lambda *_: self._finish_pending())
         self._next_index = start_step
         self._pending: tuple[int, Any, determinism.RngState] | None = None
@@ -187,6 +189,7 @@ def record(
     checkpoint: str | Path | None = None,
     overwrite: bool = False,
     inject: Sequence[str] = (),
+    max_depth: int | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> RecordSummary:
     """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
@@ -211,7 +214,7 @@ def record(
     loss_value = None
     recorder = Recorder(
         out, workload, built.model, built.optimizer, workload_kwargs=kwargs,
-        checkpoint=checkpoint, device_label=device, overwrite=overwrite,
+        checkpoint=checkpoint, device_label=device, overwrite=overwrite, max_depth=max_depth,
     )
     with recorder:
         for index in range(steps):

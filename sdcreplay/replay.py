@@ -69,7 +69,8 @@ class ReplaySession:
             ) from exc
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
-        self.capture = SignatureCapture(self.workload.model, self.workload.optimizer)
+        depth = (self.bundle.manifest.get("capture") or {}).get("max_depth")
+        self.capture = SignatureCapture(self.workload.model, self.workload.optimizer, max_depth=depth)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -268,3 +268,19 @@ def test_a_loop_that_raises_leaves_an_incomplete_bundle(tmp_path: Path):
     bundle = Bundle.open(tmp_path / "run.bundle")
     assert bundle.step_indices == [0, 1]
     assert bundle.complete is False
+
+
+def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path):
+    """A shallower signature (cheaper to record) still replays bit for bit and still names the layer."""
+    summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "shallow.bundle", steps=2,
+                               kwargs=dict(SMALL), max_depth=2)
+    bundle = Bundle.open(summary.bundle)
+    assert bundle.manifest["capture"] == {"max_depth": 2}
+    names = {name for entries in bundle.signature_log().steps.values() for name, _ in entries}
+    modules = {name.split(":", 1)[1].split("[")[0] for name in names if name.startswith(("forward:", "backward:"))}
+    assert "layers.0" in modules and "layers.0.attn" not in modules and "layers.0.attn.wq" not in modules
+    assert any(name.startswith("grad:layers.0.attn.wq") for name in names)  # gradients and parameters stay complete
+    assert compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu")).identical
+    spec = "kind=bitflip,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,index=101"
+    first = compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu", inject=[spec])).first
+    assert (first.step, first.name) == (1, "forward:layers.0")
