@@ -87,6 +87,7 @@ class ReplaySession:
                 "device": self.label,
                 "digest": algorithm_for(self.device.type),
                 "source": str(self.bundle.path),
+                "workload": {"ref": self.bundle.workload_ref, "kwargs": self.bundle.workload_kwargs},
                 "role": "replay",
                 **meta,
             }
