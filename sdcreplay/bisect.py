@@ -37,12 +37,11 @@ from .faults import Injector, parse_specs
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .replay import ReplaySession, replay_devices, run_device_processes
 from .signature import SignatureLog, layer_of
-from .tensorio import read_tensor, write_tensor
+from .tensorio import raw_bits, read_tensor, write_tensor
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
 SCHEMA = "sdcreplay.bisect/1"
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +193,7 @@ def kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
 # Forensics: which elements, which bits, what shape the damage has.
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(_WORD[tensor.element_size()]).reshape(-1).to(torch.int64)
+    return raw_bits(tensor.contiguous()).reshape(-1).to(torch.int64)
 
 
 def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int = 16) -> dict:

@@ -22,11 +22,11 @@ import torch
 
 from .capture import CallSite
 from .errors import FaultSpecError
+from .tensorio import raw_bits
 
 KINDS = ("bitflip", "pairflip", "swap", "bias", "nan", "memflip")
 PHASES = ("forward", "backward", "optimizer")
 ENV_VAR = "SDCREPLAY_INJECT"
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MANTISSA_TOP = {torch.float64: 51, torch.float32: 22, torch.float16: 9, torch.bfloat16: 6}
 
 
@@ -233,7 +233,7 @@ def default_bit(dtype: torch.dtype) -> int:
 
 def flip_bits(tensor: torch.Tensor, elements: list[int], bit: int) -> None:
     """XOR one bit of the storage word of each element (logical flat indices), in place."""
-    words = tensor.view(_WORD[tensor.element_size()])
+    words = raw_bits(tensor)
     width = 8 * tensor.element_size()
     if bit >= width:
         raise FaultSpecError(f"bit {bit} does not exist in a {width}-bit {tensor.dtype} element")

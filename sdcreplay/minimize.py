@@ -46,7 +46,7 @@ from .operator_case import (
     resolve_op,
     to_cpu,
 )
-from .tensorio import dtype_name, map_tensors
+from .tensorio import dtype_name, map_tensors, raw_bits
 
 SCHEMA = "sdcreplay.minimize/1"
 Z95 = 1.959963984540054  # two-sided 95% quantile of the normal distribution
@@ -56,8 +56,6 @@ MISS_PROBABILITY = 0.01  # the default --bad-trials misses a failure at the meas
 RANDOM_DATA_DRAWS = 3
 PROGRESS_SECONDS = 0.2
 KEPT_OUTPUT_BYTES = 256 << 20  # outputs a device may hold while its verdicts wait for one sync
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 Progress = Callable[[str, int, "int | None", int], None]
 """``on_progress(stage, done, total, failures)``; stages: suspect, reference,
 shrink (done = candidates tested, failures = candidates kept), random data, minimal."""
@@ -109,12 +107,6 @@ def _split(units: tuple, parts: int) -> list[tuple]:
     size, extra = divmod(len(units), parts)
     bounds = list(itertools.accumulate([0] + [size + (i < extra) for i in range(parts)]))
     return [units[start:end] for start, end in itertools.pairwise(bounds)]
-
-
-def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's storage words as integers (no copy): bitwise compare, NaN == NaN, -0 != +0."""
-    word = _WORDS.get(tensor.element_size())
-    return tensor.view(word) if word is not None and tensor.dtype != word else tensor
 
 
 def shapes_of(tree: Any) -> list[list[int]]:

@@ -35,6 +35,15 @@ _NATIVE = {
 _WORDS = {1: (np.uint8, np.uint8), 2: (np.uint16, np.int16), 4: (np.uint32, np.int32), 8: (np.uint64, np.int64)}
 
 
+_INTEGER_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's storage words as integers (a view, no copy): bitwise compare, NaN == NaN, -0 != +0."""
+    word = _INTEGER_WORDS.get(tensor.element_size())
+    return tensor.view(word) if word is not None and tensor.dtype != word else tensor
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -267,7 +267,8 @@ def test_reference_that_disagrees_with_the_record_stops(tmp_path: Path, wq_call:
 
 def test_accelerator_verdicts_stay_on_the_device_until_one_fetch():
     """The comparison a GPU runs (a flag per trial, fetched per block), exercised on CPU tensors."""
-    from sdcreplay.minimize import _device_flag, _fetch, raw_bits
+    from sdcreplay.minimize import _device_flag, _fetch
+    from sdcreplay.tensorio import raw_bits
 
     expected = torch.tensor([1.0, -0.0, float("nan")])
     wanted = [raw_bits(expected), 3]

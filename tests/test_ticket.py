@@ -22,9 +22,10 @@ from sdcreplay import determinism
 from sdcreplay.bisect import bisect
 from sdcreplay.capture import CallSite
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.minimize import minimize, raw_bits
+from sdcreplay.minimize import minimize
 from sdcreplay.operator_case import OperatorCase
 from sdcreplay.templates import repro
+from sdcreplay.tensorio import raw_bits
 from sdcreplay.ticket import device_identity, write_ticket
 
 TRIALS = 200
