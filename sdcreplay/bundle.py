@@ -109,11 +109,16 @@ def read_rng(group: h5py.Group) -> RngState:
         raise BundleError(f"RNG state in {group.file.filename} is damaged: {exc}") from exc
 
 
-def write_state(path: Path, model_state: dict, optimizer_state: dict | None) -> None:
+def write_state(path: Path, model_state: dict | None, optimizer_state: dict | None,
+                objects: dict[str, Any] | None = None) -> None:
+    """Model, optimizer and named state objects' state dicts (a checkpoint bundle holds only the objects)."""
     with h5py.File(path, "w") as handle:
-        tensorio.write_tree(handle.create_group("model"), model_state)
+        if model_state is not None:
+            tensorio.write_tree(handle.create_group("model"), model_state)
         if optimizer_state is not None:
             tensorio.write_tree(handle.create_group("optimizer"), optimizer_state)
+        for name, state in (objects or {}).items():
+            tensorio.write_tree(handle.require_group("objects").create_group(name), state)
 
 
 def checkpoint_reference(path: Path) -> dict:
@@ -188,17 +193,29 @@ class BundleWriter:
         for name, writer in ((SIGNATURES, self._signatures), (MESSAGES, self._messages)):
             self.manifest["files"][name] = {"size": writer.size, "sha256": writer.sha256}
 
-    def embed_state(self, model_state: dict, optimizer_state: dict | None) -> None:
-        write_state(self.path / STATE, model_state, optimizer_state)
+    def embed_state(self, model_state: dict, optimizer_state: dict | None, objects: dict | None = None) -> None:
+        write_state(self.path / STATE, model_state, optimizer_state, objects)
         self._note_file(STATE)
         self.manifest["state"] = {"kind": "embedded", "file": STATE}
+        self.manifest["state_objects"] = list(objects or {})
         self._save_manifest()
 
-    def reference_checkpoint(self, reference: dict) -> None:
+    def reference_checkpoint(self, reference: dict, objects: dict | None = None) -> None:
+        """The model and optimizer come from a checkpoint; state objects still go in ``state.h5``."""
         self.manifest["state"] = reference
+        self.manifest["state_objects"] = list(objects or {})
+        if objects:
+            write_state(self.path / STATE, None, None, objects)
+            self._note_file(STATE)
         self._save_manifest()
 
-    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]], optimizer_step: bool) -> None:
+    def set_verification(self, verification: dict) -> None:
+        """Whether the Recorder proved the workload's step reproduces the loop's (see recorder.py)."""
+        self.manifest["verification"] = verification
+        self._save_manifest()
+
+    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]], optimizer_step: bool,
+                 grads: str = "none") -> None:
         name = f"steps/{index:06d}.h5"
         with h5py.File(self.path / name, "w") as handle:
             tensorio.write_tree(handle.create_group("batch"), batch)
@@ -207,7 +224,8 @@ class BundleWriter:
         self._signatures.append_step(index, entries)
         self._note_stream_files()
         self.manifest["steps"].append(
-            {"index": index, "file": name, "entries": len(entries), "optimizer_step": optimizer_step}
+            {"index": index, "file": name, "entries": len(entries), "optimizer_step": optimizer_step,
+             "grads": grads}
         )
         self._save_manifest()
 
@@ -236,6 +254,7 @@ class StepRecord:
     file: str
     entries: int
     optimizer_step: bool
+    grads: str = "none"  # what the gradients held when the step began: none | zero | kept
 
 
 STREAMS = (SIGNATURES, MESSAGES)
@@ -243,6 +262,8 @@ STREAMS = (SIGNATURES, MESSAGES)
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 _PRECISIONS = ("highest", "high", "medium")
+GRADS_ENTERING = ("none", "zero", "kept")
+VERIFICATION_STATUS = ("pending", "passed", "failed", "off")
 
 
 def step_file(index: int) -> str:
@@ -291,6 +312,7 @@ def _validate_manifest(manifest: Any) -> None:
     capture = manifest.get("capture", {"max_depth": None})
     depth = capture.get("max_depth") if isinstance(capture, dict) else "?"
     _require(depth is None or (type(depth) is int and depth >= 0), "capture.max_depth")
+    _require(isinstance(capture.get("program", False), bool), "capture.program")
     _require(isinstance(manifest.get("complete"), bool), "complete")
     state = manifest.get("state")
     _require(isinstance(state, dict) and state.get("kind") in ("embedded", "checkpoint"), "state.kind")
@@ -316,9 +338,16 @@ def _validate_manifest(manifest: Any) -> None:
         _require(step.get("file") == step_file(index) and step["file"] in files, f"step {index} file")
         _require(_is_int(step.get("entries")) and step["entries"] >= 0, f"step {index} entries")
         _require(isinstance(step.get("optimizer_step"), bool), f"step {index} optimizer_step")
+        _require(step.get("grads", "none") in GRADS_ENTERING, f"step {index} grads")
         previous = index
     for name in STREAMS:
         _require(name in files, f"files[{name!r}]")
+    objects = manifest.get("state_objects", [])
+    _require(isinstance(objects, list) and all(isinstance(n, str) and n for n in objects), "state_objects")
+    _require(not objects or STATE in files, f"files[{STATE!r}] (state objects)")
+    verification = manifest.get("verification", {"status": "off"})
+    _require(isinstance(verification, dict) and verification.get("status") in VERIFICATION_STATUS,
+             "verification.status")
 
 
 class Bundle:
@@ -328,7 +357,7 @@ class Bundle:
         self.path = path
         self.manifest = manifest
         self.steps = [
-            StepRecord(step["index"], step["file"], step["entries"], step["optimizer_step"])
+            StepRecord(step["index"], step["file"], step["entries"], step["optimizer_step"], step.get("grads", "none"))
             for step in manifest["steps"]
         ]
 
@@ -439,6 +468,30 @@ class Bundle:
                 raise BundleError(f"{STATE} is damaged: {exc}") from exc
         return model, optimizer
 
+    @property
+    def state_object_names(self) -> list[str]:
+        return list(self.manifest.get("state_objects", []))
+
+    def load_state_objects(self) -> dict[str, Any]:
+        """The named state objects' state dicts before the first recorded step."""
+        names = self.state_object_names
+        if not names:
+            return {}
+        with self._open_h5(STATE) as handle:
+            try:
+                return {name: tensorio.read_tree(handle["objects"][name]) for name in names}
+            except KeyError as exc:
+                raise BundleError(f"{STATE} is damaged: {exc}") from exc
+
+    @property
+    def verification(self) -> dict:
+        """``status``: passed (the workload's step reproduced the loop's), failed, pending or off."""
+        return self.manifest.get("verification", {"status": "off", "mode": "off"})
+
+    @property
+    def verified(self) -> bool:
+        return self.verification["status"] == "passed"
+
     def size_bytes(self) -> int:
         return sum(meta["size"] for meta in self.manifest["files"].values()) + (self.path / MANIFEST).stat().st_size
 
@@ -460,9 +513,12 @@ def describe(path: str | Path) -> dict:
         "digest": manifest.get("digest"),
         "state": {k: v for k, v in manifest["state"].items()},
         "steps": [
-            {"index": step.index, "entries": step.entries, "optimizer_step": step.optimizer_step}
+            {"index": step.index, "entries": step.entries, "optimizer_step": step.optimizer_step,
+             "grads": step.grads}
             for step in bundle.steps
         ],
+        "state_objects": bundle.state_object_names,
+        "verification": bundle.verification,
         "entries": log.entry_count(),
         "files": len(manifest["files"]),
         "size_bytes": bundle.size_bytes(),

@@ -97,18 +97,64 @@ def _input_edges(roots: list, first: int, end: int) -> list[tuple[object, int]]:
     return edges
 
 
+GRADS_ENTERING = ("none", "zero", "kept")
+"""What the gradients hold when a step begins: all ``None``, all zero, or kept from before."""
+
+
+def grads_entering(model: torch.nn.Module) -> str:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return "none"
+    with _own_work():
+        return "zero" if all(not g.any() for g in grads) else "kept"
+
+
+def state_leaves(prefix: str, value) -> Iterator[tuple[str, object, bool]]:
+    """``(name, value, is_tensor)`` for every leaf of a state dict, in order.
+
+    Dict keys join with ``.``, list items are ``[i]``; a string becomes its
+    UTF-8 bytes (so it is compared too); other objects are left out.
+    """
+    if isinstance(value, torch.Tensor):
+        yield prefix, value, True
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from state_leaves(f"{prefix}.{key}", item)
+    elif isinstance(value, (list, tuple)):
+        for position, item in enumerate(value):
+            yield from state_leaves(f"{prefix}[{position}]", item)
+    elif isinstance(value, str):
+        yield prefix, torch.frombuffer(bytearray(value.encode()) or bytearray(1), dtype=torch.uint8), False
+    elif value is None or isinstance(value, (bool, int, float)):
+        yield prefix, value, False
+
+
+def state_object_items(objects: dict) -> Iterator[tuple[str, object]]:
+    """Signature items of named state objects: ``state:`` for numbers, ``state_tensor:`` for tensors."""
+    for name, obj in objects.items():
+        for path, value, is_tensor in state_leaves(name, obj.state_dict()):
+            yield ("state_tensor:" if is_tensor else "state:") + path, value
+
+
 class SignatureCapture:
     """Hooks a model and optimizer once; they record only inside an open step.
 
-    A step goes ``begin_step`` -> forward/backward (hooks) -> ``record_loss``
-    -> ``record_gradients`` -> optimizer step (hook) -> ``end_step``. The order
-    of entries is the execution order, so two runs of the same program produce
-    the same names in the same order.
+    A step goes ``begin_step`` -> forward/backward inside ``backward_capture``
+    (hooks; each ``backward()`` adds its loss and the gradients after it) ->
+    optimizer step (pre-hook: hyper-parameters and the gradients it is given;
+    post-hook: parameters, buffers, optimizer state) -> ``end_step``. The
+    order of entries is the execution order, so two runs of the same program
+    produce the same names in the same order. ``program`` adds the entries
+    that make the program visible (``hyper:``, ``step_grad:``, ``optim:``,
+    ``state:``, ``state_tensor:``); bundles recorded before they existed
+    replay without them.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 max_depth: int | None = None):
+                 max_depth: int | None = None, *, state: dict | None = None, program: bool = False):
         self.model = model
+        self.state_objects = dict(state or {})
+        self.program = program
         self._digester: Digester | None = None
         self._in_forward_window = False
         self._calls: Counter[str] = Counter()
@@ -121,6 +167,8 @@ class SignatureCapture:
             self._handles.append(module.register_forward_pre_hook(partial(self._on_forward_begin, path or ROOT)))
             self._handles.append(module.register_forward_hook(partial(self._on_forward, path or ROOT)))
         if optimizer is not None:
+            if program:
+                self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_begin))
             self._handles.append(optimizer.register_step_post_hook(self._on_optimizer_step))
 
     @property
@@ -128,6 +176,7 @@ class SignatureCapture:
         return self._digester is not None
 
     def begin_step(self, rng: RngState) -> None:
+        """Open a step: the RNG states, then (program entries) the state objects entering it."""
         self._digester = Digester()
         self._calls.clear()
         self.optimizer_stepped = False
@@ -135,11 +184,17 @@ class SignatureCapture:
         with _own_work():
             for name, value in rng.signature_items():
                 self._digester.add(name, value)
+            if self.program:
+                for name, value in state_object_items(self.state_objects):
+                    self._digester.add(name, value)
 
     def _numbered(self, name: str) -> str:
         count = self._calls[name]
         self._calls[name] += 1
         return name if count == 0 else f"{name}#{count}"
+
+    def _add(self, name: str, value) -> None:
+        self._digester.add(self._numbered(name), value)
 
     def _on_forward_begin(self, path: str, module, inputs) -> None:
         if self._in_forward_window:
@@ -169,23 +224,75 @@ class SignatureCapture:
     def record_loss(self, loss: torch.Tensor) -> None:
         if self._digester is not None:
             with _own_work():
-                self._digester.add(self._numbered("loss"), loss)
+                self._add("loss", loss)
 
     def record_gradients(self) -> None:
-        """Close the forward/backward window with every parameter's gradient."""
-        self._in_forward_window = False
-        with _own_work():
-            for name, param in self.model.named_parameters():
-                self._digester.add(f"grad:{name}", param.grad)
-
-    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._digester is None or self._in_forward_window:
+        """Every parameter's gradient (``grad:NAME``, ``grad:NAME#1`` after a second backward...)."""
+        if self._digester is None:
             return
         with _own_work():
             for name, param in self.model.named_parameters():
-                self._digester.add(f"param:{name}", param)
+                self._add(f"grad:{name}", param.grad)
+
+    @contextlib.contextmanager
+    def backward_capture(self) -> Iterator[None]:
+        """While open, each ``backward()`` records its loss before and the gradients after it.
+
+        It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls),
+        so the user's code is not touched; the loss is the scalar handed to
+        backward (a GradScaler's scaled loss under AMP).
+        """
+        original = torch.autograd.backward
+
+        def backward(tensors, *args, **kwargs):
+            if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+                self.record_loss(tensors)
+            result = original(tensors, *args, **kwargs)
+            self.record_gradients()
+            return result
+
+        torch.autograd.backward = backward
+        try:
+            yield
+        finally:
+            torch.autograd.backward = original
+
+    def close_window(self) -> None:
+        """The step's own code is over (the block exited): later forwards are not the step's."""
+        self._in_forward_window = False
+
+    def _named_group_params(self, optimizer) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in names:
+                    yield names[id(param)], param
+
+    def _on_optimizer_begin(self, optimizer, args, kwargs) -> None:
+        """What the optimizer is about to use: each group's hyper-parameters and the gradients."""
+        if self._digester is None:
+            return
+        with _own_work():
+            for index, group in enumerate(optimizer.param_groups):
+                settings = {key: value for key, value in group.items() if key != "params"}
+                for name, value, _ in state_leaves(str(index), settings):
+                    self._add(f"hyper:{name}", value)
+            for name, param in self._named_group_params(optimizer):
+                self._add(f"step_grad:{name}", param.grad)
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._digester is None:
+            return
+        with _own_work():
+            for name, param in self.model.named_parameters():
+                self._add(f"param:{name}", param)
             for name, buffer in self.model.named_buffers():
-                self._digester.add(f"buffer:{name}", buffer)
+                self._add(f"buffer:{name}", buffer)
+            if self.program:
+                for name, param in self._named_group_params(optimizer):
+                    for key, value in optimizer.state.get(param, {}).items():
+                        if isinstance(value, torch.Tensor):
+                            self._add(f"optim:{name}.{key}", value)
         self.optimizer_stepped = True
 
     def end_step(self) -> list[tuple[str, str]]:
@@ -200,6 +307,19 @@ class SignatureCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def state_digests(model: torch.nn.Module, objects: dict | None = None) -> dict[str, str]:
+    """Digests of the parameters, buffers and state objects, by signature name (one pass)."""
+    digester = Digester()
+    with _own_work():
+        for name, param in model.named_parameters():
+            digester.add(f"param:{name}", param)
+        for name, buffer in model.named_buffers():
+            digester.add(f"buffer:{name}", buffer)
+        for name, value in state_object_items(objects or {}):
+            digester.add(name, value)
+        return dict(digester.entries())
 
 
 # ---------------------------------------------------------------------------

@@ -75,9 +75,10 @@ def record(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject while recording (repeatable); the bundle does not carry it.")] = None,
     depth: Annotated[int | None, typer.Option(min=0, help="Capture module outputs only down to this depth (root 0, layers.N 2); fewer activation digests, cheaper recording. Default: every module.")] = None,
+    verify: Annotated[bool, typer.Option(help="Re-execute the first step through the workload's step and refuse a recording that cannot be replayed.")] = True,
     json_mode: JsonOption = False,
 ) -> None:
-    """Run WORKLOAD for --steps steps and write a deterministic trace bundle."""
+    """Run WORKLOAD for --steps steps (its train_step, if it has one) and write a deterministic trace bundle."""
     from .recorder import record as record_bundle
 
     output = Output(json_mode)
@@ -89,7 +90,7 @@ def record(
             summary = record_bundle(
                 workload, target, steps=steps, device=device, seed=seed, kwargs=kwargs,
                 checkpoint=checkpoint, overwrite=overwrite, inject=inject or [], max_depth=depth,
-                on_step=lambda index, loss: advance(note=f"loss {loss:.4f}"),
+                verify=verify, on_step=lambda index, loss: advance(note="" if loss is None else f"loss {loss:.4f}"),
             )
         output.say(
             f"Recorded {summary.steps} steps of {workload} on {device}: {summary.entries} signature entries, "
@@ -99,6 +100,7 @@ def record(
             "schema": "sdcreplay.record/1", "bundle": str(summary.bundle), "workload": workload,
             "kwargs": summary.kwargs, "device": device, "steps": summary.steps,
             "entries": summary.entries, "size_bytes": summary.size_bytes, "final_loss": summary.final_loss,
+            "verification": summary.verification,
         })
         return 0
 
@@ -128,7 +130,9 @@ def info(
             ["steps", f"{len(about['steps'])} ({', '.join(str(s['index']) for s in about['steps'])})"
                       + ("" if about["complete"] else " [yellow]incomplete: the recording stopped early[/]")],
             ["signature entries", str(about["entries"])],
-            ["state", state_text],
+            ["state", state_text + (f"; state objects {', '.join(about['state_objects'])}"
+                                    if about["state_objects"] else "")],
+            ["verified", _verification_text(about["verification"])],
             ["determinism", f"deterministic algorithms {about['determinism']['deterministic_algorithms']}, "
                             f"{about['determinism']['num_threads']} threads"],
             ["size", f"{human_size(about['size_bytes'])} in {about['files']} files"],
@@ -138,6 +142,15 @@ def info(
         return 0
 
     run(output, action)
+
+
+def _verification_text(verification: dict) -> str:
+    return {
+        "passed": "yes: the workload's step reproduced the loop's first step bit for bit",
+        "failed": f"[yellow]no: {escape(verification.get('problem', ''))}[/]",
+        "pending": "[yellow]no: the recording stopped before its first step was checked[/]",
+        "off": "[yellow]no: recorded without verification; a record-vs-replay difference may be the program[/]",
+    }[verification["status"]]
 
 
 @app.command()
@@ -208,6 +221,8 @@ def render_replay(output: Output, report) -> None:
         "undecided": "the runs disagree and no value has a majority: replay on a third device to decide.",
     }[verdict]
     output.say(f"Verdict: {styled(verdict)}: {explanation}")
+    if report.caveat:
+        output.warn(f"caveat: {report.caveat}")
     if consensus.first_divergence is not None:
         first = consensus.first_divergence
         output.say(f"First divergence: step {first.step}, {first.phase}, {first.name}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .bundle import Bundle
 from .errors import BundleError, StructureError
-from .signature import SignatureLog, layer_of, phase_of, read_signature_log
+from .signature import SignatureLog, is_program_entry, layer_of, phase_of, read_signature_log
 
 RECORD = "record"
 
@@ -65,11 +65,17 @@ class Comparison:
             table.setdefault(divergence.layer, Counter())[divergence.phase] += 1
         return {layer: dict(counts) for layer, counts in table.items()}
 
+    @property
+    def program_differs(self) -> bool:
+        """The first divergence is a program entry (hyper-parameters, state objects): not SDC."""
+        return self.first is not None and is_program_entry(self.first.name)
+
     def to_json(self) -> dict:
         first = self.first
         return {
             "schema": "sdcreplay.diff/1",
             "identical": self.identical,
+            "program_differs": self.program_differs,
             "steps": self.steps,
             "entries": self.entries,
             "first_divergence": None if first is None else {**first.brief(), "expected": first.expected, "actual": first.actual},
@@ -282,6 +288,7 @@ def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]]) -> Conse
         kind = "match" if not divergent else "persistent" if len(divergent) == len(logs) else "intermittent"
         per_step = (divergent or comparisons)[0].per_step()
         verdicts[voter] = DeviceVerdict(kind, len(logs), len(divergent), first, per_step)
+    refuse_program_difference(verdicts)
     suspects = [voter for voter, v in verdicts.items() if v.verdict != "match"]
     replica_kinds = {v.verdict for voter, v in verdicts.items() if voter != RECORD}
     if undecided:
@@ -297,6 +304,20 @@ def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]]) -> Conse
     firsts = [v.first_divergence for v in verdicts.values() if v.first_divergence is not None]
     first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
     return Consensus(verdict, suspects, first, verdicts, undecided)
+
+
+def refuse_program_difference(verdicts: dict[str, DeviceVerdict]) -> None:
+    """A voter whose first divergence is a program entry ran another program: no device is to blame."""
+    for voter, judgement in verdicts.items():
+        first = judgement.first_divergence
+        if first is not None and is_program_entry(first.name):
+            raise StructureError(
+                f"the replayed program differs from the recorded one: {voter} first differs at step "
+                f"{first.step} in {first.name} (the majority has {first.expected}, {voter} {first.actual})",
+                "This is the training loop, not the device: the workload's step does not do what the "
+                "recorded loop did (a scheduler, GradScaler or other state outside the workload's step?). "
+                "See docs/recording.md.",
+            )
 
 
 def _position(log: SignatureLog, divergence: Divergence) -> int:

@@ -50,3 +50,13 @@ class DeviceError(SdcReplayError):
 
 class ReportError(SdcReplayError):
     default_hint = "Pass the report directory written by `sdcreplay bisect --out`."
+
+
+class WorkloadMismatchError(SdcReplayError):
+    """The workload's step does not reproduce the step the loop ran: a replay could not be evidence."""
+
+    default_hint = (
+        "Put everything the loop does in a step (clipping, GradScaler, schedulers, EMA, zero_grad) "
+        "inside `with rec.step(batch):` and into the workload's train_step (docs/recording.md); "
+        "or record with verify=False, and the replay carries a caveat."
+    )

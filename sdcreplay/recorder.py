@@ -1,21 +1,30 @@
 """The Recorder: the hook a training loop uses to write a trace bundle.
 
 ```python
-rec = sdcreplay.Recorder("run.bundle", workload="mytrain:make_workload", model=model, optimizer=opt)
+rec = sdcreplay.Recorder("run.bundle", workload="mytrain:make_workload", model=model,
+                         optimizer=opt, state={"scheduler": sched})
 for batch in loader:
     with rec.step(batch):
-        loss = loss_fn(model, batch); loss.backward()
-    opt.step(); opt.zero_grad()
+        loss = train_step(batch)      # the whole step: backward, clipping, opt.step(), sched.step()...
 rec.close()
 ```
-Each step is written as soon as the optimizer has stepped, so a run that dies
-later keeps every step that completed.
+A step ends when the block exits, or at the optimizer step right after it
+(``with rec.step(b): loss.backward()`` then ``opt.step()``), and is written
+then, so a run that dies later keeps every step that completed.
+
+By default the recording proves it can be replayed: at the start of the
+second step (or at ``close()``) the first step is re-executed through the
+workload's own step from the saved state, on the same device, and every
+signature entry compared; at the start of every later step the parameters and
+buffers must equal their digests at the end of the previous one. A loop that
+does something its workload's step does not raises WorkloadMismatchError.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,39 +33,31 @@ import torch
 
 from . import determinism
 from .bundle import Bundle, BundleWriter, checkpoint_reference, load_checkpoint
-from .capture import OperatorMode, SignatureCapture
+from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
 from .devices import torch_device
 from .digest import algorithm_for
-from .errors import CheckpointError
+from .errors import CheckpointError, SdcReplayError, WorkloadMismatchError
 from .faults import Injector, parse_specs
+from .replay import ReplaySession
+from .signature import is_program_entry
 from .tensorio import map_tensors
-from .workload import accepts_seed, build_workload, canonical_ref
+from .workload import accepts_seed, build_workload, canonical_ref, check_state_objects
 
-
-@contextlib.contextmanager
-def _loss_capture(capture: SignatureCapture) -> Iterator[None]:
-    """Record the tensor handed to backward as the loss, without touching the user's code."""
-    original = torch.autograd.backward
-
-    def backward(tensors, *args, **kwargs):
-        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            capture.record_loss(tensors)
-        return original(tensors, *args, **kwargs)
-
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
+VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
 
 class Recorder:
     """Writes the steps of a training loop into a bundle at ``path``.
 
     ``workload`` names the factory replay will call (with ``workload_kwargs``) to
-    rebuild the model and optimizer; the state they start from is embedded in
-    the bundle, or referenced by SHA-256 when ``checkpoint`` is the file the
-    model and optimizer were just loaded from.
+    rebuild the model, optimizer and state objects; the state they start from
+    is embedded in the bundle, or referenced by SHA-256 when ``checkpoint`` is
+    the file the model and optimizer were just loaded from. ``state`` names the
+    loop's other stateful objects (schedulers, a GradScaler, an EMA model...),
+    under the names the workload gives them. ``verify`` (True, ``"warn"`` or
+    False) checks that the workload's step reproduces the loop's (module
+    docstring); ``inject`` is the recording device's faults (`sdcreplay record
+    --inject`), which the check re-executes under too.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class Recorder:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
+        state: Mapping[str, Any] | None = None,
         workload_kwargs: dict | None = None,
         checkpoint: str | Path | None = None,
         device_label: str | None = None,
@@ -73,63 +75,163 @@ class Recorder:
         max_depth: int | None = None,
         deterministic: bool = True,
         overwrite: bool = False,
+        verify: bool | str = True,
+        inject: Sequence[str] = (),
     ):
+        if verify not in VERIFY_MODES:
+            raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
         first_param = next(model.parameters())
         self.device = first_param.device
         self.model, self.optimizer = model, optimizer
+        self.state_objects = check_state_objects(dict(state or {}), "Recorder")
+        self.label = device_label or str(self.device)
+        self.verify_mode = VERIFY_MODES[verify]
+        self._inject = list(inject)
         switches = determinism.enable() if deterministic else determinism.current_switches()
         header = {
             "workload": {"ref": canonical_ref(workload), "kwargs": dict(workload_kwargs or {})},
-            "device": device_label or str(self.device),
+            "device": self.label,
             "device_type": self.device.type,
             "digest": algorithm_for(self.device.type),
             "environment": determinism.environment(self.device),
             "determinism": switches,
-            "capture": {"max_depth": max_depth},
+            "capture": {"max_depth": max_depth, "program": True},
         }
         self._writer = BundleWriter(Path(path), header, overwrite=overwrite)
+        objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
         if checkpoint is not None:
             reference = checkpoint_reference(Path(checkpoint))
             _check_model_matches_checkpoint(model, reference)
-            self._writer.reference_checkpoint(reference)
+            self._writer.reference_checkpoint(reference, objects)
         else:
-            self._writer.embed_state(model.state_dict(), optimizer.state_dict())
-        self._capture = SignatureCapture(model, optimizer, max_depth=max_depth)
+            self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
+        status = "pending" if self.verify_mode != "off" else "off"
+        self._writer.set_verification({"mode": self.verify_mode, "status": status})
+        self._capture = SignatureCapture(model, optimizer, max_depth=max_depth, state=self.state_objects,
+                                         program=True)
         self._hook = optimizer.register_step_post_hook(lambda *_: self._finish_pending())
         self._next_index = start_step
-        self._pending: tuple[int, Any, determinism.RngState] | None = None
+        self._first_index = start_step
+        self._pending: tuple[int, Any, determinism.RngState, str] | None = None
+        self._verify_due = False
+        self._end_digests: dict[str, str] | None = None
         self.steps_written = 0
         self.entries_written = 0
+        self.verify_seconds = 0.0
         self.path: Path = self._writer.path
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
-        """Record one forward/backward; the optimizer step that follows completes it."""
+        """Record one training step: the block, and the optimizer step right after it if the block had none."""
         self._finish_pending()
+        self.verify()
+        self._check_unchanged_since_last_step()
+        grads = grads_entering(self.model)
+        if self._next_index == self._first_index and grads == "kept" and self.verify_mode != "off":
+            self._mismatch("the first recorded step begins with gradients accumulated before it, which "
+                           "the bundle does not hold: start recording at an optimizer-step boundary "
+                           "(after zero_grad)")
         rng = determinism.capture_rng(self.device)
         stored_batch = map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
         self._capture.begin_step(rng)
-        with _loss_capture(self._capture):
+        with self._capture.backward_capture():
             yield
-        self._capture.record_gradients()
-        self._pending = (self._next_index, stored_batch, rng)
+        self._capture.close_window()
+        self._pending = (self._next_index, stored_batch, rng, grads)
         self._next_index += 1
+        if self._capture.optimizer_stepped:
+            self._finish_pending()
 
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        index, batch, rng = self._pending
+        index, batch, rng, grads = self._pending
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
-        self._writer.add_step(index, batch, rng, entries, optimizer_step=stepped)
+        self._writer.add_step(index, batch, rng, entries, optimizer_step=stepped, grads=grads)
         self.steps_written += 1
         self.entries_written += len(entries)
+        self._verify_due = self.steps_written == 1 and self.verify_mode != "off"
+        if self.verify_mode != "off":
+            self._end_digests = state_digests(self.model)
+
+    def verify(self) -> None:
+        """Re-execute the first recorded step now if that is due (the next ``step()`` or ``close()`` does it)."""
+        if not self._verify_due:
+            return
+        self._verify_due = False
+        saved = determinism.capture_rng(self.device)  # building the workload reseeds; the loop goes on
+        try:
+            problem = self._reexecute_first_step()
+        finally:
+            determinism.restore_rng(saved, self.device)
+        if problem is None:
+            self._writer.set_verification({"mode": self.verify_mode, "status": "passed"})
+        else:
+            self._mismatch(problem)
+
+    def _reexecute_first_step(self) -> str | None:
+        """Replay the first step as `sdcreplay replay` would, in this process; what differs, if anything."""
+        try:
+            session = ReplaySession(Bundle.open(self._writer.path), self.label, inject=self._inject)
+        except SdcReplayError as exc:
+            return f"replay cannot rebuild this recording: {exc.message}"
+        try:
+            record = session.bundle.steps[0]
+            replayed = session.run_step(record)
+            recorded = session.bundle.signature_log().steps[record.index]
+            problem = describe_first_difference(recorded, replayed)
+            if problem is None:
+                problem = self._state_difference(session)
+            return problem
+        finally:
+            session.close()
+
+    def _state_difference(self, session: ReplaySession) -> str | None:
+        """After the re-executed step, does replay's state equal the loop's as the next step begins?"""
+        live = state_digests(self.model, self.state_objects)
+        replayed = state_digests(session.model, session.workload.state)
+        for name, digest in live.items():
+            if replayed.get(name) != digest:
+                return (f"{name} differs after the first step although every entry of the step matched: the "
+                        f"loop changes it after the step, outside the workload's step (an EMA? a scheduler "
+                        f"stepped after the block? a manual edit?)")
+        if session.workload.train_step is not None:
+            loop, replay = grads_entering(self.model), grads_entering(session.model)
+            if loop != replay:
+                return (f"the gradients enter the second step as {loop!r} in the loop but {replay!r} after "
+                        f"the workload's step: the loop zeroes (or keeps) gradients outside the step")
+        return None
+
+    def _check_unchanged_since_last_step(self) -> None:
+        """Parameters and buffers must be as the previous recorded step left them."""
+        if self._end_digests is None:
+            return
+        now = state_digests(self.model)
+        changed = next((name for name, digest in self._end_digests.items() if now.get(name) != digest), None)
+        self._end_digests = None
+        if changed is not None:
+            self._mismatch(f"{changed} changed between recorded steps {self._next_index - 1} and "
+                           f"{self._next_index}, outside any recorded step (an EMA or a manual edit after "
+                           f"the block?); replay would start step {self._next_index} from another state")
+
+    def _mismatch(self, problem: str) -> None:
+        self._writer.set_verification({"mode": self.verify_mode, "status": "failed", "problem": problem})
+        message = f"the workload cannot replay this recording: {problem}"
+        if self.verify_mode == "warn":
+            warnings.warn(message, stacklevel=3)
+            return
+        raise WorkloadMismatchError(message)
 
     def close(self) -> Path:
-        """Write the last step, mark the bundle complete and give it its final name."""
+        """Write the last step, run a check still due, mark the bundle complete and give it its final name."""
         self._finish_pending()
-        self._release()
+        try:
+            self.verify()
+            self._check_unchanged_since_last_step()
+        finally:
+            self._release()
         self.path = self._writer.close()
         return self.path
 
@@ -142,8 +244,10 @@ class Recorder:
         return self.path
 
     def _release(self) -> None:
-        self._hook.remove()
-        self._capture.close()
+        if self._hook is not None:
+            self._hook.remove()
+            self._capture.close()
+            self._hook = None
 
     def __enter__(self) -> Recorder:
         return self
@@ -153,6 +257,36 @@ class Recorder:
             self.close()
         else:
             self.abandon()
+
+
+def describe_first_difference(recorded: list[tuple[str, str]], replayed: list[tuple[str, str]]) -> str | None:
+    """The first entry where the workload's step differs from the loop's, and its likely cause."""
+    names = [name for name, _ in recorded]
+    if names != [name for name, _ in replayed]:
+        position = next((i for i, (a, (b, _)) in enumerate(zip(names, replayed)) if a != b),
+                        min(len(names), len(replayed)))
+        at = lambda entries: entries[position][0] if position < len(entries) else "(end of step)"  # noqa: E731
+        return (f"the loop's step has {at(recorded)!r} where the workload's step has {at(replayed)!r} "
+                f"(entry {position}): they run different programs (another number of backward passes, "
+                f"an optimizer step inside vs outside the step, a skipped step?)")
+    differing = [name for (name, a), (_, b) in zip(recorded, replayed) if a != b]
+    if not differing:
+        return None
+    first = differing[0]
+    kind = first.split(":", 1)[0]
+    if is_program_entry(first):
+        cause = ("the loop changes hyper-parameters or a state object outside the workload's step "
+                 "(a scheduler? a GradScaler?)")
+    elif kind == "step_grad":
+        cause = ("every grad: matched: the loop changes gradients between backward() and optimizer.step() "
+                 "outside the workload's step (clipping? GradScaler unscaling?)")
+    elif kind in ("param", "buffer", "optim"):
+        cause = ("every grad: matched: the loop changes gradients or parameters outside the workload's "
+                 "step (clipping? a scheduler? an EMA?)")
+    else:
+        cause = ("the workload's forward/backward differs from the loop's (another loss_fn, batch "
+                 "transform or autocast), or this device computed differently in one of the two runs")
+    return f"{first} differs: {cause}"
 
 
 def _check_model_matches_checkpoint(model: torch.nn.Module, reference: dict) -> None:
@@ -176,6 +310,7 @@ class RecordSummary:
     entries: int
     size_bytes: int
     final_loss: float | None
+    verification: dict
 
 
 def record(
@@ -190,7 +325,8 @@ def record(
     overwrite: bool = False,
     inject: Sequence[str] = (),
     max_depth: int | None = None,
-    on_step: Callable[[int, float], None] | None = None,
+    verify: bool | str = True,
+    on_step: Callable[[int, float | None], None] | None = None,
 ) -> RecordSummary:
     """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
 
@@ -213,28 +349,26 @@ def record(
     injector = Injector(parse_specs(inject), device)
     loss_value = None
     recorder = Recorder(
-        out, workload, built.model, built.optimizer, workload_kwargs=kwargs,
+        out, workload, built.model, built.optimizer, state=built.state, workload_kwargs=kwargs,
         checkpoint=checkpoint, device_label=device, overwrite=overwrite, max_depth=max_depth,
+        verify=verify, inject=inject,
     )
     with recorder:
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
-            injector.before_step(index, built.model)
             chain = [injector] if injector.has_operator_faults else []
             mode = OperatorMode(built.model, built.optimizer, chain, index) if chain else contextlib.nullcontext()
-            with mode:
-                with recorder.step(batch):
-                    loss = built.loss_fn(built.model, batch)
-                    loss.backward()
-                built.optimizer.step()
-                built.optimizer.zero_grad()
-            loss_value = float(loss.detach())
+            with recorder.step(batch):  # its checks run before the step, outside the operator mode
+                injector.before_step(index, built.model)
+                with mode:
+                    loss = built.run_step(batch)
+            loss_value = None if loss is None else float(loss.detach())
             if on_step is not None:
                 on_step(index, loss_value)
     bundle_path = recorder.path
-    size = Bundle.open(bundle_path, verify=False).size_bytes()
+    opened = Bundle.open(bundle_path, verify=False)
     return RecordSummary(
         bundle=bundle_path, workload=workload, kwargs=kwargs, device=device,
         steps=recorder.steps_written, entries=recorder.entries_written,
-        size_bytes=size, final_loss=loss_value,
+        size_bytes=opened.size_bytes(), final_loss=loss_value, verification=opened.verification,
     )

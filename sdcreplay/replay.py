@@ -62,15 +62,30 @@ class ReplaySession:
             self.workload.model.load_state_dict(model_state)
             if optimizer_state is not None:
                 self.workload.optimizer.load_state_dict(optimizer_state)
-        except (RuntimeError, ValueError, KeyError) as exc:
+            self._load_state_objects()
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WorkloadError(
                 f"{self.bundle.workload_ref} no longer builds the recorded model: {str(exc).splitlines()[0]}",
                 "Replay with the code (and workload arguments) the bundle was recorded with.",
             ) from exc
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
-        depth = (self.bundle.manifest.get("capture") or {}).get("max_depth")
-        self.capture = SignatureCapture(self.workload.model, self.workload.optimizer, max_depth=depth)
+        capture = self.bundle.manifest.get("capture") or {}
+        self.capture = SignatureCapture(self.workload.model, self.workload.optimizer,
+                                        max_depth=capture.get("max_depth"), state=self.workload.state,
+                                        program=capture.get("program", False))
+
+    def _load_state_objects(self) -> None:
+        saved = self.bundle.load_state_objects()
+        missing = sorted(set(saved) - set(self.workload.state))
+        if missing:
+            raise WorkloadError(
+                f"{self.bundle.workload_ref} has no state object {missing[0]!r} (it has "
+                f"{sorted(self.workload.state) or 'none'}), but the recording saved one",
+                "Return the same named state objects from the workload (Workload(state={...})).",
+            )
+        for name, state in saved.items():
+            self.workload.state[name].load_state_dict(state)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -105,17 +120,26 @@ class ReplaySession:
         self.injector.before_step(record.index, self.model)
         chain = ([self.injector] if self.injector.has_operator_faults else []) + list(observers)
         mode = OperatorMode(self.model, self.optimizer, chain, record.index) if chain else contextlib.nullcontext()
-        workload = self.workload
+        if self.workload.train_step is None:
+            self._set_gradients(record.grads)
         self.capture.begin_step(determinism.capture_rng(self.device))
-        with mode:
-            loss = workload.loss_fn(workload.model, batch)
-            self.capture.record_loss(loss)
-            loss.backward()
-            self.capture.record_gradients()
-            if record.optimizer_step:
-                workload.optimizer.step()
-            workload.optimizer.zero_grad()
+        with mode, self.capture.backward_capture():
+            if self.workload.train_step is not None:
+                self.workload.train_step(batch)
+            else:
+                self._default_step(record, batch)
         return self.capture.end_step()
+
+    def _set_gradients(self, grads: str) -> None:
+        """Give the step the gradients the recorded loop's step began with (it may have accumulated)."""
+        if grads != "kept":
+            self.optimizer.zero_grad(set_to_none=grads == "none")
+
+    def _default_step(self, record: StepRecord, batch) -> None:
+        """A loss_fn-only workload: backward, and the optimizer step only where the loop took one."""
+        self.workload.loss_fn(self.model, batch).backward()
+        if record.optimizer_step:
+            self.optimizer.step()
 
     def steps_until(self, last: int | None) -> Iterator[StepRecord]:
         for record in self.bundle.steps:
@@ -189,6 +213,21 @@ class DeviceRun:
         }
 
 
+UNVERIFIED_CAVEAT = (
+    "the recording was not verified (recorded with verify off, before verification existed, or it "
+    "failed): a difference between the record and every replay may be the training loop doing "
+    "something the workload's step does not, not the recording device"
+)
+
+
+def caveat_for(bundle: Bundle) -> str | None:
+    """What a reader of a replay of this bundle must know before blaming the recording device."""
+    if bundle.verified:
+        return None
+    problem = bundle.verification.get("problem")
+    return UNVERIFIED_CAVEAT + (f" (the check found: {problem})" if problem else "")
+
+
 @dataclass
 class ReplayReport:
     bundle: str
@@ -196,6 +235,7 @@ class ReplayReport:
     log_dir: str
     devices: list[DeviceRun]
     consensus: Consensus | None
+    caveat: str | None = None
 
     @property
     def record_verdict(self) -> str:
@@ -217,6 +257,8 @@ class ReplayReport:
             "record": {"verdict": self.record_verdict},
             "devices": [run.to_json() for run in self.devices],
             "consensus": self.consensus.to_json() if self.consensus else None,
+            "verified": self.caveat is None,
+            "caveat": self.caveat,
         }
 
 
@@ -333,4 +375,4 @@ def replay_devices(
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]
-    return ReplayReport(str(opened.path), repeats, str(log_dir), runs, consensus)
+    return ReplayReport(str(opened.path), repeats, str(log_dir), runs, consensus, caveat_for(opened))

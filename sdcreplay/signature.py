@@ -19,19 +19,33 @@ from .errors import BundleError
 SCHEMA = "sdcreplay.signatures/1"
 
 
+PROGRAM = "program"
+"""The phase of entries that describe the program rather than a device's arithmetic
+(hyper-parameters, state objects' numbers): a divergence there is a different program."""
+
+
 def phase_of(name: str) -> str:
-    """forward / backward / optimizer / state, from the entry's name."""
-    kind = name.split(":", 1)[0]
+    """forward / backward / optimizer / state / program, from the entry's name."""
+    kind = name.split(":", 1)[0].split("#", 1)[0]
     return {
         "forward": "forward",
         "loss": "forward",
         "backward": "backward",
         "grad": "backward",
+        "step_grad": "optimizer",
         "param": "optimizer",
         "buffer": "optimizer",
+        "optim": "optimizer",
+        "hyper": PROGRAM,
+        "state": PROGRAM,
+        "state_tensor": "state",
         "rng": "state",
         "collective": "collective",
     }.get(kind, "other")
+
+
+def is_program_entry(name: str) -> bool:
+    return phase_of(name) == PROGRAM
 
 
 def layer_of(name: str) -> str:
@@ -41,8 +55,12 @@ def layer_of(name: str) -> str:
     if not rest:
         return name
     path = rest.split("#", 1)[0].split("[", 1)[0]
-    if kind in ("grad", "param", "buffer"):
+    if kind in ("grad", "step_grad", "param", "buffer"):
         path = path.rpartition(".")[0] or "<root>"
+    elif kind == "optim":  # optim:layers.0.attn.wq.weight.exp_avg_sq -> layers.0.attn.wq
+        path = path.rsplit(".", 2)[0] if path.count(".") >= 2 else "<root>"
+    elif kind in ("hyper", "state", "state_tensor"):  # hyper:0.lr -> optimizer group 0; state:sched...
+        path = f"{kind}:{path.split('.', 1)[0]}"
     return path
 
 

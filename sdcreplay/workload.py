@@ -13,7 +13,7 @@ import inspect
 import operator
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +24,52 @@ from .errors import WorkloadError
 
 @dataclass
 class Workload:
-    """A model, its optimizer, batch *i* and the loss of a batch.
+    """A model, its optimizer, batch *i*, and the training step the loop runs.
 
     ``get_batch(i)`` must return the same batch for the same ``i`` (tensors,
-    or dicts/lists/tuples of them); ``loss_fn(model, batch)`` returns a scalar.
-    A training step is ``loss_fn(...).backward(); optimizer.step();
-    optimizer.zero_grad()``.
+    or dicts/lists/tuples of them). The step is ``train_step(batch)`` when
+    given: the whole step exactly as the loop runs it (micro-batches,
+    clipping, GradScaler, ``optimizer.step()`` or not, schedulers, EMA,
+    ``zero_grad``), returning the loss or None. Without it the step is
+    ``loss_fn(model, batch).backward(); optimizer.step()`` (replay does
+    exactly what the recorded loop did: it steps and zeroes gradients only
+    where the loop did). ``state`` names the other objects the step changes
+    (anything with ``state_dict()``/``load_state_dict()``: schedulers, a
+    GradScaler, an EMA model, a step counter); their state is saved in the
+    bundle and restored before replay.
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     get_batch: Callable[[int], Any]
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    train_step: Callable[[Any], torch.Tensor | None] | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def run_step(self, batch: Any) -> torch.Tensor | None:
+        """One training step as `sdcreplay record` drives it: ``train_step``, or the default step."""
+        if self.train_step is not None:
+            return self.train_step(batch)
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
+
+
+def check_state_objects(state: Any, where: str) -> dict[str, Any]:
+    """Named state objects as a dict; each must save and load its state."""
+    if not isinstance(state, dict):
+        raise WorkloadError(f"{where}: state must be a dict of named objects, got {type(state).__name__}")
+    for name, obj in state.items():
+        if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-" for c in name):
+            raise WorkloadError(f"{where}: state object name {name!r} is not a plain name",
+                                "Name state objects with letters, digits, '_' and '-', e.g. 'scheduler'.")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise WorkloadError(f"{where}: state object {name!r} ({type(obj).__name__}) has no "
+                                "state_dict()/load_state_dict()",
+                                "Wrap it in a small class with those two methods (see docs/recording.md).")
+    return dict(state)
 
 
 def _builtin_factories() -> dict[str, Callable[..., Workload]]:
@@ -140,6 +174,10 @@ def build_workload(ref: str, kwargs: dict[str, Any] | None = None) -> Workload:
         raise WorkloadError(
             f"workload {ref!r} returned {type(workload).__name__}, not sdcreplay.Workload"
         )
+    if workload.loss_fn is None and workload.train_step is None:
+        raise WorkloadError(f"workload {ref!r} has neither loss_fn nor train_step",
+                            "Give the Workload a train_step(batch) (or a loss_fn(model, batch)).")
+    workload.state = check_state_objects(workload.state, f"workload {ref!r}")
     return workload
 
 

@@ -19,7 +19,7 @@ from sdcreplay.bundle import STATE
 from sdcreplay.errors import BundleError, CheckpointError
 from sdcreplay.workload import build_workload
 
-KIND_ORDER = ["rng", "forward", "loss", "backward", "grad", "param", "buffer"]
+KIND_ORDER = ["rng", "forward", "loss", "backward", "grad", "hyper", "step_grad", "param", "buffer", "optim"]
 
 
 def kind(name: str) -> str:
@@ -275,7 +275,7 @@ def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path
     summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "shallow.bundle", steps=2,
                                kwargs=dict(SMALL), max_depth=2)
     bundle = Bundle.open(summary.bundle)
-    assert bundle.manifest["capture"] == {"max_depth": 2}
+    assert bundle.manifest["capture"] == {"max_depth": 2, "program": True}
     names = {name for entries in bundle.signature_log().steps.values() for name, _ in entries}
     modules = {name.split(":", 1)[1].split("[")[0] for name in names if name.startswith(("forward:", "backward:"))}
     assert "layers.0" in modules and "layers.0.attn" not in modules and "layers.0.attn.wq" not in modules

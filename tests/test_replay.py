@@ -77,16 +77,19 @@ def test_a_flip_in_the_last_layer_is_named_there(small_bundle: Path):
     assert (first.step, first.name) == (0, "forward:output")
 
 
-def test_optimizer_state_corruption_shows_in_the_update(small_bundle: Path):
-    """State flowing only into the optimizer step diverges first at the parameter it updates."""
+def test_another_learning_rate_is_a_program_difference(small_bundle: Path):
+    """A hyper-parameter the loop changed shows first as its own program entry, not as the update."""
     bundle = Bundle.open(small_bundle)
 
     def bump_lr(model, optimizer):
         optimizer.param_groups[0]["lr"] *= 2
 
     bumped = replay_on_device(bundle, "cpu", after_load=bump_lr)
-    first = compare_logs(bundle.signature_log(), bumped).first
-    assert (first.step, first.name) == (0, "param:tok_embeddings.weight")
+    comparison = compare_logs(bundle.signature_log(), bumped)
+    assert (comparison.first.step, comparison.first.name, comparison.first.phase) == (0, "hyper:0.lr", "program")
+    assert comparison.program_differs
+    names = [d.name for d in comparison.divergences]
+    assert names[1] == "param:tok_embeddings.weight"  # then the update it drove
 
 
 def test_last_step_limits_the_replay(small_bundle: Path):
