@@ -136,13 +136,21 @@ def state_object_items(objects: dict) -> Iterator[tuple[str, object]]:
             yield ("state_tensor:" if is_tensor else "state:") + path, value
 
 
+def hyper_items(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, object]]:
+    """``hyper:GROUP.KEY`` for every hyper-parameter of every param group (lr, betas[0], ...)."""
+    for index, group in enumerate(optimizer.param_groups):
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for name, value, _ in state_leaves(str(index), settings):
+            yield f"hyper:{name}", value
+
+
 class SignatureCapture:
     """Hooks a model and optimizer once; they record only inside an open step.
 
     A step goes ``begin_step`` -> forward/backward inside ``backward_capture``
     (hooks; each ``backward()`` adds its loss and the gradients after it) ->
     optimizer step (pre-hook: hyper-parameters and the gradients it is given;
-    post-hook: parameters, buffers, optimizer state) -> ``end_step``. The
+    post-hook: optimizer state, parameters, buffers) -> ``end_step``. The
     order of entries is the execution order, so two runs of the same program
     produce the same names in the same order. ``program`` adds the entries
     that make the program visible (``hyper:``, ``step_grad:``, ``optim:``,
@@ -273,10 +281,8 @@ class SignatureCapture:
         if self._digester is None:
             return
         with _own_work():
-            for index, group in enumerate(optimizer.param_groups):
-                settings = {key: value for key, value in group.items() if key != "params"}
-                for name, value, _ in state_leaves(str(index), settings):
-                    self._add(f"hyper:{name}", value)
+            for name, value in hyper_items(optimizer):
+                self._add(name, value)
             for name, param in self._named_group_params(optimizer):
                 self._add(f"step_grad:{name}", param.grad)
 
@@ -284,15 +290,15 @@ class SignatureCapture:
         if self._digester is None:
             return
         with _own_work():
-            for name, param in self.model.named_parameters():
-                self._add(f"param:{name}", param)
-            for name, buffer in self.model.named_buffers():
-                self._add(f"buffer:{name}", buffer)
-            if self.program:
+            if self.program:  # the state the update was computed from comes first
                 for name, param in self._named_group_params(optimizer):
                     for key, value in optimizer.state.get(param, {}).items():
                         if isinstance(value, torch.Tensor):
                             self._add(f"optim:{name}.{key}", value)
+            for name, param in self.model.named_parameters():
+                self._add(f"param:{name}", param)
+            for name, buffer in self.model.named_buffers():
+                self._add(f"buffer:{name}", buffer)
         self.optimizer_stepped = True
 
     def end_step(self) -> list[tuple[str, str]]:
@@ -309,8 +315,9 @@ class SignatureCapture:
         self._handles = []
 
 
-def state_digests(model: torch.nn.Module, objects: dict | None = None) -> dict[str, str]:
-    """Digests of the parameters, buffers and state objects, by signature name (one pass)."""
+def state_digests(model: torch.nn.Module, objects: dict | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+    """Digests of the parameters, buffers, state objects and hyper-parameters, by signature name."""
     digester = Digester()
     with _own_work():
         for name, param in model.named_parameters():
@@ -318,6 +325,8 @@ def state_digests(model: torch.nn.Module, objects: dict | None = None) -> dict[s
         for name, buffer in model.named_buffers():
             digester.add(f"buffer:{name}", buffer)
         for name, value in state_object_items(objects or {}):
+            digester.add(name, value)
+        for name, value in hyper_items(optimizer) if optimizer is not None else ():
             digester.add(name, value)
         return dict(digester.entries())
 

@@ -190,13 +190,13 @@ class Recorder:
 
     def _state_difference(self, session: ReplaySession) -> str | None:
         """After the re-executed step, does replay's state equal the loop's as the next step begins?"""
-        live = state_digests(self.model, self.state_objects)
-        replayed = state_digests(session.model, session.workload.state)
+        live = state_digests(self.model, self.state_objects, self.optimizer)
+        replayed = state_digests(session.model, session.workload.state, session.optimizer)
         for name, digest in live.items():
             if replayed.get(name) != digest:
                 return (f"{name} differs after the first step although every entry of the step matched: the "
-                        f"loop changes it after the step, outside the workload's step (an EMA? a scheduler "
-                        f"stepped after the block? a manual edit?)")
+                        f"loop changes it where the workload's step does not (an EMA? a scheduler? a manual "
+                        f"edit, or something done after the block?)")
         if session.workload.train_step is not None:
             loop, replay = grads_entering(self.model), grads_entering(session.model)
             if loop != replay:

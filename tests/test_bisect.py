@@ -111,7 +111,14 @@ def make(seed: int = 0) -> Workload:
             loss = loss * 1.0  # one more operator on cpu:1: a different program, same values
         return loss
 
-    return Workload(base.model, AdamWThenTouch(base.model.parameters(), lr=1e-3), base.get_batch, loss_fn)
+    optimizer = AdamWThenTouch(base.model.parameters(), lr=1e-3)
+
+    def train_step(batch):
+        loss_fn(base.model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return Workload(base.model, optimizer, base.get_batch, loss_fn, train_step=train_step)
 '''
 
 

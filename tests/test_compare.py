@@ -58,7 +58,8 @@ def test_identical_logs(recorded):
     assert comparison.per_step() == {0: 0, 1: 0}
     assert comparison.per_layer() == {}
     assert comparison.to_json() == {
-        "schema": "sdcreplay.diff/1", "identical": True, "steps": [0, 1], "entries": comparison.entries,
+        "schema": "sdcreplay.diff/1", "identical": True, "program_differs": False, "steps": [0, 1],
+        "entries": comparison.entries,
         "first_divergence": None, "divergent_entries": 0, "per_step": {"0": 0, "1": 0}, "per_layer": {},
     }
 
@@ -82,11 +83,12 @@ def test_value_divergence_names_the_first_entry_and_counts_the_spread(recorded):
     per_layer = comparison.per_layer()
     assert sum(sum(counts.values()) for counts in per_layer.values()) == len(comparison.divergences)
     assert next(iter(per_layer)) == "layers.1.attn.wq"
-    assert per_layer["layers.1.attn.wq"] == {"forward": 1, "backward": 2, "optimizer": 1}
+    # optimizer: the gradient AdamW is given, its exp_avg and exp_avg_sq, the parameter
+    assert per_layer["layers.1.attn.wq"] == {"forward": 1, "backward": 2, "optimizer": 4}
     # upstream layers compute the same forward, but their gradients and updates are hit
     for layer in ("tok_embeddings", "layers.0.attn.wq", "layers.0.mlp.w2"):
         assert "forward" not in per_layer[layer]
-        assert per_layer[layer]["optimizer"] == 1
+        assert per_layer[layer]["optimizer"] == 4
     assert not any(d.name.startswith("rng:") for d in comparison.divergences)
     as_json = comparison.to_json()
     assert as_json["first_divergence"] == {
