@@ -284,7 +284,10 @@ class SignatureCapture:
             for name, value in hyper_items(optimizer):
                 self._add(name, value)
             for name, param in self._named_group_params(optimizer):
-                self._add(f"step_grad:{name}", param.grad)
+                # A view: hashed afresh, not matched to the digest after backward by the version
+                # counter, which foreach in-place ops (clipping) do not bump under a dispatch mode.
+                grad = param.grad
+                self._add(f"step_grad:{name}", None if grad is None else grad.view_as(grad))
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._digester is None:
