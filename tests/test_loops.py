@@ -166,3 +166,34 @@ def test_state_objects_are_saved_and_restored(loop_bundles):
     assert scale == {0: "=float64:4090000000000000", 1: "=float64:4090000000000000",
                      2: "=float64:4090000000000000", 3: "=float64:4080000000000000"}
     assert [s.grads for s in Bundle.open(loop_bundles["accum_across"]).steps] == ["none", "kept", "none", "kept"]
+
+
+# ---------------------------------------------------------------------------
+# Optimizer state in the signature (issue 15, item 1)
+
+EXP_AVG_SQ_FLIP = ("kind=bitflip,op=aten.mul_,module=layers.0.attn.wq.weight,phase=optimizer,step=1,nth=1,"
+                   "device=cpu:1")
+"""AdamW's second ``mul_`` of a parameter is ``exp_avg_sq.mul_(beta2)`` (the first is weight decay)."""
+
+
+def test_an_exp_avg_sq_bitflip_on_the_last_step_is_detected_and_bisected(small_bundle):
+    report = replay_devices(small_bundle, REPLICAS, inject=[EXP_AVG_SQ_FLIP])
+    assert (report.consensus.verdict, report.consensus.suspects) == ("persistent", ["cpu:1"])
+    first = report.consensus.first_divergence
+    assert (first.step, first.phase, first.name) == (1, "optimizer", "optim:layers.0.attn.wq.weight.exp_avg_sq")
+    assert Bundle.open(small_bundle).step_indices[-1] == 1  # the last recorded step
+    found = bisect(small_bundle, suspect="cpu:1", reference="cpu:0", step=1, inject=[EXP_AVG_SQ_FLIP]).to_json()
+    assert (found["phase"], found["module"], found["op"], found["isolated"]) == (
+        "optimizer", "layers.0.attn.wq.weight", "aten.mul_.Tensor", "kernel")
+    assert found["elements"]["positions"][0] == [0, 0] and list(found["bits"]["histogram"]) == ["22"]
+
+
+def test_optimizer_state_entries_stay_complete_under_depth(tmp_path):
+    from conftest import SMALL
+
+    summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "b", steps=1, kwargs=dict(SMALL), max_depth=0)
+    names = [name for name, _ in Bundle.open(summary.bundle).signature_log().steps[0]]
+    params = [name for name, _ in sdcreplay.build_workload("builtin:tiny-llama", SMALL).model.named_parameters()]
+    assert [n for n in names if n.startswith("optim:")] == [
+        f"optim:{p}.{key}" for p in params for key in ("step", "exp_avg", "exp_avg_sq")]
+    assert not any(n.startswith("forward:layers") for n in names)
