@@ -10,6 +10,7 @@ while recording, naming the entry.
 from __future__ import annotations
 
 import json
+import struct
 import sys
 import warnings
 from pathlib import Path
@@ -197,3 +198,34 @@ def test_optimizer_state_entries_stay_complete_under_depth(tmp_path):
     assert [n for n in names if n.startswith("optim:")] == [
         f"optim:{p}.{key}" for p in params for key in ("step", "exp_avg", "exp_avg_sq")]
     assert not any(n.startswith("forward:layers") for n in names)
+
+
+# ---------------------------------------------------------------------------
+# builtin:tiny-llama as a real loop
+
+def test_builtin_tiny_llama_loop_options_record_verified_and_replay(cli, tmp_path):
+    from conftest import SMALL_ARGS
+
+    out = tmp_path / "loop.bundle"
+    options = ["-a", "grad_clip=0.5", "-a", "warmup_steps=2", "-a", "schedule_steps=6", "-a", "accumulation=2",
+               "-a", "autocast=bfloat16"]
+    result = cli("record", "builtin:tiny-llama", *SMALL_ARGS, *options, "--steps", "3", "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verification"]["status"] == "passed"
+    bundle = Bundle.open(out)
+    assert bundle.state_object_names == ["scheduler"]
+    entries = bundle.signature_log().steps
+    lr = [struct.unpack(">d", bytes.fromhex(dict(entries[s])["hyper:0.lr"].split(":")[1]))[0] for s in entries]
+    assert lr == [0.5e-3, 1e-3, 1e-3]  # warm-up 1/2, 2/2, then the cosine starts at 1
+    assert [sum(name.split("#")[0] == "loss" for name, _ in entries[s]) for s in entries] == [2, 2, 2]
+    assert any(name.startswith("step_grad:") for name, _ in entries[0])
+    result = cli("replay", out, "-d", "cpu:0", "-d", "cpu:1", "--json", "--logs", tmp_path / "logs")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["consensus"]["verdict"] == "correct"
+
+
+def test_builtin_defaults_keep_the_plain_step():
+    from conftest import SMALL
+
+    workload = sdcreplay.build_workload("builtin:tiny-llama", SMALL)
+    assert workload.train_step is None and workload.state == {}

@@ -8,7 +8,10 @@ fault specs refer to them (``layers.1.attn.wq`` ...).
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -181,17 +184,97 @@ def next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
+@dataclass(frozen=True)
+class LoopOptions:
+    """What a real training loop adds to the step; the defaults add nothing (the plain step).
+
+    ``grad_clip``: clip the gradient norm to this before the optimizer step.
+    ``warmup_steps``/``schedule_steps``: linear warm-up, then cosine decay to 0
+    at ``schedule_steps`` (a LambdaLR stepped after every optimizer step).
+    ``accumulation``: K micro-batches (the batch split along its rows), each
+    ``loss / K`` backward, one optimizer step. ``autocast``: ``"bfloat16"``
+    runs the forward and loss under ``torch.autocast``.
+    """
+
+    grad_clip: float | None = None
+    warmup_steps: int = 0
+    schedule_steps: int = 0
+    accumulation: int = 1
+    autocast: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self == LoopOptions()
+
+    def check(self, batch_size: int) -> None:
+        if self.accumulation < 1 or batch_size % self.accumulation:
+            raise ValueError(f"accumulation={self.accumulation} must divide batch_size={batch_size}")
+        if self.autocast not in (None, "bfloat16", "float16"):
+            raise ValueError(f"autocast={self.autocast!r} is not bfloat16 or float16")
+        if self.warmup_steps < 0 or self.schedule_steps < 0:
+            raise ValueError("warmup_steps and schedule_steps must be at least 0")
+
+
+def warmup_cosine(warmup_steps: int, schedule_steps: int) -> Callable[[int], float]:
+    """The learning-rate factor at optimizer step ``n``: linear warm-up, then cosine to 0."""
+
+    def factor(n: int) -> float:
+        if n < warmup_steps:
+            return (n + 1) / warmup_steps
+        if not schedule_steps:
+            return 1.0
+        progress = min(1.0, (n - warmup_steps) / max(1, schedule_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def loop_step(model: nn.Module, optimizer: torch.optim.Optimizer, options: LoopOptions,
+              scheduler: torch.optim.lr_scheduler.LRScheduler | None):
+    """The whole step a loop with these options runs: micro-batches, clipping, step, schedule."""
+
+    def train_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = next(model.parameters()).device
+        total = torch.zeros((), device=device)
+        for tokens in batch["tokens"].chunk(options.accumulation):
+            autocast = (torch.autocast(device.type, dtype=getattr(torch, options.autocast))
+                        if options.autocast else contextlib.nullcontext())
+            with autocast:
+                loss = next_token_loss(model, {"tokens": tokens}) / options.accumulation
+            loss.backward()
+            total += loss.detach()
+        if options.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), options.grad_clip)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        return total
+
+    return train_step
+
+
 def language_model_workload(
-    model: nn.Module, *, seed: int, seq_len: int, batch_size: int, vocab: int, lr: float
+    model: nn.Module, *, seed: int, seq_len: int, batch_size: int, vocab: int, lr: float,
+    options: LoopOptions = LoopOptions(),
 ) -> Workload:
-    """Wrap a next-token model with AdamW, synthetic batches and the loss."""
+    """Wrap a next-token model with AdamW, synthetic batches, the loss and the loop's step."""
+    options.check(batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    return Workload(
+    workload = Workload(
         model=model,
         optimizer=optimizer,
         get_batch=synthetic_batches(seed, batch_size, seq_len, vocab),
         loss_fn=next_token_loss,
     )
+    if not options.plain:  # the plain step stays the default one, so its bundles do not change
+        scheduler = None
+        if options.warmup_steps or options.schedule_steps:
+            factor = warmup_cosine(options.warmup_steps, options.schedule_steps)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+            workload.state["scheduler"] = scheduler
+        workload.train_step = loop_step(model, optimizer, options, scheduler)
+    return workload
 
 
 def make_workload(
@@ -206,8 +289,17 @@ def make_workload(
     tie_embeddings: bool = False,
     dropout: float = 0.1,
     lr: float = 1e-3,
+    grad_clip: float | None = None,
+    warmup_steps: int = 0,
+    schedule_steps: int = 0,
+    accumulation: int = 1,
+    autocast: str | None = None,
 ) -> Workload:
-    """Build tiny-llama on the CPU; the caller moves the model with ``.to()``."""
+    """Build tiny-llama on the CPU; the caller moves the model with ``.to()``.
+
+    ``grad_clip``, ``warmup_steps``/``schedule_steps``, ``accumulation`` and
+    ``autocast`` make the step a real loop's (see :class:`LoopOptions`).
+    """
     torch.manual_seed(seed)
     hidden = hidden or default_hidden(dim)
 
@@ -215,6 +307,7 @@ def make_workload(
         return TransformerBlock(dim, heads, seq_len, dropout, SwiGLU(dim, hidden))
 
     model = Transformer(vocab, dim, make_block, layers, tie_embeddings)
+    options = LoopOptions(grad_clip, warmup_steps, schedule_steps, accumulation, autocast)
     return language_model_workload(
-        model, seed=seed, seq_len=seq_len, batch_size=batch_size, vocab=vocab, lr=lr
+        model, seed=seed, seq_len=seq_len, batch_size=batch_size, vocab=vocab, lr=lr, options=options
     )
