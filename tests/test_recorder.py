@@ -248,6 +248,9 @@ def test_example_train_loop_records_a_replayable_bundle(tmp_path: Path):
     assert bundle.workload_ref == f"{example.resolve()}:make_workload"
     assert bundle.workload_kwargs == {"seed": 0, "hidden": 16}
     assert bundle.step_indices == [0, 1, 2]
+    assert bundle.verified and bundle.state_object_names == ["scheduler"]
+    names = [name for name, _ in bundle.signature_log().steps[0]]
+    assert names.count("loss") == 1 and "loss#3" in names  # four micro-batches, one step
     assert_replays_identically(tmp_path / "run.bundle", [0, 1, 2])
 
 
