@@ -12,6 +12,12 @@ parameter digests, and writing the step (HDF5 file, signature frame,
 manifest) from the optimizer-step hook. Setting up a recording (embedding the
 initial state) and closing it are not per-step costs and are not timed.
 
+Verification (the default) adds a one-off cost, the re-execution of the first
+step through the workload's step, timed on its own ("first-step check"), and a
+per-step check that parameters and buffers did not change between steps: the
+recorded steps are timed with verification on and off, side by side, so the
+ratio shows what it adds to every later step.
+
 Two clocks are reported: wall time, and the CPU time of the process (all its
 threads), which on a shared machine is far less disturbed by other work than
 wall time is (use --threads 1 there: spinning OpenMP threads that wait for a
@@ -68,6 +74,7 @@ class Bench:
         self.scratch = scratch
         self.recordings = 0
         self.step_index = 0
+        self.check_seconds: list[float] = []
 
     def _batch(self):
         self.step_index += 1
@@ -86,14 +93,20 @@ class Bench:
             times.append((time.perf_counter() - start, time.process_time() - cpu))
         return times
 
-    def recorded_block(self, steps: int, profiler: cProfile.Profile | None = None) -> list[tuple[float, float]]:
+    def recorded_block(self, steps: int, profiler: cProfile.Profile | None = None,
+                       verify: bool = True) -> list[tuple[float, float]]:
         model, optimizer, loss_fn = self.workload.model, self.workload.optimizer, self.workload.loss_fn
         self.recordings += 1
         path = self.scratch / f"run{self.recordings}.bundle"
-        recorder = Recorder(path, "builtin:tiny-llama", model, optimizer, workload_kwargs=self.kwargs, max_depth=self.depth)
+        recorder = Recorder(path, "builtin:tiny-llama", model, optimizer, workload_kwargs=self.kwargs,
+                            max_depth=self.depth, verify=verify)
         times = []
-        for _ in range(steps):
+        for index in range(steps):
             batch = self._batch()
+            if index == 1 and verify:  # the one-off first-step check, timed apart from the steps
+                start = time.perf_counter()
+                recorder.verify()
+                self.check_seconds.append(time.perf_counter() - start)
             if profiler is not None:
                 profiler.enable()
             start, cpu = time.perf_counter(), time.process_time()
@@ -119,7 +132,7 @@ class OwnWork:
     """
 
     HOOKS = ("_on_forward_begin", "_on_forward", "_on_input_grad", "record_loss", "record_gradients",
-             "_on_optimizer_step", "begin_step", "end_step")
+             "_on_optimizer_begin", "_on_optimizer_step", "begin_step", "end_step")
 
     def __init__(self) -> None:
         self.spent = 0.0
@@ -142,9 +155,11 @@ class OwnWork:
         """Median (recorded step, recorder's own work) CPU seconds over ``steps`` steps."""
         originals = {name: getattr(SignatureCapture, name) for name in self.HOOKS}
         finish, capture_rng = Recorder._finish_pending, recorder_module.determinism.capture_rng
+        unchanged = Recorder._check_unchanged_since_last_step
         for name, function in originals.items():
             setattr(SignatureCapture, name, self.timed(function))
         Recorder._finish_pending = self.timed(finish)
+        Recorder._check_unchanged_since_last_step = self.timed(unchanged)
         recorder_module.determinism.capture_rng = self.timed(capture_rng)
         try:
             model, optimizer, loss_fn = bench.workload.model, bench.workload.optimizer, bench.workload.loss_fn
@@ -153,10 +168,12 @@ class OwnWork:
                                 max_depth=bench.depth)
             totals, own = [], []
             for _ in range(steps):
+                recorder.verify()  # once, after the first step: timed apart (Bench.check_seconds)
+                batch = bench._batch()
                 self.spent = 0.0
                 start = time.process_time()
-                with recorder.step(bench._batch()):
-                    loss_fn(model, bench._batch()).backward()
+                with recorder.step(batch):
+                    loss_fn(model, batch).backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 totals.append(time.process_time() - start)
@@ -167,6 +184,7 @@ class OwnWork:
             for name, function in originals.items():
                 setattr(SignatureCapture, name, function)
             Recorder._finish_pending, recorder_module.determinism.capture_rng = finish, capture_rng
+            Recorder._check_unchanged_since_last_step = unchanged
         return statistics.median(totals), statistics.median(own)
 
 
@@ -179,15 +197,15 @@ def main() -> None:
         bench = Bench(args, Path(scratch))
         bench.plain_block(args.warmup)
         bench.recorded_block(args.warmup)
+        bench.check_seconds.clear()
         plain: list[tuple[float, float]] = []
         recorded: list[tuple[float, float]] = []
+        unverified: list[tuple[float, float]] = []
         for block in range(args.blocks):
-            if block % 2 == 0:
-                plain += bench.plain_block(args.block_steps)
-                recorded += bench.recorded_block(args.block_steps)
-            else:
-                recorded += bench.recorded_block(args.block_steps)
-                plain += bench.plain_block(args.block_steps)
+            modes = [(plain, bench.plain_block), (recorded, bench.recorded_block),
+                     (unverified, functools.partial(bench.recorded_block, verify=False))]
+            for times, run in modes if block % 2 == 0 else modes[::-1]:
+                times += run(args.block_steps)
         step_seconds, own_seconds = OwnWork().measure(bench, args.blocks * args.block_steps // 2)
         profiler = cProfile.Profile() if args.profile else None
         if profiler is not None:
@@ -200,15 +218,23 @@ def main() -> None:
     ratios = {}
     for clock, column in (("wall", 0), ("cpu", 1)):
         medians = {}
-        for name, times in (("without recorder", plain), ("with recorder", recorded)):
+        for name, times in (("without recorder", plain), ("with recorder", recorded),
+                            ("verify off", unverified)):
             values = [t[column] * 1e3 for t in times]
             deciles = statistics.quantiles(values, n=10)
             medians[name] = statistics.median(values)
             print(f"{clock:<6}{name:<18}{medians[name]:>11.2f}{deciles[0]:>10.2f}{deciles[-1]:>10.2f}")
         ratios[clock] = medians["with recorder"] / medians["without recorder"]
+        verify_ratio = medians["with recorder"] / medians["verify off"]
+        print(f"{clock} later steps, verification on / off: ratio {verify_ratio:.3f} "
+              f"({100 * (verify_ratio - 1):+.1f}% per step for the between-steps check)")
     for clock, ratio in ratios.items():
         print(f"{clock} ratio {ratio:.3f} (overhead {100 * (ratio - 1):+.1f}%; target at most +3%: "
               f"{'met' if ratio <= 1.03 else 'NOT met'})")
+    check = statistics.median(bench.check_seconds) * 1e3
+    step = statistics.median(t[0] for t in plain) * 1e3
+    print(f"first-step check (once per recording: rebuild the workload, re-execute step 0, compare): "
+          f"{check:.1f} ms = {check / step:.1f} plain steps")
     own_ratio = step_seconds / (step_seconds - own_seconds)
     print(f"recorder's own work (CPU time inside its hooks and step writing): {own_seconds * 1e3:.1f} ms of a "
           f"{step_seconds * 1e3:.1f} ms recorded step: overhead {100 * (own_ratio - 1):+.1f}%; target at most +3%: "
