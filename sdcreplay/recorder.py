@@ -117,7 +117,6 @@ class Recorder:
         self._end_digests: dict[str, str] | None = None
         self.steps_written = 0
         self.entries_written = 0
-        self.verify_seconds = 0.0
         self.path: Path = self._writer.path
 
     @contextlib.contextmanager
