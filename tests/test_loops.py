@@ -134,7 +134,8 @@ def test_an_unverified_recording_never_blames_the_recorder_without_a_caveat(tmp_
         rec = loops.train(tmp_path / "run.bundle", feature, feature_in_step=False, verify="warn")
     assert Bundle.open(rec.path).verification["status"] == "failed"
     if verdict is None:  # the scheduler differs first: the program, and no device, is named
-        with pytest.raises(StructureError, match=r"the replayed program differs .* record first differs at step 1 in state:sched\.last_epoch"):
+        program = r"the replayed program differs .* record first differs at step 1 in state:sched\.last_epoch"
+        with pytest.raises(StructureError, match=program):
             replay_devices(rec.path, ["cpu:0", "cpu:1"])
         return
     report = replay_devices(rec.path, ["cpu:0", "cpu:1"])
@@ -167,6 +168,47 @@ def test_state_objects_are_saved_and_restored(loop_bundles):
     assert scale == {0: "=float64:4090000000000000", 1: "=float64:4090000000000000",
                      2: "=float64:4090000000000000", 3: "=float64:4080000000000000"}
     assert [s.grads for s in Bundle.open(loop_bundles["accum_across"]).steps] == ["none", "kept", "none", "kept"]
+
+
+def test_loss_fn_workload_accumulating_across_steps_replays_without_zeroing(tmp_path):
+    """The older loop shape, optimizer every other step, a loss_fn-only workload: replay keeps the
+    gradients where the loop kept them (it used to zero them after every step)."""
+    from conftest import SMALL
+
+    kwargs = dict(SMALL, seed=0)
+    workload = sdcreplay.build_workload("builtin:tiny-llama", kwargs)
+    model, optimizer = workload.model, workload.optimizer
+    with sdcreplay.Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, optimizer,
+                            workload_kwargs=kwargs) as rec:
+        for index in range(4):
+            batch = workload.get_batch(index)
+            with rec.step(batch):
+                workload.loss_fn(model, batch).backward()
+            if index % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+    bundle = Bundle.open(rec.path)
+    assert bundle.verified
+    assert [(s.optimizer_step, s.grads) for s in bundle.steps] == [
+        (False, "none"), (True, "kept"), (False, "none"), (True, "kept")]
+    assert sdcreplay.compare_logs(bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")).identical
+
+
+def test_state_objects_travel_beside_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model, optimizer, state = loops.build("steplr")
+    checkpoint = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
+    step = loops.make_step(model, optimizer, state, "steplr")
+    with sdcreplay.Recorder(tmp_path / "run.bundle", f"{LOOPS}:make_workload", model, optimizer, state=state,
+                            workload_kwargs={"feature": "steplr"}, checkpoint=checkpoint) as rec:
+        for index in range(2):
+            with rec.step(loops.get_batch(index)):
+                step(loops.get_batch(index))
+    bundle = Bundle.open(rec.path)
+    assert bundle.manifest["state"]["kind"] == "checkpoint" and bundle.verified
+    assert bundle.load_state_objects()["sched"]["last_epoch"] == 0
+    assert sdcreplay.compare_logs(bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")).identical
 
 
 # ---------------------------------------------------------------------------
