@@ -56,17 +56,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=12, help="blocks per mode (alternating)")
     parser.add_argument("--block-steps", type=int, default=5, help="steps per block")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each mode first")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--depth", type=int, default=None, help="Recorder max_depth (default: every module)")
-    parser.add_argument("--profile", action="store_true", help="cProfile the recorded steps and print the top functions")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--depth", type=int, default=None, help="Recorder max_depth (default: every module)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the recorded steps and print the top functions",
+    )
     return parser.parse_args()
 
 
 class Bench:
     def __init__(self, args: argparse.Namespace, scratch: Path):
         self.kwargs = {
-            "layers": args.layers, "dim": args.dim, "heads": args.heads, "seq_len": args.seq_len,
-            "batch_size": args.batch_size, "seed": 0,
+            "layers": args.layers,
+            "dim": args.dim,
+            "heads": args.heads,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "seed": 0,
         }
         self.workload = build_workload("builtin:tiny-llama", self.kwargs)
         self.depth = args.depth
@@ -81,7 +93,11 @@ class Bench:
         return self.batches[self.step_index % len(self.batches)]
 
     def plain_block(self, steps: int) -> list[tuple[float, float]]:
-        model, optimizer, loss_fn = self.workload.model, self.workload.optimizer, self.workload.loss_fn
+        model, optimizer, loss_fn = (
+            self.workload.model,
+            self.workload.optimizer,
+            self.workload.loss_fn,
+        )
         times = []
         for _ in range(steps):
             batch = self._batch()
@@ -93,13 +109,25 @@ class Bench:
             times.append((time.perf_counter() - start, time.process_time() - cpu))
         return times
 
-    def recorded_block(self, steps: int, profiler: cProfile.Profile | None = None,
-                       verify: bool = True) -> list[tuple[float, float]]:
-        model, optimizer, loss_fn = self.workload.model, self.workload.optimizer, self.workload.loss_fn
+    def recorded_block(
+        self, steps: int, profiler: cProfile.Profile | None = None, verify: bool = True
+    ) -> list[tuple[float, float]]:
+        model, optimizer, loss_fn = (
+            self.workload.model,
+            self.workload.optimizer,
+            self.workload.loss_fn,
+        )
         self.recordings += 1
         path = self.scratch / f"run{self.recordings}.bundle"
-        recorder = Recorder(path, "builtin:tiny-llama", model, optimizer, workload_kwargs=self.kwargs,
-                            max_depth=self.depth, verify=verify)
+        recorder = Recorder(
+            path,
+            "builtin:tiny-llama",
+            model,
+            optimizer,
+            workload_kwargs=self.kwargs,
+            max_depth=self.depth,
+            verify=verify,
+        )
         times = []
         for index in range(steps):
             batch = self._batch()
@@ -131,8 +159,17 @@ class OwnWork:
     timed exactly where it happens, so this is the steadier estimate.
     """
 
-    HOOKS = ("_on_forward_begin", "_on_forward", "_on_input_grad", "record_loss", "record_gradients",
-             "_on_optimizer_begin", "_on_optimizer_step", "begin_step", "end_step")
+    HOOKS = (
+        "_on_forward_begin",
+        "_on_forward",
+        "_on_input_grad",
+        "record_loss",
+        "record_gradients",
+        "_on_optimizer_begin",
+        "_on_optimizer_step",
+        "begin_step",
+        "end_step",
+    )
 
     def __init__(self) -> None:
         self.spent = 0.0
@@ -149,6 +186,7 @@ class OwnWork:
                 self._depth -= 1
                 if self._depth == 0:
                     self.spent += time.process_time() - start
+
         return wrapper
 
     def measure(self, bench: Bench, steps: int) -> tuple[float, float]:
@@ -162,10 +200,20 @@ class OwnWork:
         Recorder._check_unchanged_since_last_step = self.timed(unchanged)
         recorder_module.determinism.capture_rng = self.timed(capture_rng)
         try:
-            model, optimizer, loss_fn = bench.workload.model, bench.workload.optimizer, bench.workload.loss_fn
+            model, optimizer, loss_fn = (
+                bench.workload.model,
+                bench.workload.optimizer,
+                bench.workload.loss_fn,
+            )
             path = bench.scratch / "own-work.bundle"
-            recorder = Recorder(path, "builtin:tiny-llama", model, optimizer, workload_kwargs=bench.kwargs,
-                                max_depth=bench.depth)
+            recorder = Recorder(
+                path,
+                "builtin:tiny-llama",
+                model,
+                optimizer,
+                workload_kwargs=bench.kwargs,
+                max_depth=bench.depth,
+            )
             totals, own = [], []
             for _ in range(steps):
                 recorder.verify()  # once, after the first step: timed apart (Bench.check_seconds)
@@ -202,8 +250,11 @@ def main() -> None:
         recorded: list[tuple[float, float]] = []
         unverified: list[tuple[float, float]] = []
         for block in range(args.blocks):
-            modes = [(plain, bench.plain_block), (recorded, bench.recorded_block),
-                     (unverified, functools.partial(bench.recorded_block, verify=False))]
+            modes = [
+                (plain, bench.plain_block),
+                (recorded, bench.recorded_block),
+                (unverified, functools.partial(bench.recorded_block, verify=False)),
+            ]
             for times, run in modes if block % 2 == 0 else modes[::-1]:
                 times += run(args.block_steps)
         step_seconds, own_seconds = OwnWork().measure(bench, args.blocks * args.block_steps // 2)
@@ -212,33 +263,48 @@ def main() -> None:
             bench.recorded_block(args.block_steps * 2, profiler)
 
     sizes = ", ".join(f"{key}={value}" for key, value in bench.kwargs.items() if key != "seed")
-    print(f"tiny-llama ({sizes}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{len(plain)} steps per mode in {args.blocks} alternating blocks")
+    print(
+        f"tiny-llama ({sizes}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{len(plain)} steps per mode in {args.blocks} alternating blocks"
+    )
     print(f"{'clock':<6}{'mode':<18}{'median ms':>11}{'p10 ms':>10}{'p90 ms':>10}")
     ratios = {}
     for clock, column in (("wall", 0), ("cpu", 1)):
         medians = {}
-        for name, times in (("without recorder", plain), ("with recorder", recorded),
-                            ("verify off", unverified)):
+        for name, times in (
+            ("without recorder", plain),
+            ("with recorder", recorded),
+            ("verify off", unverified),
+        ):
             values = [t[column] * 1e3 for t in times]
             deciles = statistics.quantiles(values, n=10)
             medians[name] = statistics.median(values)
-            print(f"{clock:<6}{name:<18}{medians[name]:>11.2f}{deciles[0]:>10.2f}{deciles[-1]:>10.2f}")
+            print(
+                f"{clock:<6}{name:<18}{medians[name]:>11.2f}{deciles[0]:>10.2f}{deciles[-1]:>10.2f}"
+            )
         ratios[clock] = medians["with recorder"] / medians["without recorder"]
         verify_ratio = medians["with recorder"] / medians["verify off"]
-        print(f"{clock} later steps, verification on / off: ratio {verify_ratio:.3f} "
-              f"({100 * (verify_ratio - 1):+.1f}% per step for the between-steps check)")
+        print(
+            f"{clock} later steps, verification on / off: ratio {verify_ratio:.3f} "
+            f"({100 * (verify_ratio - 1):+.1f}% per step for the between-steps check)"
+        )
     for clock, ratio in ratios.items():
-        print(f"{clock} ratio {ratio:.3f} (overhead {100 * (ratio - 1):+.1f}%; target at most +3%: "
-              f"{'met' if ratio <= 1.03 else 'NOT met'})")
+        print(
+            f"{clock} ratio {ratio:.3f} (overhead {100 * (ratio - 1):+.1f}%; target at most +3%: "
+            f"{'met' if ratio <= 1.03 else 'NOT met'})"
+        )
     check = statistics.median(bench.check_seconds) * 1e3
     step = statistics.median(t[0] for t in plain) * 1e3
-    print(f"first-step check (once per recording: rebuild the workload, re-execute step 0, compare): "
-          f"{check:.1f} ms = {check / step:.1f} plain steps")
+    print(
+        f"first-step check (once per recording: rebuild the workload, re-execute step 0, compare): "
+        f"{check:.1f} ms = {check / step:.1f} plain steps"
+    )
     own_ratio = step_seconds / (step_seconds - own_seconds)
-    print(f"recorder's own work (CPU time inside its hooks and step writing): {own_seconds * 1e3:.1f} ms of a "
-          f"{step_seconds * 1e3:.1f} ms recorded step: overhead {100 * (own_ratio - 1):+.1f}%; target at most +3%: "
-          f"{'met' if own_ratio <= 1.03 else 'NOT met'}")
+    print(
+        f"recorder's own work (CPU time inside its hooks and step writing): {own_seconds * 1e3:.1f} ms of a "
+        f"{step_seconds * 1e3:.1f} ms recorded step: overhead {100 * (own_ratio - 1):+.1f}%; target at most +3%: "
+        f"{'met' if own_ratio <= 1.03 else 'NOT met'}"
+    )
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)

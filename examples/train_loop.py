@@ -60,8 +60,15 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
-def make_workload(seed: int = 0, hidden: int = 64, lr: float = 1e-2, micro_batches: int = 4,
-                  max_norm: float = 1.0, warmup: int = 2, total_steps: int = 20) -> sdcreplay.Workload:
+def make_workload(
+    seed: int = 0,
+    hidden: int = 64,
+    lr: float = 1e-2,
+    micro_batches: int = 4,
+    max_norm: float = 1.0,
+    warmup: int = 2,
+    total_steps: int = 20,
+) -> sdcreplay.Workload:
     """The entry point replay calls, with the keyword arguments the Recorder was given."""
     torch.manual_seed(seed)
     model = Classifier(hidden)
@@ -82,8 +89,13 @@ def make_workload(seed: int = 0, hidden: int = 64, lr: float = 1e-2, micro_batch
         optimizer.zero_grad()
         return torch.tensor(total)
 
-    return sdcreplay.Workload(model=model, optimizer=optimizer, get_batch=get_batch,
-                              train_step=train_step, state={"scheduler": scheduler})
+    return sdcreplay.Workload(
+        model=model,
+        optimizer=optimizer,
+        get_batch=get_batch,
+        train_step=train_step,
+        state={"scheduler": scheduler},
+    )
 
 
 def main() -> None:
@@ -113,8 +125,9 @@ def main() -> None:
         for step, batch in enumerate(loader):
             with rec.step(batch):
                 loss = workload.train_step(batch)
-            print(f"step {step}: loss {loss.item():.4f}, lr {workload.state['scheduler'].get_last_lr()[0]:.5f}")
-    print(f"Recorded {rec.steps_written} steps in {rec.path} (verified: the workload replays the loop's step)")
+            lr = workload.state["scheduler"].get_last_lr()[0]
+            print(f"step {step}: loss {loss.item():.4f}, lr {lr:.5f}")
+    print(f"Recorded {rec.steps_written} steps in {rec.path} (verified: replay runs the loop's step)")
     print(f"Replay them: sdcreplay replay {rec.path}")
 
 

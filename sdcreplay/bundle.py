@@ -111,7 +111,7 @@ def read_rng(group: h5py.Group) -> RngState:
 
 def write_state(path: Path, model_state: dict | None, optimizer_state: dict | None,
                 objects: dict[str, Any] | None = None) -> None:
-    """Model, optimizer and named state objects' state dicts (a checkpoint bundle holds only the objects)."""
+    """Model, optimizer and named state objects' state dicts (a checkpoint bundle: objects only)."""
     with h5py.File(path, "w") as handle:
         if model_state is not None:
             tensorio.write_tree(handle.create_group("model"), model_state)
@@ -193,7 +193,8 @@ class BundleWriter:
         for name, writer in ((SIGNATURES, self._signatures), (MESSAGES, self._messages)):
             self.manifest["files"][name] = {"size": writer.size, "sha256": writer.sha256}
 
-    def embed_state(self, model_state: dict, optimizer_state: dict | None, objects: dict | None = None) -> None:
+    def embed_state(self, model_state: dict, optimizer_state: dict | None,
+                    objects: dict | None = None) -> None:
         write_state(self.path / STATE, model_state, optimizer_state, objects)
         self._note_file(STATE)
         self.manifest["state"] = {"kind": "embedded", "file": STATE}
@@ -201,7 +202,7 @@ class BundleWriter:
         self._save_manifest()
 
     def reference_checkpoint(self, reference: dict, objects: dict | None = None) -> None:
-        """The model and optimizer come from a checkpoint; state objects still go in ``state.h5``."""
+        """Model and optimizer come from a checkpoint; state objects still go in ``state.h5``."""
         self.manifest["state"] = reference
         self.manifest["state_objects"] = list(objects or {})
         if objects:
@@ -210,12 +211,12 @@ class BundleWriter:
         self._save_manifest()
 
     def set_verification(self, verification: dict) -> None:
-        """Whether the Recorder proved the workload's step reproduces the loop's (see recorder.py)."""
+        """Did the Recorder prove that the workload's step reproduces the loop's (recorder.py)?"""
         self.manifest["verification"] = verification
         self._save_manifest()
 
-    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]], optimizer_step: bool,
-                 grads: str = "none") -> None:
+    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]],
+                 optimizer_step: bool, grads: str = "none") -> None:
         name = f"steps/{index:06d}.h5"
         with h5py.File(self.path / name, "w") as handle:
             tensorio.write_tree(handle.create_group("batch"), batch)
@@ -224,8 +225,8 @@ class BundleWriter:
         self._signatures.append_step(index, entries)
         self._note_stream_files()
         self.manifest["steps"].append(
-            {"index": index, "file": name, "entries": len(entries), "optimizer_step": optimizer_step,
-             "grads": grads}
+            {"index": index, "file": name, "entries": len(entries),
+             "optimizer_step": optimizer_step, "grads": grads}
         )
         self._save_manifest()
 
@@ -343,7 +344,8 @@ def _validate_manifest(manifest: Any) -> None:
     for name in STREAMS:
         _require(name in files, f"files[{name!r}]")
     objects = manifest.get("state_objects", [])
-    _require(isinstance(objects, list) and all(isinstance(n, str) and n for n in objects), "state_objects")
+    _require(isinstance(objects, list) and all(isinstance(n, str) and n for n in objects),
+             "state_objects")
     _require(not objects or STATE in files, f"files[{STATE!r}] (state objects)")
     verification = manifest.get("verification", {"status": "off"})
     _require(isinstance(verification, dict) and verification.get("status") in VERIFICATION_STATUS,
@@ -357,7 +359,8 @@ class Bundle:
         self.path = path
         self.manifest = manifest
         self.steps = [
-            StepRecord(step["index"], step["file"], step["entries"], step["optimizer_step"], step.get("grads", "none"))
+            StepRecord(step["index"], step["file"], step["entries"], step["optimizer_step"],
+                       step.get("grads", "none"))
             for step in manifest["steps"]
         ]
 
@@ -485,7 +488,7 @@ class Bundle:
 
     @property
     def verification(self) -> dict:
-        """``status``: passed (the workload's step reproduced the loop's), failed, pending or off."""
+        """``status``: passed (the workload's step reproduced the loop's), failed, pending, off."""
         return self.manifest.get("verification", {"status": "off", "mode": "off"})
 
     @property

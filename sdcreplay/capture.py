@@ -124,13 +124,14 @@ def state_leaves(prefix: str, value) -> Iterator[tuple[str, object, bool]]:
         for position, item in enumerate(value):
             yield from state_leaves(f"{prefix}[{position}]", item)
     elif isinstance(value, str):
-        yield prefix, torch.frombuffer(bytearray(value.encode()) or bytearray(1), dtype=torch.uint8), False
+        data = bytearray(value.encode()) or bytearray(1)
+        yield prefix, torch.frombuffer(data, dtype=torch.uint8), False
     elif value is None or isinstance(value, (bool, int, float)):
         yield prefix, value, False
 
 
 def state_object_items(objects: dict) -> Iterator[tuple[str, object]]:
-    """Signature items of named state objects: ``state:`` for numbers, ``state_tensor:`` for tensors."""
+    """Signature items of state objects: ``state:`` for numbers, ``state_tensor:`` for tensors."""
     for name, obj in objects.items():
         for path, value, is_tensor in state_leaves(name, obj.state_dict()):
             yield ("state_tensor:" if is_tensor else "state:") + path, value
@@ -235,7 +236,7 @@ class SignatureCapture:
                 self._add("loss", loss)
 
     def record_gradients(self) -> None:
-        """Every parameter's gradient (``grad:NAME``, ``grad:NAME#1`` after a second backward...)."""
+        """Every parameter's gradient (``grad:NAME``; ``grad:NAME#1`` after a second backward)."""
         if self._digester is None:
             return
         with _own_work():

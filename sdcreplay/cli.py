@@ -75,10 +75,12 @@ def record(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject while recording (repeatable); the bundle does not carry it.")] = None,
     depth: Annotated[int | None, typer.Option(min=0, help="Capture module outputs only down to this depth (root 0, layers.N 2); fewer activation digests, cheaper recording. Default: every module.")] = None,
-    verify: Annotated[bool, typer.Option(help="Re-execute the first step through the workload's step and refuse a recording that cannot be replayed.")] = True,
+    verify: Annotated[bool, typer.Option(
+        help="Re-execute the first step through the workload's step and refuse a recording "
+             "that cannot be replayed.")] = True,
     json_mode: JsonOption = False,
 ) -> None:
-    """Run WORKLOAD for --steps steps (its train_step, if it has one) and write a deterministic trace bundle."""
+    """Run WORKLOAD's train_step (if any) for --steps steps; write a deterministic trace bundle."""
     from .recorder import record as record_bundle
 
     output = Output(json_mode)
@@ -90,7 +92,8 @@ def record(
             summary = record_bundle(
                 workload, target, steps=steps, device=device, seed=seed, kwargs=kwargs,
                 checkpoint=checkpoint, overwrite=overwrite, inject=inject or [], max_depth=depth,
-                verify=verify, on_step=lambda index, loss: advance(note="" if loss is None else f"loss {loss:.4f}"),
+                verify=verify,
+                on_step=lambda index, loss: advance(note="" if loss is None else f"loss {loss:.4f}"),
             )
         output.say(
             f"Recorded {summary.steps} steps of {workload} on {device}: {summary.entries} signature entries, "
@@ -149,7 +152,8 @@ def _verification_text(verification: dict) -> str:
         "passed": "yes: the workload's step reproduced the loop's first step bit for bit",
         "failed": f"[yellow]no: {escape(verification.get('problem', ''))}[/]",
         "pending": "[yellow]no: the recording stopped before its first step was checked[/]",
-        "off": "[yellow]no: recorded without verification; a record-vs-replay difference may be the program[/]",
+        "off": "[yellow]no: recorded without verification; a record-vs-replay difference "
+               "may be the program[/]",
     }[verification["status"]]
 
 

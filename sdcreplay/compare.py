@@ -307,15 +307,17 @@ def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]]) -> Conse
 
 
 def refuse_program_difference(verdicts: dict[str, DeviceVerdict]) -> None:
-    """A voter whose first divergence is a program entry ran another program: no device is to blame."""
+    """A voter whose first divergence is a program entry ran another program: blame no device."""
     for voter, judgement in verdicts.items():
         first = judgement.first_divergence
         if first is not None and is_program_entry(first.name):
             raise StructureError(
-                f"the replayed program differs from the recorded one: {voter} first differs at step "
-                f"{first.step} in {first.name} (the majority has {first.expected}, {voter} {first.actual})",
-                "This is the training loop, not the device: the workload's step does not do what the "
-                "recorded loop did (a scheduler, GradScaler or other state outside the workload's step?). "
+                f"the replayed program differs from the recorded one: {voter} first differs "
+                f"at step {first.step} in {first.name} "
+                f"(the majority has {first.expected}, {voter} {first.actual})",
+                "This is the training loop, not the device: the workload's step does not do what "
+                "the recorded loop did (a scheduler, GradScaler or other state outside the "
+                "workload's step?). "
                 "See docs/recording.md.",
             )
 

@@ -53,7 +53,7 @@ class ReportError(SdcReplayError):
 
 
 class WorkloadMismatchError(SdcReplayError):
-    """The workload's step does not reproduce the step the loop ran: a replay could not be evidence."""
+    """The workload's step does not reproduce the loop's: a replay of it could not be evidence."""
 
     default_hint = (
         "Put everything the loop does in a step (clipping, GradScaler, schedulers, EMA, zero_grad) "

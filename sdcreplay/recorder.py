@@ -5,7 +5,7 @@ rec = sdcreplay.Recorder("run.bundle", workload="mytrain:make_workload", model=m
                          optimizer=opt, state={"scheduler": sched})
 for batch in loader:
     with rec.step(batch):
-        loss = train_step(batch)      # the whole step: backward, clipping, opt.step(), sched.step()...
+        loss = train_step(batch)  # the whole step: backward, clipping, opt.step(), sched.step()
 rec.close()
 ```
 A step ends when the block exits, or at the optimizer step right after it
@@ -107,8 +107,9 @@ class Recorder:
             self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
         status = "pending" if self.verify_mode != "off" else "off"
         self._writer.set_verification({"mode": self.verify_mode, "status": status})
-        self._capture = SignatureCapture(model, optimizer, max_depth=max_depth, state=self.state_objects,
-                                         program=True)
+        self._capture = SignatureCapture(
+            model, optimizer, max_depth=max_depth, state=self.state_objects, program=True
+        )
         self._hook = optimizer.register_step_post_hook(lambda *_: self._finish_pending())
         self._next_index = start_step
         self._first_index = start_step
@@ -121,15 +122,17 @@ class Recorder:
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
-        """Record one training step: the block, and the optimizer step right after it if the block had none."""
+        """Record one training step: the block, and the optimizer step right after a block without one."""
         self._finish_pending()
         self.verify()
         self._check_unchanged_since_last_step()
         grads = grads_entering(self.model)
         if self._next_index == self._first_index and grads == "kept" and self.verify_mode != "off":
-            self._mismatch("the first recorded step begins with gradients accumulated before it, which "
-                           "the bundle does not hold: start recording at an optimizer-step boundary "
-                           "(after zero_grad)")
+            self._mismatch(
+                "the first recorded step begins with gradients accumulated before it, which "
+                "the bundle does not hold: start recording at an optimizer-step boundary "
+                "(after zero_grad)"
+            )
         rng = determinism.capture_rng(self.device)
         stored_batch = map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
         self._capture.begin_step(rng)
@@ -156,11 +159,13 @@ class Recorder:
             self._end_digests = state_digests(self.model)
 
     def verify(self) -> None:
-        """Re-execute the first recorded step now if that is due (the next ``step()`` or ``close()`` does it)."""
+        """Re-execute the first recorded step now if due (else the next ``step()``/``close()`` does)."""
         if not self._verify_due:
             return
         self._verify_due = False
-        saved = determinism.capture_rng(self.device)  # building the workload reseeds; the loop goes on
+        saved = determinism.capture_rng(
+            self.device
+        )  # building the workload reseeds; the loop goes on
         try:
             problem = self._reexecute_first_step()
         finally:
@@ -171,7 +176,7 @@ class Recorder:
             self._mismatch(problem)
 
     def _reexecute_first_step(self) -> str | None:
-        """Replay the first step as `sdcreplay replay` would, in this process; what differs, if anything."""
+        """Replay the first step as `sdcreplay replay` would, in this process: what differs, or None."""
         try:
             session = ReplaySession(Bundle.open(self._writer.path), self.label, inject=self._inject)
         except SdcReplayError as exc:
@@ -188,19 +193,24 @@ class Recorder:
             session.close()
 
     def _state_difference(self, session: ReplaySession) -> str | None:
-        """After the re-executed step, does replay's state equal the loop's as the next step begins?"""
+        """Does replay's state equal the loop's as the next step begins?"""
         live = state_digests(self.model, self.state_objects, self.optimizer)
         replayed = state_digests(session.model, session.workload.state, session.optimizer)
         for name, digest in live.items():
             if replayed.get(name) != digest:
-                return (f"{name} differs after the first step although every entry of the step matched: the "
-                        f"loop changes it where the workload's step does not (an EMA? a scheduler? a manual "
-                        f"edit, or something done after the block?)")
+                return (
+                    f"{name} differs after the first step although every entry of the step "
+                    f"matched: the loop changes it where the workload's step does not (an EMA? "
+                    f"a scheduler? a manual edit, or something done after the block?)"
+                )
         if session.workload.train_step is not None:
             loop, replay = grads_entering(self.model), grads_entering(session.model)
             if loop != replay:
-                return (f"the gradients enter the second step as {loop!r} in the loop but {replay!r} after "
-                        f"the workload's step: the loop zeroes (or keeps) gradients outside the step")
+                return (
+                    f"the gradients enter the second step as {loop!r} in the loop but {replay!r} "
+                    f"after "
+                    f"the workload's step: the loop zeroes (or keeps) gradients outside the step"
+                )
         return None
 
     def _check_unchanged_since_last_step(self) -> None:
@@ -208,15 +218,21 @@ class Recorder:
         if self._end_digests is None:
             return
         now = state_digests(self.model)
-        changed = next((name for name, digest in self._end_digests.items() if now.get(name) != digest), None)
+        changed = next(
+            (name for name, digest in self._end_digests.items() if now.get(name) != digest), None
+        )
         self._end_digests = None
         if changed is not None:
-            self._mismatch(f"{changed} changed between recorded steps {self._next_index - 1} and "
-                           f"{self._next_index}, outside any recorded step (an EMA or a manual edit after "
-                           f"the block?); replay would start step {self._next_index} from another state")
+            self._mismatch(
+                f"{changed} changed between recorded steps {self._next_index - 1} and "
+                f"{self._next_index}, outside any recorded step (an EMA or a manual edit after "
+                f"the block?); replay would start step {self._next_index} from another state"
+            )
 
     def _mismatch(self, problem: str) -> None:
-        self._writer.set_verification({"mode": self.verify_mode, "status": "failed", "problem": problem})
+        self._writer.set_verification(
+            {"mode": self.verify_mode, "status": "failed", "problem": problem}
+        )
         message = f"the workload cannot replay this recording: {problem}"
         if self.verify_mode == "warn":
             warnings.warn(message, stacklevel=3)
@@ -224,7 +240,7 @@ class Recorder:
         raise WorkloadMismatchError(message)
 
     def close(self) -> Path:
-        """Write the last step, run a check still due, mark the bundle complete and give it its final name."""
+        """Write the last step, run a check still due, mark the bundle complete, give it its name."""
         self._finish_pending()
         try:
             self.verify()
@@ -258,33 +274,51 @@ class Recorder:
             self.abandon()
 
 
-def describe_first_difference(recorded: list[tuple[str, str]], replayed: list[tuple[str, str]]) -> str | None:
+def describe_first_difference(
+    recorded: list[tuple[str, str]], replayed: list[tuple[str, str]]
+) -> str | None:
     """The first entry where the workload's step differs from the loop's, and its likely cause."""
     names = [name for name, _ in recorded]
     if names != [name for name, _ in replayed]:
-        position = next((i for i, (a, (b, _)) in enumerate(zip(names, replayed)) if a != b),
-                        min(len(names), len(replayed)))
-        at = lambda entries: entries[position][0] if position < len(entries) else "(end of step)"  # noqa: E731
-        return (f"the loop's step has {at(recorded)!r} where the workload's step has {at(replayed)!r} "
-                f"(entry {position}): they run different programs (another number of backward passes, "
-                f"an optimizer step inside vs outside the step, a skipped step?)")
+        position = next(
+            (i for i, (a, (b, _)) in enumerate(zip(names, replayed)) if a != b),
+            min(len(names), len(replayed)),
+        )
+
+        def at(entries: list) -> str:
+            return entries[position][0] if position < len(entries) else "(end of step)"
+
+        return (
+            f"the loop's step has {at(recorded)!r} where the workload's step has {at(replayed)!r} "
+            f"(entry {position}): they run different programs (another number of backward passes, "
+            f"an optimizer step inside vs outside the step, a skipped step?)"
+        )
     differing = [name for (name, a), (_, b) in zip(recorded, replayed) if a != b]
     if not differing:
         return None
     first = differing[0]
     kind = first.split(":", 1)[0]
     if is_program_entry(first):
-        cause = ("the loop changes hyper-parameters or a state object outside the workload's step "
-                 "(a scheduler? a GradScaler?)")
+        cause = (
+            "the loop changes hyper-parameters or a state object outside the workload's step "
+            "(a scheduler? a GradScaler?)"
+        )
     elif kind == "step_grad":
-        cause = ("every grad: matched: the loop changes gradients between backward() and optimizer.step() "
-                 "outside the workload's step (clipping? GradScaler unscaling?)")
+        cause = (
+            "every grad: matched: the loop changes gradients between backward() and "
+            "optimizer.step() "
+            "outside the workload's step (clipping? GradScaler unscaling?)"
+        )
     elif kind in ("param", "buffer", "optim"):
-        cause = ("every grad: matched: the loop changes gradients or parameters outside the workload's "
-                 "step (clipping? a scheduler? an EMA?)")
+        cause = (
+            "every grad: matched: the loop changes gradients or parameters outside the workload's "
+            "step (clipping? a scheduler? an EMA?)"
+        )
     else:
-        cause = ("the workload's forward/backward differs from the loop's (another loss_fn, batch "
-                 "transform or autocast), or this device computed differently in one of the two runs")
+        cause = (
+            "the workload's forward/backward differs from the loop's (another loss_fn, batch "
+            "transform or autocast), or this device computed differently in one of the two runs"
+        )
     return f"{first} differs: {cause}"
 
 
@@ -348,15 +382,28 @@ def record(
     injector = Injector(parse_specs(inject), device)
     loss_value = None
     recorder = Recorder(
-        out, workload, built.model, built.optimizer, state=built.state, workload_kwargs=kwargs,
-        checkpoint=checkpoint, device_label=device, overwrite=overwrite, max_depth=max_depth,
-        verify=verify, inject=inject,
+        out,
+        workload,
+        built.model,
+        built.optimizer,
+        state=built.state,
+        workload_kwargs=kwargs,
+        checkpoint=checkpoint,
+        device_label=device,
+        overwrite=overwrite,
+        max_depth=max_depth,
+        verify=verify,
+        inject=inject,
     )
     with recorder:
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
             chain = [injector] if injector.has_operator_faults else []
-            mode = OperatorMode(built.model, built.optimizer, chain, index) if chain else contextlib.nullcontext()
+            mode = (
+                OperatorMode(built.model, built.optimizer, chain, index)
+                if chain
+                else contextlib.nullcontext()
+            )
             with recorder.step(batch):  # its checks run before the step, outside the operator mode
                 injector.before_step(index, built.model)
                 with mode:
@@ -367,7 +414,13 @@ def record(
     bundle_path = recorder.path
     opened = Bundle.open(bundle_path, verify=False)
     return RecordSummary(
-        bundle=bundle_path, workload=workload, kwargs=kwargs, device=device,
-        steps=recorder.steps_written, entries=recorder.entries_written,
-        size_bytes=opened.size_bytes(), final_loss=loss_value, verification=opened.verification,
+        bundle=bundle_path,
+        workload=workload,
+        kwargs=kwargs,
+        device=device,
+        steps=recorder.steps_written,
+        entries=recorder.entries_written,
+        size_bytes=opened.size_bytes(),
+        final_loss=loss_value,
+        verification=opened.verification,
     )

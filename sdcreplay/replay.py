@@ -71,9 +71,10 @@ class ReplaySession:
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
         capture = self.bundle.manifest.get("capture") or {}
-        self.capture = SignatureCapture(self.workload.model, self.workload.optimizer,
-                                        max_depth=capture.get("max_depth"), state=self.workload.state,
-                                        program=capture.get("program", False))
+        self.capture = SignatureCapture(
+            self.workload.model, self.workload.optimizer, max_depth=capture.get("max_depth"),
+            state=self.workload.state, program=capture.get("program", False),
+        )
 
     def _load_state_objects(self) -> None:
         saved = self.bundle.load_state_objects()
@@ -131,12 +132,12 @@ class ReplaySession:
         return self.capture.end_step()
 
     def _set_gradients(self, grads: str) -> None:
-        """Give the step the gradients the recorded loop's step began with (it may have accumulated)."""
+        """Give the step the gradients the loop's step began with (it may have accumulated)."""
         if grads != "kept":
             self.optimizer.zero_grad(set_to_none=grads == "none")
 
     def _default_step(self, record: StepRecord, batch) -> None:
-        """A loss_fn-only workload: backward, and the optimizer step only where the loop took one."""
+        """A loss_fn-only workload: backward, and the optimizer step only where the loop took it."""
         self.workload.loss_fn(self.model, batch).backward()
         if record.optimizer_step:
             self.optimizer.step()
@@ -375,4 +376,5 @@ def replay_devices(
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]
-    return ReplayReport(str(opened.path), repeats, str(log_dir), runs, consensus, caveat_for(opened))
+    return ReplayReport(str(opened.path), repeats, str(log_dir), runs, consensus,
+                        caveat_for(opened))

@@ -59,7 +59,7 @@ def layer_of(name: str) -> str:
         path = path.rpartition(".")[0] or "<root>"
     elif kind == "optim":  # optim:layers.0.attn.wq.weight.exp_avg_sq -> layers.0.attn.wq
         path = path.rsplit(".", 2)[0] if path.count(".") >= 2 else "<root>"
-    elif kind in ("hyper", "state", "state_tensor"):  # hyper:0.lr -> optimizer group 0; state:sched...
+    elif kind in ("hyper", "state", "state_tensor"):  # hyper:0.lr -> hyper:0 (param group 0)
         path = f"{kind}:{path.split('.', 1)[0]}"
     return path
 

@@ -47,7 +47,7 @@ class Workload:
     state: dict[str, Any] = field(default_factory=dict)
 
     def run_step(self, batch: Any) -> torch.Tensor | None:
-        """One training step as `sdcreplay record` drives it: ``train_step``, or the default step."""
+        """One training step as `sdcreplay record` drives it: ``train_step``, or the default."""
         if self.train_step is not None:
             return self.train_step(batch)
         loss = self.loss_fn(self.model, batch)
@@ -60,15 +60,24 @@ class Workload:
 def check_state_objects(state: Any, where: str) -> dict[str, Any]:
     """Named state objects as a dict; each must save and load its state."""
     if not isinstance(state, dict):
-        raise WorkloadError(f"{where}: state must be a dict of named objects, got {type(state).__name__}")
+        raise WorkloadError(
+            f"{where}: state must be a dict of named objects, got {type(state).__name__}"
+        )
     for name, obj in state.items():
         if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-" for c in name):
-            raise WorkloadError(f"{where}: state object name {name!r} is not a plain name",
-                                "Name state objects with letters, digits, '_' and '-', e.g. 'scheduler'.")
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise WorkloadError(f"{where}: state object {name!r} ({type(obj).__name__}) has no "
-                                "state_dict()/load_state_dict()",
-                                "Wrap it in a small class with those two methods (see docs/recording.md).")
+            raise WorkloadError(
+                f"{where}: state object name {name!r} is not a plain name",
+                "Name state objects with letters, digits, '_' and '-', e.g. 'scheduler'.",
+            )
+        if not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise WorkloadError(
+                f"{where}: state object {name!r} ({type(obj).__name__}) has no "
+                "state_dict()/load_state_dict()",
+                "Wrap it in a small class with those two methods (see docs/recording.md).",
+            )
     return dict(state)
 
 
@@ -175,8 +184,10 @@ def build_workload(ref: str, kwargs: dict[str, Any] | None = None) -> Workload:
             f"workload {ref!r} returned {type(workload).__name__}, not sdcreplay.Workload"
         )
     if workload.loss_fn is None and workload.train_step is None:
-        raise WorkloadError(f"workload {ref!r} has neither loss_fn nor train_step",
-                            "Give the Workload a train_step(batch) (or a loss_fn(model, batch)).")
+        raise WorkloadError(
+            f"workload {ref!r} has neither loss_fn nor train_step",
+            "Give the Workload a train_step(batch) (or a loss_fn(model, batch)).",
+        )
     workload.state = check_state_objects(workload.state, f"workload {ref!r}")
     return workload
 

@@ -136,8 +136,10 @@ def test_manifest_layout(tmp_path: Path):
     assert manifest["workload"] == {"ref": "builtin:tiny-llama", "kwargs": {"layers": 1}}
     assert manifest["state"] == {"kind": "embedded", "file": STATE}
     assert manifest["steps"] == [
-        {"index": 0, "file": "steps/000000.h5", "entries": 3, "optimizer_step": True, "grads": "none"},
-        {"index": 1, "file": "steps/000001.h5", "entries": 3, "optimizer_step": True, "grads": "none"},
+        {"index": 0, "file": "steps/000000.h5", "entries": 3, "optimizer_step": True,
+         "grads": "none"},
+        {"index": 1, "file": "steps/000001.h5", "entries": 3, "optimizer_step": True,
+         "grads": "none"},
     ]
     assert set(manifest["files"]) == {SIGNATURES, "messages.jsonl.zst", STATE, "steps/000000.h5", "steps/000001.h5"}
     for name, meta in manifest["files"].items():

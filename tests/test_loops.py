@@ -1,4 +1,4 @@
-"""Real training loops (tests/loops/loops.py, outside the package) record, verify and replay exactly.
+"""Real training loops (tests/loops/loops.py, outside the package) record, verify, replay exactly.
 
 Each loop feature is recorded twice: by a hand-written loop through ``Recorder`` and by
 ``sdcreplay record FILE.py:make_workload``. A clean replay on three replicas is correct, a
@@ -38,7 +38,8 @@ OPTIMIZER_STEPS = {
     "nan_skip": [False, True, True, True],  # step 0's loss is NaN: the loop drops the step
 }
 
-OUTSIDE = {  # the feature done by the loop but not by the workload's step -> what the Recorder names
+# The feature done by the loop but not by the workload's step -> what the Recorder names
+OUTSIDE = {
     "clip": "step_grad:inp.weight differs: every grad: matched: the loop changes gradients between backward()",
     "onecycle": "state:sched.last_epoch differs after the first step",
     "steplr": "state:sched.last_epoch differs after the first step",
@@ -57,7 +58,10 @@ def loop_bundles(tmp_path_factory) -> dict[str, Path]:
     """Every feature recorded once by the hand-written loop (verified while recording)."""
     folder = tmp_path_factory.mktemp("loops")
     with preserved_global_state():
-        return {feature: loops.train(folder / f"{feature}.bundle", feature).path for feature in loops.FEATURES}
+        return {
+            feature: loops.train(folder / f"{feature}.bundle", feature).path
+            for feature in loops.FEATURES
+        }
 
 
 @pytest.mark.parametrize("feature", loops.FEATURES)
@@ -72,21 +76,39 @@ def test_hand_written_loop_replays_and_a_backward_bitflip_names_cpu1(loop_bundle
     assert (report.consensus.verdict, report.consensus.suspects) == ("persistent", ["cpu:1"])
     first = report.consensus.first_divergence
     assert (first.step, first.phase, first.name) == (1, "backward", "backward:out")
-    found = bisect(bundle.path, suspect="cpu:1", reference="cpu:0", step=1, inject=[FAULT]).to_json()
+    found = bisect(
+        bundle.path, suspect="cpu:1", reference="cpu:0", step=1, inject=[FAULT]
+    ).to_json()
     assert (found["step"], found["phase"], found["module"], found["op"], found["isolated"]) == (
-        1, "backward", "out", "aten.mm.default", "kernel")
+        1,
+        "backward",
+        "out",
+        "aten.mm.default",
+        "kernel",
+    )
     assert found["elements"]["count"] >= 1
 
 
 @pytest.mark.parametrize("feature", loops.FEATURES)
 def test_sdcreplay_record_drives_train_step_and_replays_correct(cli, tmp_path, feature):
     out = tmp_path / "run.bundle"
-    result = cli("record", f"{LOOPS}:make_workload", "-a", f"feature={feature}", "--steps", "4",
-                 "--out", out, "--json")
+    result = cli(
+        "record",
+        f"{LOOPS}:make_workload",
+        "-a",
+        f"feature={feature}",
+        "--steps",
+        "4",
+        "--out",
+        out,
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     recorded = json.loads(result.stdout)
     assert recorded["verification"] == {"mode": "on", "status": "passed"}
-    assert [s.optimizer_step for s in Bundle.open(out).steps] == OPTIMIZER_STEPS.get(feature, [True] * 4)
+    assert [s.optimizer_step for s in Bundle.open(out).steps] == OPTIMIZER_STEPS.get(
+        feature, [True] * 4
+    )
     args = [arg for device in REPLICAS for arg in ("-d", device)]
     result = cli("replay", out, *args, "--json", "--logs", tmp_path / "logs")
     assert result.exit_code == 0, result.output
@@ -114,9 +136,16 @@ def test_a_change_between_later_steps_is_refused_at_that_step(tmp_path):
     torch.manual_seed(0)
     model, optimizer, state = loops.build("clip")
     step = loops.make_step(model, optimizer, state, "clip")
-    rec = sdcreplay.Recorder(tmp_path / "run.bundle", f"{LOOPS}:make_workload", model, optimizer,
-                             workload_kwargs={"feature": "clip"})
-    with pytest.raises(WorkloadMismatchError, match=r"param:inp\.weight changed between recorded steps 1 and 2"):
+    rec = sdcreplay.Recorder(
+        tmp_path / "run.bundle",
+        f"{LOOPS}:make_workload",
+        model,
+        optimizer,
+        workload_kwargs={"feature": "clip"},
+    )
+    with pytest.raises(
+        WorkloadMismatchError, match=r"param:inp\.weight changed between recorded steps 1 and 2"
+    ):
         with rec:
             for index in range(4):
                 with rec.step(loops.get_batch(index)):
@@ -127,8 +156,12 @@ def test_a_change_between_later_steps_is_refused_at_that_step(tmp_path):
     assert Bundle.open(tmp_path / "run.bundle").step_indices == [0, 1]
 
 
-@pytest.mark.parametrize(("feature", "verdict"), [("clip", "recording_suspect"), ("onecycle", None)])
-def test_an_unverified_recording_never_blames_the_recorder_without_a_caveat(tmp_path, feature, verdict):
+@pytest.mark.parametrize(
+    ("feature", "verdict"), [("clip", "recording_suspect"), ("onecycle", None)]
+)
+def test_an_unverified_recording_never_blames_the_recorder_without_a_caveat(
+    tmp_path, feature, verdict
+):
     """verify="warn" keeps the recording; its replay says the program may be why it differs."""
     with pytest.warns(UserWarning, match="the workload cannot replay this recording"):
         rec = loops.train(tmp_path / "run.bundle", feature, feature_in_step=False, verify="warn")
@@ -165,9 +198,18 @@ def test_state_objects_are_saved_and_restored(loop_bundles):
     entries = bundle.signature_log().steps
     scale = {step: dict(entries[step])["state:scaler.scale"] for step in entries}
     # The state entering each step: the skipped step 2 halved the scale, 1024 -> 512.
-    assert scale == {0: "=float64:4090000000000000", 1: "=float64:4090000000000000",
-                     2: "=float64:4090000000000000", 3: "=float64:4080000000000000"}
-    assert [s.grads for s in Bundle.open(loop_bundles["accum_across"]).steps] == ["none", "kept", "none", "kept"]
+    assert scale == {
+        0: "=float64:4090000000000000",
+        1: "=float64:4090000000000000",
+        2: "=float64:4090000000000000",
+        3: "=float64:4080000000000000",
+    }
+    assert [s.grads for s in Bundle.open(loop_bundles["accum_across"]).steps] == [
+        "none",
+        "kept",
+        "none",
+        "kept",
+    ]
 
 
 def test_loss_fn_workload_accumulating_across_steps_replays_without_zeroing(tmp_path):
@@ -178,8 +220,9 @@ def test_loss_fn_workload_accumulating_across_steps_replays_without_zeroing(tmp_
     kwargs = dict(SMALL, seed=0)
     workload = sdcreplay.build_workload("builtin:tiny-llama", kwargs)
     model, optimizer = workload.model, workload.optimizer
-    with sdcreplay.Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, optimizer,
-                            workload_kwargs=kwargs) as rec:
+    with sdcreplay.Recorder(
+        tmp_path / "run.bundle", "builtin:tiny-llama", model, optimizer, workload_kwargs=kwargs
+    ) as rec:
         for index in range(4):
             batch = workload.get_batch(index)
             with rec.step(batch):
@@ -190,8 +233,14 @@ def test_loss_fn_workload_accumulating_across_steps_replays_without_zeroing(tmp_
     bundle = Bundle.open(rec.path)
     assert bundle.verified
     assert [(s.optimizer_step, s.grads) for s in bundle.steps] == [
-        (False, "none"), (True, "kept"), (False, "none"), (True, "kept")]
-    assert sdcreplay.compare_logs(bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")).identical
+        (False, "none"),
+        (True, "kept"),
+        (False, "none"),
+        (True, "kept"),
+    ]
+    assert sdcreplay.compare_logs(
+        bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")
+    ).identical
 
 
 def test_state_objects_travel_beside_a_checkpoint(tmp_path):
@@ -200,66 +249,125 @@ def test_state_objects_travel_beside_a_checkpoint(tmp_path):
     checkpoint = tmp_path / "ckpt.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
     step = loops.make_step(model, optimizer, state, "steplr")
-    with sdcreplay.Recorder(tmp_path / "run.bundle", f"{LOOPS}:make_workload", model, optimizer, state=state,
-                            workload_kwargs={"feature": "steplr"}, checkpoint=checkpoint) as rec:
+    with sdcreplay.Recorder(
+        tmp_path / "run.bundle",
+        f"{LOOPS}:make_workload",
+        model,
+        optimizer,
+        state=state,
+        workload_kwargs={"feature": "steplr"},
+        checkpoint=checkpoint,
+    ) as rec:
         for index in range(2):
             with rec.step(loops.get_batch(index)):
                 step(loops.get_batch(index))
     bundle = Bundle.open(rec.path)
     assert bundle.manifest["state"]["kind"] == "checkpoint" and bundle.verified
     assert bundle.load_state_objects()["sched"]["last_epoch"] == 0
-    assert sdcreplay.compare_logs(bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")).identical
+    assert sdcreplay.compare_logs(
+        bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")
+    ).identical
 
 
 # ---------------------------------------------------------------------------
 # Optimizer state in the signature (issue 15, item 1)
 
-EXP_AVG_SQ_FLIP = ("kind=bitflip,op=aten.mul_,module=layers.0.attn.wq.weight,phase=optimizer,step=1,nth=1,"
-                   "device=cpu:1")
-"""AdamW's second ``mul_`` of a parameter is ``exp_avg_sq.mul_(beta2)`` (the first is weight decay)."""
+EXP_AVG_SQ_FLIP = (
+    "kind=bitflip,op=aten.mul_,module=layers.0.attn.wq.weight,phase=optimizer,step=1,nth=1,"
+    "device=cpu:1"
+)
+"""AdamW's second ``mul_`` of a parameter is ``exp_avg_sq.mul_(beta2)`` (the first: decay)."""
 
 
 def test_an_exp_avg_sq_bitflip_on_the_last_step_is_detected_and_bisected(small_bundle):
     report = replay_devices(small_bundle, REPLICAS, inject=[EXP_AVG_SQ_FLIP])
     assert (report.consensus.verdict, report.consensus.suspects) == ("persistent", ["cpu:1"])
     first = report.consensus.first_divergence
-    assert (first.step, first.phase, first.name) == (1, "optimizer", "optim:layers.0.attn.wq.weight.exp_avg_sq")
+    assert (first.step, first.phase, first.name) == (
+        1,
+        "optimizer",
+        "optim:layers.0.attn.wq.weight.exp_avg_sq",
+    )
     assert Bundle.open(small_bundle).step_indices[-1] == 1  # the last recorded step
-    found = bisect(small_bundle, suspect="cpu:1", reference="cpu:0", step=1, inject=[EXP_AVG_SQ_FLIP]).to_json()
+    found = bisect(
+        small_bundle, suspect="cpu:1", reference="cpu:0", step=1, inject=[EXP_AVG_SQ_FLIP]
+    ).to_json()
     assert (found["phase"], found["module"], found["op"], found["isolated"]) == (
-        "optimizer", "layers.0.attn.wq.weight", "aten.mul_.Tensor", "kernel")
-    assert found["elements"]["positions"][0] == [0, 0] and list(found["bits"]["histogram"]) == ["22"]
+        "optimizer",
+        "layers.0.attn.wq.weight",
+        "aten.mul_.Tensor",
+        "kernel",
+    )
+    assert found["elements"]["positions"][0] == [0, 0] and list(found["bits"]["histogram"]) == [
+        "22"
+    ]
 
 
 def test_optimizer_state_entries_stay_complete_under_depth(tmp_path):
     from conftest import SMALL
 
-    summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "b", steps=1, kwargs=dict(SMALL), max_depth=0)
+    summary = sdcreplay.record(
+        "builtin:tiny-llama", tmp_path / "b", steps=1, kwargs=dict(SMALL), max_depth=0
+    )
     names = [name for name, _ in Bundle.open(summary.bundle).signature_log().steps[0]]
-    params = [name for name, _ in sdcreplay.build_workload("builtin:tiny-llama", SMALL).model.named_parameters()]
+    params = [
+        name
+        for name, _ in sdcreplay.build_workload(
+            "builtin:tiny-llama", SMALL
+        ).model.named_parameters()
+    ]
     assert [n for n in names if n.startswith("optim:")] == [
-        f"optim:{p}.{key}" for p in params for key in ("step", "exp_avg", "exp_avg_sq")]
+        f"optim:{p}.{key}" for p in params for key in ("step", "exp_avg", "exp_avg_sq")
+    ]
     assert not any(n.startswith("forward:layers") for n in names)
 
 
 # ---------------------------------------------------------------------------
 # builtin:tiny-llama as a real loop
 
+
 def test_builtin_tiny_llama_loop_options_record_verified_and_replay(cli, tmp_path):
     from conftest import SMALL_ARGS
 
     out = tmp_path / "loop.bundle"
-    options = ["-a", "grad_clip=0.5", "-a", "warmup_steps=2", "-a", "schedule_steps=6", "-a", "accumulation=2",
-               "-a", "autocast=bfloat16"]
-    result = cli("record", "builtin:tiny-llama", *SMALL_ARGS, *options, "--steps", "3", "--out", out, "--json")
+    options = [
+        "-a",
+        "grad_clip=0.5",
+        "-a",
+        "warmup_steps=2",
+        "-a",
+        "schedule_steps=6",
+        "-a",
+        "accumulation=2",
+        "-a",
+        "autocast=bfloat16",
+    ]
+    result = cli(
+        "record",
+        "builtin:tiny-llama",
+        *SMALL_ARGS,
+        *options,
+        "--steps",
+        "3",
+        "--out",
+        out,
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verification"]["status"] == "passed"
     bundle = Bundle.open(out)
     assert bundle.state_object_names == ["scheduler"]
     entries = bundle.signature_log().steps
-    lr = [struct.unpack(">d", bytes.fromhex(dict(entries[s])["hyper:0.lr"].split(":")[1]))[0] for s in entries]
+    lr = [
+        struct.unpack(">d", bytes.fromhex(dict(entries[s])["hyper:0.lr"].split(":")[1]))[0]
+        for s in entries
+    ]
     assert lr == [0.5e-3, 1e-3, 1e-3]  # warm-up 1/2, 2/2, then the cosine starts at 1
-    assert [sum(name.split("#")[0] == "loss" for name, _ in entries[s]) for s in entries] == [2, 2, 2]
+    assert [sum(name.split("#")[0] == "loss" for name, _ in entries[s]) for s in entries] == [
+        2,
+        2,
+        2,
+    ]
     assert any(name.startswith("step_grad:") for name, _ in entries[0])
     result = cli("replay", out, "-d", "cpu:0", "-d", "cpu:1", "--json", "--logs", tmp_path / "logs")
     assert result.exit_code == 0, result.output

@@ -19,7 +19,8 @@ from sdcreplay.bundle import STATE
 from sdcreplay.errors import BundleError, CheckpointError
 from sdcreplay.workload import build_workload
 
-KIND_ORDER = ["rng", "forward", "loss", "backward", "grad", "hyper", "step_grad", "optim", "param", "buffer"]
+KIND_ORDER = ["rng", "forward", "loss", "backward", "grad", "hyper", "step_grad", "optim", "param",
+              "buffer"]
 
 
 def kind(name: str) -> str:

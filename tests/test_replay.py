@@ -78,7 +78,7 @@ def test_a_flip_in_the_last_layer_is_named_there(small_bundle: Path):
 
 
 def test_another_learning_rate_is_a_program_difference(small_bundle: Path):
-    """A hyper-parameter the loop changed shows first as its own program entry, not as the update."""
+    """A hyper-parameter the loop changed shows first as its own program entry, then the update."""
     bundle = Bundle.open(small_bundle)
 
     def bump_lr(model, optimizer):
@@ -86,7 +86,8 @@ def test_another_learning_rate_is_a_program_difference(small_bundle: Path):
 
     bumped = replay_on_device(bundle, "cpu", after_load=bump_lr)
     comparison = compare_logs(bundle.signature_log(), bumped)
-    assert (comparison.first.step, comparison.first.name, comparison.first.phase) == (0, "hyper:0.lr", "program")
+    first = comparison.first
+    assert (first.step, first.name, first.phase) == (0, "hyper:0.lr", "program")
     assert comparison.program_differs
     names = [d.name for d in comparison.divergences]
     assert names[1] == "param:tok_embeddings.weight"  # then the update it drove

@@ -208,7 +208,9 @@ class LoopOptions:
 
     def check(self, batch_size: int) -> None:
         if self.accumulation < 1 or batch_size % self.accumulation:
-            raise ValueError(f"accumulation={self.accumulation} must divide batch_size={batch_size}")
+            raise ValueError(
+                f"accumulation={self.accumulation} must divide batch_size={batch_size}"
+            )
         if self.autocast not in (None, "bfloat16", "float16"):
             raise ValueError(f"autocast={self.autocast!r} is not bfloat16 or float16")
         if self.warmup_steps < 0 or self.schedule_steps < 0:
@@ -229,16 +231,23 @@ def warmup_cosine(warmup_steps: int, schedule_steps: int) -> Callable[[int], flo
     return factor
 
 
-def loop_step(model: nn.Module, optimizer: torch.optim.Optimizer, options: LoopOptions,
-              scheduler: torch.optim.lr_scheduler.LRScheduler | None):
+def loop_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    options: LoopOptions,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+):
     """The whole step a loop with these options runs: micro-batches, clipping, step, schedule."""
 
     def train_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = next(model.parameters()).device
         total = torch.zeros((), device=device)
         for tokens in batch["tokens"].chunk(options.accumulation):
-            autocast = (torch.autocast(device.type, dtype=getattr(torch, options.autocast))
-                        if options.autocast else contextlib.nullcontext())
+            autocast = (
+                torch.autocast(device.type, dtype=getattr(torch, options.autocast))
+                if options.autocast
+                else contextlib.nullcontext()
+            )
             with autocast:
                 loss = next_token_loss(model, {"tokens": tokens}) / options.accumulation
             loss.backward()
@@ -255,7 +264,13 @@ def loop_step(model: nn.Module, optimizer: torch.optim.Optimizer, options: LoopO
 
 
 def language_model_workload(
-    model: nn.Module, *, seed: int, seq_len: int, batch_size: int, vocab: int, lr: float,
+    model: nn.Module,
+    *,
+    seed: int,
+    seq_len: int,
+    batch_size: int,
+    vocab: int,
+    lr: float,
     options: LoopOptions = LoopOptions(),
 ) -> Workload:
     """Wrap a next-token model with AdamW, synthetic batches, the loss and the loop's step."""
@@ -309,5 +324,11 @@ def make_workload(
     model = Transformer(vocab, dim, make_block, layers, tie_embeddings)
     options = LoopOptions(grad_clip, warmup_steps, schedule_steps, accumulation, autocast)
     return language_model_workload(
-        model, seed=seed, seq_len=seq_len, batch_size=batch_size, vocab=vocab, lr=lr, options=options
+        model,
+        seed=seed,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        vocab=vocab,
+        lr=lr,
+        options=options,
     )

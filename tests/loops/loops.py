@@ -19,8 +19,18 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import sdcreplay
 
-FEATURES = ("clip", "onecycle", "steplr", "scaler", "accum_inside", "accum_across", "every_other",
-            "ema_buffer", "ema_model", "nan_skip")
+FEATURES = (
+    "clip",
+    "onecycle",
+    "steplr",
+    "scaler",
+    "accum_inside",
+    "accum_across",
+    "every_other",
+    "ema_buffer",
+    "ema_model",
+    "nan_skip",
+)
 POISONED_STEP = {"scaler": (2, float("inf")), "nan_skip": (0, float("nan"))}
 """The step whose loss a feature makes non-finite: GradScaler skips it, nan_skip drops it."""
 
@@ -73,7 +83,11 @@ def get_batch(index: int, feature: str = "clip") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + index)
     x = torch.randn(4, 8, generator=generator)
     poisoned_step, value = POISONED_STEP.get(feature, (None, 1.0))
-    return {"x": x, "y": x[:, :4].argmax(dim=1), "scale": torch.tensor(value if index == poisoned_step else 1.0)}
+    return {
+        "x": x,
+        "y": x[:, :4].argmax(dim=1),
+        "scale": torch.tensor(value if index == poisoned_step else 1.0),
+    }
 
 
 def build(feature: str):
@@ -97,7 +111,7 @@ def build(feature: str):
 
 
 def make_step(model, optimizer, state, feature: str, with_feature: bool = True):
-    """The whole training step, as the loop runs it (``with_feature=False``: without the feature)."""
+    """The whole training step as the loop runs it (``with_feature=False``: without the feature)."""
     feature = feature if with_feature else "none"
 
     def loss_of(batch) -> torch.Tensor:
@@ -145,24 +159,42 @@ def _backward(loss: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def make_workload(seed: int = 0, feature: str = "clip", feature_in_step: bool = True) -> sdcreplay.Workload:
+def make_workload(
+    seed: int = 0, feature: str = "clip", feature_in_step: bool = True
+) -> sdcreplay.Workload:
     torch.manual_seed(seed)
     model, optimizer, state = build(feature)
     return sdcreplay.Workload(
-        model=model, optimizer=optimizer, get_batch=lambda index: get_batch(index, feature),
-        train_step=make_step(model, optimizer, state, feature, feature_in_step), state=state,
+        model=model,
+        optimizer=optimizer,
+        get_batch=lambda index: get_batch(index, feature),
+        train_step=make_step(model, optimizer, state, feature, feature_in_step),
+        state=state,
     )
 
 
-def train(path: Path, feature: str, steps: int = 4, *, feature_in_step: bool = True,
-          verify: bool | str = True) -> sdcreplay.Recorder:
+def train(
+    path: Path,
+    feature: str,
+    steps: int = 4,
+    *,
+    feature_in_step: bool = True,
+    verify: bool | str = True,
+) -> sdcreplay.Recorder:
     """A hand-written loop: the loop's own step (always with the feature) inside ``rec.step``."""
     kwargs = {"seed": 0, "feature": feature, "feature_in_step": feature_in_step}
     torch.manual_seed(0)
     model, optimizer, state = build(feature)
     step = make_step(model, optimizer, state, feature)
-    rec = sdcreplay.Recorder(path, f"{Path(__file__).resolve()}:make_workload", model, optimizer,
-                             state=state, workload_kwargs=kwargs, verify=verify)
+    rec = sdcreplay.Recorder(
+        path,
+        f"{Path(__file__).resolve()}:make_workload",
+        model,
+        optimizer,
+        state=state,
+        workload_kwargs=kwargs,
+        verify=verify,
+    )
     with rec:
         for index in range(steps):
             batch = get_batch(index, feature)
