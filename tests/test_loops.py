@@ -379,3 +379,48 @@ def test_builtin_defaults_keep_the_plain_step():
 
     workload = sdcreplay.build_workload("builtin:tiny-llama", SMALL)
     assert workload.train_step is None and workload.state == {}
+
+
+HIDDEN_STATE_WORKLOAD = '''
+import sys
+from pathlib import Path
+
+import torch
+import sdcreplay
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shared_counter import calls  # a global step counter in another module: not in the bundle
+
+
+def make_workload(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(batch):
+        calls["n"] += 1
+        loss = (model(batch) * calls["n"]).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return sdcreplay.Workload(model, optimizer, lambda i: torch.ones(3, 4) * i, train_step=train_step)
+'''
+
+
+def test_record_refuses_a_step_that_depends_on_state_it_does_not_save(run_exe, cli, tmp_path):
+    """A real process: exit 3, Error and Hint, no traceback, the steps so far kept as .partial."""
+    source = tmp_path / "hidden.py"
+    source.write_text(HIDDEN_STATE_WORKLOAD)
+    (tmp_path / "shared_counter.py").write_text('calls = {"n": 0}\n')
+    done = run_exe("record", f"{source}:make_workload", "--steps", "3", "--out", tmp_path / "run.bundle")
+    assert done.returncode == 3, done.stderr
+    assert "Error: the workload cannot replay this recording: loss differs" in done.stderr
+    assert "Hint: Put everything the loop does in a step" in " ".join(done.stderr.split())
+    assert "Traceback" not in done.stderr
+    assert Bundle.open(tmp_path / "run.bundle").verification["status"] == "failed"
+    result = cli("record", f"{source}:make_workload", "--steps", "3", "--out", tmp_path / "off.bundle",
+                 "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert Bundle.open(tmp_path / "off.bundle").verification == {"mode": "off", "status": "off"}
