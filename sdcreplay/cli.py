@@ -325,6 +325,9 @@ def render_diff(output: Output, comparison) -> None:
     first = comparison.first
     output.say(f"First divergence: step {first.step}, {first.phase}, {first.name} "
                f"(expected {first.expected}, got {first.actual})")
+    if comparison.program_differs:
+        output.say("It is a program entry: the second log ran another program (a hyper-parameter or "
+                   "a state object differs), not silent data corruption.")
     output.table("Divergent entries per step", ["step", "divergent entries"], [
         [str(step), str(count)] for step, count in comparison.per_step().items()
     ])

@@ -12,6 +12,7 @@ from conftest import REPO, SMALL, SMALL_MOE
 import sdcreplay
 from sdcreplay import Bundle, compare_logs, replay_on_device
 from sdcreplay.errors import CheckpointError, DeterminismError
+from sdcreplay.signature import write_signature_log
 
 WORKLOADS = {"tiny-llama": SMALL, "tiny-moe": SMALL_MOE}
 
@@ -77,7 +78,7 @@ def test_a_flip_in_the_last_layer_is_named_there(small_bundle: Path):
     assert (first.step, first.name) == (0, "forward:output")
 
 
-def test_another_learning_rate_is_a_program_difference(small_bundle: Path):
+def test_another_learning_rate_is_a_program_difference(small_bundle: Path, cli, tmp_path: Path):
     """A hyper-parameter the loop changed shows first as its own program entry, then the update."""
     bundle = Bundle.open(small_bundle)
 
@@ -91,6 +92,11 @@ def test_another_learning_rate_is_a_program_difference(small_bundle: Path):
     assert comparison.program_differs
     names = [d.name for d in comparison.divergences]
     assert names[1] == "param:tok_embeddings.weight"  # then the update it drove
+    write_signature_log(tmp_path / "bumped.sig.zst", bumped)
+    result = cli("diff", small_bundle, tmp_path / "bumped.sig.zst", "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["program_differs"] is True
+    assert "It is a program entry" in result.stderr
 
 
 def test_last_step_limits_the_replay(small_bundle: Path):
