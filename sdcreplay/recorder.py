@@ -181,6 +181,12 @@ class Recorder:
         except SdcReplayError as exc:
             return f"replay cannot rebuild this recording: {exc.message}"
         try:
+            if sorted(session.workload.state) != sorted(self.state_objects):
+                return (
+                    f"the workload's state objects are {sorted(session.workload.state)}, the "
+                    f"Recorder was given {sorted(self.state_objects)}: pass the same, by the same "
+                    f"names (Recorder(..., state=workload.state))"
+                )
             record = session.bundle.steps[0]
             replayed = session.run_step(record)
             recorded = session.bundle.signature_log().steps[record.index]

@@ -131,6 +131,20 @@ def test_feature_outside_the_workloads_step_is_refused_at_the_first_step(tmp_pat
     assert OUTSIDE[feature] in partial.verification["problem"]
 
 
+def test_state_objects_the_recorder_was_not_given_are_named(tmp_path):
+    torch.manual_seed(0)
+    model, optimizer, state = loops.build("steplr")
+    step = loops.make_step(model, optimizer, state, "steplr")
+    rec = sdcreplay.Recorder(tmp_path / "run.bundle", f"{LOOPS}:make_workload", model, optimizer,
+                             workload_kwargs={"feature": "steplr"})
+    with pytest.raises(WorkloadMismatchError, match=r"the workload's state objects are \['sched'\], "
+                                                    r"the Recorder was given \[\]"):
+        with rec:
+            for index in range(2):
+                with rec.step(loops.get_batch(index)):
+                    step(loops.get_batch(index))
+
+
 def test_a_change_between_later_steps_is_refused_at_that_step(tmp_path):
     """An edit of a parameter after step 1's block, outside any step, is named at step 2."""
     torch.manual_seed(0)
