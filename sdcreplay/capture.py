@@ -105,8 +105,12 @@ def grads_entering(model: torch.nn.Module) -> str:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return "none"
-    with _own_work():
-        return "zero" if all(not g.any() for g in grads) else "kept"
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    with _own_work():  # one sync per device, not one per gradient
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad.any())
+        nonzero = any(bool(torch.stack(flags).any()) for flags in by_device.values())
+    return "kept" if nonzero else "zero"
 
 
 def state_leaves(prefix: str, value) -> Iterator[tuple[str, object, bool]]:
