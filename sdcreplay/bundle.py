@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import tensorio
+from . import tensorio, trust
 from .determinism import RngState
 from .errors import BundleError, CheckpointError
 from .signature import SignatureLog, SignatureLogWriter, read_signature_log
@@ -214,6 +214,7 @@ class BundleWriter:
     def _save_manifest(self, durable: bool = False) -> None:
         """Atomic after every step (a crashed process leaves a readable bundle); durable at close."""
         self.manifest.pop(MANIFEST_DIGEST, None)
+        self.manifest[trust.SIGNATURE] = trust.sign(self.manifest)
         self.manifest[MANIFEST_DIGEST] = manifest_digest(self.manifest)
         _write_json_atomic(self.path / MANIFEST, self.manifest, durable)
 
@@ -319,6 +320,17 @@ def _validate_manifest(manifest: Any) -> None:
         previous = index
     for name in STREAMS:
         _require(name in files, f"files[{name!r}]")
+    _validate_provenance(manifest)
+
+
+def _validate_provenance(manifest: dict) -> None:
+    """The fingerprint of the recording machine and the recorder's signature (both optional: older bundles)."""
+    fingerprint = manifest.get("fingerprint", {})
+    _require(isinstance(fingerprint, dict) and all(
+        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool))) for k, v in fingerprint.items()),
+        "fingerprint")
+    signature = manifest.get(trust.SIGNATURE)
+    _require(signature is None or isinstance(signature, str), trust.SIGNATURE)
 
 
 class Bundle:
@@ -469,4 +481,6 @@ def describe(path: str | Path) -> dict:
         "integrity": "ok",
         "environment": manifest["environment"],
         "determinism": manifest["determinism"],
+        "fingerprint": manifest.get("fingerprint"),
+        "trusted": trust.is_trusted(manifest),
     }

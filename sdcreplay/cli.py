@@ -27,6 +27,21 @@ app = typer.Typer(
 )
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+TrustOption = Annotated[bool, typer.Option(
+    "--trust-workload", help="Run the workload the bundle names even though it was not recorded by you "
+    "(it is code: read it first). Built-in workloads and your own bundles need no flag.")]
+TrustedWorkloadOption = Annotated[str | None, typer.Option(
+    "--workload", help="Trust this workload reference (it must be the one the bundle names).")]
+
+
+def trusted_refs(bundle: Path, trust_workload: bool, workload: str | None) -> list[str]:
+    """The references the person trusts on this command line (reading the bundle runs nothing)."""
+    from .bundle import Bundle
+
+    refs = [workload] if workload else []
+    if trust_workload:
+        refs.append(Bundle.open(bundle, verify=False).workload_ref)
+    return refs
 
 
 def run(out: Output, action) -> None:
@@ -147,16 +162,20 @@ def replay(
     repeats: Annotated[int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")] = 1,
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
     logs: Annotated[Path | None, typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/).")] = None,
+    trust_workload: TrustOption = False,
+    workload: TrustedWorkloadOption = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Replay a bundle bit for bit on one or more devices and vote on every signature."""
     from .replay import replay_devices
+    from .trust import granting
 
     output = Output(json_mode)
 
     def action() -> int:
         devices = device or ["cpu"]
-        with output.progress("replaying", len(devices)) as advance:
+        with granting(trusted_refs(bundle, trust_workload, workload)), \
+                output.progress("replaying", len(devices)) as advance:
             report = replay_devices(bundle, devices, repeats=repeats, inject=inject or [], log_dir=logs,
                                     on_done=lambda label, _: advance(note=label))
         render_replay(output, report)
@@ -180,13 +199,15 @@ def render_replay(output: Output, report) -> None:
         first = data["first_divergence"]
         where = f"step {first['step']} {first['name']}" if first else "-"
         repeats = f"{data['divergent_repeats']}/{data['repeats']}" if run_.error is None else "-"
-        rows.append([run_.device, styled(run_.verdict), where, repeats, _step_marks(data["steps"])])
+        rows.append([run_.device, styled(run_.verdict), where, repeats, _step_marks(data["steps"]),
+                     escape("; ".join(run_.differences)) or "-"])
     if report.consensus is not None:
         record = report.consensus.voters["record"]
         first = record.first_divergence
         rows.insert(0, ["record", styled(record.verdict), f"step {first.step} {first.name}" if first else "-", "-",
-                        _step_marks({str(s): n for s, n in record.per_step.items()})])
-    output.table(f"Replay of {report.bundle}", ["device", "verdict", "first divergence", "diverged", "steps"], rows)
+                        _step_marks({str(s): n for s, n in record.per_step.items()}), "-"])
+    output.table(f"Replay of {report.bundle}",
+                 ["device", "verdict", "first divergence", "diverged", "steps", "machine differs from record"], rows)
     for run_ in report.devices:
         for warning in run_.warnings:
             output.warn(f"{run_.device}: {warning}")
@@ -205,9 +226,12 @@ def render_replay(output: Output, report) -> None:
         "persistent": f"{', '.join(s for s in consensus.suspects if s != 'record')} diverged in every repeat.",
         "transient": f"{', '.join(s for s in consensus.suspects if s != 'record')} diverged in some repeats only.",
         "recording_suspect": "every replay agrees with the others but not with the record: the recording device computed wrong.",
-        "undecided": "the runs disagree and no value has a majority: replay on a third device to decide.",
+        "undecided": f"{consensus.advice}.",
+        "incomparable": f"{consensus.advice}.",
     }[verdict]
     output.say(f"Verdict: {styled(verdict)}: {explanation}")
+    for label, differences in consensus.incomparable.items():
+        output.warn(f"{label} did not vote on the record, its machine differs: {'; '.join(differences)}")
     if consensus.first_divergence is not None:
         first = consensus.first_divergence
         output.say(f"First divergence: step {first.step}, {first.phase}, {first.name}")
@@ -224,17 +248,21 @@ def bisect(
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
     out: Annotated[Path | None, typer.Option(help="Report directory (default: BUNDLE.bisect/).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Heatmap PNG of where in the output tensor the bits differ.")] = None,
+    trust_workload: TrustOption = False,
+    workload: TrustedWorkloadOption = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Name the first corrupted operator call of a step, the kernel it launched and the bits it got wrong."""
     from .bisect import bisect as run_bisect
+    from .trust import granting
 
     output = Output(json_mode)
 
     def action() -> int:
-        result = run_bisect(bundle, suspect=suspect, reference=reference, step=step, repeats=repeats,
-                            inject=inject or [], out=out, plot=plot,
-                            on_event=lambda kind, text: output.say(f"[dim]{text}[/]"))
+        with granting(trusted_refs(bundle, trust_workload, workload)):
+            result = run_bisect(bundle, suspect=suspect, reference=reference, step=step, repeats=repeats,
+                                inject=inject or [], out=out, plot=plot,
+                                on_event=lambda kind, text: output.say(f"[dim]{text}[/]"))
         render_bisect(output, result.to_json())
         output.data(result.to_json())
         return result.exit_code

@@ -50,3 +50,9 @@ class DeviceError(SdcReplayError):
 
 class ReportError(SdcReplayError):
     default_hint = "Pass the report directory written by `sdcreplay bisect --out`."
+
+
+class UntrustedWorkloadError(SdcReplayError):
+    """A bundle names code that the person has not said they trust."""
+
+    default_hint = "Add --trust-workload if you trust the workload the bundle names."

@@ -85,6 +85,7 @@ class Recorder:
             "digest": algorithm_for(self.device.type),
             "environment": determinism.environment(self.device),
             "determinism": switches,
+            "fingerprint": determinism.fingerprint(self.device),
             "capture": {"max_depth": max_depth},
         }
         self._writer = BundleWriter(Path(path), header, overwrite=overwrite)
