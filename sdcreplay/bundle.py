@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import tensorio, trust
-from .determinism import RngState
+from .determinism import RngState, must_match
 from .errors import BundleError, CheckpointError
 from .signature import SignatureLog, SignatureLogWriter, read_signature_log
 
@@ -482,5 +482,6 @@ def describe(path: str | Path) -> dict:
         "environment": manifest["environment"],
         "determinism": manifest["determinism"],
         "fingerprint": manifest.get("fingerprint"),
+        "must_match": must_match(manifest.get("fingerprint") or {}),
         "trusted": trust.is_trusted(manifest),
     }

@@ -148,7 +148,13 @@ def info(
                             f"{about['determinism']['num_threads']} threads"],
             ["size", f"{human_size(about['size_bytes'])} in {about['files']} files"],
             ["integrity", styled("match") if about["integrity"] == "ok" else about["integrity"]],
+            ["trusted", "yes" if about["trusted"] else "no: its workload runs only with --trust-workload"],
         ])
+        fingerprint = about["fingerprint"] or {}
+        output.table("Machine fingerprint (a replay is evidence where the result-affecting ones match)",
+                     ["property", "recorded", "result-affecting"],
+                     [[name, str(value), "yes" if name in about["must_match"] else "-"]
+                      for name, value in fingerprint.items()] or [["-", "not recorded (older bundle)", "-"]])
         output.data(about)
         return 0
 
@@ -366,6 +372,11 @@ def doctor(
                    f"{report['switches']['num_threads']} threads; {report['operators']} operator calls per step")
         for problem in report["problems"]:
             output.warn(problem)
+        output.table("A replay elsewhere is comparable with this device only where these match",
+                     ["property", "here"], [[name, str(value)] for name, value in report["must_match"].items()])
+        if report["pinned"]:
+            output.say("Put in force by sdcreplay in each device process: "
+                       + ", ".join(f"{name}={value}" for name, value in report["pinned"].items()))
         if report["reproducible"]:
             output.say(f"{styled('correct')}: {runs} runs of the step were identical bit for bit; replays on this device are evidence.")
         else:

@@ -268,9 +268,6 @@ RESULT_AFFECTING = (
 )
 _SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                "avx512_fp16", "amx_tile", "asimd", "sve")
-_FINGERPRINT_OVERRIDE = "SDCREPLAY_FINGERPRINT_OVERRIDE"
-"""JSON object of properties reported instead of the measured ones: how a test
-models a machine that differs from the recording in a way it cannot put in force."""
 
 
 def _cpu_flags() -> str:
@@ -346,7 +343,13 @@ def fingerprint(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         found.update(_gpu_fingerprint(device))
-    return {**found, **json.loads(os.environ.get(_FINGERPRINT_OVERRIDE) or "{}")}
+    return found
+
+
+def must_match(found: dict) -> dict:
+    """The properties of ``found`` that a replay elsewhere must share to be compared bit for bit."""
+    names = list(RESULT_AFFECTING) + (["cpu.model"] if found.get("cpu.blas_branch") is None else [])
+    return {name: found[name] for name in names if name in found}
 
 
 def pinned_environment(recorded: dict | None) -> dict[str, str]:
@@ -376,11 +379,8 @@ def fingerprint_differences(recorded: dict | None, now: dict | None) -> list[str
     """
     if not recorded or now is None:
         return []
-    names = list(RESULT_AFFECTING)
-    if recorded.get("cpu.blas_branch") is None and "cpu.model" in recorded:
-        names.append("cpu.model")
     return [
-        f"{name}: recorded {recorded[name]!r}, here {now.get(name)!r}"
-        for name in names
-        if name in recorded and recorded[name] != now.get(name)
+        f"{name}: recorded {value!r}, here {now.get(name)!r}"
+        for name, value in must_match(recorded).items()
+        if value != now.get(name)
     ]

@@ -119,7 +119,7 @@ def _console_script() -> str:
     return found
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def sdcreplay_exe() -> str:
     return _console_script()
 
@@ -130,7 +130,8 @@ def run_exe(tmp_path: Path):
     exe = _console_script()
 
     def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, **(env or {})}  # a None value removes the variable
+        full_env = {name: value for name, value in full_env.items() if value is not None}
         full_env.pop("SDCREPLAY_DEBUG", None)
         return subprocess.run(
             [exe, *[str(arg) for arg in args]], cwd=tmp_path, env=full_env,
