@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -27,6 +28,12 @@ app = typer.Typer(
 )
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+class Phase(str, Enum):
+    forward = "forward"
+    backward = "backward"
+    optimizer = "optimizer"
+
+
 TrustOption = Annotated[bool, typer.Option(
     "--trust-workload", help="Run the workload the bundle names even though it was not recorded by you "
     "(it is code: read it first). Built-in workloads and your own bundles need no flag.")]
@@ -351,6 +358,38 @@ def render_diff(output: Output, comparison) -> None:
     ])
     if len(layers) > shown:
         output.say(f"(+{len(layers) - shown} more layers; --json or --plot shows them all)")
+
+
+@app.command()
+def ops(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    step: Annotated[int, typer.Option(min=0, help="Recorded step whose operator calls to list.")],
+    phase: Annotated[Phase | None, typer.Option(help="Only calls of this phase.")] = None,
+    module: Annotated[str | None, typer.Option(help="Only calls under this module path (a prefix, as in a fault spec).")] = None,
+    op: Annotated[str | None, typer.Option(help="Only calls of this operator: aten.mm or aten.mm.default.")] = None,
+    device: Annotated[str, typer.Option(help="Device label to replay the step on.")] = "cpu",
+    trust_workload: TrustOption = False,
+    workload: TrustedWorkloadOption = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """List a step's operator calls exactly as fault specs and bisect name them (phase, module, op, nth)."""
+    from .ops import describe_outputs, list_calls
+    from .trust import granting
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        with granting(trusted_refs(bundle, trust_workload, workload)):
+            listing = list_calls(bundle, step, device=device, phase=phase.value if phase else None,
+                                 module=module, op=op)
+        output.table(f"Step {step}: {len(listing['calls'])} of {listing['total_calls']} operator calls",
+                     ["call", "phase", "module", "op", "nth", "outputs"],
+                     [[str(c["index"]), c["phase"], c["module"], c["op"], str(c["nth"]), describe_outputs(c["outputs"])]
+                      for c in listing["calls"]])
+        output.data(listing)
+        return 0
+
+    run(output, action)
 
 
 @app.command()

@@ -24,7 +24,7 @@ from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
 from .digest import algorithm_for
-from .errors import BundleError, DeviceError, SdcReplayError, WorkloadError
+from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, WorkloadError
 from .faults import Injector, parse_specs
 from .signature import SignatureLog, read_signature_log
 from .tensorio import map_tensors
@@ -150,6 +150,7 @@ def replay_on_device(
         for record in session.steps_until(last_step):
             log.steps[record.index] = session.run_step(record)
         log.meta["injected"] = [injection.to_json() for injection in session.injector.fired]
+        log.meta["unmatched"] = session.injector.unmatched()
         return log
     finally:
         session.close()
@@ -300,6 +301,26 @@ def run_device_processes(
     return results
 
 
+def _refuse_unmatched_specs(results: dict[str, dict]) -> None:
+    """A fault spec that selected no call on any device it applies to is a mistake in the spec, not a finding."""
+    reports = [result.get("unmatched") for result in results.values() if "error" not in result]
+    if not reports or any(report is None for report in reports):
+        return
+    by_spec: dict[str, list[str]] = {}
+    for report in reports:
+        for miss in report:
+            by_spec.setdefault(miss["spec"], miss["closest"])
+    for spec, closest in by_spec.items():
+        applies = [label for label, result in results.items()
+                   if "error" not in result and any(f.applies_to(label) for f in parse_specs([spec], False))]
+        missed = [label for label in applies if any(m["spec"] == spec for m in results[label]["unmatched"])]
+        if applies and missed == applies:
+            raise FaultSpecError(
+                f"fault spec {spec!r} matches no operator call of the replayed steps",
+                "Closest calls: " + "; ".join(closest) + ". `sdcreplay ops BUNDLE --step N` lists them all.",
+            )
+
+
 def default_log_dir(bundle_path: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return bundle_path.with_name(bundle_path.name + ".replay") / stamp
@@ -345,6 +366,7 @@ def replay_devices(
     if all("error" in result for result in results.values()) and len({r["error"]["message"] for r in results.values()}) == 1:
         error = next(iter(results.values()))["error"]  # the same failure everywhere: the tool's, not a device's
         raise SdcReplayError(f"every device failed: {error['message']}", error.get("hint") or None)
+    _refuse_unmatched_specs(results)
     recorded_fingerprint = opened.manifest.get("fingerprint")
     runs = []
     for label in labels:

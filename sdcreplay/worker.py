@@ -26,7 +26,7 @@ def run_replay_task(task: dict) -> dict:
     from .replay import replay_on_device
     from .signature import write_signature_log
 
-    logs, warnings, injected = [], [], []
+    logs, warnings, injected, unmatched = [], [], [], None
     for repeat in range(task["repeats"]):
         log = replay_on_device(
             task["bundle"], task["device"], last_step=task.get("last_step"),
@@ -37,10 +37,11 @@ def run_replay_task(task: dict) -> dict:
         logs.append(str(path))
         warnings = log.meta.get("warnings", [])
         injected.append(log.meta.get("injected", []))
+        unmatched = log.meta["unmatched"] if unmatched is None else unmatched
     from .determinism import fingerprint
     from .devices import torch_device
 
-    return {"logs": logs, "warnings": warnings, "injected": injected,
+    return {"logs": logs, "warnings": warnings, "injected": injected, "unmatched": unmatched or [],
             "fingerprint": fingerprint(torch_device(task["device"]))}
 
 
