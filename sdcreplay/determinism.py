@@ -285,11 +285,21 @@ def _config_version(pattern: str) -> str | None:
     return match.group(1) if match else None
 
 
+def _nccl_version() -> str | None:
+    """NCCL's version where torch was built with it (a CPU-only or ROCm build may not be)."""
+    try:
+        from torch.cuda import nccl
+
+        version = nccl.version()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def _gpu_fingerprint(device: torch.device) -> dict:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     uuid = str(getattr(props, "uuid", ""))
-    nccl = getattr(torch.cuda, "nccl", None)
     return {
         "gpu.name": props.name,
         "gpu.capability": f"{props.major}.{props.minor}",
@@ -299,7 +309,7 @@ def _gpu_fingerprint(device: torch.device) -> dict:
         "cuda.runtime": torch.version.cuda,
         "cublas": _loaded_library_version("libcublas.so"),
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "nccl": ".".join(map(str, nccl.version())) if nccl is not None and nccl.is_available([]) else None,
+        "nccl": _nccl_version(),
     }
 
 

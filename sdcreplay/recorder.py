@@ -27,7 +27,7 @@ from .bundle import Bundle, BundleWriter, checkpoint_reference, load_checkpoint
 from .capture import OperatorMode, SignatureCapture
 from .devices import torch_device
 from .digest import algorithm_for
-from .errors import CheckpointError
+from .errors import CheckpointError, FaultSpecError
 from .faults import Injector, parse_specs
 from .tensorio import map_tensors
 from .workload import accepts_seed, build_workload, canonical_ref
@@ -233,6 +233,12 @@ def record(
             if on_step is not None:
                 on_step(index, loss_value)
     bundle_path = recorder.path
+    for miss in injector.unmatched():
+        raise FaultSpecError(
+            f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
+            f"({bundle_path} was recorded without it)",
+            "Closest calls: " + "; ".join(miss["closest"]) + ". `sdcreplay ops BUNDLE --step N` lists them all.",
+        )
     size = Bundle.open(bundle_path, verify=False).size_bytes()
     return RecordSummary(
         bundle=bundle_path, workload=workload, kwargs=kwargs, device=device,

@@ -57,3 +57,16 @@ def test_a_fault_spec_that_matches_no_call_names_the_closest(small_bundle: Path,
     assert f"fault spec {spec!r} matches no operator call of the replayed steps" in result.stderr
     hint = result.stderr.split("Hint:", 1)[1]
     assert "Closest calls: aten.mm.default under layers.0.attn.wo (forward), step 1" in " ".join(hint.split())
+
+
+def test_record_with_a_fault_spec_that_matches_nothing_says_so(tmp_path: Path, cli):
+    from conftest import SMALL_ARGS
+
+    spec = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=optimizer,step=0"
+    result = cli("record", "builtin:tiny-llama", "--steps", "1", *SMALL_ARGS, "--out", tmp_path / "b.bundle",
+                 "--inject", spec)
+    assert result.exit_code == 3
+    assert f"fault spec {spec!r} matches no operator call of the recorded steps" in result.stderr
+    hint = " ".join(result.stderr.split("Hint:", 1)[1].split())
+    assert hint.startswith("Closest calls: aten.mm.default under layers.0.attn.wq (backward), step 0; "
+                           "aten.mm.default under layers.0.attn.wq (forward), step 0;")
