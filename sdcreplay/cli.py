@@ -27,6 +27,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
+BundleArg = Annotated[Path, typer.Argument(help="Bundle directory.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 class Phase(str, Enum):
     forward = "forward"
@@ -41,14 +42,15 @@ TrustedWorkloadOption = Annotated[str | None, typer.Option(
     "--workload", help="Trust this workload reference (it must be the one the bundle names).")]
 
 
-def trusted_refs(bundle: Path, trust_workload: bool, workload: str | None) -> list[str]:
-    """The references the person trusts on this command line (reading the bundle runs nothing)."""
+def trusting(bundle: Path, trust_workload: bool, workload: str | None):
+    """Trust, while the command runs, the references given on its command line (reading the bundle runs nothing)."""
     from .bundle import Bundle
+    from .trust import granting
 
     refs = [workload] if workload else []
     if trust_workload:
         refs.append(Bundle.open(bundle, verify=False).workload_ref)
-    return refs
+    return granting(refs)
 
 
 def run(out: Output, action) -> None:
@@ -129,7 +131,7 @@ def record(
 
 @app.command()
 def info(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: BundleArg,
     json_mode: JsonOption = False,
 ) -> None:
     """Show what a bundle holds and check every file against its SHA-256."""
@@ -170,7 +172,7 @@ def info(
 
 @app.command()
 def replay(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: BundleArg,
     device: Annotated[list[str] | None, typer.Option("--device", "-d", help="Device label (repeatable; default cpu): cpu, cuda:N, or virtual replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas share this machine's cores and may take turns.")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")] = 1,
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
@@ -181,13 +183,12 @@ def replay(
 ) -> None:
     """Replay a bundle bit for bit on one or more devices and vote on every signature."""
     from .replay import replay_devices
-    from .trust import granting
 
     output = Output(json_mode)
 
     def action() -> int:
         devices = device or ["cpu"]
-        with granting(trusted_refs(bundle, trust_workload, workload)), \
+        with trusting(bundle, trust_workload, workload), \
                 output.progress("replaying", len(devices)) as advance:
             report = replay_devices(bundle, devices, repeats=repeats, inject=inject or [], log_dir=logs,
                                     on_done=lambda label, _: advance(note=label))
@@ -253,7 +254,7 @@ def render_replay(output: Output, report) -> None:
 
 @app.command()
 def bisect(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: BundleArg,
     suspect: Annotated[str | None, typer.Option(help="Device label that computes wrong (default: the recording itself).")] = None,
     reference: Annotated[str, typer.Option(help="Device label you trust.")] = "cpu:0",
     step: Annotated[int | None, typer.Option(help="Step to bisect (default: the first divergent step, found by a replay).")] = None,
@@ -267,12 +268,11 @@ def bisect(
 ) -> None:
     """Name the first corrupted operator call of a step, the kernel it launched and the bits it got wrong."""
     from .bisect import bisect as run_bisect
-    from .trust import granting
 
     output = Output(json_mode)
 
     def action() -> int:
-        with granting(trusted_refs(bundle, trust_workload, workload)):
+        with trusting(bundle, trust_workload, workload):
             result = run_bisect(bundle, suspect=suspect, reference=reference, step=step, repeats=repeats,
                                 inject=inject or [], out=out, plot=plot,
                                 on_event=lambda kind, text: output.say(f"[dim]{text}[/]"))
@@ -362,7 +362,7 @@ def render_diff(output: Output, comparison) -> None:
 
 @app.command()
 def ops(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: BundleArg,
     step: Annotated[int, typer.Option(min=0, help="Recorded step whose operator calls to list.")],
     phase: Annotated[Phase | None, typer.Option(help="Only calls of this phase.")] = None,
     module: Annotated[str | None, typer.Option(help="Only calls under this module path (a prefix, as in a fault spec).")] = None,
@@ -374,12 +374,11 @@ def ops(
 ) -> None:
     """List a step's operator calls exactly as fault specs and bisect name them (phase, module, op, nth)."""
     from .ops import describe_outputs, list_calls
-    from .trust import granting
 
     output = Output(json_mode)
 
     def action() -> int:
-        with granting(trusted_refs(bundle, trust_workload, workload)):
+        with trusting(bundle, trust_workload, workload):
             listing = list_calls(bundle, step, device=device, phase=phase.value if phase else None,
                                  module=module, op=op)
         output.table(f"Step {step}: {len(listing['calls'])} of {listing['total_calls']} operator calls",

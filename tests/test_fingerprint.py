@@ -43,17 +43,17 @@ def portable_bundle(_portable_template: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _replay(cli, bundle: Path, *args: str) -> tuple[int, dict]:
+def _replay(cli, bundle: Path, *args: str) -> tuple[int, dict, str]:
     unpinned = {name: None for name in PORTABLE}  # nothing pinned by hand: the tool must do it
     done = cli("replay", bundle, "-d", "cpu:0", "-d", "cpu:1", "--json", "--logs", bundle.parent / "logs",
                *args, env=unpinned)
-    return done.exit_code, json.loads(done.stdout)
+    return done.exit_code, json.loads(done.stdout), done.stderr
 
 
 def test_the_recorded_capability_is_put_in_force_on_every_replica(portable_bundle: Path, cli):
     recorded = json.loads((portable_bundle / MANIFEST).read_text())["fingerprint"]
     assert (recorded["cpu.capability"], recorded["cpu.blas_branch"]) == ("AVX2", "AVX2,STRICT")
-    code, report = _replay(cli, portable_bundle)
+    code, report, _ = _replay(cli, portable_bundle)
     assert code == 0, report
     assert report["consensus"]["verdict"] == "correct"
     for device in report["devices"]:
@@ -75,8 +75,8 @@ def test_a_property_that_cannot_be_put_in_force_is_incomparable_never_recording_
         portable_bundle: Path, cli):
     """Both replicas disagree with the record (a fault on each): evidence against the record, were they comparable."""
     _claim(portable_bundle, **{"torch.git": "0" * 40})
-    code, report = _replay(cli, portable_bundle, "--inject",
-                           "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0")
+    code, report, shown = _replay(cli, portable_bundle, "--inject",
+                                  "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0")
     consensus = report["consensus"]
     assert code == 3
     assert (consensus["verdict"], consensus["suspects"]) == ("incomparable", [])
@@ -85,12 +85,14 @@ def test_a_property_that_cannot_be_put_in_force_is_incomparable_never_recording_
     assert consensus["incomparable"] == {"cpu:0": [difference], "cpu:1": [difference]}
     assert [d["verdict"] for d in report["devices"]] == ["incomparable", "incomparable"]
     assert "torch.git" in consensus["advice"]
+    assert "Verdict: incomparable" in shown
+    assert f"cpu:0 did not vote on the record, its machine differs: {difference}" in " ".join(shown.split())
 
 
 def test_without_the_fault_the_same_replicas_would_have_accused_the_record(portable_bundle: Path, cli):
     """The control for the test above: comparable replicas with a fault on each do blame the record."""
-    code, report = _replay(cli, portable_bundle, "--inject",
-                           "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0")
+    code, report, _ = _replay(cli, portable_bundle, "--inject",
+                              "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0")
     assert (code, report["consensus"]["verdict"]) == (1, "recording_suspect")
 
 
