@@ -306,11 +306,12 @@ def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]],
     A voter whose runs all diverge is ``persistent``, one whose runs diverge
     only sometimes ``intermittent``. When only the record is out of line, the
     device that recorded it is the suspect (the usual case: the alert came from
-    the defective GPU itself). Where no value has a strict majority, the tied
-    voters are ``undecided`` and the consensus says how many more comparable
-    replicas would decide. Replicas named in ``incomparable`` (their machine
-    differs from the recording's) vote only among themselves: they can show
-    one of them is odd, never that the record is.
+    the defective GPU itself). Where an entry is tied (see ``_tally``), the
+    voters that differ only there are ``undecided``, and the consensus's
+    ``advice`` says what would decide it. Replicas named in ``incomparable``
+    (their machine differs from the recording's) vote only among replicas with
+    the same differences: they can show one of them is odd, never that the
+    record is.
     """
     incomparable = {label: diffs for label, diffs in (incomparable or {}).items() if label in replicas}
     steps = sorted(record.steps)

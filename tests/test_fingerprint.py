@@ -19,6 +19,7 @@ import torch
 from conftest import SMALL_ARGS
 
 from sdcreplay import determinism
+from sdcreplay.doctor import doctor
 from sdcreplay.bundle import MANIFEST, MANIFEST_DIGEST, manifest_digest
 
 PORTABLE = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
@@ -104,6 +105,9 @@ def test_info_and_doctor_show_what_a_replay_must_match(small_bundle: Path, cli):
     assert "cpu.flags" in about["fingerprint"] and "cpu.flags" not in about["must_match"]
     shown = cli("info", small_bundle)
     assert "cpu.capability" in shown.stderr + shown.stdout
+    checked = doctor("cpu", "builtin:tiny-llama", {"layers": 1, "dim": 32})
+    assert checked["must_match"] == determinism.must_match(here)
+    assert checked["pinned"] == determinism.pinned_environment(here)
 
 
 def test_pinning_leaves_a_variable_the_person_set(monkeypatch):
