@@ -230,7 +230,8 @@ class Consensus:
         """What would turn this answer into a decision, or None when it is one."""
         if self.verdict == "undecided":
             tied = ", ".join(label for label, v in self.voters.items() if v.verdict == "undecided")
-            return (f"{tied} are tied at {self.undecided_entries} entries (as many voters on each side): "
+            entries = f"{self.undecided_entries} entr{'y' if self.undecided_entries == 1 else 'ies'}"
+            return (f"{tied} are tied at {entries} (as many voters on each side): "
                     "replay on at least 1 more device of the recording's kind (same model, driver and "
                     "software, see `sdcreplay info`); the side it joins decides")
         if self.verdict == "incomparable":
