@@ -19,8 +19,8 @@ import torch
 from conftest import SMALL_ARGS
 
 from sdcreplay import determinism
-from sdcreplay.doctor import doctor
 from sdcreplay.bundle import MANIFEST, MANIFEST_DIGEST, manifest_digest
+from sdcreplay.doctor import doctor
 
 PORTABLE = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
 
