@@ -25,7 +25,8 @@ demo: $(STAMP)
 
 traces: $(STAMP)
 	rm -rf traces/tiny.bundle
-	$(VENV)/bin/sdcreplay record builtin:tiny-llama --steps 3 --seed 0 -a dim=48 --out traces/tiny.bundle
+	# Kernels every x86-64 machine can put in force (see docs/trust-and-comparability.md).
+	ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2,STRICT $(VENV)/bin/sdcreplay record builtin:tiny-llama --steps 3 --seed 0 -a dim=48 --out traces/tiny.bundle
 
 bench: $(STAMP)
 	$(PY) bench/digest.py

@@ -25,7 +25,7 @@ from pathlib import Path
 import h5py
 import torch
 
-from . import determinism
+from . import determinism, trust
 from .bundle import Bundle, StepRecord
 from .capture import CallSite, OperatorLog, OperatorRecord, operator_results, state_tensors
 from .compare import RECORD, Divergence, compare_logs
@@ -359,6 +359,7 @@ def bisect(
     """Find the first corrupted operator call of a step on ``suspect`` (see module docstring)."""
     on_event = on_event or (lambda kind, text: None)
     opened = Bundle.open(bundle)
+    trust.require_trusted(opened.manifest)
     reference = validate_label(reference)
     suspect = validate_label(suspect) if suspect else None
     if suspect == reference:

@@ -23,8 +23,8 @@ import h5py
 import numpy as np
 import torch
 
-from . import tensorio
-from .determinism import RngState
+from . import tensorio, trust
+from .determinism import RngState, must_match
 from .errors import BundleError, CheckpointError
 from .signature import SignatureLog, SignatureLogWriter, read_signature_log
 
@@ -233,6 +233,7 @@ class BundleWriter:
     def _save_manifest(self, durable: bool = False) -> None:
         """Atomic after every step (a crashed process leaves a readable bundle); durable at close."""
         self.manifest.pop(MANIFEST_DIGEST, None)
+        self.manifest[trust.SIGNATURE] = trust.sign(self.manifest)
         self.manifest[MANIFEST_DIGEST] = manifest_digest(self.manifest)
         _write_json_atomic(self.path / MANIFEST, self.manifest, durable)
 
@@ -350,6 +351,17 @@ def _validate_manifest(manifest: Any) -> None:
     verification = manifest.get("verification", {"status": "off"})
     _require(isinstance(verification, dict) and verification.get("status") in VERIFICATION_STATUS,
              "verification.status")
+    _validate_provenance(manifest)
+
+
+def _validate_provenance(manifest: dict) -> None:
+    """The fingerprint of the recording machine and the recorder's signature (both optional: older bundles)."""
+    fingerprint = manifest.get("fingerprint", {})
+    _require(isinstance(fingerprint, dict) and all(
+        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool))) for k, v in fingerprint.items()),
+        "fingerprint")
+    signature = manifest.get(trust.SIGNATURE)
+    _require(signature is None or isinstance(signature, str), trust.SIGNATURE)
 
 
 class Bundle:
@@ -528,4 +540,7 @@ def describe(path: str | Path) -> dict:
         "integrity": "ok",
         "environment": manifest["environment"],
         "determinism": manifest["determinism"],
+        "fingerprint": manifest.get("fingerprint"),
+        "must_match": must_match(manifest.get("fingerprint") or {}),
+        "trusted": trust.is_trusted(manifest),
     }

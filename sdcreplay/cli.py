@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -26,7 +27,30 @@ app = typer.Typer(
     add_completion=False,
 )
 
+BundleArg = Annotated[Path, typer.Argument(help="Bundle directory.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+class Phase(str, Enum):
+    forward = "forward"
+    backward = "backward"
+    optimizer = "optimizer"
+
+
+TrustOption = Annotated[bool, typer.Option(
+    "--trust-workload", help="Run the workload the bundle names even though it was not recorded by you "
+    "(it is code: read it first). Built-in workloads and your own bundles need no flag.")]
+TrustedWorkloadOption = Annotated[str | None, typer.Option(
+    "--workload", help="Trust this workload reference (it must be the one the bundle names).")]
+
+
+def trusting(bundle: Path, trust_workload: bool, workload: str | None):
+    """Trust, while the command runs, the references given on its command line (reading the bundle runs nothing)."""
+    from .bundle import Bundle
+    from .trust import granting
+
+    refs = [workload] if workload else []
+    if trust_workload:
+        refs.append(Bundle.open(bundle, verify=False).workload_ref)
+    return granting(refs)
 
 
 def run(out: Output, action) -> None:
@@ -112,7 +136,7 @@ def record(
 
 @app.command()
 def info(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: BundleArg,
     json_mode: JsonOption = False,
 ) -> None:
     """Show what a bundle holds and check every file against its SHA-256."""
@@ -140,7 +164,13 @@ def info(
                             f"{about['determinism']['num_threads']} threads"],
             ["size", f"{human_size(about['size_bytes'])} in {about['files']} files"],
             ["integrity", styled("match") if about["integrity"] == "ok" else about["integrity"]],
+            ["trusted", "yes" if about["trusted"] else "no: its workload runs only with --trust-workload"],
         ])
+        fingerprint = about["fingerprint"] or {}
+        output.table("Machine fingerprint (a replay is evidence where the result-affecting ones match)",
+                     ["property", "recorded", "result-affecting"],
+                     [[name, str(value), "yes" if name in about["must_match"] else "-"]
+                      for name, value in fingerprint.items()] or [["-", "not recorded (older bundle)", "-"]])
         output.data(about)
         return 0
 
@@ -159,11 +189,13 @@ def _verification_text(verification: dict) -> str:
 
 @app.command()
 def replay(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: BundleArg,
     device: Annotated[list[str] | None, typer.Option("--device", "-d", help="Device label (repeatable; default cpu): cpu, cuda:N, or virtual replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas share this machine's cores and may take turns.")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")] = 1,
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
     logs: Annotated[Path | None, typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/).")] = None,
+    trust_workload: TrustOption = False,
+    workload: TrustedWorkloadOption = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Replay a bundle bit for bit on one or more devices and vote on every signature."""
@@ -173,7 +205,8 @@ def replay(
 
     def action() -> int:
         devices = device or ["cpu"]
-        with output.progress("replaying", len(devices)) as advance:
+        with trusting(bundle, trust_workload, workload), \
+                output.progress("replaying", len(devices)) as advance:
             report = replay_devices(bundle, devices, repeats=repeats, inject=inject or [], log_dir=logs,
                                     on_done=lambda label, _: advance(note=label))
         render_replay(output, report)
@@ -197,13 +230,15 @@ def render_replay(output: Output, report) -> None:
         first = data["first_divergence"]
         where = f"step {first['step']} {first['name']}" if first else "-"
         repeats = f"{data['divergent_repeats']}/{data['repeats']}" if run_.error is None else "-"
-        rows.append([run_.device, styled(run_.verdict), where, repeats, _step_marks(data["steps"])])
+        rows.append([run_.device, styled(run_.verdict), where, repeats, _step_marks(data["steps"]),
+                     escape("; ".join(run_.differences)) or "-"])
     if report.consensus is not None:
         record = report.consensus.voters["record"]
         first = record.first_divergence
         rows.insert(0, ["record", styled(record.verdict), f"step {first.step} {first.name}" if first else "-", "-",
-                        _step_marks({str(s): n for s, n in record.per_step.items()})])
-    output.table(f"Replay of {report.bundle}", ["device", "verdict", "first divergence", "diverged", "steps"], rows)
+                        _step_marks({str(s): n for s, n in record.per_step.items()}), "-"])
+    output.table(f"Replay of {report.bundle}",
+                 ["device", "verdict", "first divergence", "diverged", "steps", "machine differs from record"], rows)
     for run_ in report.devices:
         for warning in run_.warnings:
             output.warn(f"{run_.device}: {warning}")
@@ -222,11 +257,14 @@ def render_replay(output: Output, report) -> None:
         "persistent": f"{', '.join(s for s in consensus.suspects if s != 'record')} diverged in every repeat.",
         "transient": f"{', '.join(s for s in consensus.suspects if s != 'record')} diverged in some repeats only.",
         "recording_suspect": "every replay agrees with the others but not with the record: the recording device computed wrong.",
-        "undecided": "the runs disagree and no value has a majority: replay on a third device to decide.",
+        "undecided": f"{consensus.advice}.",
+        "incomparable": f"{consensus.advice}.",
     }[verdict]
     output.say(f"Verdict: {styled(verdict)}: {explanation}")
     if report.caveat:
         output.warn(f"caveat: {report.caveat}")
+    for label, differences in consensus.incomparable.items():
+        output.warn(f"{label} did not vote on the record, its machine differs: {'; '.join(differences)}")
     if consensus.first_divergence is not None:
         first = consensus.first_divergence
         output.say(f"First divergence: step {first.step}, {first.phase}, {first.name}")
@@ -235,7 +273,7 @@ def render_replay(output: Output, report) -> None:
 
 @app.command()
 def bisect(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: BundleArg,
     suspect: Annotated[str | None, typer.Option(help="Device label that computes wrong (default: the recording itself).")] = None,
     reference: Annotated[str, typer.Option(help="Device label you trust.")] = "cpu:0",
     step: Annotated[int | None, typer.Option(help="Step to bisect (default: the first divergent step, found by a replay).")] = None,
@@ -243,6 +281,8 @@ def bisect(
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
     out: Annotated[Path | None, typer.Option(help="Report directory (default: BUNDLE.bisect/).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Heatmap PNG of where in the output tensor the bits differ.")] = None,
+    trust_workload: TrustOption = False,
+    workload: TrustedWorkloadOption = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Name the first corrupted operator call of a step, the kernel it launched and the bits it got wrong."""
@@ -251,9 +291,10 @@ def bisect(
     output = Output(json_mode)
 
     def action() -> int:
-        result = run_bisect(bundle, suspect=suspect, reference=reference, step=step, repeats=repeats,
-                            inject=inject or [], out=out, plot=plot,
-                            on_event=lambda kind, text: output.say(f"[dim]{text}[/]"))
+        with trusting(bundle, trust_workload, workload):
+            result = run_bisect(bundle, suspect=suspect, reference=reference, step=step, repeats=repeats,
+                                inject=inject or [], out=out, plot=plot,
+                                on_event=lambda kind, text: output.say(f"[dim]{text}[/]"))
         render_bisect(output, result.to_json())
         output.data(result.to_json())
         return result.exit_code
@@ -342,6 +383,37 @@ def render_diff(output: Output, comparison) -> None:
 
 
 @app.command()
+def ops(
+    bundle: BundleArg,
+    step: Annotated[int, typer.Option(min=0, help="Recorded step whose operator calls to list.")],
+    phase: Annotated[Phase | None, typer.Option(help="Only calls of this phase.")] = None,
+    module: Annotated[str | None, typer.Option(help="Only calls under this module path (a prefix, as in a fault spec).")] = None,
+    op: Annotated[str | None, typer.Option(help="Only calls of this operator: aten.mm or aten.mm.default.")] = None,
+    device: Annotated[str, typer.Option(help="Device label to replay the step on.")] = "cpu",
+    trust_workload: TrustOption = False,
+    workload: TrustedWorkloadOption = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """List a step's operator calls exactly as fault specs and bisect name them (phase, module, op, nth)."""
+    from .ops import describe_outputs, list_calls
+
+    output = Output(json_mode)
+
+    def action() -> int:
+        with trusting(bundle, trust_workload, workload):
+            listing = list_calls(bundle, step, device=device, phase=phase.value if phase else None,
+                                 module=module, op=op)
+        output.table(f"Step {step}: {len(listing['calls'])} of {listing['total_calls']} operator calls",
+                     ["call", "phase", "module", "op", "nth", "outputs"],
+                     [[str(c["index"]), c["phase"], c["module"], c["op"], str(c["nth"]), describe_outputs(c["outputs"])]
+                      for c in listing["calls"]])
+        output.data(listing)
+        return 0
+
+    run(output, action)
+
+
+@app.command()
 def doctor(
     device: Annotated[str, typer.Option(help="Device label to check: cpu or cuda:N.")] = "cpu",
     workload: Annotated[str, typer.Option(help="Workload whose step is run twice.")] = "builtin:tiny-llama",
@@ -360,6 +432,11 @@ def doctor(
                    f"{report['switches']['num_threads']} threads; {report['operators']} operator calls per step")
         for problem in report["problems"]:
             output.warn(problem)
+        output.table("A replay elsewhere is comparable with this device only where these match",
+                     ["property", "here"], [[name, str(value)] for name, value in report["must_match"].items()])
+        if report["pinned"]:
+            output.say("Put in force by sdcreplay in each device process: "
+                       + ", ".join(f"{name}={value}" for name, value in report["pinned"].items()))
         if report["reproducible"]:
             output.say(f"{styled('correct')}: {runs} runs of the step were identical bit for bit; replays on this device are evidence.")
         else:

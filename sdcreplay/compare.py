@@ -208,7 +208,7 @@ def compare_logs(reference: SignatureLog, candidate: SignatureLog, steps: list[i
 class DeviceVerdict:
     """How one voter's runs compare with the majority."""
 
-    verdict: str  # match | persistent | intermittent
+    verdict: str  # match | persistent | intermittent | undecided | incomparable
     runs: int
     divergent_runs: int
     first_divergence: Divergence | None
@@ -217,13 +217,34 @@ class DeviceVerdict:
 
 @dataclass
 class Consensus:
-    """Majority vote over every entry; the record counts as one voter."""
+    """Majority vote over every entry; the record counts as one voter.
 
-    verdict: str  # correct | transient | persistent | recording_suspect | undecided
+    ``incomparable`` names, per voter whose machine differs from the
+    recording's in a result-affecting property, what differs: such a voter
+    never votes against the record.
+    """
+
+    verdict: str  # correct | transient | persistent | recording_suspect | undecided | incomparable
     suspects: list[str]
     first_divergence: Divergence | None
     voters: dict[str, DeviceVerdict]
     undecided_entries: int = 0
+    incomparable: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def advice(self) -> str | None:
+        """What would turn this answer into a decision, or None when it is one."""
+        if self.verdict == "undecided":
+            tied = ", ".join(label for label, v in self.voters.items() if v.verdict == "undecided")
+            entries = f"{self.undecided_entries} entr{'y' if self.undecided_entries == 1 else 'ies'}"
+            return (f"{tied} are tied at {entries} (as many voters on each side): "
+                    "replay on at least 1 more device of the recording's kind (same model, driver and "
+                    "software, see `sdcreplay info`); the side it joins decides")
+        if self.verdict == "incomparable":
+            properties = sorted({d.split(":", 1)[0] for diffs in self.incomparable.values() for d in diffs})
+            return (f"no replica ran on a machine comparable with the recording ({', '.join(properties)} "
+                    "differ): replay on a device that matches the recording's fingerprint")
+        return None
 
     def to_json(self) -> dict:
         first = self.first_divergence
@@ -232,6 +253,8 @@ class Consensus:
             "suspects": self.suspects,
             "first_divergence": None if first is None else first.brief(),
             "undecided_entries": self.undecided_entries,
+            "incomparable": self.incomparable,
+            "advice": self.advice,
         }
 
 
@@ -241,69 +264,98 @@ def _modal(values: list[str]) -> str:
     return next(value for value in values if counts[value] == best)
 
 
-def majority_log(voters: dict[str, list[SignatureLog]], steps: list[int]) -> tuple[SignatureLog, int]:
-    """The majority value of every entry, and how many entries had no strict majority.
+def _tally(voters: dict[str, list[SignatureLog]], steps: list[int]) -> tuple[SignatureLog, set]:
+    """The winning value of every entry, and the entries ``(step, name)`` that are tied.
 
-    Each voter votes with its most frequent value over its runs; where no value
-    has a strict majority, the first voter's (the record's) value stands.
+    Each voter votes with its most frequent value over its runs. A value wins
+    when more voters hold it than any other value and at least two agree (so
+    three healthy replicas outvote seven that are each wrong in their own way);
+    at a tie the first voter's (the record's) value stands in the log.
     """
     first_voter = next(iter(voters.values()))[0]
     reference = SignatureLog(meta={**first_voter.meta, "role": "consensus"})
-    undecided = 0
+    ties = set()
     for step in steps:
         entries = []
         for position, (name, _) in enumerate(first_voter.steps[step]):
             ballots = [_modal([log.steps[step][position][1] for log in logs]) for logs in voters.values()]
-            value, count = Counter(ballots).most_common(1)[0]
-            if count * 2 <= len(ballots):
+            ranked = Counter(ballots).most_common(2)
+            value = ranked[0][0]
+            if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
                 value = ballots[0]
-                undecided += 1
+                ties.add((step, name))
             entries.append((name, value))
         reference.steps[step] = entries
-    return reference, undecided
+    return reference, ties
 
 
-def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]]) -> Consensus:
+def _judge(reference: SignatureLog, logs: list[SignatureLog], steps: list[int], ties: set) -> DeviceVerdict:
+    """A voter's verdict against the majority; a voter that differs only at ties is ``undecided``."""
+    comparisons = [compare_logs(reference, log, steps) for log in logs]
+    divergent = [c for c in comparisons if not c.identical]
+    decided = [c for c in divergent if any((d.step, d.name) not in ties for d in c.divergences)]
+    firsts = [c.first for c in divergent]
+    first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
+    if ties and len(decided) < len(logs):
+        kind = "undecided"
+    elif not divergent:
+        kind = "match"
+    else:
+        kind = "persistent" if len(divergent) == len(logs) else "intermittent"
+    per_step = (divergent or comparisons)[0].per_step()
+    return DeviceVerdict(kind, len(logs), len(divergent), first, per_step)
+
+
+def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]],
+         incomparable: dict[str, list[str]] | None = None) -> Consensus:
     """Judge every replica run, and the record, against the majority.
 
     A voter whose runs all diverge is ``persistent``, one whose runs diverge
     only sometimes ``intermittent``. When only the record is out of line, the
     device that recorded it is the suspect (the usual case: the alert came from
-    the defective GPU itself). With no strict majority somewhere, a further
-    device is needed to decide.
+    the defective GPU itself). Where an entry is tied (see ``_tally``), the
+    voters that differ only there are ``undecided``, and the consensus's
+    ``advice`` says what would decide it. Replicas named in ``incomparable``
+    (their machine differs from the recording's) vote only among replicas with
+    the same differences: they can show one of them is odd, never that the
+    record is.
     """
+    incomparable = {label: diffs for label, diffs in (incomparable or {}).items() if label in replicas}
     steps = sorted(record.steps)
     for logs in replicas.values():
         for log in logs:
             check_comparable(record, log)
             check_structure(record, log, steps)
-    voters = {RECORD: [record], **replicas}
-    reference, undecided = majority_log(voters, steps)
-    verdicts: dict[str, DeviceVerdict] = {}
-    for voter, logs in voters.items():
-        comparisons = [compare_logs(reference, log, steps) for log in logs]
-        divergent = [c for c in comparisons if not c.identical]
-        firsts = [c.first for c in divergent]
-        first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
-        kind = "match" if not divergent else "persistent" if len(divergent) == len(logs) else "intermittent"
-        per_step = (divergent or comparisons)[0].per_step()
-        verdicts[voter] = DeviceVerdict(kind, len(logs), len(divergent), first, per_step)
+    voters = {RECORD: [record], **{k: v for k, v in replicas.items() if k not in incomparable}}
+    reference, ties = _tally(voters, steps)
+    verdicts = {voter: _judge(reference, logs, steps, ties) for voter, logs in voters.items()}
+    peers: dict[tuple, dict[str, list[SignatureLog]]] = {}
+    for label, differences in incomparable.items():
+        peers.setdefault(tuple(differences), {})[label] = replicas[label]
+    for others in peers.values():  # machines alike among themselves, unlike the recording's
+        own_reference, own_ties = _tally(others, steps)
+        for label, logs in others.items():
+            judged = _judge(own_reference, logs, steps, own_ties)
+            verdicts[label] = judged if judged.verdict in ("persistent", "intermittent") else DeviceVerdict(
+                "incomparable", judged.runs, 0, None, {})
     refuse_program_difference(verdicts)
-    suspects = [voter for voter, v in verdicts.items() if v.verdict != "match"]
+    suspects = [voter for voter, v in verdicts.items() if v.verdict in ("persistent", "intermittent")]
     replica_kinds = {v.verdict for voter, v in verdicts.items() if voter != RECORD}
-    if undecided:
+    if len(voters) == 1 and incomparable:
+        verdict = "incomparable"
+    elif ties:
         verdict = "undecided"
     elif "persistent" in replica_kinds:
         verdict = "persistent"
     elif "intermittent" in replica_kinds:
         verdict = "transient"
-    elif suspects == [RECORD]:
+    elif verdicts[RECORD].verdict != "match":
         verdict = "recording_suspect"
     else:
         verdict = "correct"
     firsts = [v.first_divergence for v in verdicts.values() if v.first_divergence is not None]
     first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
-    return Consensus(verdict, suspects, first, verdicts, undecided)
+    return Consensus(verdict, suspects, first, verdicts, len(ties), incomparable)
 
 
 def refuse_program_difference(verdicts: dict[str, DeviceVerdict]) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import random
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -246,3 +247,150 @@ def restore_operator_rng(state: dict | None, device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ---------------------------------------------------------------------------
+# Environment fingerprint: every property of the machine and software that can
+# change a result bit. Two machines whose fingerprints differ in one of these
+# can disagree without either being defective.
+
+# Environment variables that choose CPU kernels; a device process puts the
+# recorded values in force before its first operator (ATen reads the variable
+# once, at the first dispatch; MKL at its first call).
+PINNED_ENV = {"cpu.capability": "ATEN_CPU_CAPABILITY", "cpu.blas_branch": "MKL_CBWR"}
+# Compared between the record and a replica. The CPU model is compared only
+# when MKL chose its kernels by CPU (no MKL_CBWR branch): MKL dispatches per
+# CPU model, while ATen's kernels follow the capability alone.
+RESULT_AFFECTING = (
+    "torch.version", "torch.git", "cpu.capability", "cpu.blas_branch", "mkl", "onednn",
+    "threads.intra_op", "gpu.name", "gpu.capability", "gpu.sm_count", "gpu.mig", "driver",
+    "cuda.runtime", "cublas", "cudnn", "nccl",
+)
+_SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+               "avx512_fp16", "amx_tile", "asimd", "sve")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            line = next((line for line in handle if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        line = ""
+    present = set(line.split(":", 1)[-1].split())
+    return " ".join(flag for flag in _SIMD_FLAGS if flag in present)
+
+
+def _config_version(pattern: str) -> str | None:
+    match = re.search(pattern, torch.__config__.show())
+    return match.group(1) if match else None
+
+
+def _nccl_version() -> str | None:
+    """NCCL's version where torch was built with it (a CPU-only or ROCm build may not be)."""
+    try:
+        from torch.cuda import nccl
+
+        version = nccl.version()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _gpu_fingerprint(device: torch.device) -> dict:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", ""))
+    return {
+        "gpu.name": props.name,
+        "gpu.capability": f"{props.major}.{props.minor}",
+        "gpu.sm_count": props.multi_processor_count,
+        "gpu.mig": "MIG" in props.name or uuid.startswith("MIG") or "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "driver": _driver_version(),
+        "cuda.runtime": torch.version.cuda,
+        "cublas": _loaded_library_version("libcublas.so"),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "nccl": _nccl_version(),
+    }
+
+
+def _driver_version() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as handle:
+            match = re.search(r"Kernel Module\s+(\S+)", handle.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def _loaded_library_version(stem: str) -> str | None:
+    """The version suffix of a shared library this process loaded (``libcublas.so.12.4.5``)."""
+    try:
+        with open("/proc/self/maps") as handle:
+            names = {line.split()[-1] for line in handle if stem in line}
+    except OSError:
+        return None
+    versions = sorted(name.rsplit(stem, 1)[-1].lstrip(".") for name in names)
+    return versions[-1] if versions else None
+
+
+def fingerprint(device: torch.device) -> dict:
+    """This process's fingerprint, as the operators it runs see it.
+
+    It reads the CPU capability ATen dispatches with, so take it after any
+    pinning (``pin_environment``) and, in a device process, after the run.
+    """
+    found = {
+        "torch.version": torch.__version__,
+        "torch.git": torch.version.git_version,
+        "cpu.model": _cpu_model(),
+        "cpu.flags": _cpu_flags(),
+        "cpu.capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu.blas_branch": os.environ.get("MKL_CBWR"),
+        "mkl": _config_version(r"Math Kernel Library Version (\S+)"),
+        "onednn": _config_version(r"MKL-DNN v(\S+)"),
+        "threads.intra_op": torch.get_num_threads(),
+        "threads.inter_op": torch.get_num_interop_threads(),
+    }
+    if device.type == "cuda":
+        found.update(_gpu_fingerprint(device))
+    return found
+
+
+def must_match(found: dict) -> dict:
+    """The properties of ``found`` that a replay elsewhere must share to be compared bit for bit."""
+    names = list(RESULT_AFFECTING) + (["cpu.model"] if found.get("cpu.blas_branch") is None else [])
+    return {name: found[name] for name in names if name in found}
+
+
+def pinned_environment(recorded: dict | None) -> dict[str, str]:
+    """The variables that put the recorded kernel choices in force in a new process.
+
+    A variable the person set is left alone: the process's own fingerprint
+    then shows whether the replay is comparable.
+    """
+    recorded = recorded or {}
+    pinned = {}
+    for prop, name in PINNED_ENV.items():
+        value = recorded.get(prop)
+        if isinstance(value, str) and value and os.environ.get(name) is None:
+            pinned[name] = value.lower() if prop == "cpu.capability" else value
+    return pinned
+
+
+def pin_environment(recorded: dict | None) -> None:
+    """Call before the first operator of a process that replays a recording."""
+    os.environ.update(pinned_environment(recorded))
+
+
+def fingerprint_differences(recorded: dict | None, now: dict | None) -> list[str]:
+    """``name: recorded X, here Y`` for every result-affecting property that differs.
+
+    A property the record lacks (an older bundle) cannot be compared and is skipped.
+    """
+    if not recorded or now is None:
+        return []
+    return [
+        f"{name}: recorded {value!r}, here {now.get(name)!r}"
+        for name, value in must_match(recorded).items()
+        if value != now.get(name)
+    ]

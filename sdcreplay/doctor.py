@@ -54,6 +54,7 @@ def doctor(device: str = "cpu", workload: str = "builtin:tiny-llama", kwargs: di
             first = {"structure": True, "index": min(len(later), len(logs[0]))}
         if first:
             break
+    fingerprint = determinism.fingerprint(target)
     problems = []
     if not switches["deterministic_algorithms"]:
         problems.append("torch.use_deterministic_algorithms is off")
@@ -71,4 +72,7 @@ def doctor(device: str = "cpu", workload: str = "builtin:tiny-llama", kwargs: di
         "switches": switches,
         "environment": determinism.environment(target),
         "torch": torch.__version__,
+        "fingerprint": fingerprint,
+        "must_match": determinism.must_match(fingerprint),
+        "pinned": determinism.pinned_environment(fingerprint),
     }

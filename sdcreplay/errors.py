@@ -60,3 +60,9 @@ class WorkloadMismatchError(SdcReplayError):
         "inside `with rec.step(batch):` and into the workload's train_step (docs/recording.md); "
         "or record with verify=False, and the replay carries a caveat."
     )
+
+
+class UntrustedWorkloadError(SdcReplayError):
+    """A bundle names code that the person has not said they trust."""
+
+    default_hint = "Add --trust-workload if you trust the workload the bundle names."

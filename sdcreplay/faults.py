@@ -11,6 +11,7 @@ fires on the same kernel with the same inputs. Grammar: docs/fault-injection.md.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import random
@@ -162,12 +163,22 @@ class Injector:
         self._draws = [random.Random(f"{spec.seed}:{self.salt}:{position}") for position, spec in enumerate(self.specs)]
         self._seen: Counter[tuple[int, int]] = Counter()
         self._memory_flipped: set[int] = set()
+        self._calls: Counter[tuple[int, str, str, str]] = Counter()  # (step, op, module, phase) seen
+
+    def unmatched(self) -> list[dict]:
+        """Operator specs that selected no call of the steps run, each with the closest calls that ran."""
+        return [
+            {"spec": str(spec), "closest": closest_calls(spec, self._calls)}
+            for position, spec in enumerate(self.specs)
+            if spec.kind != "memflip" and not any(key[0] == position for key in self._seen)
+        ]
 
     @property
     def has_operator_faults(self) -> bool:
         return any(spec.kind != "memflip" for spec in self.specs)
 
     def on_call(self, site: CallSite, func, args, kwargs, out):
+        self._calls[(site.step, *site.key)] += 1
         for position, spec in enumerate(self.specs):
             if not self._selects(spec, site):
                 continue
@@ -224,6 +235,19 @@ class Injector:
                 raise FaultSpecError(f"memflip index {spec.index} is outside {spec.param} ({tensors[spec.param].numel()} elements)")
             elements, bit = changed
             self.fired.append(Injection(str(spec), step, "state", spec.param, "memory", -1, elements, bit))
+
+
+def closest_calls(spec: FaultSpec, calls: Iterable[tuple[int, str, str, str]], shown: int = 3) -> list[str]:
+    """The call sites (``op under module (phase), step N``) most like what ``spec`` asks for."""
+
+    def likeness(call: tuple[int, str, str, str]) -> float:
+        step, op, module, phase = call
+        same_op = op == spec.op or op.rsplit(".", 1)[0] == spec.op
+        near = difflib.SequenceMatcher(None, module, spec.module or module).ratio()
+        return 4 * same_op + 2 * near + (spec.phase in (None, phase)) + (spec.step in (None, step))
+
+    ranked = sorted(set(calls), key=lambda call: (-likeness(call), call))
+    return [f"{op} under {module} ({phase}), step {step}" for step, op, module, phase in ranked[:shown]]
 
 
 def default_bit(dtype: torch.dtype) -> int:

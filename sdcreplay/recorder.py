@@ -36,7 +36,7 @@ from .bundle import Bundle, BundleWriter, checkpoint_reference, load_checkpoint
 from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
 from .devices import torch_device
 from .digest import algorithm_for
-from .errors import CheckpointError, SdcReplayError, WorkloadMismatchError
+from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
 from .faults import Injector, parse_specs
 from .replay import ReplaySession
 from .signature import is_program_entry
@@ -95,6 +95,7 @@ class Recorder:
             "digest": algorithm_for(self.device.type),
             "environment": determinism.environment(self.device),
             "determinism": switches,
+            "fingerprint": determinism.fingerprint(self.device),
             "capture": {"max_depth": max_depth, "program": True},
         }
         self._writer = BundleWriter(Path(path), header, overwrite=overwrite)
@@ -419,6 +420,13 @@ def record(
             if on_step is not None:
                 on_step(index, loss_value)
     bundle_path = recorder.path
+    for miss in injector.unmatched():
+        raise FaultSpecError(
+            f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
+            f"({bundle_path} was recorded without it)",
+            "Closest calls: " + "; ".join(miss["closest"])
+            + ". `sdcreplay ops BUNDLE --step N` lists them all.",
+        )
     opened = Bundle.open(bundle_path, verify=False)
     return RecordSummary(
         bundle=bundle_path,

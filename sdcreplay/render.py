@@ -22,7 +22,7 @@ from .errors import SdcReplayError
 VERDICT_STYLE = {
     "match": "green", "correct": "green", "identical": "green",
     "persistent": "bold red", "divergent": "bold red", "recording_suspect": "bold red",
-    "intermittent": "yellow", "transient": "yellow", "undecided": "yellow",
+    "intermittent": "yellow", "transient": "yellow", "undecided": "yellow", "incomparable": "yellow",
     "error": "bold magenta",
 }
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from . import determinism, worker
+from . import determinism, trust, worker
 from .bundle import Bundle, StepRecord, verify_checkpoint
 from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
 from .digest import algorithm_for
-from .errors import DeviceError, SdcReplayError, WorkloadError
+from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, WorkloadError
 from .faults import Injector, parse_specs
 from .signature import SignatureLog, read_signature_log
 from .tensorio import map_tensors
@@ -55,6 +55,7 @@ class ReplaySession:
         self.warnings = determinism.environment_warnings(
             self.bundle.manifest["environment"], determinism.environment(self.device)
         )
+        trust.require_trusted(self.bundle.manifest)
         self.workload: Workload = build_workload(self.bundle.workload_ref, self.bundle.workload_kwargs)
         self.workload.model.to(self.device)
         model_state, optimizer_state = self.bundle.load_state()
@@ -174,6 +175,7 @@ def replay_on_device(
         for record in session.steps_until(last_step):
             log.steps[record.index] = session.run_step(record)
         log.meta["injected"] = [injection.to_json() for injection in session.injector.fired]
+        log.meta["unmatched"] = session.injector.unmatched()
         return log
     finally:
         session.close()
@@ -190,6 +192,8 @@ class DeviceRun:
     error: dict | None = None
     injected: list[list[dict]] = field(default_factory=list)  # faults that fired, per repeat
     judgement: DeviceVerdict | None = None
+    fingerprint: dict | None = None  # the process's own, after its run
+    differences: list[str] = field(default_factory=list)  # result-affecting properties unlike the record's
 
     @property
     def verdict(self) -> str:
@@ -211,6 +215,8 @@ class DeviceRun:
             "warnings": self.warnings,
             "injected": self.injected,
             "error": self.error,
+            "fingerprint": self.fingerprint,
+            "fingerprint_differences": self.differences,
         }
 
 
@@ -245,6 +251,8 @@ class ReplayReport:
 
     @property
     def exit_code(self) -> int:
+        if self.consensus is not None and self.consensus.verdict == "incomparable":
+            return 3  # no comparable machine replayed: no evidence either way
         if self.consensus is not None and self.consensus.verdict != "correct":
             return 1
         return 3 if any(run.error for run in self.devices) else 0
@@ -277,6 +285,17 @@ def _exit_description(status: int) -> str:
         except ValueError:
             return f"killed by signal {-status}"
     return f"exited with status {status}"
+
+
+def _retry_hint(status: int) -> str:
+    """Whether running the device again is worth it, from how its process ended."""
+    if status in (-signal.SIGKILL, 137):
+        return ("Killed from outside (out of memory, or a person/scheduler): retry alone on that device; "
+                "if it dies again, look for the kill in `dmesg` or the scheduler's log.")
+    if status in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGILL, -signal.SIGFPE):
+        return ("A crash inside a kernel or the driver: retry once; if the same device crashes again "
+                "while the others do not, treat it as the suspect.")
+    return "The stderr lines above say why; fix that and retry (a retry alone does not change the outcome)."
 
 
 def run_device_processes(
@@ -313,7 +332,8 @@ def run_device_processes(
                 with contextlib.suppress(ValueError):
                     result = json.loads(result_path.read_text())
             if result is None or (status != 0 and "error" not in result):
-                result = {"error": {"message": f"the {label} process {_exit_description(status)}", "hint": None}}
+                result = {"error": {"message": f"the {label} process {_exit_description(status)}",
+                                    "hint": _retry_hint(status)}}
             if "error" in result:
                 result["error"].update(exit_status=status, stderr_tail=_tail(stderr_path))
             results[label] = result
@@ -322,6 +342,26 @@ def run_device_processes(
         if running:
             time.sleep(0.05)
     return results
+
+
+def _refuse_unmatched_specs(results: dict[str, dict]) -> None:
+    """A fault spec that selected no call on any device it applies to is a mistake in the spec, not a finding."""
+    reports = [result.get("unmatched") for result in results.values() if "error" not in result]
+    if not reports or any(report is None for report in reports):
+        return
+    by_spec: dict[str, list[str]] = {}
+    for report in reports:
+        for miss in report:
+            by_spec.setdefault(miss["spec"], miss["closest"])
+    for spec, closest in by_spec.items():
+        applies = [label for label, result in results.items()
+                   if "error" not in result and any(f.applies_to(label) for f in parse_specs([spec], False))]
+        missed = [label for label in applies if any(m["spec"] == spec for m in results[label]["unmatched"])]
+        if applies and missed == applies:
+            raise FaultSpecError(
+                f"fault spec {spec!r} matches no operator call of the replayed steps",
+                "Closest calls: " + "; ".join(closest) + ". `sdcreplay ops BUNDLE --step N` lists them all.",
+            )
 
 
 def default_log_dir(bundle_path: Path) -> Path:
@@ -339,10 +379,20 @@ def replay_devices(
     log_dir: str | Path | None = None,
     on_done: Callable[[str, dict], None] | None = None,
 ) -> ReplayReport:
-    """Replay on every device label at once, each in its own process, and vote."""
+    """Replay on every device label at once, each in its own process, and vote.
+
+    A workload that is neither built in nor recorded here runs only inside
+    ``trust.granting([ref])`` (what ``--trust-workload`` does), see trust.py.
+    """
     opened = Bundle.open(bundle)
     labels = [validate_label(label) for label in devices]
     # What would fail on every device is refused here, once, before any process starts.
+    if not opened.steps:
+        raise BundleError(
+            f"{opened.path} holds no steps (the recording ended before its first step finished)",
+            "There is nothing to replay: record again, and let at least one step complete.",
+        )
+    trust.require_trusted(opened.manifest)
     parse_specs(inject)
     determinism.check_environment(opened.manifest["determinism"])
     if opened.manifest["state"]["kind"] == "checkpoint":
@@ -359,20 +409,24 @@ def replay_devices(
     if all("error" in result for result in results.values()) and len({r["error"]["message"] for r in results.values()}) == 1:
         error = next(iter(results.values()))["error"]  # the same failure everywhere: the tool's, not a device's
         raise SdcReplayError(f"every device failed: {error['message']}", error.get("hint") or None)
+    _refuse_unmatched_specs(results)
+    recorded_fingerprint = opened.manifest.get("fingerprint")
     runs = []
     for label in labels:
         result = results[label]
         run = DeviceRun(label, error=result.get("error"), warnings=result.get("warnings", []),
-                        injected=result.get("injected", []))
+                        injected=result.get("injected", []), fingerprint=result.get("fingerprint"))
         if run.error is None:
             run.log_paths = result["logs"]
             run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
+            run.differences = determinism.fingerprint_differences(recorded_fingerprint, run.fingerprint)
         runs.append(run)
     record = opened.signature_log()
     if last_step is not None:
         record.steps = {s: e for s, e in record.steps.items() if s <= last_step}
     healthy = {run.device: run.logs for run in runs if run.error is None}
-    consensus = vote(record, healthy) if healthy else None
+    incomparable = {run.device: run.differences for run in runs if run.differences}
+    consensus = vote(record, healthy, incomparable) if healthy else None
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]

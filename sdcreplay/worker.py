@@ -10,6 +10,7 @@ runs a task by hand.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ def run_replay_task(task: dict) -> dict:
     from .replay import replay_on_device
     from .signature import write_signature_log
 
-    logs, warnings, injected = [], [], []
+    logs, warnings, injected, unmatched = [], [], [], None
     for repeat in range(task["repeats"]):
         log = replay_on_device(
             task["bundle"], task["device"], last_step=task.get("last_step"),
@@ -36,7 +37,12 @@ def run_replay_task(task: dict) -> dict:
         logs.append(str(path))
         warnings = log.meta.get("warnings", [])
         injected.append(log.meta.get("injected", []))
-    return {"logs": logs, "warnings": warnings, "injected": injected}
+        unmatched = log.meta["unmatched"] if unmatched is None else unmatched
+    from .determinism import fingerprint
+    from .devices import torch_device
+
+    return {"logs": logs, "warnings": warnings, "injected": injected, "unmatched": unmatched or [],
+            "fingerprint": fingerprint(torch_device(task["device"]))}
 
 
 def _bisect_task(name: str):
@@ -56,9 +62,23 @@ TASKS = {
 }
 
 
+def _pin_recorded_kernels(task: dict) -> None:
+    """Put the recording's kernel choices in force before this process runs its first operator."""
+    from .determinism import pin_environment
+
+    if "bundle" in task:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            bundle = Path(task["bundle"])
+            manifest = bundle / "manifest.json"
+            if not manifest.is_file():
+                manifest = bundle.with_name(bundle.name + ".partial") / "manifest.json"
+            pin_environment(json.loads(manifest.read_text()).get("fingerprint"))
+
+
 def main(argv: list[str]) -> int:
     task = json.loads(Path(argv[1]).read_text())
     result_path = Path(task["result"])
+    _pin_recorded_kernels(task)
     try:
         result = TASKS[task["kind"]](task)
         status = 0
@@ -102,7 +122,9 @@ def _child(task_path: str, stderr_path: str, env: dict, cwd: str) -> None:
 
 def start(task_path: Path, stderr_path: Path, label: str):
     """Start the device process for one task; ``.exitcode`` is None while it runs."""
-    env = {**os.environ, "SDCREPLAY_DEVICE": label}
+    from .trust import child_environment
+
+    env = {**os.environ, **child_environment(), "SDCREPLAY_DEVICE": label}
     process = _process_context().Process(
         target=_child, args=(str(task_path), str(stderr_path), env, os.getcwd()), name=f"sdcreplay-{label}", daemon=False
     )

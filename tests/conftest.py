@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 # machine running other work, OpenMP threads spinning against each other make
 # a step 5-10x slower. Set OMP_NUM_THREADS to choose otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Bundles are signed with a secret of the tests' own, never the person's (see trust.py).
+os.environ["SDCREPLAY_HOME"] = tempfile.mkdtemp(prefix="sdcreplay-home-")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Small enough that a step takes milliseconds and a bundle ~100 KiB.
@@ -116,7 +119,7 @@ def _console_script() -> str:
     return found
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def sdcreplay_exe() -> str:
     return _console_script()
 
@@ -127,7 +130,8 @@ def run_exe(tmp_path: Path):
     exe = _console_script()
 
     def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, **(env or {})}  # a None value removes the variable
+        full_env = {name: value for name, value in full_env.items() if value is not None}
         full_env.pop("SDCREPLAY_DEBUG", None)
         return subprocess.run(
             [exe, *[str(arg) for arg in args]], cwd=tmp_path, env=full_env,

@@ -223,7 +223,8 @@ def test_vote_correct():
     assert (consensus.verdict, consensus.suspects, consensus.first_divergence) == ("correct", [], None)
     assert {voter: (v.verdict, v.runs, v.divergent_runs) for voter, v in consensus.voters.items()} == {
         "record": ("match", 1, 0), "cpu:0": ("match", 1, 0), "cpu:1": ("match", 1, 0), "cpu:2": ("match", 2, 0)}
-    assert consensus.to_json() == {"verdict": "correct", "suspects": [], "first_divergence": None, "undecided_entries": 0}
+    assert consensus.to_json() == {"verdict": "correct", "suspects": [], "first_divergence": None,
+                                   "undecided_entries": 0, "incomparable": {}, "advice": None}
 
 
 def test_vote_persistent_names_the_odd_device():
@@ -264,14 +265,46 @@ def test_vote_record_and_a_replica_both_wrong():
     assert consensus.first_divergence.name == "forward:l1"  # earliest in execution order
 
 
-def test_vote_undecided_without_a_strict_majority():
+def test_vote_undecided_marks_the_tied_voters_and_says_what_decides():
     bad = _with(_clean(), {(1, "forward:l1"): "x", (1, "loss"): "x"})
     consensus = vote(_clean(), {"cpu:0": [bad]})  # one against one
-    assert (consensus.verdict, consensus.undecided_entries) == ("undecided", 2)
+    assert (consensus.verdict, consensus.undecided_entries, consensus.suspects) == ("undecided", 2, [])
+    assert {voter: v.verdict for voter, v in consensus.voters.items()} == {"record": "undecided", "cpu:0": "undecided"}
+    assert consensus.advice == (
+        "record, cpu:0 are tied at 2 entries (as many voters on each side): replay on at least 1 more device of "
+        "the recording's kind (same model, driver and software, see `sdcreplay info`); the side it joins decides")
     other = _with(_clean(), {(1, "forward:l1"): "z", (1, "loss"): "z"})
     consensus = vote(_clean(), {"cpu:0": [bad], "cpu:1": [other]})  # three different values
-    assert (consensus.verdict, consensus.undecided_entries) == ("undecided", 2)
-    assert consensus.suspects == ["cpu:0", "cpu:1"]  # judged against the record's value where undecided
+    assert (consensus.verdict, consensus.undecided_entries, consensus.suspects) == ("undecided", 2, [])
+    assert {v.verdict for v in consensus.voters.values()} == {"undecided"}
+
+
+def test_a_plurality_of_agreeing_voters_decides():
+    """Two that agree outvote two that are each wrong in their own way."""
+    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [_with(_clean(), {(1, "loss"): "x"})],
+                                "cpu:2": [_with(_clean(), {(1, "loss"): "y"})]})
+    assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:1", "cpu:2"])
+
+
+def test_a_voter_on_another_machine_never_votes_against_the_record():
+    """The record and a replica disagree, but the replica's machine differs: incomparable, not suspect."""
+    other_machine = _with(_clean(), {(0, "forward:l0.a"): "x"})
+    consensus = vote(_clean(), {"cpu:0": [other_machine], "cpu:1": [other_machine]},
+                     incomparable={"cpu:0": ["cpu.capability: recorded 'AVX2', here 'AVX512'"],
+                                   "cpu:1": ["cpu.capability: recorded 'AVX2', here 'AVX512'"]})
+    assert (consensus.verdict, consensus.suspects) == ("incomparable", [])
+    assert {voter: v.verdict for voter, v in consensus.voters.items()} == {
+        "record": "match", "cpu:0": "incomparable", "cpu:1": "incomparable"}
+    assert "cpu.capability" in consensus.advice
+    # a comparable replica judges the record; the other machine's replicas vote among themselves,
+    # where two outvote the third
+    odd = _with(_clean(), {(1, "loss"): "odd"})
+    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [other_machine], "cpu:2": [other_machine],
+                                "cpu:3": [odd]},
+                     incomparable={label: ["torch.git: recorded 'a', here 'b'"] for label in ("cpu:1", "cpu:2", "cpu:3")})
+    assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:3"])
+    assert consensus.voters["cpu:3"].verdict == "persistent"
+    assert consensus.voters["record"].verdict == "match"
 
 
 def test_vote_refuses_a_replica_of_another_program():

@@ -114,9 +114,9 @@ def test_each_kind_names_the_odd_device_step_and_layer(kinds, llama_record, labe
 
 @pytest.mark.slow
 def test_the_many_faulty_replay_report(kinds, root):
-    """Seven of nine replicas faulty in different ways: no value has a majority downstream."""
-    assert kinds.consensus.verdict == "undecided"
-    assert kinds.consensus.undecided_entries > 0
+    """Seven of nine replicas faulty in different ways: the three that agree outvote seven that each differ."""
+    assert kinds.consensus.verdict == "persistent"
+    assert kinds.consensus.undecided_entries == 0
     assert kinds.consensus.suspects == list(KINDS)
     assert [run.verdict for run in kinds.devices] == ["match", "match"] + ["persistent"] * len(KINDS)
     assert kinds.exit_code == 1
@@ -129,11 +129,16 @@ def test_the_many_faulty_replay_report(kinds, root):
 
 @pytest.mark.slow
 def test_two_replicas_that_disagree_with_the_record_are_undecided(kinds, llama_record):
+    """cpu:4 goes wrong first, where the record and cpu:2 still agree: it is named. Downstream all three
+    differ, so whether cpu:2 or the record is right at cpu:2's fault is a tie only another device decides."""
     runs = {run.device: run.logs for run in kinds.devices}
     consensus = vote(llama_record, {"cpu:2": runs["cpu:2"], "cpu:4": runs["cpu:4"]})
     assert consensus.verdict == "undecided"
     assert consensus.undecided_entries > 0
-    assert consensus.suspects == ["cpu:2", "cpu:4"]
+    assert consensus.suspects == ["cpu:4"]
+    assert {voter: v.verdict for voter, v in consensus.voters.items()} == {
+        "record": "undecided", "cpu:2": "undecided", "cpu:4": "persistent"}
+    assert consensus.advice.startswith("record, cpu:2 are tied at ")
 
 
 def _clean_outputs(bundle: Path, specs: list[str]) -> dict[str, torch.Tensor]:
@@ -172,11 +177,21 @@ def test_pairflip_and_swap_would_be_missed_by_hash_tensor(kinds, llama):
 
 
 def test_a_fault_the_network_masks_shows_only_at_its_own_entry(llama, llama_record):
-    """Query position 0 attends only to itself: a flip there changes q and nothing downstream."""
+    """Query position 0 attends only to itself: a flip there changes q and nothing downstream in forward.
+
+    Its softmax row is exactly [1, 0, ...] whatever q is, so forward masks it on
+    every machine. Backward is not asserted: the attention backward recomputes
+    that row from a saved log-sum-exp and subtracts two dot products that are
+    equal only up to the BLAS's summation order, which differs by CPU (MKL
+    picks its kernels per CPU model), so whether the flip leaks there is a
+    property of the machine, not of the network.
+    """
     log = replay_on_device(llama, "cpu:9", inject=[
         "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"])
     comparison = compare_logs(llama_record, log)
-    assert [(d.step, d.name) for d in comparison.divergences] == [(1, "forward:layers.1.attn.wq")]
+    assert comparison.first.brief() == {"step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+    forward = [(d.step, d.name) for d in comparison.divergences if d.phase == "forward"]
+    assert forward == [(1, "forward:layers.1.attn.wq")]
 
 
 def test_a_weight_gradient_fault_is_named_by_its_grad_entry(llama, llama_record):
@@ -292,6 +307,7 @@ def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(t
     assert killed.verdict == "error"
     assert killed.error["message"] == "the cpu:1 process killed by signal SIGKILL"
     assert killed.error["exit_status"] == -signal.SIGKILL
+    assert killed.error["hint"].startswith("Killed from outside (out of memory, or a person/scheduler): retry alone")
     assert killed.logs == [] and killed.to_json()["error"]["message"].endswith("SIGKILL")
 
     assert runs["cpu:0"].verdict == runs["cpu:2"].verdict == "match"
