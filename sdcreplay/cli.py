@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from . import __version__
-from .errors import SdcReplayError
+from .errors import SdcReplayError, WorkloadError
 from .render import Output, escape, human_size, styled
 
 app = typer.Typer(
@@ -41,6 +41,12 @@ def run(out: Output, action) -> None:
     except KeyboardInterrupt:
         out.say("Interrupted.")
         raise typer.Exit(130) from None
+    except SystemExit as exc:  # workload code called sys.exit(): the tool could not do its job
+        if os.environ.get("SDCREPLAY_DEBUG") == "1":
+            raise
+        out.error(WorkloadError(f"the workload called sys.exit({exc.code!r})",
+                                "Workload code must return or raise, not exit the process."))
+        raise typer.Exit(3) from None
     except Exception as exc:
         if os.environ.get("SDCREPLAY_DEBUG") == "1":
             raise
@@ -69,7 +75,7 @@ def record(
     steps: Annotated[int, typer.Option(min=1, help="Training steps to record.")] = 4,
     out: Annotated[Path | None, typer.Option(help="Bundle directory to write (default: traces/<workload>.bundle).")] = None,
     device: Annotated[str, typer.Option(help="Device label to record on: cpu, cpu:N or cuda:N.")] = "cpu",
-    seed: Annotated[int, typer.Option(help="Seed for the workload and the RNGs.")] = 0,
+    seed: Annotated[int, typer.Option(min=-(2**63), max=2**64 - 1, help="Seed for the workload and the RNGs.")] = 0,
     checkpoint: Annotated[Path | None, typer.Option(help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256.")] = None,
     arg: Annotated[list[str] | None, typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
@@ -147,6 +153,7 @@ def replay(
     repeats: Annotated[int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")] = 1,
     inject: Annotated[list[str] | None, typer.Option("--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")] = None,
     logs: Annotated[Path | None, typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/).")] = None,
+    timeout: Annotated[float | None, typer.Option(min=0.1, max=7 * 24 * 3600, help="Seconds a device may go without finishing a step before it is killed and reported (default: derived from the recorded step times).")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Replay a bundle bit for bit on one or more devices and vote on every signature."""
@@ -158,11 +165,14 @@ def replay(
         devices = device or ["cpu"]
         with output.progress("replaying", len(devices)) as advance:
             report = replay_devices(bundle, devices, repeats=repeats, inject=inject or [], log_dir=logs,
-                                    on_done=lambda label, _: advance(note=label))
+                                    on_done=lambda label, _: advance(note=label), timeout=timeout)
         render_replay(output, report)
         if inject and not any(fired for run_ in report.devices for fired in run_.injected):
             output.warn("no injected fault fired on any device: check op=, module=, phase=, step= and index= against the workload")
         output.data(report.to_json())
+        failure = report.failure()
+        if failure is not None:
+            output.error(failure)
         return report.exit_code
 
     run(output, action)
@@ -180,7 +190,10 @@ def render_replay(output: Output, report) -> None:
         first = data["first_divergence"]
         where = f"step {first['step']} {first['name']}" if first else "-"
         repeats = f"{data['divergent_repeats']}/{data['repeats']}" if run_.error is None else "-"
-        rows.append([run_.device, styled(run_.verdict), where, repeats, _step_marks(data["steps"])])
+        verdict = styled(run_.verdict)
+        if run_.error and run_.error.get("timed_out") is not None:
+            verdict += f" (timed out after {run_.error['timed_out']:g} s)"
+        rows.append([run_.device, verdict, where, repeats, _step_marks(data["steps"])])
     if report.consensus is not None:
         record = report.consensus.voters["record"]
         first = record.first_divergence
@@ -196,6 +209,8 @@ def render_replay(output: Output, report) -> None:
                 output.say(f"  Hint: {escape(run_.error['hint'])}")
             if run_.error.get("stderr_tail"):
                 output.say("  " + escape(run_.error["stderr_tail"]).replace("\n", "\n  "))
+            if run_.error.get("log"):
+                output.say(f"  Log: {escape(run_.error['log'])}")
     if report.consensus is None:
         return
     consensus = report.consensus
@@ -207,6 +222,9 @@ def render_replay(output: Output, report) -> None:
         "recording_suspect": "every replay agrees with the others but not with the record: the recording device computed wrong.",
         "undecided": "the runs disagree and no value has a majority: replay on a third device to decide.",
     }[verdict]
+    if report.failed:
+        explanation += (f" (from the {len(report.devices) - len(report.failed)} of {len(report.devices)} devices "
+                        f"that finished; {len(report.failed)} did not)")
     output.say(f"Verdict: {styled(verdict)}: {explanation}")
     if consensus.first_divergence is not None:
         first = consensus.first_divergence

@@ -15,6 +15,7 @@ later keeps every step that completed.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from .bundle import Bundle, BundleWriter, checkpoint_reference, load_checkpoint
 from .capture import OperatorMode, SignatureCapture
 from .devices import torch_device
 from .digest import algorithm_for
-from .errors import CheckpointError
+from .errors import CheckpointError, WorkloadError
 from .faults import Injector, parse_specs
 from .tensorio import map_tensors
 from .workload import accepts_seed, build_workload, canonical_ref
@@ -97,7 +98,7 @@ class Recorder:
         self._capture = SignatureCapture(model, optimizer, max_depth=max_depth)
         self._hook = optimizer.register_step_post_hook(lambda *_: self._finish_pending())
         self._next_index = start_step
-        self._pending: tuple[int, Any, determinism.RngState] | None = None
+        self._pending: tuple[int, Any, determinism.RngState, float] | None = None
         self.steps_written = 0
         self.entries_written = 0
         self.path: Path = self._writer.path
@@ -106,23 +107,25 @@ class Recorder:
     def step(self, batch: Any) -> Iterator[None]:
         """Record one forward/backward; the optimizer step that follows completes it."""
         self._finish_pending()
+        started = time.perf_counter()
         rng = determinism.capture_rng(self.device)
         stored_batch = map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
         self._capture.begin_step(rng)
         with _loss_capture(self._capture):
             yield
         self._capture.record_gradients()
-        self._pending = (self._next_index, stored_batch, rng)
+        self._pending = (self._next_index, stored_batch, rng, started)
         self._next_index += 1
 
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        index, batch, rng = self._pending
+        index, batch, rng, started = self._pending
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
-        self._writer.add_step(index, batch, rng, entries, optimizer_step=stepped)
+        seconds = time.perf_counter() - started  # replay derives its hang timeout from it
+        self._writer.add_step(index, batch, rng, entries, optimizer_step=stepped, seconds=seconds)
         self.steps_written += 1
         self.entries_written += len(entries)
 
@@ -164,6 +167,13 @@ def _check_model_matches_checkpoint(model: torch.nn.Module, reference: dict) -> 
                 f"the model's {name} differs from checkpoint {reference['path']}",
                 "Load the checkpoint into the model (and optimizer) before creating the Recorder.",
             )
+
+
+def _check_loss(workload: str, index: int, loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise WorkloadError(f"the loss_fn of {workload} returned {shape} in step {index}, not a scalar tensor",
+                            "Return the loss as one number (e.g. reduce it with .mean()).")
 
 
 @dataclass
@@ -225,6 +235,7 @@ def record(
             with mode:
                 with recorder.step(batch):
                     loss = built.loss_fn(built.model, batch)
+                    _check_loss(workload, index, loss)
                     loss.backward()
                 built.optimizer.step()
                 built.optimizer.zero_grad()

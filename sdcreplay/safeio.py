@@ -45,8 +45,12 @@ def regular_file_inside(root: Path, name: str) -> Path:
     return path
 
 
-def read_limited(path: Path, limit: int, what: str) -> bytes:
-    """The bytes of a regular file (a symlink to one is followed), refusing one longer than ``limit``."""
+def read_limited(path: Path, limit: int, what: str, prefix: bool = False) -> bytes:
+    """The bytes of a regular file (a symlink to one is followed), refusing one longer than ``limit``.
+
+    ``prefix``: a longer file is fine, only its first ``limit`` bytes are read
+    (an append-only log that grew after its manifest was written).
+    """
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -64,6 +68,8 @@ def read_limited(path: Path, limit: int, what: str) -> bytes:
             data = handle.read(limit + 1)
         except OSError as exc:
             raise BundleError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    if len(data) > limit and prefix:
+        return data[:limit]
     if len(data) > limit:
         raise BundleError(f"{what} {path} is larger than {limit} bytes, more than it can hold")
     return data

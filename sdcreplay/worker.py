@@ -21,6 +21,26 @@ from pathlib import Path
 from .errors import SdcReplayError
 
 
+class Heartbeat:
+    """The liveness signal: the task touches its ``alive`` file whenever it makes progress.
+
+    The parent kills a process whose file stays untouched longer than the
+    timeout; the file's text says where the task got to, for the report.
+    """
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.where = "starting"
+
+    def beat(self, where: str) -> None:
+        self.where = where
+        if self.path is not None:
+            self.path.write_text(where)
+
+
+HEARTBEAT = Heartbeat(None)
+
+
 def run_replay_task(task: dict) -> dict:
     from .replay import replay_on_device
     from .signature import write_signature_log
@@ -30,6 +50,7 @@ def run_replay_task(task: dict) -> dict:
         log = replay_on_device(
             task["bundle"], task["device"], last_step=task.get("last_step"),
             inject=task.get("inject", ()), repeat=repeat,
+            on_step=lambda index, repeat=repeat: HEARTBEAT.beat(f"step {index} (repeat {repeat})"),
         )
         path = Path(task["log_dir"]) / f"{task['device'].replace(':', '-')}.r{repeat}.sig.zst"
         write_signature_log(path, log)
@@ -59,15 +80,26 @@ TASKS = {
 def main(argv: list[str]) -> int:
     task = json.loads(Path(argv[1]).read_text())
     result_path = Path(task["result"])
+    HEARTBEAT.path = Path(task["alive"]) if task.get("alive") else None
+    HEARTBEAT.beat("started")
+    log_hint = f"The traceback is in {task['stderr']}." if task.get("stderr") else "The traceback is on stderr."
     try:
         result = TASKS[task["kind"]](task)
         status = 0
     except SdcReplayError as exc:
         result = {"error": {"message": exc.message, "hint": exc.hint}}
         status = 3
+    except SystemExit as exc:  # workload code called sys.exit(): this device's failure, not an exit code
+        traceback.print_exc()
+        result = {"error": {"message": f"the workload called sys.exit({exc.code!r}) at {HEARTBEAT.where}",
+                            "hint": f"Workload code must not exit the process. {log_hint}"}}
+        status = 3
     except Exception as exc:  # reported for this device; the others go on
         traceback.print_exc()
-        result = {"error": {"message": f"{type(exc).__name__}: {exc}", "hint": None}}
+        first_line = (str(exc).splitlines() or [""])[0][:300]
+        result = {"error": {"message": f"the workload failed at {HEARTBEAT.where}: {type(exc).__name__}: {first_line}",
+                            "hint": "A stored batch or state the workload cannot use (a damaged or foreign bundle), "
+                                    f"or a workload that changed since the recording. {log_hint}"}}
         status = 3
     result_path.write_text(json.dumps(result))
     return status
