@@ -214,18 +214,18 @@ class BundleWriter:
     def __init__(self, path: Path, header: dict, overwrite: bool = False):
         self.final_path = Path(path)
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
-        _claim(self.final_path, overwrite, "",
-               "Choose another --out, or pass --overwrite to replace the old bundle.")
-        _claim(self.path, overwrite, "a leftover partial recording",
-               f"It may be the only evidence of a crash: `sdcreplay info {self.path}` shows what it "
-               "holds; move it away, or pass --overwrite to replace it.")
-        if self.path.exists():
-            shutil.rmtree(self.path)
         try:
+            _claim(self.final_path, overwrite, "",
+                   "Choose another --out, or pass --overwrite to replace the old bundle.")
+            _claim(self.path, overwrite, "a leftover partial recording",
+                   f"It may be the only evidence of a crash: `sdcreplay info {self.path}` shows what it "
+                   "holds; move it away, or pass --overwrite to replace it.")
+            if self.path.exists():
+                shutil.rmtree(self.path)
             (self.path / "steps").mkdir(parents=True)
         except OSError as exc:
             raise BundleError(
-                f"cannot create the bundle directory {self.path}: {exc.strerror}",
+                f"cannot create the bundle directory {str(self.path)[:200]}: {exc.strerror}",
                 "Choose an --out in a writable directory (not under a file or /proc, "
                 "each name at most 255 bytes).",
             ) from exc
@@ -360,6 +360,11 @@ def optional(check: Check) -> Check:
     return Check(lambda v: v is _MISSING or v is None or check.test(v), f"null or {check.expected}")
 
 
+def nullable(check: Check) -> Check:
+    """Present, and null or ``check``."""
+    return Check(lambda v: v is None or check.test(v), f"null or {check.expected}")
+
+
 def mapping(key: Check, value: Check) -> Check:
     return Check(lambda v: isinstance(v, dict) and all(key.test(k) and value.test(x) for k, x in v.items()),
                  f"an object whose keys are {key.expected} and values {value.expected}")
@@ -381,11 +386,20 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "workload": OBJECT,
     "workload.ref": text(4096),
     "workload.kwargs": mapping(text(256), Check(lambda v: True, "any JSON value")),
+    "workload.kwargs.seed": optional(integer(-(2**63), 2**64 - 1)),
     "device": text(64, r"[a-z]+(:\d{1,6})?"),
     "device_type": text(32, "[a-z]+"),
     "digest": optional(text(64)),
     "environment": OBJECT,
+    "environment.host": text(256),
+    "environment.platform": text(1024),
+    "environment.python": text(64),
+    "environment.torch": text(64),
+    "environment.numpy": optional(text(64)),
+    "environment.cuda": nullable(text(64)),
+    "environment.cudnn": nullable(integer(0, 10**9)),
     "environment.device": OBJECT,
+    "environment.device.name": optional(text(1024)),
     "environment.env": optional(mapping(ENV_NAME, optional(text(65536)))),
     "determinism": OBJECT,
     "determinism.deterministic_algorithms": BOOL,
@@ -508,7 +522,9 @@ class Bundle:
         raw = read_limited(manifest_path, MAX_MANIFEST_BYTES, "manifest")
         try:
             manifest = json.loads(raw.decode("utf-8"))
-        except (ValueError, RecursionError) as exc:
+        except RecursionError as exc:
+            raise BundleError(f"{manifest_path} nests deeper than {MAX_JSON_DEPTH} levels") from exc
+        except ValueError as exc:
             raise BundleError(f"{manifest_path} is not valid JSON: {str(exc)[:200]}") from exc
         _validate_manifest(manifest)
         bundle = cls(path, manifest)
@@ -521,7 +537,7 @@ class Bundle:
         return self.manifest["complete"]
 
     def verify_files(self) -> None:
-        """Check every listed file's size and SHA-256.
+        """Check every listed file's size and SHA-256, and that HDF5 files keep all their data inside.
 
         In an incomplete bundle an append-only log may be longer than listed
         (the recording died between appending a step and rewriting the
@@ -539,6 +555,8 @@ class Bundle:
                 raise BundleError(f"cannot read bundle file {name}: {exc}") from exc
             if actual != meta["sha256"]:
                 raise BundleError(f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)")
+            if name.endswith(".h5"):
+                self._open_h5(name).close()  # refuses data kept outside the file
 
     @property
     def workload_ref(self) -> str:
@@ -611,6 +629,12 @@ class Bundle:
                 optimizer = tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
             except KeyError as exc:
                 raise BundleError(f"{STATE} is damaged: {exc}") from exc
+        if not (isinstance(model, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in model.items())):
+            raise BundleError(f"{STATE}: the model state is not a mapping of names to tensors")
+        if optimizer is not None and not (isinstance(optimizer, dict) and set(optimizer) == {"state", "param_groups"}
+                                          and isinstance(optimizer["param_groups"], list)):
+            raise BundleError(f"{STATE}: the optimizer state is not an optimizer state_dict (state, param_groups)")
         return model, optimizer
 
     def size_bytes(self) -> int:

@@ -152,11 +152,27 @@ def replay_on_device(
         for record in session.steps_until(last_step):
             if on_step is not None:
                 on_step(record.index)
-            log.steps[record.index] = session.run_step(record)
+            log.steps[record.index] = _run_workload_step(session, record)
         log.meta["injected"] = [injection.to_json() for injection in session.injector.fired]
         return log
     finally:
         session.close()
+
+
+def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple[str, str]]:
+    """One step, with what the workload raises on the bundle's data named as such (exit 3, not a crash)."""
+    try:
+        return session.run_step(record)
+    except SdcReplayError:
+        raise
+    except Exception as exc:
+        first_line = (str(exc).splitlines() or [""])[0][:300]
+        raise WorkloadError(
+            f"{session.bundle.workload_ref} raised {type(exc).__name__} in step {record.index} "
+            f"on {session.label}: {first_line}",
+            "The stored batch or state does not fit the workload (a damaged or foreign bundle), or the "
+            "workload changed since the recording; the device's log holds the traceback.",
+        ) from exc
 
 
 @dataclass
@@ -393,10 +409,11 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> dict | None:
         with contextlib.suppress(ValueError, OSError):
             result = json.loads(device.result.read_text())
     if not isinstance(result, dict) or (status != 0 and not isinstance(result.get("error"), dict)):
+        # died without a word (signal, os._exit): its last lines of stderr are all there is to say
         result = {"error": {"message": f"the {label} process {_exit_description(status)}",
-                            "hint": f"Its log is {device.stderr}."}}
+                            "hint": f"Its log is {device.stderr}.", "stderr_tail": _tail(device.stderr)}}
     if "error" in result:
-        result["error"].update(exit_status=status, log=str(device.stderr), stderr_tail=_tail(device.stderr))
+        result["error"].update(exit_status=status, log=str(device.stderr))
     return result
 
 

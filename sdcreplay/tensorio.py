@@ -210,7 +210,9 @@ def read_tree(group: h5py.Group, keep_strides: bool = False) -> Any:
         raise BundleError(f"{group.name} is a dataset where a group of tensors was expected")
     try:
         skeleton = json.loads(group.attrs["skeleton"])
-    except (KeyError, ValueError, TypeError, RecursionError) as exc:
+    except RecursionError as exc:
+        raise BundleError(f"the structure of {group.name} nests deeper than 32 levels") from exc
+    except (KeyError, ValueError, TypeError) as exc:
         raise BundleError(f"{group.name} has no readable structure: {str(exc)[:200]}") from exc
     check_json_value(skeleton, f"the structure of {group.name}")
     return _decode(skeleton, group, keep_strides)

@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
         result = TASKS[task["kind"]](task)
         status = 0
     except SdcReplayError as exc:
+        traceback.print_exc()  # into the device's log file, for whoever debugs it
         result = {"error": {"message": exc.message, "hint": exc.hint}}
         status = 3
     except SystemExit as exc:  # workload code called sys.exit(): this device's failure, not an exit code
