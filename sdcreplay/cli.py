@@ -69,13 +69,20 @@ def parse_kwargs(pairs: list[str]) -> dict:
     return kwargs
 
 
+def _seed_in_range(seed: int) -> int:
+    """torch.manual_seed takes [-2**63, 2**64 - 1]; a larger seed is a usage error, not an overflow later."""
+    if not -(2**63) <= seed <= 2**64 - 1:
+        raise typer.BadParameter(f"{seed} is outside [-2**63, 2**64 - 1], the seeds torch accepts")
+    return seed
+
+
 @app.command()
 def record(
     workload: Annotated[str, typer.Argument(help="builtin:tiny-llama, builtin:tiny-moe, package.module:function or path/to/file.py:function.")],
     steps: Annotated[int, typer.Option(min=1, help="Training steps to record.")] = 4,
     out: Annotated[Path | None, typer.Option(help="Bundle directory to write (default: traces/<workload>.bundle).")] = None,
     device: Annotated[str, typer.Option(help="Device label to record on: cpu, cpu:N or cuda:N.")] = "cpu",
-    seed: Annotated[int, typer.Option(min=-(2**63), max=2**64 - 1, help="Seed for the workload and the RNGs.")] = 0,
+    seed: Annotated[int, typer.Option(callback=_seed_in_range, help="Seed for the workload and the RNGs.")] = 0,
     checkpoint: Annotated[Path | None, typer.Option(help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256.")] = None,
     arg: Annotated[list[str] | None, typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
@@ -223,8 +230,8 @@ def render_replay(output: Output, report) -> None:
         "undecided": "the runs disagree and no value has a majority: replay on a third device to decide.",
     }[verdict]
     if report.failed:
-        explanation += (f" (from the {len(report.devices) - len(report.failed)} of {len(report.devices)} devices "
-                        f"that finished; {len(report.failed)} did not)")
+        explanation = (explanation.rstrip(".") + f" (from the {len(report.devices) - len(report.failed)} of "
+                       f"{len(report.devices)} devices that finished; {len(report.failed)} did not).")
     output.say(f"Verdict: {styled(verdict)}: {explanation}")
     if consensus.first_divergence is not None:
         first = consensus.first_divergence
@@ -430,7 +437,7 @@ def render_minimize(output: Output, result: dict) -> None:
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option(help="Directory for everything the demo writes (replaced).")] = Path("demo-out"),
+    out: Annotated[Path, typer.Option(help="Directory for everything the demo writes (an earlier demo's is replaced; any other directory is refused).")] = Path("demo-out"),
 ) -> None:
     """The whole story on builtin:tiny-llama: record, replay on 3 replicas (cpu:1 defective), diff, bisect, minimize."""
     from .demo import DEFECT, run_demo

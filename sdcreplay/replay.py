@@ -399,8 +399,8 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> dict | None:
         return {"error": {
             "message": f"the {label} process timed out after {timeout:g} s without progress "
                        f"(at {where}) and was killed",
-            "hint": f"A hung device or workload; its log is {device.stderr}. If the step is just slow, "
-                    "give more time with --timeout SECONDS.",
+            "hint": "A hung device or workload (its log may say where). If the step is just slow, "
+                    "give it more time with --timeout SECONDS.",
             "timed_out": timeout, "exit_status": None, "log": str(device.stderr),
             "stderr_tail": _tail(device.stderr)}}
     process.join(5)
@@ -411,7 +411,9 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> dict | None:
     if not isinstance(result, dict) or (status != 0 and not isinstance(result.get("error"), dict)):
         # died without a word (signal, os._exit): its last lines of stderr are all there is to say
         result = {"error": {"message": f"the {label} process {_exit_description(status)}",
-                            "hint": f"Its log is {device.stderr}.", "stderr_tail": _tail(device.stderr)}}
+                            "hint": "A crash below Python (a signal: segfault, out-of-memory kill, driver "
+                                    "failure); its log may say more. Replay it again to see if it recurs.",
+                            "stderr_tail": _tail(device.stderr)}}
     if "error" in result:
         result["error"].update(exit_status=status, log=str(device.stderr))
     return result
