@@ -154,6 +154,12 @@ def verify_checkpoint(reference: dict) -> Path:
             f"checkpoint {path} referenced by the bundle does not exist",
             "Restore the checkpoint at that path (the bundle holds its SHA-256 to check it).",
         )
+    size = path.stat().st_size
+    if reference.get("size") is not None and size != reference["size"]:
+        raise CheckpointError(
+            f"checkpoint {path} changed since the recording ({size} bytes, recorded {reference['size']})",
+            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
+        )
     actual = sha256_file(path)
     if actual != reference["sha256"]:
         raise CheckpointError(
@@ -509,14 +515,15 @@ class Bundle:
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
         path = Path(path)
-        if not path.exists() and path.with_name(path.name + PARTIAL_SUFFIX).exists():
-            path = path.with_name(path.name + PARTIAL_SUFFIX)
-        if not path.is_dir():
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        if not os.path.exists(path) and os.path.exists(partial):  # os.path: no OSError for odd names
+            path = partial
+        if not os.path.isdir(path):
             raise BundleError(
-                f"{path} is not a bundle directory",
+                f"{str(path)[:300]} is not a bundle directory",
                 "Give the directory `sdcreplay record --out` wrote.",
             )
-        if not (path / MANIFEST).exists() and not (path / MANIFEST).is_symlink():
+        if not os.path.lexists(path / MANIFEST):
             raise BundleError(f"{path} has no {MANIFEST}")
         manifest_path = regular_file_inside(path, MANIFEST)
         raw = read_limited(manifest_path, MAX_MANIFEST_BYTES, "manifest")

@@ -39,14 +39,22 @@ MISBEHAVIOURS = {"hang": _hang, "exit": _exit, "kill": _kill, "raise": _raise}
 
 def make_workload(seed: int = 0, misbehave: str = "none", on_device: str = "cpu:1", at_step: int = 1,
                   scalar_loss: bool = True, **small) -> Workload:
-    """tiny-llama whose ``at_step``-th loss call on ``on_device`` misbehaves (counted from 0)."""
+    """tiny-llama whose ``at_step``-th loss call on ``on_device`` misbehaves (counted from 0).
+
+    ``misbehave`` is one of MISBEHAVIOURS, or ``DEVICE=KIND,...`` for one kind per device.
+    """
     workload = tiny_llama.make_workload(seed=seed, **small)
     calls = itertools.count()
+    if "=" in misbehave:
+        plan = dict(pair.split("=") for pair in misbehave.split(","))
+    else:
+        plan = {on_device: misbehave}
 
     def loss_fn(model, batch):
         call = next(calls)
-        if os.environ.get("SDCREPLAY_DEVICE", "main") == on_device and call >= at_step:
-            MISBEHAVIOURS[misbehave]()
+        kind = plan.get(os.environ.get("SDCREPLAY_DEVICE", "main"))
+        if kind is not None and call >= at_step:
+            MISBEHAVIOURS[kind]()
         loss = workload.loss_fn(model, batch)
         return loss if scalar_loss else loss.expand(2)
 
