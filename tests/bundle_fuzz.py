@@ -164,15 +164,24 @@ def h5_attr(bundle: Path, rng: random.Random) -> str:
     return f"{name} {target.name}.attrs[{key}] = {str(value)[:30]}"
 
 
+def take_dataset(handle: h5py.File, target: str) -> tuple[dict, np.ndarray]:
+    """Remove a dataset, returning its attributes and values (to put back changed)."""
+    old = handle[target]
+    attrs, data = dict(old.attrs), np.asarray(old[()])
+    del handle[target]
+    return attrs, data
+
+
+def _random_dataset(handle: h5py.File, rng: random.Random) -> str:
+    return rng.choice([n for n in _objects(handle) if isinstance(handle[n], h5py.Dataset)])
+
+
 def h5_data(bundle: Path, rng: random.Random) -> str:
     name = rng.choice(_h5_files(bundle))
     with h5py.File(bundle / name, "a") as handle:
-        datasets = [n for n in _objects(handle) if isinstance(handle[n], h5py.Dataset)]
-        target = rng.choice(datasets)
-        old = handle[target]
-        attrs = dict(old.attrs)
+        target = _random_dataset(handle, rng)
+        attrs, data = take_dataset(handle, target)
         edit = rng.choice(["values", "dtype", "shape", "strings", "compound", "big"])
-        data = old[()]
         if edit == "values" and np.size(data):
             data = np.array(data, copy=True)
             flat = data.reshape(-1)
@@ -190,10 +199,7 @@ def h5_data(bundle: Path, rng: random.Random) -> str:
             data = np.zeros(3, dtype=[("a", "i4"), ("b", "f4")])
         else:
             data = np.zeros(rng.choice([10**5, 2 * 10**6]), dtype=np.int64)
-        del handle[target]
-        created = handle.create_dataset(target, data=data)
-        for key, value in attrs.items():
-            created.attrs[key] = value
+        handle.create_dataset(target, data=data).attrs.update(attrs)
     rehash(bundle, name)
     return f"{name} {target} {edit}"
 
@@ -211,25 +217,25 @@ def h5_outside(bundle: Path, rng: random.Random) -> str:
     """Data that lives outside the file: an external link or external raw storage (read outside the bundle)."""
     name = rng.choice(_h5_files(bundle))
     outside = bundle.parent / f"outside-{rng.randrange(10**6)}"
+    kind = rng.choice(["external link", "external storage"])
     with h5py.File(bundle / name, "a") as handle:
-        datasets = [n for n in _objects(handle) if isinstance(handle[n], h5py.Dataset)]
-        target = rng.choice(datasets)
-        old = handle[target]
-        attrs, data = dict(old.attrs), np.asarray(old[()])
-        del handle[target]
-        if rng.random() < 0.5:
-            with h5py.File(f"{outside}.h5", "w") as other:
-                other.create_dataset("data", data=data).attrs.update(attrs)
-            handle[target] = h5py.ExternalLink(f"{outside}.h5", "data")
-            kind = "external link"
-        else:
-            Path(f"{outside}.raw").write_bytes(data.tobytes())
-            created = handle.create_dataset(target, shape=data.shape, dtype=data.dtype,
-                                            external=[(f"{outside}.raw", 0, h5py.h5f.UNLIMITED)])
-            created.attrs.update(attrs)
-            kind = "external storage"
+        target = _random_dataset(handle, rng)
+        put_outside(handle, target, outside, kind)
     rehash(bundle, name)
     return f"{name} {target} {kind}"
+
+
+def put_outside(handle: h5py.File, target: str, outside: Path, kind: str) -> None:
+    """Move a dataset's values to ``outside`` (+ .h5 or .raw), leaving an external link or external storage."""
+    attrs, data = take_dataset(handle, target)
+    if kind == "external link":
+        with h5py.File(f"{outside}.h5", "w") as other:
+            other.create_dataset("data", data=data).attrs.update(attrs)
+        handle[target] = h5py.ExternalLink(f"{outside}.h5", "data")
+    else:
+        Path(f"{outside}.raw").write_bytes(data.tobytes())
+        handle.create_dataset(target, shape=data.shape, dtype=data.dtype,
+                              external=[(f"{outside}.raw", 0, h5py.h5f.UNLIMITED)]).attrs.update(attrs)
 
 
 def _frames(raw: bytes) -> list[bytes]:

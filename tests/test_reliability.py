@@ -160,22 +160,10 @@ def test_hdf5_data_outside_the_bundle_is_refused(tmp_path: Path, cli, small_bund
 
 def _plant_outside(bundle: Path, kind: str, tmp_path: Path) -> str:
     """Replace the batch tensor of step 0 by data that lives in a file outside the bundle."""
-    name = "steps/000000.h5"
-    with h5py.File(bundle / name, "a") as handle:
-        old = handle["batch/t0"]
-        attrs, data = dict(old.attrs), np.asarray(old[()])
-        del handle["batch/t0"]
-        if kind == "external link":
-            with h5py.File(tmp_path / "outside.h5", "w") as other:
-                other.create_dataset("data", data=data).attrs.update(attrs)
-            handle["batch/t0"] = h5py.ExternalLink(str(tmp_path / "outside.h5"), "data")
-        else:
-            (tmp_path / "outside.raw").write_bytes(data.tobytes())
-            handle.create_dataset("batch/t0", shape=data.shape, dtype=data.dtype,
-                                  external=[(str(tmp_path / "outside.raw"), 0, h5py.h5f.UNLIMITED)]
-                                  ).attrs.update(attrs)
-    bundle_fuzz.rehash(bundle, name)
-    return "external link" if kind == "external link" else "external storage"
+    with h5py.File(bundle / "steps/000000.h5", "a") as handle:
+        bundle_fuzz.put_outside(handle, "batch/t0", tmp_path / "outside", kind)
+    bundle_fuzz.rehash(bundle, "steps/000000.h5")
+    return kind
 
 
 # -- wrong answers ----------------------------------------------------------------------------------
@@ -271,8 +259,7 @@ def _edit_step_file(bundle: Path, edit) -> None:
 
 
 def _replace_dataset(handle: h5py.File, name: str, data) -> None:
-    attrs = dict(handle[name].attrs)
-    del handle[name]
+    attrs, _ = bundle_fuzz.take_dataset(handle, name)
     handle.create_dataset(name, data=data).attrs.update(attrs)
 
 
