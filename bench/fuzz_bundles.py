@@ -34,7 +34,9 @@ from sdcreplay import record  # noqa: E402
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mutations", type=int, default=2000, help="hash-valid semantic mutations")
-    parser.add_argument("--raw", type=int, default=200, help="raw byte mutations (hashes not fixed)")
+    parser.add_argument(
+        "--raw", type=int, default=200, help="raw byte mutations (hashes not fixed)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=20, help="bugs to print in full")
     return parser.parse_args()
@@ -48,7 +50,9 @@ def main() -> int:
     record("builtin:tiny-llama", original, steps=2, seed=0, kwargs=dict(SMALL))
     baseline = bundle_fuzz.original_verdict(original)
     rng = random.Random(args.seed)
-    plan = [("semantic", name) for name in rng.choices(sorted(bundle_fuzz.SEMANTIC), k=args.mutations)]
+    plan = [
+        ("semantic", name) for name in rng.choices(sorted(bundle_fuzz.SEMANTIC), k=args.mutations)
+    ]
     plan += [("raw", "raw_bytes")] * args.raw
     counts: collections.Counter = collections.Counter()
     per_mutation: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -61,7 +65,9 @@ def main() -> int:
         try:
             what = mutate(copy, random.Random(rng.random()))
         except (RecursionError, ValueError, TypeError, KeyError, IndexError, OSError):
-            counts["mutation not applicable"] += 1  # e.g. a 978-deep value json.dumps refuses to write
+            counts["mutation not applicable"] += (
+                1  # e.g. a 978-deep value json.dumps refuses to write
+            )
             shutil.rmtree(copy)
             continue
         outcome = bundle_fuzz.judge(copy, original)
@@ -78,15 +84,23 @@ def main() -> int:
         for extra in work.glob("outside-*"):
             extra.unlink()
         if number % 100 == 99:
-            print(f"{number + 1}/{len(plan)} in {time.time() - started:.0f} s: {dict(counts)}", file=sys.stderr)
+            print(
+                f"{number + 1}/{len(plan)} in {time.time() - started:.0f} s: {dict(counts)}",
+                file=sys.stderr,
+            )
     summary = {
-        "mutations": {"semantic": args.mutations, "raw": args.raw}, "seed": args.seed,
-        "seconds": round(time.time() - started), "baseline": baseline, "outcomes": dict(sorted(counts.items())),
+        "mutations": {"semantic": args.mutations, "raw": args.raw},
+        "seed": args.seed,
+        "seconds": round(time.time() - started),
+        "baseline": baseline,
+        "outcomes": dict(sorted(counts.items())),
         "per_mutation": {name: dict(c) for name, c in sorted(per_mutation.items())},
         "tracebacks": sum(1 for _, kind, _ in bugs if kind == "traceback"),
         "catch_all": sum(1 for _, kind, _ in bugs if kind == "catch_all"),
         "hangs": sum(1 for _, kind, _ in bugs if kind == "hang"),
-        "changed_verdicts_of_inert_edits": sum(1 for _, kind, _ in bugs if kind == "changed verdict"),
+        "changed_verdicts_of_inert_edits": sum(
+            1 for _, kind, _ in bugs if kind == "changed verdict"
+        ),
     }
     print(json.dumps(summary, indent=2))
     shutil.rmtree(work, ignore_errors=True)

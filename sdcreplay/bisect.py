@@ -361,7 +361,8 @@ def bisect(
     opened = Bundle.open(bundle)
     if step is not None and step not in opened.step_indices:
         raise SdcReplayError(f"the bundle has no step {step} (it has steps {opened.step_indices})",
-                             "Give --step one of the recorded steps (`sdcreplay info BUNDLE` lists them).")
+                             "Give --step one of the recorded steps "
+                             "(`sdcreplay info BUNDLE` lists them).")
     reference = validate_label(reference)
     suspect = validate_label(suspect) if suspect else None
     if suspect == reference:

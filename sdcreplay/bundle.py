@@ -122,9 +122,10 @@ def _check_rng(state: RngState, filename: str) -> None:
         random.Random().setstate(state.python)
         np.random.RandomState().set_state(state.numpy)
         torch.Generator().set_state(state.cpu)
-        if state.accelerator is not None and (state.accelerator.dtype != torch.uint8 or state.accelerator.dim() != 1):
-            raise ValueError(f"the accelerator state is {state.accelerator.dtype} of shape "
-                             f"{list(state.accelerator.shape)}, expected a 1-D uint8 tensor")
+        accelerator = state.accelerator
+        if accelerator is not None and (accelerator.dtype != torch.uint8 or accelerator.dim() != 1):
+            raise ValueError(f"the accelerator state is {accelerator.dtype} of shape "
+                             f"{list(accelerator.shape)}, expected a 1-D uint8 tensor")
     except (ValueError, TypeError, RuntimeError, OverflowError, IndexError) as exc:
         raise BundleError(
             f"RNG state in {filename} is invalid: {str(exc).splitlines()[0][:200]}",
@@ -157,7 +158,8 @@ def verify_checkpoint(reference: dict) -> Path:
     size = path.stat().st_size
     if reference.get("size") is not None and size != reference["size"]:
         raise CheckpointError(
-            f"checkpoint {path} changed since the recording ({size} bytes, recorded {reference['size']})",
+            f"checkpoint {path} changed since the recording "
+            f"({size} bytes, recorded {reference['size']})",
             "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
         )
     actual = sha256_file(path)
@@ -198,7 +200,8 @@ def written_by_us(path: Path) -> bool:
     steps = path / "steps"
     if "steps" in names and (steps.is_symlink() or not steps.is_dir()):
         return False
-    return "steps" not in names or all(re.fullmatch(r"\d{6}\.h5(\.tmp)?", entry.name) for entry in steps.iterdir())
+    step_name = re.compile(r"\d{6}\.h5(\.tmp)?")
+    return "steps" not in names or all(step_name.fullmatch(entry.name) for entry in steps.iterdir())
 
 
 def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
@@ -206,10 +209,11 @@ def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
     if not path.exists() and not path.is_symlink():
         return
     if not overwrite:
-        raise BundleError(f"{path} already exists ({what})" if what else f"{path} already exists", hint)
+        raise BundleError(f"{path} already exists" + (f" ({what})" if what else ""), hint)
     if not written_by_us(path):
         raise BundleError(
-            f"{path} exists and is not a bundle; --overwrite replaces only a bundle sdcreplay wrote",
+            f"{path} exists and is not a bundle; "
+            "--overwrite replaces only a bundle sdcreplay wrote",
             "Choose another --out, or move that file or directory away yourself.",
         )
 
@@ -224,8 +228,9 @@ class BundleWriter:
             _claim(self.final_path, overwrite, "",
                    "Choose another --out, or pass --overwrite to replace the old bundle.")
             _claim(self.path, overwrite, "a leftover partial recording",
-                   f"It may be the only evidence of a crash: `sdcreplay info {self.path}` shows what it "
-                   "holds; move it away, or pass --overwrite to replace it.")
+                   "It may be the only evidence of a crash: "
+                   f"`sdcreplay info {self.path}` shows what it holds; "
+                   "move it away, or pass --overwrite to replace it.")
             if self.path.exists():
                 shutil.rmtree(self.path)
             (self.path / "steps").mkdir(parents=True)
@@ -269,7 +274,7 @@ class BundleWriter:
 
     def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]],
                  optimizer_step: bool, seconds: float | None = None) -> None:
-        """``seconds``: how long the step took while recording; replay derives its timeout from it."""
+        """``seconds``: how long the step took while recording (replay's timeout comes from it)."""
         name = f"steps/{index:06d}.h5"
         with h5py.File(self.path / name, "w") as handle:
             tensorio.write_tree(handle.create_group("batch"), batch)
@@ -277,7 +282,8 @@ class BundleWriter:
         self._note_file(name)
         self._signatures.append_step(index, entries)
         self._note_stream_files()
-        step = {"index": index, "file": name, "entries": len(entries), "optimizer_step": optimizer_step}
+        step = {"index": index, "file": name, "entries": len(entries),
+                "optimizer_step": optimizer_step}
         if seconds is not None:
             step["seconds"] = round(float(seconds), 6)
         self.manifest["steps"].append(step)
@@ -346,20 +352,26 @@ def integer(low: int, high: int) -> Check:
 
 
 def number(low: float, high: float) -> Check:
-    return Check(lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and low <= v <= high,
-                 f"a number from {low} to {high}")
+    def test(v: Any) -> bool:
+        return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and low <= v <= high
+
+    return Check(test, f"a number from {low} to {high}")
 
 
 def text(limit: int = 4096, pattern: str | None = None) -> Check:
     regex = re.compile(pattern) if pattern else None
     form = f"a string of at most {limit} characters" + (f" matching {pattern}" if pattern else "")
-    return Check(lambda v: isinstance(v, str) and len(v) <= limit and (regex is None or regex.fullmatch(v)),
-                 form)
+    def test(v: Any) -> bool:
+        return isinstance(v, str) and len(v) <= limit and (regex is None or regex.fullmatch(v))
+
+    return Check(test, form)
 
 
 def choice(*values: Any) -> Check:
-    return Check(lambda v: any(v is value or (type(v) is type(value) and v == value) for value in values),
-                 "one of " + ", ".join(json.dumps(value) for value in values))
+    def test(v: Any) -> bool:  # True is not 1: the type must match too
+        return any(v is value or (type(v) is type(value) and v == value) for value in values)
+
+    return Check(test, "one of " + ", ".join(json.dumps(value) for value in values))
 
 
 def optional(check: Check) -> Check:
@@ -372,8 +384,10 @@ def nullable(check: Check) -> Check:
 
 
 def mapping(key: Check, value: Check) -> Check:
-    return Check(lambda v: isinstance(v, dict) and all(key.test(k) and value.test(x) for k, x in v.items()),
-                 f"an object whose keys are {key.expected} and values {value.expected}")
+    def test(v: Any) -> bool:
+        return isinstance(v, dict) and all(key.test(k) and value.test(x) for k, x in v.items())
+
+    return Check(test, f"an object whose keys are {key.expected} and values {value.expected}")
 
 
 BOOL = Check(lambda v: isinstance(v, bool), "true or false")
@@ -495,7 +509,8 @@ def _validate_manifest(manifest: Any) -> None:
         _require(previous is None or index > previous, f"steps in increasing order (step {index} after {previous})")
         _require(step["file"] == step_file(index),
                  f"steps[{position}].file is {step['file']!r}, expected {step_file(index)!r}")
-        _require(step["file"] in files, f"steps[{position}].file {step['file']!r} is not listed in files")
+        _require(step["file"] in files,
+                 f"steps[{position}].file {step['file']!r} is not listed in files")
         previous = index
     for name in STREAMS:
         _require(name in files, f"files[{name!r}] is missing")
@@ -516,7 +531,8 @@ class Bundle:
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
         path = Path(path)
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        if not os.path.exists(path) and os.path.exists(partial):  # os.path: no OSError for odd names
+        # os.path, not Path: no OSError for names too long or under a file
+        if not os.path.exists(path) and os.path.exists(partial):
             path = partial
         if not os.path.isdir(path):
             raise BundleError(
@@ -544,7 +560,7 @@ class Bundle:
         return self.manifest["complete"]
 
     def verify_files(self) -> None:
-        """Check every listed file's size and SHA-256, and that HDF5 files keep all their data inside.
+        """Check every listed file's size and SHA-256, and that HDF5 files hold all their data.
 
         In an incomplete bundle an append-only log may be longer than listed
         (the recording died between appending a step and rewriting the
@@ -583,7 +599,8 @@ class Bundle:
                                  size=self.manifest["files"][SIGNATURES]["size"])
         if log.meta.get("device_type") != self.manifest["device_type"]:
             raise BundleError(
-                f"the signature log was made on device type {str(log.meta.get('device_type'))[:32]!r}, "
+                "the signature log was made on device type "
+                f"{str(log.meta.get('device_type'))[:32]!r}, "
                 f"the manifest says {self.manifest['device_type']!r}"
             )
         log.meta.update(source=str(self.path), device=self.manifest["device"], role="record")
@@ -600,7 +617,7 @@ class Bundle:
         return log
 
     def _open_h5(self, name: str) -> h5py.File:
-        """Open a listed HDF5 file, refusing one whose data lives outside it (external storage or links)."""
+        """Open a listed HDF5 file, refusing one whose data lives outside it (external data)."""
         file = regular_file_inside(self.path, name)
         try:
             handle = h5py.File(file, "r")
@@ -639,9 +656,11 @@ class Bundle:
         if not (isinstance(model, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                 for k, v in model.items())):
             raise BundleError(f"{STATE}: the model state is not a mapping of names to tensors")
-        if optimizer is not None and not (isinstance(optimizer, dict) and set(optimizer) == {"state", "param_groups"}
+        if optimizer is not None and not (isinstance(optimizer, dict)
+                                          and set(optimizer) == {"state", "param_groups"}
                                           and isinstance(optimizer["param_groups"], list)):
-            raise BundleError(f"{STATE}: the optimizer state is not an optimizer state_dict (state, param_groups)")
+            raise BundleError(f"{STATE}: the optimizer state is not an optimizer state_dict "
+                              "(state, param_groups)")
         return model, optimizer
 
     def size_bytes(self) -> int:

@@ -70,7 +70,7 @@ def parse_kwargs(pairs: list[str]) -> dict:
 
 
 def _seed_in_range(seed: int) -> int:
-    """torch.manual_seed takes [-2**63, 2**64 - 1]; a larger seed is a usage error, not an overflow later."""
+    """torch.manual_seed takes [-2**63, 2**64 - 1]: a larger seed is a usage error, not an overflow."""
     if not -(2**63) <= seed <= 2**64 - 1:
         raise typer.BadParameter(f"{seed} is outside [-2**63, 2**64 - 1], the seeds torch accepts")
     return seed
@@ -230,8 +230,9 @@ def render_replay(output: Output, report) -> None:
         "undecided": "the runs disagree and no value has a majority: replay on a third device to decide.",
     }[verdict]
     if report.failed:
-        explanation = (explanation.rstrip(".") + f" (from the {len(report.devices) - len(report.failed)} of "
-                       f"{len(report.devices)} devices that finished; {len(report.failed)} did not).")
+        total, failed = len(report.devices), len(report.failed)
+        explanation = (explanation.rstrip(".") + f" (from the {total - failed} of {total} devices "
+                       f"that finished; {failed} did not).")
     output.say(f"Verdict: {styled(verdict)}: {explanation}")
     if consensus.first_divergence is not None:
         first = consensus.first_divergence

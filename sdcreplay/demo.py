@@ -64,8 +64,10 @@ def run_demo(out: str | Path, on_stage: Callable[[DemoStage], None] = lambda sta
              steps: int = 3) -> Demo:
     """Record, replay on three replicas, diff, bisect, minimize; call ``on_stage`` after each."""
     out = Path(out)
-    if out.exists() and not (out / DEMO_MARKER).is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise SdcReplayError(f"{out} exists and was not written by `sdcreplay demo`; it is not replaced",
+    ours = (out / DEMO_MARKER).is_file() or (out.is_dir() and not any(out.iterdir()))
+    if out.exists() and not ours:
+        raise SdcReplayError(f"{out} exists and was not written by `sdcreplay demo`; "
+                             "it is not replaced",
                              "Give --out a new directory (or an earlier demo's).")
     if out.exists():
         shutil.rmtree(out)

@@ -172,7 +172,8 @@ def _check_model_matches_checkpoint(model: torch.nn.Module, reference: dict) -> 
 def _check_loss(workload: str, index: int, loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise WorkloadError(f"the loss_fn of {workload} returned {shape} in step {index}, not a scalar tensor",
+        raise WorkloadError(f"the loss_fn of {workload} returned {shape} in step {index}, "
+                            "not a scalar tensor",
                             "Return the loss as one number (e.g. reduce it with .mean()).")
 
 

@@ -160,7 +160,7 @@ def replay_on_device(
 
 
 def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple[str, str]]:
-    """One step, with what the workload raises on the bundle's data named as such (exit 3, not a crash)."""
+    """One step; what the workload raises on the bundle's data is named as such (exit 3)."""
     try:
         return session.run_step(record)
     except SdcReplayError:
@@ -170,8 +170,9 @@ def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple
         raise WorkloadError(
             f"{session.bundle.workload_ref} raised {type(exc).__name__} in step {record.index} "
             f"on {session.label}: {first_line}",
-            "The stored batch or state does not fit the workload (a damaged or foreign bundle), or the "
-            "workload changed since the recording; the device's log holds the traceback.",
+            "The stored batch or state does not fit the workload (a damaged or foreign "
+            "bundle), or the workload changed since the recording; the device's log holds "
+            "the traceback.",
         ) from exc
 
 
@@ -245,8 +246,8 @@ class ReplayReport:
             return SdcReplayError(f"no verdict: no device finished ({names})",
                                   f"Fix what stopped the devices and replay again{where}.")
         return SdcReplayError(
-            f"{len(self.failed)} of {len(self.devices)} devices did not finish ({names}); the verdict "
-            "covers only the others",
+            f"{len(self.failed)} of {len(self.devices)} devices did not finish ({names}); "
+            "the verdict covers only the others",
             f"Replay those devices again to include them{where}.",
         )
 
@@ -272,8 +273,8 @@ def _tail(path: Path, lines: int = 12) -> str:
             text = handle.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    kept = [line for line in text.splitlines()
-            if line.strip() and not line.startswith((" ", "\t", "Traceback ", "During handling", "The above exception"))]
+    frames = (" ", "\t", "Traceback ", "During handling", "The above exception")
+    kept = [line for line in text.splitlines() if line.strip() and not line.startswith(frames)]
     return "\n".join(kept[-lines:])
 
 
@@ -287,7 +288,7 @@ def _exit_description(status: int) -> str:
 
 
 STARTUP_SECONDS = 120.0
-"""Allowed for a device process to start (fork, build the workload, load the state) before its first step."""
+"""For a device process to start (fork, build the workload, load the state) before step one."""
 STEP_FACTOR = 50
 """A step may take this many times the slowest recorded step before its device is deemed hung."""
 UNKNOWN_STEP_TIMEOUT = 3600.0
@@ -359,15 +360,16 @@ def run_device_processes(
     running: dict[str, _DeviceProcess] = {}
     for label in devices:
         stem = f"{kind}-{label.replace(':', '-')}"
-        paths = {name: work_dir / f"{stem}.{name}" for name in ("result.json", "stderr.txt", "alive")}
+        paths = {name: work_dir / f"{stem}.{name}"
+                 for name in ("result.json", "stderr.txt", "alive")}
         task = {"kind": kind, "device": label, "result": str(paths["result.json"]),
                 "stderr": str(paths["stderr.txt"]), "alive": str(paths["alive"]), **task_for(label)}
         task_path = work_dir / f"{stem}.task.json"
         task_path.write_text(json.dumps(task))
         paths["alive"].unlink(missing_ok=True)
         process = worker.start(task_path, paths["stderr.txt"], label)
-        running[label] = _DeviceProcess(process, paths["result.json"], paths["stderr.txt"], paths["alive"],
-                                        time.time())
+        running[label] = _DeviceProcess(process, paths["result.json"], paths["stderr.txt"],
+                                        paths["alive"], time.time())
     results: dict[str, dict] = {}
     try:
         while running:
@@ -411,8 +413,9 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> dict | None:
     if not isinstance(result, dict) or (status != 0 and not isinstance(result.get("error"), dict)):
         # died without a word (signal, os._exit): its last lines of stderr are all there is to say
         result = {"error": {"message": f"the {label} process {_exit_description(status)}",
-                            "hint": "A crash below Python (a signal: segfault, out-of-memory kill, driver "
-                                    "failure); its log may say more. Replay it again to see if it recurs.",
+                            "hint": "A crash below Python (a signal: segfault, out-of-memory "
+                                    "kill, driver failure); its log may say more. Replay it "
+                                    "again to see if it recurs.",
                             "stderr_tail": _tail(device.stderr)}}
     if "error" in result:
         result["error"].update(exit_status=status, log=str(device.stderr))

@@ -46,7 +46,7 @@ def regular_file_inside(root: Path, name: str) -> Path:
 
 
 def read_limited(path: Path, limit: int, what: str, prefix: bool = False) -> bytes:
-    """The bytes of a regular file (a symlink to one is followed), refusing one longer than ``limit``.
+    """The bytes of a regular file (a symlink to one is followed), at most ``limit`` of them.
 
     ``prefix``: a longer file is fine, only its first ``limit`` bytes are read
     (an append-only log that grew after its manifest was written).
@@ -93,7 +93,9 @@ def check_json_value(value: Any, what: str, limit: int = 32) -> None:
         elif isinstance(node, list):
             stack.extend((item, depth + 1) for item in node)
         elif isinstance(node, str) and ("\0" in node or not _is_utf8(node)):
-            raise BundleError(f"{what} holds a string with a NUL or an unpaired surrogate: {node[:40]!r}")
+            raise BundleError(
+                f"{what} holds a string with a NUL or an unpaired surrogate: {node[:40]!r}"
+            )
 
 
 def _is_utf8(value: str) -> bool:
@@ -105,8 +107,13 @@ def _is_utf8(value: str) -> bool:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a plain file"

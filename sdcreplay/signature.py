@@ -102,9 +102,11 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
     read as fewer entries.
     """
     path = Path(path)
-    raw = read_limited(path, MAX_LOG_BYTES if size is None else size, "signature log", prefix=size is not None)
+    limit = MAX_LOG_BYTES if size is None else size
+    raw = read_limited(path, limit, "signature log", prefix=size is not None)
     if size is not None and len(raw) < size:
-        raise BundleError(f"signature log {path} is {len(raw)} bytes, expected at least {size} (truncated)")
+        raise BundleError(f"signature log {path} is {len(raw)} bytes, "
+                          f"expected at least {size} (truncated)")
     text = _decompress_frames(path, raw)
     lines = text.split("\n")[:-1] if text else []
     if len(lines) > MAX_ENTRIES:
@@ -132,7 +134,7 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
 
 
 def _decompress_frames(path: Path, raw: bytes) -> str:
-    """The frames' text, in order; each frame must be whole, carry its checksum and end with a newline.
+    """The frames' text, in order; each frame whole, with its checksum, ending with a newline.
 
     The writer puts the content size and a checksum in every frame header; a
     frame without them is not one sdcreplay wrote, and the declared sizes bound
@@ -145,18 +147,19 @@ def _decompress_frames(path: Path, raw: bytes) -> str:
         while raw:
             header = zstandard.get_frame_parameters(raw)
             if not header.has_checksum:
-                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} has no checksum")
+                raise BundleError(f"signature log {path} is damaged: "
+                                  f"frame {len(parts)} has no checksum")
             total += header.content_size
             if total > MAX_TEXT_BYTES:
-                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} declares no size "
-                                  f"or more than {MAX_TEXT_BYTES} bytes of text in all")
+                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} declares "
+                                  f"no size or more than {MAX_TEXT_BYTES} bytes of text in all")
             frame = decompressor.decompressobj()
             chunk = frame.decompress(raw)
             if not frame.eof:
                 raise BundleError(f"signature log {path} is damaged: it ends in the middle of a frame (truncated)")
             if len(chunk) != header.content_size:
-                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} holds {len(chunk)} bytes, "
-                                  f"its header says {header.content_size}")
+                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} holds "
+                                  f"{len(chunk)} bytes, its header says {header.content_size}")
             text = chunk.decode("utf-8")
             if not text.endswith("\n"):
                 raise BundleError(f"signature log {path} is damaged: a frame does not end with a complete line")

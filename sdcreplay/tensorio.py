@@ -93,15 +93,18 @@ def _tensor_layout(dataset: h5py.Dataset) -> tuple[torch.dtype, list[int]]:
     name = str(dataset.attrs["dtype"])
     dtype = dtype_from_name(name)
     if dtype not in _STORABLE:
-        raise BundleError(f"tensor {dataset.name} has dtype {name[:40]!r}, which sdcreplay never stores")
+        raise BundleError(f"tensor {dataset.name} has dtype {name[:40]!r}, "
+                          "which sdcreplay never stores")
     stored = dataset.dtype
     expected = _storage_dtype(dtype)
     if stored.kind != expected.kind or stored.itemsize != expected.itemsize:
         raise BundleError(f"tensor {dataset.name} is stored as HDF5 type {stored}, "
                           f"expected {expected} for a {name} tensor")
     shape_attr = np.asarray(dataset.attrs["shape"])
-    if shape_attr.ndim != 1 or shape_attr.size > MAX_DIMS or (shape_attr.size and shape_attr.dtype.kind not in "iu"):
-        raise BundleError(f"tensor {dataset.name} has a malformed shape attribute {str(shape_attr)[:60]}")
+    integers = shape_attr.size == 0 or shape_attr.dtype.kind in "iu"
+    if shape_attr.ndim != 1 or shape_attr.size > MAX_DIMS or not integers:
+        raise BundleError(f"tensor {dataset.name} has a malformed shape attribute "
+                          f"{str(shape_attr)[:60]}")
     shape = [int(n) for n in shape_attr]
     if any(n < 0 for n in shape):
         raise BundleError(f"tensor {dataset.name} has a negative dimension in its shape {shape}")
@@ -167,7 +170,7 @@ def _restride(tensor: torch.Tensor, stride: list[int]) -> torch.Tensor:
 
 
 def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
-    """Refuse an HDF5 file whose data lives elsewhere: external links, external storage, virtual datasets.
+    """Refuse an HDF5 file whose data lives elsewhere: external links or storage, virtual datasets.
 
     Such a file reads other files of the machine while its own SHA-256 still
     matches, so editing them would change a replay's verdict unseen.
@@ -191,7 +194,8 @@ def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
             if isinstance(item, h5py.Group):
                 pending.append(item)
             elif isinstance(item, h5py.Dataset) and (item.external or item.is_virtual):
-                raise BundleError(f"{where} keeps its data outside the file (HDF5 external storage)",
+                raise BundleError(f"{where} keeps its data outside the file "
+                                  "(HDF5 external storage)",
                                   "A bundle's HDF5 files must hold all their data themselves.")
 
 
@@ -272,7 +276,8 @@ def _decode(node: Any, group: h5py.Group, keep_strides: bool = False) -> Any:
 
 
 def _key(item: Any, group: h5py.Group) -> Any:
-    if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], (str, int, float, bool, type(None))):
+    scalar = (str, int, float, bool, type(None))
+    if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], scalar):
         raise BundleError(f"{group.name}: malformed dict item {str(item)[:60]}")
     return item[0]
 

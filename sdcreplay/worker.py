@@ -82,7 +82,8 @@ def main(argv: list[str]) -> int:
     result_path = Path(task["result"])
     HEARTBEAT.path = Path(task["alive"]) if task.get("alive") else None
     HEARTBEAT.beat("started")
-    log_hint = f"The traceback is in {task['stderr']}." if task.get("stderr") else "The traceback is on stderr."
+    log = task.get("stderr")
+    log_hint = f"The traceback is in {log}." if log else "The traceback is on stderr."
     try:
         result = TASKS[task["kind"]](task)
         status = 0
@@ -90,17 +91,20 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()  # into the device's log file, for whoever debugs it
         result = {"error": {"message": exc.message, "hint": exc.hint}}
         status = 3
-    except SystemExit as exc:  # workload code called sys.exit(): this device's failure, not an exit code
+    except SystemExit as exc:  # workload code called sys.exit(): this device's failure
         traceback.print_exc()
-        result = {"error": {"message": f"the workload called sys.exit({exc.code!r}) at {HEARTBEAT.where}",
+        exit_call = f"sys.exit({exc.code!r})"
+        result = {"error": {"message": f"the workload called {exit_call} at {HEARTBEAT.where}",
                             "hint": f"Workload code must not exit the process. {log_hint}"}}
         status = 3
     except Exception as exc:  # reported for this device; the others go on
         traceback.print_exc()
         first_line = (str(exc).splitlines() or [""])[0][:300]
-        result = {"error": {"message": f"the workload failed at {HEARTBEAT.where}: {type(exc).__name__}: {first_line}",
-                            "hint": "A stored batch or state the workload cannot use (a damaged or foreign bundle), "
-                                    f"or a workload that changed since the recording. {log_hint}"}}
+        what = f"{type(exc).__name__}: {first_line}"
+        result = {"error": {"message": f"the workload failed at {HEARTBEAT.where}: {what}",
+                            "hint": "A stored batch or state the workload cannot use (a damaged "
+                                    "or foreign bundle), or a workload that changed since the "
+                                    f"recording. {log_hint}"}}
         status = 3
     result_path.write_text(json.dumps(result))
     return status

@@ -46,8 +46,33 @@ def _deep(depth: int) -> Any:
 
 
 POOL: list[Any] = [
-    None, True, False, 0, -1, 1, 7, 2**31, 2**63, 2**70, -(2**70), 0.5, -0.0, float("nan"), float("inf"),
-    "", "x", "x" * 5000, "\ud800", "a\x00b", "cuda:0", "float32", "../etc/passwd", [], [1, 2], {}, {"a": 1},
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    7,
+    2**31,
+    2**63,
+    2**70,
+    -(2**70),
+    0.5,
+    -0.0,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "x" * 5000,
+    "\ud800",
+    "a\x00b",
+    "cuda:0",
+    "float32",
+    "../etc/passwd",
+    [],
+    [1, 2],
+    {},
+    {"a": 1},
     _deep(978),
 ]
 
@@ -57,6 +82,7 @@ def pool_value(rng: random.Random) -> Any:
 
 
 # -- hashes -----------------------------------------------------------------------------------------
+
 
 def load_manifest(bundle: Path) -> dict:
     return json.loads((bundle / MANIFEST).read_text())
@@ -78,6 +104,7 @@ def rehash(bundle: Path, name: str) -> None:
 
 # -- semantic mutations -----------------------------------------------------------------------------
 
+
 def _containers(node: Any, path: tuple = ()) -> list[tuple]:
     """Every (path, container) in a JSON value."""
     found = []
@@ -91,8 +118,12 @@ def _containers(node: Any, path: tuple = ()) -> list[tuple]:
 
 def manifest_value(bundle: Path, rng: random.Random) -> str:
     manifest = load_manifest(bundle)
-    candidates = [(path, node, key) for path, node in _containers(manifest)
-                  for key in (node if isinstance(node, dict) else range(len(node))) if key != MANIFEST_DIGEST]
+    candidates = [
+        (path, node, key)
+        for path, node in _containers(manifest)
+        for key in (node if isinstance(node, dict) else range(len(node)))
+        if key != MANIFEST_DIGEST
+    ]
     path, node, key = rng.choice(candidates)
     node[key] = pool_value(rng)
     save_manifest(bundle, manifest)
@@ -101,7 +132,9 @@ def manifest_value(bundle: Path, rng: random.Random) -> str:
 
 def manifest_delete(bundle: Path, rng: random.Random) -> str:
     manifest = load_manifest(bundle)
-    dicts = [(path, node) for path, node in _containers(manifest) if isinstance(node, dict) and node]
+    dicts = [
+        (path, node) for path, node in _containers(manifest) if isinstance(node, dict) and node
+    ]
     path, node = rng.choice(dicts)
     key = rng.choice([k for k in node if k != MANIFEST_DIGEST] or list(node))
     del node[key]
@@ -151,13 +184,40 @@ def h5_attr(bundle: Path, rng: random.Random) -> str:
     with h5py.File(bundle / name, "a") as handle:
         target = handle[rng.choice(_objects(handle))]
         attrs = list(target.attrs)
-        key = rng.choice(attrs) if attrs and rng.random() < 0.9 else rng.choice(["dtype", "shape", "skeleton"])
-        value = rng.choice([
-            json.dumps(_deep(rng.choice([10, 100, 978]))), "bogus", "qint8", "complex32", "float8_e4m3fn",
-            "bfloat16", "Tensor", "int64", [2**40], [-1], [3, 3], [], np.array([1.5]), 2**62, -5, "{}",
-            '{"tensor": "t0"}', '{"dict": [[[1], {"value": 1}]]}', '{"list": [{"tensor": "nope"}]}',
-            '{"device": "cuda:99"}', '{"dtype": "qint8"}', "[1, 2]", 'null', "MT19937", "PCG64",
-        ])
+        key = (
+            rng.choice(attrs)
+            if attrs and rng.random() < 0.9
+            else rng.choice(["dtype", "shape", "skeleton"])
+        )
+        value = rng.choice(
+            [
+                json.dumps(_deep(rng.choice([10, 100, 978]))),
+                "bogus",
+                "qint8",
+                "complex32",
+                "float8_e4m3fn",
+                "bfloat16",
+                "Tensor",
+                "int64",
+                [2**40],
+                [-1],
+                [3, 3],
+                [],
+                np.array([1.5]),
+                2**62,
+                -5,
+                "{}",
+                '{"tensor": "t0"}',
+                '{"dict": [[[1], {"value": 1}]]}',
+                '{"list": [{"tensor": "nope"}]}',
+                '{"device": "cuda:99"}',
+                '{"dtype": "qint8"}',
+                "[1, 2]",
+                "null",
+                "MT19937",
+                "PCG64",
+            ]
+        )
         with contextlib.suppress(TypeError, ValueError):
             target.attrs[key] = value
     rehash(bundle, name)
@@ -185,12 +245,18 @@ def h5_data(bundle: Path, rng: random.Random) -> str:
         if edit == "values" and np.size(data):
             data = np.array(data, copy=True)
             flat = data.reshape(-1)
-            extreme = {"i": [np.iinfo(flat.dtype).max, np.iinfo(flat.dtype).min, 10**6] if flat.dtype.kind == "i" else [0],
-                       "u": [np.iinfo(flat.dtype).max] if flat.dtype.kind == "u" else [0],
-                       "f": [np.nan, np.inf, -1e30]}.get(flat.dtype.kind, [0])
+            extreme = {
+                "i": [np.iinfo(flat.dtype).max, np.iinfo(flat.dtype).min, 10**6]
+                if flat.dtype.kind == "i"
+                else [0],
+                "u": [np.iinfo(flat.dtype).max] if flat.dtype.kind == "u" else [0],
+                "f": [np.nan, np.inf, -1e30],
+            }.get(flat.dtype.kind, [0])
             flat[rng.randrange(flat.size)] = rng.choice(extreme)
         elif edit == "dtype":
-            data = np.asarray(data).astype(rng.choice([np.int8, np.float16, np.float64, np.uint32, np.int64]))
+            data = np.asarray(data).astype(
+                rng.choice([np.int8, np.float16, np.float64, np.uint32, np.int64])
+            )
         elif edit == "shape":
             data = np.asarray(data).reshape(-1)[: max(0, np.size(data) - 1)]
         elif edit == "strings":
@@ -234,8 +300,12 @@ def put_outside(handle: h5py.File, target: str, outside: Path, kind: str) -> Non
         handle[target] = h5py.ExternalLink(f"{outside}.h5", "data")
     else:
         Path(f"{outside}.raw").write_bytes(data.tobytes())
-        handle.create_dataset(target, shape=data.shape, dtype=data.dtype,
-                              external=[(f"{outside}.raw", 0, h5py.h5f.UNLIMITED)]).attrs.update(attrs)
+        handle.create_dataset(
+            target,
+            shape=data.shape,
+            dtype=data.dtype,
+            external=[(f"{outside}.raw", 0, h5py.h5f.UNLIMITED)],
+        ).attrs.update(attrs)
 
 
 def _frames(raw: bytes) -> list[bytes]:
@@ -268,20 +338,31 @@ def log_edit(bundle: Path, rng: random.Random) -> str:
     elif edit == "merge":
         frames = [frames[0], [line for frame in frames[1:] for line in frame]]
     compressor = zstandard.ZstdCompressor(write_checksum=edit != "checksum")
-    path.write_bytes(b"".join(compressor.compress(("\n".join(lines) + "\n").encode()) for lines in frames if lines))
+    path.write_bytes(
+        b"".join(
+            compressor.compress(("\n".join(lines) + "\n").encode()) for lines in frames if lines
+        )
+    )
     rehash(bundle, SIGNATURES)
     return f"log {edit}"
 
 
 SEMANTIC: dict[str, Callable[[Path, random.Random], str]] = {
-    "manifest_value": manifest_value, "manifest_delete": manifest_delete, "manifest_steps": manifest_steps,
-    "manifest_inert": manifest_inert, "h5_attr": h5_attr, "h5_data": h5_data, "h5_delete": h5_delete,
-    "h5_outside": h5_outside, "log_edit": log_edit,
+    "manifest_value": manifest_value,
+    "manifest_delete": manifest_delete,
+    "manifest_steps": manifest_steps,
+    "manifest_inert": manifest_inert,
+    "h5_attr": h5_attr,
+    "h5_data": h5_data,
+    "h5_delete": h5_delete,
+    "h5_outside": h5_outside,
+    "log_edit": log_edit,
 }
 INERT = {"manifest_inert"}
 
 
 # -- raw mutations ----------------------------------------------------------------------------------
+
 
 def raw_bytes(bundle: Path, rng: random.Random) -> str:
     """Flip, cut or extend a file's bytes without fixing any hash."""
@@ -292,7 +373,7 @@ def raw_bytes(bundle: Path, rng: random.Random) -> str:
     if edit == "flip" and data:
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     elif edit == "truncate":
-        del data[rng.randrange(len(data) + 1):]
+        del data[rng.randrange(len(data) + 1) :]
     elif edit == "append":
         data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
     else:
@@ -302,6 +383,7 @@ def raw_bytes(bundle: Path, rng: random.Random) -> str:
 
 
 # -- the oracle -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Outcome:
@@ -338,7 +420,9 @@ def _cli(runner: CliRunner, *args: str) -> Outcome | None:
     """None when the command succeeded; an Outcome when it refused (or failed badly)."""
     result = runner.invoke(app, list(args), env={"SDCREPLAY_DEBUG": None})
     if result.exception is not None and not isinstance(result.exception, SystemExit):
-        return Outcome("traceback", f"{args[0]}: {type(result.exception).__name__}: {result.exception}")
+        return Outcome(
+            "traceback", f"{args[0]}: {type(result.exception).__name__}: {result.exception}"
+        )
     if "Traceback" in result.output:
         return Outcome("traceback", f"{args[0]}: traceback on the console")
     if result.exit_code == 3:
@@ -380,4 +464,8 @@ def judge(bundle: Path, original: Path, seconds: int = 60) -> Outcome:
 def original_verdict(original: Path) -> str:
     with preserved_global_state():
         log = replay_on_device(original, "cpu")
-    return "identical" if compare_logs(read_signature_log(original / SIGNATURES), log).identical else "divergent"
+    return (
+        "identical"
+        if compare_logs(read_signature_log(original / SIGNATURES), log).identical
+        else "divergent"
+    )

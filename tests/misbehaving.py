@@ -37,8 +37,14 @@ def _raise() -> None:
 MISBEHAVIOURS = {"hang": _hang, "exit": _exit, "kill": _kill, "raise": _raise}
 
 
-def make_workload(seed: int = 0, misbehave: str = "none", on_device: str = "cpu:1", at_step: int = 1,
-                  scalar_loss: bool = True, **small) -> Workload:
+def make_workload(
+    seed: int = 0,
+    misbehave: str = "none",
+    on_device: str = "cpu:1",
+    at_step: int = 1,
+    scalar_loss: bool = True,
+    **small,
+) -> Workload:
     """tiny-llama whose ``at_step``-th loss call on ``on_device`` misbehaves (counted from 0).
 
     ``misbehave`` is one of MISBEHAVIOURS, or ``DEVICE=KIND,...`` for one kind per device.

@@ -40,8 +40,20 @@ WORKLOAD = f"{MISBEHAVING}:make_workload"
 def misbehaving_bundle(tmp_path: Path, cli, misbehave: str, *extra: str, at_step: int = 1) -> Path:
     """A 2-step recording of the misbehaving workload (it behaves while recording in this process)."""
     out = tmp_path / "mis.bundle"
-    result = cli("record", WORKLOAD, "--steps", "2", "--out", out, *SMALL_ARGS, "-a", f"misbehave={misbehave}",
-                 "-a", f"at_step={at_step}", *extra)
+    result = cli(
+        "record",
+        WORKLOAD,
+        "--steps",
+        "2",
+        "--out",
+        out,
+        *SMALL_ARGS,
+        "-a",
+        f"misbehave={misbehave}",
+        "-a",
+        f"at_step={at_step}",
+        *extra,
+    )
     assert result.exit_code == 0, result.output
     return out
 
@@ -58,11 +70,24 @@ def assert_explained(result, *needles: str) -> None:
 
 # -- hangs ------------------------------------------------------------------------------------------
 
+
 def test_a_hung_device_is_killed_and_the_verdict_comes_from_the_others(tmp_path: Path, cli):
     bundle = misbehaving_bundle(tmp_path, cli, "hang")
     started = time.time()
-    result = cli("replay", bundle, "-d", "cpu:0", "-d", "cpu:1", "--timeout", "3", "--logs", tmp_path / "logs",
-                 "--json", env={"COLUMNS": "250"})  # the table's cells on one line each
+    result = cli(
+        "replay",
+        bundle,
+        "-d",
+        "cpu:0",
+        "-d",
+        "cpu:1",
+        "--timeout",
+        "3",
+        "--logs",
+        tmp_path / "logs",
+        "--json",
+        env={"COLUMNS": "250"},
+    )  # the table's cells on one line each
     assert time.time() - started < 100
     assert_explained(result, "1 of 2 devices did not finish", "cpu:1", "timed out after 3 s")
     assert "error (timed out after 3 s)" in result.stderr
@@ -79,23 +104,30 @@ def test_the_timeout_is_derived_from_the_recorded_step_times(small_bundle: Path)
     steps = Bundle.open(small_bundle).manifest["steps"]
     seconds = [step["seconds"] for step in steps]
     assert len(seconds) == 2 and all(0 < s < 60 for s in seconds)
-    assert progress_timeout(Bundle.open(small_bundle)) == round(STARTUP_SECONDS + STEP_FACTOR * max(seconds), 1)
+    assert progress_timeout(Bundle.open(small_bundle)) == round(
+        STARTUP_SECONDS + STEP_FACTOR * max(seconds), 1
+    )
 
 
 def test_a_fifo_manifest_is_refused_without_blocking(small_bundle: Path, run_exe):
     (small_bundle / MANIFEST).unlink()
     os.mkfifo(small_bundle / MANIFEST)
     result = run_exe("info", small_bundle, timeout=60)
-    assert result.returncode == 3 and "is not a regular file (a FIFO)" in result.stderr, result.stderr
+    assert result.returncode == 3 and "is not a regular file (a FIFO)" in result.stderr, (
+        result.stderr
+    )
 
 
 # -- unbounded reads --------------------------------------------------------------------------------
+
 
 def test_a_manifest_symlinked_to_dev_zero_is_refused(small_bundle: Path, run_exe):
     (small_bundle / MANIFEST).unlink()
     (small_bundle / MANIFEST).symlink_to("/dev/zero")
     result = run_exe("info", small_bundle, timeout=60)
-    assert result.returncode == 3 and "manifest.json" in result.stderr and "symlink" in result.stderr, result.stderr
+    assert (
+        result.returncode == 3 and "manifest.json" in result.stderr and "symlink" in result.stderr
+    ), result.stderr
 
 
 def test_diff_against_dev_zero_is_refused(small_bundle: Path, run_exe):
@@ -106,17 +138,29 @@ def test_diff_against_dev_zero_is_refused(small_bundle: Path, run_exe):
 
 # -- deleted user data ------------------------------------------------------------------------------
 
+
 def test_overwrite_never_deletes_a_directory_that_is_not_a_bundle(tmp_path: Path, cli):
     mine = tmp_path / "notes"
     mine.mkdir()
     (mine / "notes.txt").write_text("my notes")
-    result = cli("record", "builtin:tiny-llama", "--steps", "1", "--out", mine, "--overwrite", *SMALL_ARGS)
+    result = cli(
+        "record", "builtin:tiny-llama", "--steps", "1", "--out", mine, "--overwrite", *SMALL_ARGS
+    )
     assert_explained(result, "is not a bundle")
     assert (mine / "notes.txt").read_text() == "my notes"
 
 
 def test_overwrite_replaces_a_bundle(tmp_path: Path, cli, small_bundle: Path):
-    result = cli("record", "builtin:tiny-llama", "--steps", "1", "--out", small_bundle, "--overwrite", *SMALL_ARGS)
+    result = cli(
+        "record",
+        "builtin:tiny-llama",
+        "--steps",
+        "1",
+        "--out",
+        small_bundle,
+        "--overwrite",
+        *SMALL_ARGS,
+    )
     assert result.exit_code == 0, result.output
     assert Bundle.open(small_bundle).step_indices == [0]
 
@@ -128,7 +172,9 @@ def test_a_leftover_partial_is_kept_and_named(tmp_path: Path, cli, small_bundle:
     result = cli("record", "builtin:tiny-llama", "--steps", "1", "--out", out, *SMALL_ARGS)
     assert_explained(result, "leftover partial recording", f"sdcreplay info {partial}")
     assert Bundle.open(partial).step_indices == [0, 1]
-    result = cli("record", "builtin:tiny-llama", "--steps", "1", "--out", out, "--overwrite", *SMALL_ARGS)
+    result = cli(
+        "record", "builtin:tiny-llama", "--steps", "1", "--out", out, "--overwrite", *SMALL_ARGS
+    )
     assert result.exit_code == 0, result.output
     assert Bundle.open(out).step_indices == [0] and not partial.exists()
 
@@ -144,6 +190,7 @@ def test_demo_never_deletes_a_directory_it_did_not_write(tmp_path: Path, cli):
 
 # -- reads outside the bundle -----------------------------------------------------------------------
 
+
 def test_a_step_file_symlinked_outside_is_refused(tmp_path: Path, cli, small_bundle: Path):
     outside = tmp_path / "outside.h5"
     shutil.move(small_bundle / "steps" / "000000.h5", outside)
@@ -152,7 +199,9 @@ def test_a_step_file_symlinked_outside_is_refused(tmp_path: Path, cli, small_bun
 
 
 @pytest.mark.parametrize("kind", ["external link", "external storage"])
-def test_hdf5_data_outside_the_bundle_is_refused(tmp_path: Path, cli, small_bundle: Path, kind: str):
+def test_hdf5_data_outside_the_bundle_is_refused(
+    tmp_path: Path, cli, small_bundle: Path, kind: str
+):
     text = _plant_outside(small_bundle, kind, tmp_path)
     assert_explained(cli("replay", small_bundle, "--logs", tmp_path / "logs"), text)
     assert_explained(cli("info", small_bundle), text)
@@ -168,6 +217,7 @@ def _plant_outside(bundle: Path, kind: str, tmp_path: Path) -> str:
 
 # -- wrong answers ----------------------------------------------------------------------------------
 
+
 def test_bisect_of_a_step_the_bundle_lacks_is_an_error(tmp_path: Path, cli, small_bundle: Path):
     result = cli("bisect", small_bundle, "--step", "99", "--out", tmp_path / "report")
     assert_explained(result, "the bundle has no step 99 (it has steps [0, 1])")
@@ -176,17 +226,32 @@ def test_bisect_of_a_step_the_bundle_lacks_is_an_error(tmp_path: Path, cli, smal
 def test_devices_that_die_are_reported_and_excluded(tmp_path: Path, cli):
     """Three death modes at once (sys.exit, an exception, SIGKILL); cpu:0 finishes and gives the verdict."""
     bundle = misbehaving_bundle(tmp_path, cli, "cpu:1=exit,cpu:2=raise,cpu:3=kill")
-    result = cli("replay", bundle, *[arg for n in range(4) for arg in ("-d", f"cpu:{n}")],
-                 "--logs", tmp_path / "logs", "--json", env={"COLUMNS": "250"})
-    assert_explained(result, "3 of 4 devices did not finish", "called sys.exit(5) at step 1 (repeat 0)",
-                     "raised IndexError in step 1 on cpu:2: index out of range in self",
-                     "the cpu:3 process killed by signal SIGKILL")
+    result = cli(
+        "replay",
+        bundle,
+        *[arg for n in range(4) for arg in ("-d", f"cpu:{n}")],
+        "--logs",
+        tmp_path / "logs",
+        "--json",
+        env={"COLUMNS": "250"},
+    )
+    assert_explained(
+        result,
+        "3 of 4 devices did not finish",
+        "called sys.exit(5) at step 1 (repeat 0)",
+        "raised IndexError in step 1 on cpu:2: index out of range in self",
+        "the cpu:3 process killed by signal SIGKILL",
+    )
     assert "from the 1 of 4 devices that finished; 3 did not" in result.stderr
     for n in (1, 2):  # the frames are in the device's log file, not on the console
         log = tmp_path / "logs" / f"replay-cpu-{n}.stderr.txt"
         assert f"Log: {log}" in result.stderr and "Traceback" in log.read_text()
     report = json.loads(result.stdout)
-    assert report["consensus"]["verdict"] == "correct" and report["failed"] == ["cpu:1", "cpu:2", "cpu:3"]
+    assert report["consensus"]["verdict"] == "correct" and report["failed"] == [
+        "cpu:1",
+        "cpu:2",
+        "cpu:3",
+    ]
     assert report["devices"][3]["error"]["exit_status"] == -signal.SIGKILL
 
 
@@ -197,10 +262,23 @@ def test_no_verdict_when_no_device_finishes(tmp_path: Path, cli):
 
 
 def test_workload_code_that_exits_while_recording_is_exit_3(tmp_path: Path, cli):
-    result = cli("record", WORKLOAD, "--steps", "2", "--out", tmp_path / "x.bundle", *SMALL_ARGS,
-                 "-a", "misbehave=exit", "-a", "on_device=main")
+    result = cli(
+        "record",
+        WORKLOAD,
+        "--steps",
+        "2",
+        "--out",
+        tmp_path / "x.bundle",
+        *SMALL_ARGS,
+        "-a",
+        "misbehave=exit",
+        "-a",
+        "on_device=main",
+    )
     assert_explained(result, "the workload called sys.exit(5)")
-    assert Bundle.open(tmp_path / "x.bundle.partial").step_indices == [0]  # the evidence so far is kept
+    assert Bundle.open(tmp_path / "x.bundle.partial").step_indices == [
+        0
+    ]  # the evidence so far is kept
 
 
 def test_device_type_must_match_the_signature_log(small_bundle: Path, cli):
@@ -208,11 +286,15 @@ def test_device_type_must_match_the_signature_log(small_bundle: Path, cli):
     manifest["device_type"] = "cuda"
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (small_bundle / MANIFEST).write_text(json.dumps(manifest))
-    assert_explained(cli("info", small_bundle), "signature log was made on device type 'cpu'",
-                     "the manifest says 'cuda'")
+    assert_explained(
+        cli("info", small_bundle),
+        "signature log was made on device type 'cpu'",
+        "the manifest says 'cuda'",
+    )
 
 
 # -- each input that used to reach the catch-all ----------------------------------------------------
+
 
 def _edit_manifest(bundle: Path, path: list, value) -> None:
     manifest = json.loads((bundle / MANIFEST).read_text())
@@ -236,16 +318,27 @@ def _deep(depth: int):
     return value
 
 
-@pytest.mark.parametrize(("path", "value", "needle"), [
-    (["determinism", "num_threads"], 2**31, "determinism.num_threads is 2147483648, expected an integer from 1"),
-    (["environment", "device"], "cpu", 'environment.device is "cpu", expected an object'),
-    (["determinism", "env", "CUBLAS_WORKSPACE_CONFIG"], "\ud800", "NUL or an unpaired surrogate"),
-    (["environment", "env", "OMP_NUM_THREADS"], "4\x00", "NUL or an unpaired surrogate"),
-    (["workload", "kwargs", "dim"], _deep(978), "nests deeper than 32 levels"),
-    (["workload", "kwargs", "dim"], _deep(40), "nests deeper than 32 levels"),
-    (["workload", "kwargs", "seed"], 2**70, "workload.kwargs.seed is 1180591620717411303424"),
-    (["steps", 0, "seconds"], -1.0, "steps[0].seconds is -1.0, expected"),
-])
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        (
+            ["determinism", "num_threads"],
+            2**31,
+            "determinism.num_threads is 2147483648, expected an integer from 1",
+        ),
+        (["environment", "device"], "cpu", 'environment.device is "cpu", expected an object'),
+        (
+            ["determinism", "env", "CUBLAS_WORKSPACE_CONFIG"],
+            "\ud800",
+            "NUL or an unpaired surrogate",
+        ),
+        (["environment", "env", "OMP_NUM_THREADS"], "4\x00", "NUL or an unpaired surrogate"),
+        (["workload", "kwargs", "dim"], _deep(978), "nests deeper than 32 levels"),
+        (["workload", "kwargs", "dim"], _deep(40), "nests deeper than 32 levels"),
+        (["workload", "kwargs", "seed"], 2**70, "workload.kwargs.seed is 1180591620717411303424"),
+        (["steps", 0, "seconds"], -1.0, "steps[0].seconds is -1.0, expected"),
+    ],
+)
 def test_hand_edited_manifest_values_are_named(small_bundle: Path, cli, path, value, needle):
     _edit_manifest(small_bundle, path, value)
     assert_explained(cli("info", small_bundle), "manifest", needle)
@@ -263,18 +356,44 @@ def _replace_dataset(handle: h5py.File, name: str, data) -> None:
     handle.create_dataset(name, data=data).attrs.update(attrs)
 
 
-@pytest.mark.parametrize(("edit", "needle"), [
-    (lambda h: h["batch/t0"].attrs.__setitem__("dtype", "qint8"), "has dtype 'qint8', which sdcreplay never stores"),
-    (lambda h: _replace_dataset(h, "batch/t0", np.zeros((2, 8), dtype=[("a", "i4"), ("b", "f4")])),
-     "is stored as HDF5 type"),
-    (lambda h: _replace_dataset(h, "rng/cpu", np.zeros(100, dtype=np.uint8)),
-     "tensor /rng/cpu has shape [100], expected [5056]"),
-    (lambda h: (_replace_dataset(h, "rng/cpu", np.zeros(100, dtype=np.uint8)), h["rng/cpu"].attrs.__setitem__("shape", [100])),
-     "RNG state in"),
-    (lambda h: _replace_dataset(h, "rng/numpy/keys", np.zeros(10, dtype=np.uint32)), "RNG state in"),
-    (lambda h: h["batch"].attrs.__setitem__("skeleton", "[" * 978 + "]" * 978), "nests deeper than 32 levels"),
-    (lambda h: h["batch"].attrs.__setitem__("skeleton", "[" * 40 + "]" * 40), "nests deeper than 32 levels"),
-])
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (
+            lambda h: h["batch/t0"].attrs.__setitem__("dtype", "qint8"),
+            "has dtype 'qint8', which sdcreplay never stores",
+        ),
+        (
+            lambda h: _replace_dataset(
+                h, "batch/t0", np.zeros((2, 8), dtype=[("a", "i4"), ("b", "f4")])
+            ),
+            "is stored as HDF5 type",
+        ),
+        (
+            lambda h: _replace_dataset(h, "rng/cpu", np.zeros(100, dtype=np.uint8)),
+            "tensor /rng/cpu has shape [100], expected [5056]",
+        ),
+        (
+            lambda h: (
+                _replace_dataset(h, "rng/cpu", np.zeros(100, dtype=np.uint8)),
+                h["rng/cpu"].attrs.__setitem__("shape", [100]),
+            ),
+            "RNG state in",
+        ),
+        (
+            lambda h: _replace_dataset(h, "rng/numpy/keys", np.zeros(10, dtype=np.uint32)),
+            "RNG state in",
+        ),
+        (
+            lambda h: h["batch"].attrs.__setitem__("skeleton", "[" * 978 + "]" * 978),
+            "nests deeper than 32 levels",
+        ),
+        (
+            lambda h: h["batch"].attrs.__setitem__("skeleton", "[" * 40 + "]" * 40),
+            "nests deeper than 32 levels",
+        ),
+    ],
+)
 def test_damaged_step_files_are_named(small_bundle: Path, edit, needle):
     _edit_step_file(small_bundle, edit)
     with pytest.raises(SdcReplayError, match=re.escape(needle)) as caught:
@@ -284,8 +403,11 @@ def test_damaged_step_files_are_named(small_bundle: Path, edit, needle):
 
 def test_a_damaged_step_file_is_named_by_the_cli(tmp_path: Path, small_bundle: Path, cli):
     _edit_step_file(small_bundle, lambda h: h["batch/t0"].attrs.__setitem__("dtype", "qint8"))
-    assert_explained(cli("replay", small_bundle, "--logs", tmp_path / "logs"), "every device failed: ",
-                     "steps/000000.h5: tensor /batch/t0 has dtype 'qint8', which sdcreplay never stores")
+    assert_explained(
+        cli("replay", small_bundle, "--logs", tmp_path / "logs"),
+        "every device failed: ",
+        "steps/000000.h5: tensor /batch/t0 has dtype 'qint8', which sdcreplay never stores",
+    )
 
 
 def test_a_token_id_out_of_range_in_a_stored_batch_is_named(small_bundle: Path):
@@ -293,7 +415,9 @@ def test_a_token_id_out_of_range_in_a_stored_batch_is_named(small_bundle: Path):
         handle["batch/t0"][0, 0] = 10**6
 
     _edit_step_file(small_bundle, out_of_range)
-    with pytest.raises(WorkloadError, match="builtin:tiny-llama raised IndexError in step 0 on cpu") as caught:
+    with pytest.raises(
+        WorkloadError, match="builtin:tiny-llama raised IndexError in step 0 on cpu"
+    ) as caught:
         replay_on_device(small_bundle, "cpu")
     assert "stored batch or state does not fit" in caught.value.hint
 
@@ -301,21 +425,39 @@ def test_a_token_id_out_of_range_in_a_stored_batch_is_named(small_bundle: Path):
 @pytest.mark.parametrize("where", ["under-a-file", "proc", "too-long"])
 def test_unwritable_out_and_logs_are_named(tmp_path: Path, cli, small_bundle: Path, where: str):
     (tmp_path / "file").write_text("")
-    target = {"under-a-file": tmp_path / "file" / "x", "proc": Path("/proc/self/x"),
-              "too-long": tmp_path / ("x" * 300)}[where]
-    assert_explained(cli("record", "builtin:tiny-llama", "--steps", "1", "--out", target, *SMALL_ARGS),
-                     "cannot create the bundle directory")
-    assert_explained(cli("replay", small_bundle, "--logs", target), "cannot create the log directory")
+    target = {
+        "under-a-file": tmp_path / "file" / "x",
+        "proc": Path("/proc/self/x"),
+        "too-long": tmp_path / ("x" * 300),
+    }[where]
+    assert_explained(
+        cli("record", "builtin:tiny-llama", "--steps", "1", "--out", target, *SMALL_ARGS),
+        "cannot create the bundle directory",
+    )
+    assert_explained(
+        cli("replay", small_bundle, "--logs", target), "cannot create the log directory"
+    )
 
 
 def test_a_seed_out_of_range_is_a_usage_error(tmp_path: Path, cli):
-    result = cli("record", "builtin:tiny-llama", "--seed", str(2**70), "--out", tmp_path / "x.bundle")
+    result = cli(
+        "record", "builtin:tiny-llama", "--seed", str(2**70), "--out", tmp_path / "x.bundle"
+    )
     assert result.exit_code == 2 and "--seed" in result.stderr and "Traceback" not in result.output
 
 
 def test_a_non_scalar_loss_is_named(tmp_path: Path, cli):
-    result = cli("record", WORKLOAD, "--steps", "1", "--out", tmp_path / "x.bundle", *SMALL_ARGS,
-                 "-a", "scalar_loss=false")
+    result = cli(
+        "record",
+        WORKLOAD,
+        "--steps",
+        "1",
+        "--out",
+        tmp_path / "x.bundle",
+        *SMALL_ARGS,
+        "-a",
+        "scalar_loss=false",
+    )
     assert_explained(result, "returned [2] in step 0, not a scalar tensor")
 
 
@@ -328,10 +470,17 @@ def test_a_signature_log_without_checksums_in_a_bundle_is_refused(small_bundle: 
 
 # -- properties -------------------------------------------------------------------------------------
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(mutation=st.sampled_from(sorted(bundle_fuzz.SEMANTIC) + ["raw_bytes"]), seed=st.integers(0, 2**32))
-def test_mutated_bundles_give_a_specific_error_or_a_verdict(tmp_path_factory, _small_bundle_template,
-                                                            mutation: str, seed: int):
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    mutation=st.sampled_from(sorted(bundle_fuzz.SEMANTIC) + ["raw_bytes"]),
+    seed=st.integers(0, 2**32),
+)
+def test_mutated_bundles_give_a_specific_error_or_a_verdict(
+    tmp_path_factory, _small_bundle_template, mutation: str, seed: int
+):
     """Hash-valid semantic edits and raw damage: exit 3 with a specific message, or a verdict (unchanged
     for an edit that cannot matter); never a traceback, a catch-all message or a hang."""
     work = tmp_path_factory.mktemp("mutant")
@@ -353,18 +502,38 @@ def test_mutated_bundles_give_a_specific_error_or_a_verdict(tmp_path_factory, _s
 
 # -- a recording killed mid-way ---------------------------------------------------------------------
 
+
 def test_sigkill_during_record_leaves_a_readable_partial(tmp_path: Path, sdcreplay_exe: str, cli):
     out = tmp_path / "killed.bundle"
     partial = tmp_path / "killed.bundle.partial"
-    command = [sdcreplay_exe, "record", WORKLOAD, "--steps", "6", "--out", str(out), *SMALL_ARGS,
-               "-a", "misbehave=hang", "-a", "on_device=main", "-a", "at_step=3"]
+    command = [
+        sdcreplay_exe,
+        "record",
+        WORKLOAD,
+        "--steps",
+        "6",
+        "--out",
+        str(out),
+        *SMALL_ARGS,
+        "-a",
+        "misbehave=hang",
+        "-a",
+        "on_device=main",
+        "-a",
+        "at_step=3",
+    ]
     env = {**os.environ, "SDCREPLAY_DEVICE": "main"}
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and process.poll() is None:
             manifest = partial / MANIFEST
-            if manifest.is_file() and len(json.loads(manifest.read_text() or "{}").get("steps", [])) >= 3:
+            if (
+                manifest.is_file()
+                and len(json.loads(manifest.read_text() or "{}").get("steps", [])) >= 3
+            ):
                 break
             time.sleep(0.1)
         assert process.poll() is None, process.stderr.read()
