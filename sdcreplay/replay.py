@@ -322,8 +322,8 @@ class _DeviceProcess:
 
     def where(self) -> str:
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            return self.alive.read_text()[:80] or "starting"
-        return "starting"
+            return self.alive.read_text()[:80] or "start-up"
+        return "start-up"
 
 
 def _stop(process, grace: float = 5.0) -> None:

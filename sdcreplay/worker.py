@@ -30,7 +30,7 @@ class Heartbeat:
 
     def __init__(self, path: str | None):
         self.path = Path(path) if path else None
-        self.where = "starting"
+        self.where = "start-up"
 
     def beat(self, where: str) -> None:
         self.where = where
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     task = json.loads(Path(argv[1]).read_text())
     result_path = Path(task["result"])
     HEARTBEAT.path = Path(task["alive"]) if task.get("alive") else None
-    HEARTBEAT.beat("started")
+    HEARTBEAT.beat("start-up")
     log = task.get("stderr")
     log_hint = f"The traceback is in {log}." if log else "The traceback is on stderr."
     try:
