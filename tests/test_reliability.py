@@ -37,23 +37,16 @@ MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
 WORKLOAD = f"{MISBEHAVING}:make_workload"
 
 
-def misbehaving_bundle(tmp_path: Path, cli, misbehave: str, *extra: str, at_step: int = 1) -> Path:
+def record_misbehaving(cli, out: Path, steps: int, **options):
+    """Record the misbehaving workload (options become its keyword arguments) through the CLI."""
+    pairs = [arg for key, value in options.items() for arg in ("-a", f"{key}={value}")]
+    return cli("record", WORKLOAD, "--steps", str(steps), "--out", out, *SMALL_ARGS, *pairs)
+
+
+def misbehaving_bundle(tmp_path: Path, cli, misbehave: str, at_step: int = 1) -> Path:
     """A 2-step recording of the misbehaving workload (it behaves while recording in this process)."""
     out = tmp_path / "mis.bundle"
-    result = cli(
-        "record",
-        WORKLOAD,
-        "--steps",
-        "2",
-        "--out",
-        out,
-        *SMALL_ARGS,
-        "-a",
-        f"misbehave={misbehave}",
-        "-a",
-        f"at_step={at_step}",
-        *extra,
-    )
+    result = record_misbehaving(cli, out, 2, misbehave=misbehave, at_step=at_step)
     assert result.exit_code == 0, result.output
     return out
 
@@ -262,23 +255,10 @@ def test_no_verdict_when_no_device_finishes(tmp_path: Path, cli):
 
 
 def test_workload_code_that_exits_while_recording_is_exit_3(tmp_path: Path, cli):
-    result = cli(
-        "record",
-        WORKLOAD,
-        "--steps",
-        "2",
-        "--out",
-        tmp_path / "x.bundle",
-        *SMALL_ARGS,
-        "-a",
-        "misbehave=exit",
-        "-a",
-        "on_device=main",
-    )
+    result = record_misbehaving(cli, tmp_path / "x.bundle", 2, misbehave="exit", on_device="main")
     assert_explained(result, "the workload called sys.exit(5)")
-    assert Bundle.open(tmp_path / "x.bundle.partial").step_indices == [
-        0
-    ]  # the evidence so far is kept
+    # the evidence so far is kept
+    assert Bundle.open(tmp_path / "x.bundle.partial").step_indices == [0]
 
 
 def test_device_type_must_match_the_signature_log(small_bundle: Path, cli):
@@ -447,17 +427,7 @@ def test_a_seed_out_of_range_is_a_usage_error(tmp_path: Path, cli):
 
 
 def test_a_non_scalar_loss_is_named(tmp_path: Path, cli):
-    result = cli(
-        "record",
-        WORKLOAD,
-        "--steps",
-        "1",
-        "--out",
-        tmp_path / "x.bundle",
-        *SMALL_ARGS,
-        "-a",
-        "scalar_loss=false",
-    )
+    result = record_misbehaving(cli, tmp_path / "x.bundle", 1, scalar_loss="false")
     assert_explained(result, "returned [2] in step 0, not a scalar tensor")
 
 
