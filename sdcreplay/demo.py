@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .bisect import bisect
 from .compare import compare_logs, load_log
+from .errors import SdcReplayError
 from .minimize import minimize
 from .recorder import record
 from .replay import replay_devices
@@ -56,13 +57,22 @@ class Demo:
         return problems
 
 
+DEMO_MARKER = ".sdcreplay-demo"
+
+
 def run_demo(out: str | Path, on_stage: Callable[[DemoStage], None] = lambda stage: None,
              steps: int = 3) -> Demo:
     """Record, replay on three replicas, diff, bisect, minimize; call ``on_stage`` after each."""
     out = Path(out)
+    ours = (out / DEMO_MARKER).is_file() or (out.is_dir() and not any(out.iterdir()))
+    if out.exists() and not ours:
+        raise SdcReplayError(f"{out} exists and was not written by `sdcreplay demo`; "
+                             "it is not replaced",
+                             "Give --out a new directory (or an earlier demo's).")
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    (out / DEMO_MARKER).write_text("written by sdcreplay demo; replaced by the next one\n")
     demo = Demo(out)
     bundle = out / "tiny.bundle"
 

@@ -23,6 +23,7 @@ does something its workload's step does not raises WorkloadMismatchError.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -114,9 +115,10 @@ class Recorder:
         self._hook = optimizer.register_step_post_hook(lambda *_: self._finish_pending())
         self._next_index = start_step
         self._first_index = start_step
-        self._pending: tuple[int, Any, determinism.RngState, str] | None = None
+        self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
+        self._pending: tuple[int, Any, determinism.RngState, float] | None = None
         self.steps_written = 0
         self.entries_written = 0
         self.path: Path = self._writer.path
@@ -134,13 +136,14 @@ class Recorder:
                 "the bundle does not hold: start recording at an optimizer-step boundary "
                 "(after zero_grad)"
             )
+        started = time.perf_counter()
         rng = determinism.capture_rng(self.device)
         stored_batch = map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
         self._capture.begin_step(rng)
         with self._capture.backward_capture():
             yield
         self._capture.close_window()
-        self._pending = (self._next_index, stored_batch, rng, grads)
+        self._pending = (self._next_index, stored_batch, rng, grads, started)
         self._next_index += 1
         if self._capture.optimizer_stepped:
             self._finish_pending()
@@ -148,11 +151,13 @@ class Recorder:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        index, batch, rng, grads = self._pending
+        index, batch, rng, grads, started = self._pending
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
-        self._writer.add_step(index, batch, rng, entries, optimizer_step=stepped, grads=grads)
+        seconds = time.perf_counter() - started  # replay derives its hang timeout from it
+        self._writer.add_step(index, batch, rng, entries, optimizer_step=stepped, grads=grads,
+                              seconds=seconds)
         self.steps_written += 1
         self.entries_written += len(entries)
         self._verify_due = self.steps_written == 1 and self.verify_mode != "off"

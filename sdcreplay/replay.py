@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -139,7 +140,7 @@ class ReplaySession:
 
     def _default_step(self, record: StepRecord, batch) -> None:
         """A loss_fn-only workload: backward, and the optimizer step only where the loop took it."""
-        self.workload.loss_fn(self.model, batch).backward()
+        self.workload.loss(batch).backward()
         if record.optimizer_step:
             self.optimizer.step()
 
@@ -162,23 +163,44 @@ def replay_on_device(
     repeat: int = 0,
     after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
     apply_switches: bool = True,
+    on_step: Callable[[int], None] | None = None,
 ) -> SignatureLog:
     """Replay the bundle's steps (up to ``last_step``) on one device label in this process.
 
     ``inject`` adds fault specs (``SDCREPLAY_INJECT`` is read too); ``repeat``
-    varies the draws of intermittent faults between repeats.
+    varies the draws of intermittent faults between repeats; ``on_step(index)``
+    is called as each step starts (the device process's liveness signal).
     """
     session = ReplaySession(bundle, device, apply_switches=apply_switches, after_load=after_load,
                             inject=inject, repeat=repeat)
     try:
         log = session.new_log(warnings=session.warnings, repeat=repeat)
         for record in session.steps_until(last_step):
-            log.steps[record.index] = session.run_step(record)
+            if on_step is not None:
+                on_step(record.index)
+            log.steps[record.index] = _run_workload_step(session, record)
         log.meta["injected"] = [injection.to_json() for injection in session.injector.fired]
         log.meta["unmatched"] = session.injector.unmatched()
         return log
     finally:
         session.close()
+
+
+def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple[str, str]]:
+    """One step; what the workload raises on the bundle's data is named as such (exit 3)."""
+    try:
+        return session.run_step(record)
+    except SdcReplayError:
+        raise
+    except Exception as exc:
+        first_line = (str(exc).splitlines() or [""])[0][:300]
+        raise WorkloadError(
+            f"{session.bundle.workload_ref} raised {type(exc).__name__} in step {record.index} "
+            f"on {session.label}: {first_line}",
+            "The stored batch or state does not fit the workload (a damaged or foreign "
+            "bundle), or the workload changed since the recording; the device's log holds "
+            "the traceback.",
+        ) from exc
 
 
 @dataclass
@@ -250,12 +272,33 @@ class ReplayReport:
         return judgement.verdict if judgement else "match"
 
     @property
+    def failed(self) -> list[DeviceRun]:
+        """Devices that died or timed out: the verdict is computed without them."""
+        return [run for run in self.devices if run.error is not None]
+
+    @property
     def exit_code(self) -> int:
         if self.consensus is not None and self.consensus.verdict == "incomparable":
             return 3  # no comparable machine replayed: no evidence either way
         if self.consensus is not None and self.consensus.verdict != "correct":
             return 1
-        return 3 if any(run.error for run in self.devices) else 0
+        return 3 if self.failed else 0
+
+    def failure(self) -> SdcReplayError | None:
+        """Why the replay could not give a full answer (exit 3), or None."""
+        if not self.failed or self.exit_code != 3:
+            return None
+        names = "; ".join(f"{run.device}: {run.error['message']}" for run in self.failed)
+        logs = ", ".join(run.error["log"] for run in self.failed if run.error.get("log"))
+        where = f" (logs: {logs})" if logs else ""
+        if self.consensus is None:
+            return SdcReplayError(f"no verdict: no device finished ({names})",
+                                  f"Fix what stopped the devices and replay again{where}.")
+        return SdcReplayError(
+            f"{len(self.failed)} of {len(self.devices)} devices did not finish ({names}); "
+            "the verdict covers only the others",
+            f"Replay those devices again to include them{where}.",
+        )
 
     def to_json(self) -> dict:
         return {
@@ -268,14 +311,22 @@ class ReplayReport:
             "consensus": self.consensus.to_json() if self.consensus else None,
             "verified": self.caveat is None,
             "caveat": self.caveat,
+            "finished": len(self.devices) - len(self.failed),
+            "failed": [run.device for run in self.failed],
         }
 
 
 def _tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a device's stderr without traceback frames (those stay in the file)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - 65536))
+            text = handle.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
+    frames = (" ", "\t", "Traceback ", "During handling", "The above exception")
+    kept = [line for line in text.splitlines() if line.strip() and not line.startswith(frames)]
+    return "\n".join(kept[-lines:])
 
 
 def _exit_description(status: int) -> str:
@@ -296,6 +347,50 @@ def _retry_hint(status: int) -> str:
         return ("A crash inside a kernel or the driver: retry once; if the same device crashes again "
                 "while the others do not, treat it as the suspect.")
     return "The stderr lines above say why; fix that and retry (a retry alone does not change the outcome)."
+STARTUP_SECONDS = 120.0
+"""For a device process to start (fork, build the workload, load the state) before step one."""
+STEP_FACTOR = 50
+"""A step may take this many times the slowest recorded step before its device is deemed hung."""
+UNKNOWN_STEP_TIMEOUT = 3600.0
+"""Without recorded step times (a bundle from before they were recorded, or a bisect task)."""
+
+
+def progress_timeout(bundle: Bundle) -> float:
+    """Seconds a device process may go without progress, derived from the recorded step times.
+
+    Generous on purpose (a replica may share cores with others, or run on a
+    slower device): it exists to end a hang, not to judge speed.
+    """
+    times = [step.get("seconds") for step in bundle.manifest["steps"]]
+    if not times or any(t is None for t in times):
+        return UNKNOWN_STEP_TIMEOUT
+    return round(STARTUP_SECONDS + STEP_FACTOR * max(times), 1)
+
+
+@dataclass
+class _DeviceProcess:
+    process: object
+    result: Path
+    stderr: Path
+    alive: Path
+    started: float
+
+    def last_progress(self) -> float:
+        with contextlib.suppress(OSError):
+            return max(self.started, self.alive.stat().st_mtime)
+        return self.started
+
+    def where(self) -> str:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            return self.alive.read_text()[:80] or "start-up"
+        return "start-up"
+
+
+def _stop(process, grace: float = 5.0) -> None:
+    """SIGKILL and reap, waiting at most ``grace`` seconds."""
+    with contextlib.suppress(OSError, ValueError):
+        process.kill()
+    process.join(grace)
 
 
 def run_device_processes(
@@ -304,44 +399,85 @@ def run_device_processes(
     task_for: Callable[[str], dict],
     work_dir: Path,
     on_done: Callable[[str, dict], None] | None = None,
+    timeout: float | None = None,
 ) -> dict[str, dict]:
     """Run one worker process per device label at once; collect each result.
 
-    A process that dies yields ``{"error": {...}}`` with its exit status and the
-    last lines of its stderr; the others run to the end.
+    A process that dies yields ``{"error": {...}}`` with its exit status, its
+    log file and the last lines of its stderr (never traceback frames); one that
+    shows no progress for ``timeout`` seconds (default: ``UNKNOWN_STEP_TIMEOUT``)
+    is killed and reported as timed out. The others run to the end.
     """
-    work_dir.mkdir(parents=True, exist_ok=True)
-    running = {}
+    timeout = UNKNOWN_STEP_TIMEOUT if timeout is None else timeout
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SdcReplayError(
+            f"cannot create the log directory {work_dir}: {exc.strerror}",
+            "Choose a --logs/--out directory that can be written (not under a file or /proc, "
+            "each name at most 255 bytes).",
+        ) from exc
+    running: dict[str, _DeviceProcess] = {}
     for label in devices:
         stem = f"{kind}-{label.replace(':', '-')}"
-        task = {"kind": kind, "device": label, "result": str(work_dir / f"{stem}.result.json"), **task_for(label)}
+        paths = {name: work_dir / f"{stem}.{name}"
+                 for name in ("result.json", "stderr.txt", "alive")}
+        task = {"kind": kind, "device": label, "result": str(paths["result.json"]),
+                "stderr": str(paths["stderr.txt"]), "alive": str(paths["alive"]), **task_for(label)}
         task_path = work_dir / f"{stem}.task.json"
         task_path.write_text(json.dumps(task))
-        stderr_path = work_dir / f"{stem}.stderr.txt"
-        running[label] = (worker.start(task_path, stderr_path, label), Path(task["result"]), stderr_path)
+        paths["alive"].unlink(missing_ok=True)
+        process = worker.start(task_path, paths["stderr.txt"], label)
+        running[label] = _DeviceProcess(process, paths["result.json"], paths["stderr.txt"],
+                                        paths["alive"], time.time())
     results: dict[str, dict] = {}
-    while running:
-        for label, (process, result_path, stderr_path) in list(running.items()):
-            status = process.exitcode
-            if status is None:
-                continue
-            process.join()
-            del running[label]
-            result = None
-            if result_path.is_file():
-                with contextlib.suppress(ValueError):
-                    result = json.loads(result_path.read_text())
-            if result is None or (status != 0 and "error" not in result):
-                result = {"error": {"message": f"the {label} process {_exit_description(status)}",
-                                    "hint": _retry_hint(status)}}
-            if "error" in result:
-                result["error"].update(exit_status=status, stderr_tail=_tail(stderr_path))
-            results[label] = result
-            if on_done is not None:
-                on_done(label, result)
-        if running:
-            time.sleep(0.05)
+    try:
+        while running:
+            for label, device in list(running.items()):
+                result = _poll(label, device, timeout)
+                if result is None:
+                    continue
+                del running[label]
+                results[label] = result
+                if on_done is not None:
+                    on_done(label, result)
+            if running:
+                time.sleep(0.05)
+    finally:
+        for device in running.values():  # interrupted: no process outlives the command
+            _stop(device.process)
     return results
+
+
+def _poll(label: str, device: _DeviceProcess, timeout: float) -> dict | None:
+    """The result of a process that ended (or was killed for a timeout), or None while it runs."""
+    process = device.process
+    status = process.exitcode
+    if status is None and time.time() - device.last_progress() <= timeout:
+        return None
+    if status is None:
+        where = device.where()
+        _stop(process)
+        return {"error": {
+            "message": f"the {label} process timed out after {timeout:g} s without progress "
+                       f"(at {where}) and was killed",
+            "hint": "A hung device or workload (its log may say where). If the step is just slow, "
+                    "give it more time with --timeout SECONDS.",
+            "timed_out": timeout, "exit_status": None, "log": str(device.stderr),
+            "stderr_tail": _tail(device.stderr)}}
+    process.join(5)
+    result = None
+    if device.result.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            result = json.loads(device.result.read_text())
+    if not isinstance(result, dict) or (status != 0 and not isinstance(result.get("error"), dict)):
+        # died without a word (signal, os._exit): its last lines of stderr are all there is to say
+        result = {"error": {"message": f"the {label} process {_exit_description(status)}",
+                            "hint": _retry_hint(status),
+                            "stderr_tail": _tail(device.stderr)}}
+    if "error" in result:
+        result["error"].update(exit_status=status, log=str(device.stderr))
+    return result
 
 
 def _refuse_unmatched_specs(results: dict[str, dict]) -> None:
@@ -378,11 +514,14 @@ def replay_devices(
     last_step: int | None = None,
     log_dir: str | Path | None = None,
     on_done: Callable[[str, dict], None] | None = None,
+    timeout: float | None = None,
 ) -> ReplayReport:
     """Replay on every device label at once, each in its own process, and vote.
 
     A workload that is neither built in nor recorded here runs only inside
     ``trust.granting([ref])`` (what ``--trust-workload`` does), see trust.py.
+    ``timeout``: seconds a device may go without finishing a step before it is
+    killed (default: derived from the recorded step times, see `progress_timeout`).
     """
     opened = Bundle.open(bundle)
     labels = [validate_label(label) for label in devices]
@@ -404,7 +543,7 @@ def replay_devices(
         "replay", labels,
         lambda label: {"bundle": str(opened.path), "repeats": repeats, "inject": list(inject),
                        "last_step": last_step, "log_dir": str(log_dir)},
-        log_dir, on_done,
+        log_dir, on_done, timeout=progress_timeout(opened) if timeout is None else timeout,
     )
     if all("error" in result for result in results.values()) and len({r["error"]["message"] for r in results.values()}) == 1:
         error = next(iter(results.values()))["error"]  # the same failure everywhere: the tool's, not a device's

@@ -15,8 +15,12 @@ from pathlib import Path
 import zstandard
 
 from .errors import BundleError
+from .safeio import check_json_value, read_limited
 
 SCHEMA = "sdcreplay.signatures/1"
+MAX_LOG_BYTES = 1 << 30
+MAX_TEXT_BYTES = 8 << 30
+MAX_ENTRIES = 100_000_000
 
 
 PROGRAM = "program"
@@ -116,22 +120,20 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
     read as fewer entries.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError as exc:
-        raise BundleError(f"signature log {path} does not exist") from exc
-    except OSError as exc:
-        raise BundleError(f"cannot read signature log {path}: {exc}") from exc
-    if size is not None:
-        if len(raw) < size:
-            raise BundleError(f"signature log {path} is {len(raw)} bytes, expected at least {size} (truncated)")
-        raw = raw[:size]
+    limit = MAX_LOG_BYTES if size is None else size
+    raw = read_limited(path, limit, "signature log", prefix=size is not None)
+    if size is not None and len(raw) < size:
+        raise BundleError(f"signature log {path} is {len(raw)} bytes, "
+                          f"expected at least {size} (truncated)")
     text = _decompress_frames(path, raw)
     lines = text.split("\n")[:-1] if text else []
+    if len(lines) > MAX_ENTRIES:
+        raise BundleError(f"signature log {path} holds more than {MAX_ENTRIES} entries")
     if not lines:
         raise BundleError(f"signature log {path} is empty")
     try:
         meta = json.loads(lines[0])
+        check_json_value(meta, f"the header of signature log {path}")
         if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
             raise BundleError(
                 f"{path} is not a signature log of schema {SCHEMA} (found {str(meta)[:60]!r})",
@@ -150,15 +152,32 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
 
 
 def _decompress_frames(path: Path, raw: bytes) -> str:
-    """The frames' text, in order; each frame must be whole and end with a newline."""
+    """The frames' text, in order; each frame whole, with its checksum, ending with a newline.
+
+    The writer puts the content size and a checksum in every frame header; a
+    frame without them is not one sdcreplay wrote, and the declared sizes bound
+    what decompression may produce.
+    """
     decompressor = zstandard.ZstdDecompressor()
     parts = []
+    total = 0
     try:
         while raw:
+            header = zstandard.get_frame_parameters(raw)
+            if not header.has_checksum:
+                raise BundleError(f"signature log {path} is damaged: "
+                                  f"frame {len(parts)} has no checksum")
+            total += header.content_size
+            if total > MAX_TEXT_BYTES:
+                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} declares "
+                                  f"no size or more than {MAX_TEXT_BYTES} bytes of text in all")
             frame = decompressor.decompressobj()
             chunk = frame.decompress(raw)
             if not frame.eof:
                 raise BundleError(f"signature log {path} is damaged: it ends in the middle of a frame (truncated)")
+            if len(chunk) != header.content_size:
+                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} holds "
+                                  f"{len(chunk)} bytes, its header says {header.content_size}")
             text = chunk.decode("utf-8")
             if not text.endswith("\n"):
                 raise BundleError(f"signature log {path} is damaged: a frame does not end with a complete line")

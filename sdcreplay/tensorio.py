@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .errors import BundleError
+from .safeio import check_json_value
 
 _NATIVE = {
     torch.float16: np.float16,
@@ -71,12 +72,55 @@ def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> h5py.Dat
     return dataset
 
 
+_STORABLE = tuple(_NATIVE) + tuple(
+    dtype for dtype in (getattr(torch, name, None) for name in (
+        "bfloat16", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+        "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"))
+    if isinstance(dtype, torch.dtype)
+)
+MAX_DIMS = 64
+
+
+def _storage_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype a tensor of ``dtype`` is stored as."""
+    if dtype in _NATIVE:
+        return np.dtype(_NATIVE[dtype])
+    return np.dtype(_WORDS[torch.empty((), dtype=dtype).element_size()][0])
+
+
+def _tensor_layout(dataset: h5py.Dataset) -> tuple[torch.dtype, list[int]]:
+    """The dtype and shape the attributes declare, checked against what the dataset really holds."""
+    name = str(dataset.attrs["dtype"])
+    dtype = dtype_from_name(name)
+    if dtype not in _STORABLE:
+        raise BundleError(f"tensor {dataset.name} has dtype {name[:40]!r}, "
+                          "which sdcreplay never stores")
+    stored = dataset.dtype
+    expected = _storage_dtype(dtype)
+    if stored.kind != expected.kind or stored.itemsize != expected.itemsize:
+        raise BundleError(f"tensor {dataset.name} is stored as HDF5 type {stored}, "
+                          f"expected {expected} for a {name} tensor")
+    shape_attr = np.asarray(dataset.attrs["shape"])
+    integers = shape_attr.size == 0 or shape_attr.dtype.kind in "iu"
+    if shape_attr.ndim != 1 or shape_attr.size > MAX_DIMS or not integers:
+        raise BundleError(f"tensor {dataset.name} has a malformed shape attribute "
+                          f"{str(shape_attr)[:60]}")
+    shape = [int(n) for n in shape_attr]
+    if any(n < 0 for n in shape):
+        raise BundleError(f"tensor {dataset.name} has a negative dimension in its shape {shape}")
+    if dataset.size * stored.itemsize > dataset.file.id.get_filesize():
+        raise BundleError(f"tensor {dataset.name} declares {dataset.size * stored.itemsize} bytes, "
+                          "more than its file holds")
+    return dtype, shape
+
+
 def read_tensor(dataset: h5py.Dataset, keep_strides: bool = False) -> torch.Tensor:
+    if not isinstance(dataset, h5py.Dataset):
+        raise BundleError(f"{dataset.name} is a group where a tensor was expected")
     try:
-        dtype = dtype_from_name(str(dataset.attrs["dtype"]))
-        shape = [int(n) for n in dataset.attrs["shape"]]
+        dtype, shape = _tensor_layout(dataset)
         data = np.ascontiguousarray(dataset[()])
-    except (KeyError, OSError, ValueError, TypeError) as exc:
+    except (KeyError, OSError, ValueError, TypeError, OverflowError) as exc:
         raise BundleError(f"cannot read tensor {dataset.name}: {exc}") from exc
     if dtype in _NATIVE:
         tensor = torch.from_numpy(data.astype(_NATIVE[dtype], copy=False))
@@ -125,6 +169,36 @@ def _restride(tensor: torch.Tensor, stride: list[int]) -> torch.Tensor:
     return strided.expand(tensor.shape) if broadcast else strided
 
 
+def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
+    """Refuse an HDF5 file whose data lives elsewhere: external links or storage, virtual datasets.
+
+    Such a file reads other files of the machine while its own SHA-256 still
+    matches, so editing them would change a replay's verdict unseen.
+    """
+    pending = [handle]
+    seen = 0
+    while pending:
+        group = pending.pop()
+        for name in group:
+            seen += 1
+            if seen > limit:
+                raise BundleError(f"{handle.filename} holds more than {limit} objects")
+            link = group.get(name, getlink=True)
+            where = f"{handle.filename}: {group.name.rstrip('/')}/{name}"
+            if isinstance(link, h5py.ExternalLink):
+                raise BundleError(f"{where} is an external link to {link.filename[:80]!r}",
+                                  "A bundle's HDF5 files must hold all their data themselves.")
+            if isinstance(link, h5py.SoftLink):
+                continue  # points inside this file; its target is visited as itself
+            item = group[name]
+            if isinstance(item, h5py.Group):
+                pending.append(item)
+            elif isinstance(item, h5py.Dataset) and (item.external or item.is_virtual):
+                raise BundleError(f"{where} keeps its data outside the file "
+                                  "(HDF5 external storage)",
+                                  "A bundle's HDF5 files must hold all their data themselves.")
+
+
 def write_tree(group: h5py.Group, obj: Any) -> None:
     """Store a nest of dicts/lists/tuples/scalars/tensors; the skeleton is JSON."""
     tensors: list[torch.Tensor] = []
@@ -136,10 +210,15 @@ def write_tree(group: h5py.Group, obj: Any) -> None:
 
 def read_tree(group: h5py.Group, keep_strides: bool = False) -> Any:
     """The nest :func:`write_tree` stored; ``keep_strides`` restores each tensor's memory layout."""
+    if not isinstance(group, h5py.Group):
+        raise BundleError(f"{group.name} is a dataset where a group of tensors was expected")
     try:
         skeleton = json.loads(group.attrs["skeleton"])
+    except RecursionError as exc:
+        raise BundleError(f"the structure of {group.name} nests deeper than 32 levels") from exc
     except (KeyError, ValueError, TypeError) as exc:
-        raise BundleError(f"{group.name} has no readable structure: {exc}") from exc
+        raise BundleError(f"{group.name} has no readable structure: {str(exc)[:200]}") from exc
+    check_json_value(skeleton, f"the structure of {group.name}")
     return _decode(skeleton, group, keep_strides)
 
 
@@ -197,8 +276,9 @@ def _decode(node: Any, group: h5py.Group, keep_strides: bool = False) -> Any:
 
 
 def _key(item: Any, group: h5py.Group) -> Any:
-    if not isinstance(item, list) or len(item) != 2:
-        raise BundleError(f"{group.name}: malformed dict item")
+    scalar = (str, int, float, bool, type(None))
+    if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], scalar):
+        raise BundleError(f"{group.name}: malformed dict item {str(item)[:60]}")
     return item[0]
 
 

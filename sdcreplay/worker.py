@@ -22,6 +22,26 @@ from pathlib import Path
 from .errors import SdcReplayError
 
 
+class Heartbeat:
+    """The liveness signal: the task touches its ``alive`` file whenever it makes progress.
+
+    The parent kills a process whose file stays untouched longer than the
+    timeout; the file's text says where the task got to, for the report.
+    """
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.where = "start-up"
+
+    def beat(self, where: str) -> None:
+        self.where = where
+        if self.path is not None:
+            self.path.write_text(where)
+
+
+HEARTBEAT = Heartbeat(None)
+
+
 def run_replay_task(task: dict) -> dict:
     from .replay import replay_on_device
     from .signature import write_signature_log
@@ -31,6 +51,7 @@ def run_replay_task(task: dict) -> dict:
         log = replay_on_device(
             task["bundle"], task["device"], last_step=task.get("last_step"),
             inject=task.get("inject", ()), repeat=repeat,
+            on_step=lambda index, repeat=repeat: HEARTBEAT.beat(f"step {index} (repeat {repeat})"),
         )
         path = Path(task["log_dir"]) / f"{task['device'].replace(':', '-')}.r{repeat}.sig.zst"
         write_signature_log(path, log)
@@ -79,15 +100,31 @@ def main(argv: list[str]) -> int:
     task = json.loads(Path(argv[1]).read_text())
     result_path = Path(task["result"])
     _pin_recorded_kernels(task)
+    HEARTBEAT.path = Path(task["alive"]) if task.get("alive") else None
+    HEARTBEAT.beat("start-up")
+    log = task.get("stderr")
+    log_hint = f"The traceback is in {log}." if log else "The traceback is on stderr."
     try:
         result = TASKS[task["kind"]](task)
         status = 0
     except SdcReplayError as exc:
+        traceback.print_exc()  # into the device's log file, for whoever debugs it
         result = {"error": {"message": exc.message, "hint": exc.hint}}
+        status = 3
+    except SystemExit as exc:  # workload code called sys.exit(): this device's failure
+        traceback.print_exc()
+        exit_call = f"sys.exit({exc.code!r})"
+        result = {"error": {"message": f"the workload called {exit_call} at {HEARTBEAT.where}",
+                            "hint": f"Workload code must not exit the process. {log_hint}"}}
         status = 3
     except Exception as exc:  # reported for this device; the others go on
         traceback.print_exc()
-        result = {"error": {"message": f"{type(exc).__name__}: {exc}", "hint": None}}
+        first_line = (str(exc).splitlines() or [""])[0][:300]
+        what = f"{type(exc).__name__}: {first_line}"
+        result = {"error": {"message": f"the workload failed at {HEARTBEAT.where}: {what}",
+                            "hint": "A stored batch or state the workload cannot use (a damaged "
+                                    "or foreign bundle), or a workload that changed since the "
+                                    f"recording. {log_hint}"}}
         status = 3
     result_path.write_text(json.dumps(result))
     return status

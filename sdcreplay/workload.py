@@ -50,10 +50,22 @@ class Workload:
         """One training step as `sdcreplay record` drives it: ``train_step``, or the default."""
         if self.train_step is not None:
             return self.train_step(batch)
-        loss = self.loss_fn(self.model, batch)
+        loss = self.loss(batch)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
+        return loss
+
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """``loss_fn``'s value, refused by name when it is not one number (backward needs one)."""
+        loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise WorkloadError(
+                f"the workload's loss_fn returned {shape}, not a scalar tensor",
+                "Return the loss as one number (e.g. reduce it with .mean()).",
+            )
         return loss
 
 

@@ -138,19 +138,19 @@ def test_every_single_byte_flip_is_refused_or_harmless(tmp_path: Path):
     [
         (b"", "is empty"),
         (b"not zstd at all", "is damaged"),
-        (zstandard.ZstdCompressor().compress(b'{"schema": "other/1"}\n'), "is not a signature log"),
-        (zstandard.ZstdCompressor().compress(b'[1, 2]\n'), "is not a signature log"),
-        (zstandard.ZstdCompressor().compress(b"\xff\xfe\n"), "is damaged"),
-        (zstandard.ZstdCompressor().compress(b'{"schema": "sdcreplay.signatures/1"}'), "complete line"),
-        (zstandard.ZstdCompressor().compress(
+        (zstandard.ZstdCompressor(write_checksum=True).compress(b'{"schema": "other/1"}\n'), "is not a signature log"),
+        (zstandard.ZstdCompressor(write_checksum=True).compress(b'[1, 2]\n'), "is not a signature log"),
+        (zstandard.ZstdCompressor(write_checksum=True).compress(b"\xff\xfe\n"), "is damaged"),
+        (zstandard.ZstdCompressor(write_checksum=True).compress(b'{"schema": "sdcreplay.signatures/1"}'), "complete line"),
+        (zstandard.ZstdCompressor(write_checksum=True).compress(
             b'{"schema": "sdcreplay.signatures/1"}\n{"step": "0", "name": "a", "digest": "b"}\n'), "bad entry"),
-        (zstandard.ZstdCompressor().compress(
+        (zstandard.ZstdCompressor(write_checksum=True).compress(
             b'{"schema": "sdcreplay.signatures/1"}\n{"step": true, "name": "a", "digest": "b"}\n'), "bad entry"),
-        (zstandard.ZstdCompressor().compress(
+        (zstandard.ZstdCompressor(write_checksum=True).compress(
             b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "a"}\n'), "is damaged"),
-        (zstandard.ZstdCompressor().compress(
+        (zstandard.ZstdCompressor(write_checksum=True).compress(
             b'{"schema": "sdcreplay.signatures/1"}\n["step", 0]\n'), "is damaged"),
-        (zstandard.ZstdCompressor().compress(
+        (zstandard.ZstdCompressor(write_checksum=True).compress(
             b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "a", "digest": "b"}\n{oops\n'), "is damaged"),
     ],
     ids=["empty", "garbage", "other-schema", "not-an-object", "not-utf8", "no-newline", "step-str",
@@ -168,12 +168,13 @@ def test_missing_log_raises_bundle_error(tmp_path: Path):
         read_signature_log(tmp_path / "nope.zst")
 
 
-def test_a_frame_without_checksum_is_still_read(tmp_path: Path):
-    """Readers accept frames with or without zstd's content checksum."""
+def test_a_frame_without_checksum_is_refused(tmp_path: Path):
+    """The format promises a checksum on every frame: a log without one was not written by sdcreplay."""
     text = b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "loss", "digest": "=float32:00000000"}\n'
     path = tmp_path / "plain.zst"
     path.write_bytes(zstandard.ZstdCompressor(write_checksum=False).compress(text))
-    assert read_signature_log(path).steps == {0: [("loss", "=float32:00000000")]}
+    with pytest.raises(BundleError, match="frame 0 has no checksum"):
+        read_signature_log(path)
 
 
 @pytest.mark.parametrize(

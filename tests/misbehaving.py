@@ -1,0 +1,67 @@
+"""A workload that misbehaves on purpose on one device label: hangs, exits, dies or raises.
+
+Used by tests/test_reliability.py to prove a device process that stops or dies
+is reported (not waited for) and that workload code exiting maps to exit 3.
+The device a process replays on is in ``SDCREPLAY_DEVICE``; a recording in the
+test's own process sees ``main``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import time
+
+from sdcreplay import Workload
+from sdcreplay.workloads import tiny_llama
+
+
+def _hang() -> None:
+    time.sleep(3600)
+
+
+def _exit() -> None:
+    sys.exit(5)
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raise() -> None:
+    raise IndexError("index out of range in self")
+
+
+MISBEHAVIOURS = {"hang": _hang, "exit": _exit, "kill": _kill, "raise": _raise}
+
+
+def make_workload(
+    seed: int = 0,
+    misbehave: str = "none",
+    on_device: str = "cpu:1",
+    at_step: int = 1,
+    scalar_loss: bool = True,
+    **small,
+) -> Workload:
+    """tiny-llama whose ``at_step``-th loss call on ``on_device`` misbehaves (counted from 0).
+
+    ``misbehave`` is one of MISBEHAVIOURS, or ``DEVICE=KIND,...`` for one kind per device.
+    """
+    workload = tiny_llama.make_workload(seed=seed, **small)
+    calls = itertools.count()
+    if "=" in misbehave:
+        plan = dict(pair.split("=") for pair in misbehave.split(","))
+    else:
+        plan = {on_device: misbehave}
+
+    def loss_fn(model, batch):
+        call = next(calls)
+        kind = plan.get(os.environ.get("SDCREPLAY_DEVICE", "main"))
+        if kind is not None and call >= at_step:
+            MISBEHAVIOURS[kind]()
+        loss = workload.loss_fn(model, batch)
+        return loss if scalar_loss else loss.expand(2)
+
+    return Workload(workload.model, workload.optimizer, workload.get_batch, loss_fn)
