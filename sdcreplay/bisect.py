@@ -25,7 +25,7 @@ from pathlib import Path
 import h5py
 import torch
 
-from . import determinism, trust
+from . import determinism
 from .bundle import Bundle, StepRecord
 from .capture import CallSite, OperatorLog, OperatorRecord, operator_results, state_tensors
 from .compare import RECORD, Divergence, compare_logs

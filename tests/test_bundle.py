@@ -353,7 +353,7 @@ HAND_EDITS = {
     "env-not-strings": (_set(["determinism", "env"], {"CUBLAS_WORKSPACE_CONFIG": 4096}), "determinism.env"),
     "complete-a-string": (_set(["complete"], "yes"), "complete"),
     "digest-not-a-string": (_set([MANIFEST_DIGEST], 0), MANIFEST_DIGEST),
-    "grads-unknown": (_set(["steps", 0, "grads"], "some"), "step 0 grads"),
+    "grads-unknown": (_set(["steps", 0, "grads"], "some"), r"steps\[0\]\.grads"),
     "state-objects-a-string": (_set(["state_objects"], "sched"), "state_objects"),
     "verification-status-unknown": (_set(["verification"], {"status": "trusted"}), "verification.status"),
     "capture-program-a-string": (_set(["capture", "program"], "yes"), "capture.program"),

@@ -428,7 +428,7 @@ def test_a_seed_out_of_range_is_a_usage_error(tmp_path: Path, cli):
 
 def test_a_non_scalar_loss_is_named(tmp_path: Path, cli):
     result = record_misbehaving(cli, tmp_path / "x.bundle", 1, scalar_loss="false")
-    assert_explained(result, "returned [2] in step 0, not a scalar tensor")
+    assert_explained(result, "loss_fn returned [2], not a scalar tensor")
 
 
 def test_a_signature_log_without_checksums_in_a_bundle_is_refused(small_bundle: Path, cli):
