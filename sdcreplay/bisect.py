@@ -27,7 +27,15 @@ import torch
 
 from . import determinism
 from .bundle import Bundle, StepRecord
-from .capture import CallSite, OperatorLog, OperatorRecord, operator_results, state_tensors
+from .capture import (
+    CallSite,
+    InputOrigin,
+    OperatorLog,
+    OperatorRecord,
+    memory_address,
+    operator_results,
+    state_tensors,
+)
 from .compare import RECORD, Divergence, compare_logs
 from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
@@ -78,8 +86,9 @@ def run_oplog_task(task: dict) -> dict:
     expected = json.loads(Path(task["expected"]).read_text()) if task.get("expected") else None
     repeats = task.get("repeats", 1) if expected else 1
     for repeat in range(repeats):
-        oplog = OperatorLog(expected=_records_from_json(expected["operators"], step) if expected else None)
         session, digests, state, target = _replay_window(task, repeat)
+        oplog = OperatorLog(expected=_records_from_json(expected["operators"], step) if expected else None,
+                            state_memory={memory_address(t): name for name, t in state.items()})
         try:
             differing = [n for n, d in digests.items() if expected and expected["state"].get(n) != d]
             _save_state(work / f"state-{task['device'].replace(':', '-')}.h5", state, differing)
@@ -103,8 +112,20 @@ def run_oplog_task(task: dict) -> dict:
                 "divergent": True, "repeat": repeat, "repeats_run": repeat + 1, "environment": environment,
                 "op_index": oplog.divergent.site.index if oplog.divergent else None,
                 "state_differs": differing, "case": str(case_path) if oplog.kept is not None else None,
+                "origins": [_origin_to_json(origin, expected["operators"]) for origin in oplog.origins],
             }
     return {"divergent": False, "repeats_run": repeats}
+
+
+def _origin_to_json(origin: InputOrigin, expected: list) -> dict:
+    """One input of the divergent call, and whether its producer's output matched the reference's."""
+    producer = None
+    if origin.producer is not None:
+        site = origin.producer.site
+        producer = {"index": site.index, "op": site.op, "module": site.module, "phase": site.phase,
+                    "matched_reference": origin.producer.digests == expected[site.index][3]}
+    return {"position": origin.position, "element": origin.element, "name": origin.name,
+            "producer": producer, "state": origin.state}
 
 
 def _missing_calls(oplog: OperatorLog, expected: list) -> str | None:
@@ -449,6 +470,12 @@ def bisect(
         site=asdict(site), prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
     )
+    if verdict == "upstream":
+        result["upstream"] = _upstream(case, sus.get("origins", []), sus["state_differs"])
+        producer = result["upstream"] and result["upstream"]["producer"]
+        if result["upstream"] and result["upstream"]["at_rest"] and producer:
+            # Where the corruption is first seen: the producer's side (the reader is in site/upstream).
+            result.update(phase=producer["phase"], module=producer["module"])
     if plot is not None and forensics.get("count"):
         plot_element_heatmap = _plotter()
         expected = [v for v in case.expected if isinstance(v, torch.Tensor)][output_index]
@@ -488,6 +515,48 @@ def _trees_equal(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_trees_equal(a[k], b[k]) for k in a)
     return a == b
+
+
+def _input_at(args: tuple, origin: dict):
+    value = args[origin["position"]]
+    return value if origin["element"] is None else value[origin["element"]]
+
+
+def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str]) -> dict | None:
+    """The first input of the call that differed, where it came from, and when it went wrong.
+
+    Every call before the first divergent one matched the reference, so a
+    wrong input whose producer's output matched when produced (or whose state
+    tensor entered the step right) was corrupted *at rest*, in memory between
+    the write and this read. An input that was state which already differed
+    entering the step is the ``state`` evidence instead.
+    """
+    differing = [o for o in origins if case.suspect_args is not None
+                 and not _trees_equal(_input_at(case.args, o), _input_at(case.suspect_args, o))]
+    if not differing:
+        return None
+    first, site = differing[0], case.site
+    producer, state = first["producer"], first["state"]
+    reader = {"index": site.index, "op": site.op, "module": site.module, "phase": site.phase}
+    at_rest = bool(producer["matched_reference"]) if producer else (state is not None and state not in state_differs)
+    element = "" if first["element"] is None else f"[{first['element']}]"
+    read = (f"call {site.index} ({site.op} under {site.module}, {site.phase}) read it wrong "
+            f"as input {first['position']}{element} ({first['name']})")
+    if producer:
+        made = (f"call {producer['index']} ({producer['op']} under {producer['module']}, {producer['phase']}) "
+                f"produced it {'right' if producer['matched_reference'] else 'wrong'}")
+    else:
+        made = (f"it entered the step as {state}, " + ("right" if at_rest else "already wrong")) if state \
+            else "no operator call of the step wrote it (an input of the step?)"
+    summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
+    forensics = element_forensics(_input_at(case.args, first), _input_at(case.suspect_args, first))
+    return {
+        "at_rest": at_rest, "summary": summary,
+        "input": {key: first[key] for key in ("position", "element", "name")},
+        "producer": producer, "state": state, "reader": reader,
+        "inputs_differ": [o["name"] + ("" if o["element"] is None else f"[{o['element']}]") for o in differing],
+        "elements": {k: forensics.get(k) for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")},
+    }
 
 
 def _first_differing_output(case: OperatorCase) -> tuple[int, dict]:

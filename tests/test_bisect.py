@@ -47,6 +47,11 @@ MOE_GATHER = "kind=bitflip,op=aten.index_select,module=layers.1.moe,phase=forwar
 MEMFLIP = "kind=memflip,param=layers.0.mlp.w1.weight,step=1,index=7,bit=20,device=cpu:1"
 # seed=13: the draw of repeat 0 misses (p=0.2), a later repeat's hits.
 INTERMITTENT = "kind=bitflip,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,nth=0,index=2,bit=19,p=0.2,seed=13,device=cpu:1"
+# Memory corrupted at rest (a fault on a view corrupts the memory it aliases): the gradient of
+# layers.0.mlp.w2.weight after the backward mm made it, and RMSNorm's rsqrt before the mul reads it.
+AT_REST_BACKWARD = "kind=bitflip,op=aten.detach,module=layers.0.mlp.w2,phase=backward,step=1,nth=0,index=3,bit=30,device=cpu:1"
+AT_REST_FORWARD = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,nth=0,"
+                   "index=5,bit=31,device=cpu:1")
 RECORDED = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"
 
 JSON_KEYS = {"schema", "verdict", "step", "phase", "module", "op", "op_index", "kernels", "isolated",
@@ -141,6 +146,9 @@ RUNS: dict[str, tuple[str, dict]] = {
     "moe_gather": ("moe_bundle", {"suspect": "cpu:1", "step": 1, "inject": [MOE_GATHER]}),
     "memflip": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "inject": [MEMFLIP]}),
     "intermittent": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "repeats": 20, "inject": [INTERMITTENT]}),
+    # No --step: the report's phase must agree with the first divergent signature entry.
+    "at_rest_backward": ("llama_bundle", {"suspect": "cpu:1", "inject": [AT_REST_BACKWARD]}),
+    "at_rest_forward": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "inject": [AT_REST_FORWARD]}),
     "clean": ("llama_bundle", {"suspect": "cpu:1"}),
     "clean_recording_at_step": ("llama_bundle", {"step": 1}),
     "faulty_record_clean_suspect": ("faulty_bundle", {"suspect": "cpu:1"}),
@@ -324,6 +332,42 @@ def test_memflip_is_state_entering_the_step_and_upstream(runs, llama_bundle):
     assert report["isolated"] == "upstream"
     assert report["isolation"]["failures"] == 0
     assert report["inputs_match_reference"] is False
+
+
+@pytest.mark.parametrize("case, producer_spec, producer, reader, first_input, element_bit", [
+    ("at_rest_backward", "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0",
+     ("aten.mm.default", "layers.0.mlp.w2", "backward"),
+     ("aten.lerp_.Scalar", "layers.0.mlp.w2.weight", "optimizer"), (1, "end"), (3, 30)),
+    ("at_rest_forward", "kind=bitflip,op=aten.rsqrt,module=layers.1.ffn_norm,phase=forward,step=1",
+     ("aten.rsqrt.default", "layers.1.ffn_norm", "forward"),
+     ("aten.mul.Tensor", "layers.1.ffn_norm", "forward"), (1, "other"), (5, 31)),
+])
+def test_memory_corrupted_at_rest_names_the_producer_and_the_reader(
+        case, producer_spec, producer, reader, first_input, element_bit, runs, llama_bundle):
+    made = only_fired(llama_bundle, producer_spec)  # where the producing call runs, by the injector
+    fault = only_fired(llama_bundle, RUNS[case][1]["inject"][0])  # the view call that corrupted it
+    report = runs.get(case).to_json()  # no replay process died: bisect raises if one does
+    upstream = report["upstream"]
+    assert report["isolated"] == "upstream" and upstream["at_rest"] is True
+    assert upstream["producer"] == {"index": made["op_index"], "op": producer[0], "module": producer[1],
+                                    "phase": producer[2], "matched_reference": True}
+    assert made["op_index"] < fault["op_index"] < report["op_index"]
+    assert (upstream["reader"]["op"], upstream["reader"]["module"], upstream["reader"]["phase"]) == reader
+    assert upstream["reader"]["index"] == report["site"]["index"] == report["op_index"]
+    assert (upstream["input"]["position"], upstream["input"]["name"]) == first_input
+    # The report's phase and module are the producer's: where the corruption is first seen.
+    assert (report["phase"], report["module"]) == (producer[2], producer[1])
+    index, bit = element_bit
+    assert (upstream["elements"]["indices"], upstream["elements"]["xor"]) == ([index], [f"{1 << bit:08x}"])
+    assert upstream["summary"].startswith("memory corrupted at rest: ")
+    assert f"call {made['op_index']} ({producer[0]}" in upstream["summary"]
+
+
+def test_at_rest_in_the_backward_agrees_with_the_first_divergent_entry(runs):
+    report = runs.get("at_rest_backward").to_json()
+    assert report["first_entry"] == {"step": 1, "phase": "backward", "name": "grad:layers.0.mlp.w2.weight"}
+    assert report["phase"] == report["first_entry"]["phase"] == "backward"
+    assert report["site"]["phase"] == "optimizer"  # the reader, kept in the JSON
 
 
 def test_intermittent_fault_found_within_repeats(runs, llama_bundle):
@@ -590,3 +634,21 @@ def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundl
     assert OperatorCase.read(tmp_path / "rep" / "operator.h5").rng is not None
     ticket = minimize(tmp_path / "rep", inject=[spec], trials=20, out=tmp_path / "ticket").to_json()
     assert ticket["reproduced"] and ticket["reference_failures"] == 0
+
+
+def test_a_fault_on_a_view_the_backward_reads_never_kills_a_replay(tmp_path):
+    """The campaign's crash: the bitflip bumped the version counter of rsqrt's output, which
+    autograd saved, and killed cpu:1 ("output 0 of Rsqrt is at version 1"). Default size."""
+    spec = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,nth=0,"
+            "index=38,bit=31,device=cpu:1")
+    bundle = tmp_path / "default.bundle"
+    sdcreplay.record("builtin:tiny-llama", bundle, steps=2, seed=0)
+    report = sdcreplay.replay_devices(bundle, ["cpu:0", "cpu:1"], inject=[spec], log_dir=tmp_path / "logs")
+    runs = {run.device: run for run in report.devices}
+    assert [run.error for run in report.devices] == [None, None]
+    assert (runs["cpu:0"].verdict, runs["cpu:1"].verdict) == ("match", "persistent")
+    [[fired]] = runs["cpu:1"].injected[0:1]
+    assert (fired["op"], fired["module"], fired["elements"], fired["bit"]) == (
+        "aten.detach.default", "layers.1.ffn_norm", [38], 31)
+    first = runs["cpu:1"].judgement.first_divergence
+    assert (first.step, first.name) == (1, "forward:layers.1.ffn_norm")
