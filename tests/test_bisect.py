@@ -332,6 +332,10 @@ def test_memflip_is_state_entering_the_step_and_upstream(runs, llama_bundle):
     assert report["isolated"] == "upstream"
     assert report["isolation"]["failures"] == 0
     assert report["inputs_match_reference"] is False
+    upstream = report["upstream"]  # entered the step wrong: the state's evidence, not "at rest"
+    assert (upstream["at_rest"], upstream["producer"]) == (False, None)
+    assert upstream["state"] == "param:layers.0.mlp.w1.weight"
+    assert (upstream["input"]["name"], upstream["elements"]["count"]) == ("mat2", 1)
 
 
 @pytest.mark.parametrize("case, producer_spec, producer, reader, first_input, element_bit", [
