@@ -87,7 +87,8 @@ def run_oplog_task(task: dict) -> dict:
     repeats = task.get("repeats", 1) if expected else 1
     for repeat in range(repeats):
         session, digests, state, target = _replay_window(task, repeat)
-        oplog = OperatorLog(expected=_records_from_json(expected["operators"], step) if expected else None,
+        reference = _records_from_json(expected["operators"], step) if expected else None
+        oplog = OperatorLog(expected=reference,
                             state_memory={memory_address(t): name for name, t in state.items()})
         try:
             differing = [n for n, d in digests.items() if expected and expected["state"].get(n) != d]
@@ -112,13 +113,13 @@ def run_oplog_task(task: dict) -> dict:
                 "divergent": True, "repeat": repeat, "repeats_run": repeat + 1, "environment": environment,
                 "op_index": oplog.divergent.site.index if oplog.divergent else None,
                 "state_differs": differing, "case": str(case_path) if oplog.kept is not None else None,
-                "origins": [_origin_to_json(origin, expected["operators"]) for origin in oplog.origins],
+                "origins": [_origin_to_json(o, expected["operators"]) for o in oplog.origins],
             }
     return {"divergent": False, "repeats_run": repeats}
 
 
 def _origin_to_json(origin: InputOrigin, expected: list) -> dict:
-    """One input of the divergent call, and whether its producer's output matched the reference's."""
+    """One input of the divergent call; did its producer's output match the reference's?"""
     producer = None
     if origin.producer is not None:
         site = origin.producer.site
