@@ -7,8 +7,10 @@ that already differed when the step began). The reference then hands over the
 same call's inputs and outputs, and the call is re-run alone on the suspect
 from the reference's inputs: still wrong means the operator itself computes
 wrong there (``kernel``); right means the corruption came from before
-(``upstream``) or does not fire every time (``intermittent``). Every device
-runs in its own process; the whole bisect is four replays of one window.
+(``upstream``: the wrong input, the call that wrote it, and whether it changed
+at rest in between) or does not fire every time (``intermittent``). Every
+device runs in its own process. Only the reference replays the window up to
+the step; it hands the state entering the step to the later runs as HDF5.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import shlex
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import h5py
 import torch
 
 from . import determinism
-from .bundle import Bundle, StepRecord
+from .bundle import Bundle, StepRecord, write_state
 from .capture import (
     CallSite,
     InputOrigin,
@@ -45,30 +47,75 @@ from .faults import Injector, parse_specs
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .replay import ReplaySession, replay_devices, run_device_processes
 from .signature import SignatureLog, layer_of
-from .tensorio import raw_bits, read_tensor, write_tensor
+from .tensorio import raw_bits, read_tensor, read_tree, write_tensor
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
+ENTRY_STATE_FILE = "state-entering-step.h5"
 SCHEMA = "sdcreplay.bisect/1"
 
 
 # ---------------------------------------------------------------------------
 # Worker side: each function runs in a device process (see worker.py).
 
-def _replay_window(task: dict, repeat: int) -> tuple[ReplaySession, dict, dict, StepRecord]:
-    """Replay up to the bisected step; the state entering it (digests and tensors) and its record."""
+@dataclass
+class StepEntry:
+    """A session in the state entering the bisected step, that state, and the step's record."""
+
+    session: ReplaySession
+    digests: dict[str, str]  # state tensor name -> digest, after this device's own faults before the step
+    state: dict[str, torch.Tensor]
+    target: StepRecord
+    window_steps: int  # steps of the window this process replayed to get here (0: loaded)
+
+
+def _enter_step(task: dict, repeat: int) -> StepEntry:
+    """Bring a session to the state entering the bisected step.
+
+    Only the reference replays the window, once, and writes that state
+    (``save_entry``); every later run loads it (``entry_state``): every
+    device matched the reference up to this step, so it is the same state,
+    and a bisect of step 90 costs one extra window replay, not four. The
+    device's own memory faults before the step still apply after loading,
+    and its state is digested here and compared with the reference's, so
+    memory corrupted at rest entering the step is still seen.
+    """
     session = ReplaySession(task["bundle"], task["device"], inject=task.get("inject", ()), repeat=repeat)
-    step = task["step"]
-    target = next((r for r in session.bundle.steps if r.index == step), None)
-    if target is None:
+    step, window_steps = task["step"], 0
+    try:
+        target = next((r for r in session.bundle.steps if r.index == step), None)
+        if target is None:
+            raise SdcReplayError(f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}.")
+        if task.get("entry_state"):
+            load_entry_state(session, Path(task["entry_state"]))
+        else:
+            for record in session.steps_until(step - 1):
+                session.run_step(record)
+                window_steps += 1
+            if task.get("save_entry"):
+                save_entry_state(session, Path(task["save_entry"]))
+    except BaseException:
         session.close()
-        raise SdcReplayError(f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}.")
-    for record in session.steps_until(step - 1):
-        session.run_step(record)
+        raise
     session.injector.before_step(step, session.model)  # memory corrupted before the step belongs to its state
     state = state_tensors(session.model, session.optimizer)
     digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
-    return session, digests, state, target
+    return StepEntry(session, digests, state, target, window_steps)
+
+
+def save_entry_state(session: ReplaySession, path: Path) -> None:
+    """The session's model and optimizer state as plain HDF5 (no pickle crosses processes)."""
+    write_state(path, session.model.state_dict(), session.optimizer.state_dict())
+
+
+def load_entry_state(session: ReplaySession, path: Path) -> None:
+    """Set the session's model and optimizer state from ``save_entry_state``'s file."""
+    with h5py.File(path, "r") as handle:
+        model = read_tree(handle["model"])
+        optimizer = read_tree(handle["optimizer"]) if "optimizer" in handle else None
+    session.model.load_state_dict(model)
+    if optimizer is not None:
+        session.optimizer.load_state_dict(optimizer)
 
 
 def _records_to_json(records: list[OperatorRecord]) -> list:
@@ -85,8 +132,11 @@ def run_oplog_task(task: dict) -> dict:
     step, work = task["step"], Path(task["work_dir"])
     expected = json.loads(Path(task["expected"]).read_text()) if task.get("expected") else None
     repeats = task.get("repeats", 1) if expected else 1
+    steps_run = 0
     for repeat in range(repeats):
-        session, digests, state, target = _replay_window(task, repeat)
+        entry = _enter_step(task, repeat)
+        session, digests, state, target = entry.session, entry.digests, entry.state, entry.target
+        steps_run += entry.window_steps + 1
         reference = _records_from_json(expected["operators"], step) if expected else None
         oplog = OperatorLog(expected=reference,
                             state_memory={memory_address(t): name for name, t in state.items()})
@@ -100,10 +150,11 @@ def run_oplog_task(task: dict) -> dict:
         if expected is None:
             path = work / "oplog-reference.json"
             path.write_text(json.dumps({"state": digests, "operators": _records_to_json(oplog.records)}))
-            return {"oplog": str(path), "operators": len(oplog.records), "environment": environment}
+            return {"oplog": str(path), "operators": len(oplog.records), "environment": environment,
+                    "steps_run": steps_run}
         structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
         if structure_error:
-            return {"structure_error": structure_error, "repeat": repeat}
+            return {"structure_error": structure_error, "repeat": repeat, "steps_run": steps_run}
         if oplog.divergent is not None or differing:
             case_path = work / "suspect-call.h5"
             if oplog.kept is not None:
@@ -111,11 +162,12 @@ def run_oplog_task(task: dict) -> dict:
                 OperatorCase(oplog.divergent.site, Counter(), args, kwargs, outputs, outputs).write(case_path)
             return {
                 "divergent": True, "repeat": repeat, "repeats_run": repeat + 1, "environment": environment,
+                "steps_run": steps_run,
                 "op_index": oplog.divergent.site.index if oplog.divergent else None,
                 "state_differs": differing, "case": str(case_path) if oplog.kept is not None else None,
                 "origins": [_origin_to_json(o, expected["operators"]) for o in oplog.origins],
             }
-    return {"divergent": False, "repeats_run": repeats}
+    return {"divergent": False, "repeats_run": repeats, "steps_run": steps_run}
 
 
 def _origin_to_json(origin: InputOrigin, expected: list) -> dict:
@@ -154,21 +206,22 @@ def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]
 def run_fetch_task(task: dict) -> dict:
     """Reference: keep the inputs and outputs of one call, and named state tensors."""
     oplog = OperatorLog(watch=task["op_index"])
-    session, _, state, target = _replay_window(task, 0)
+    entry = _enter_step(task, 0)
     try:
-        _save_state(Path(task["work_dir"]) / "state-reference.h5", state, task.get("state_names", []))
+        _save_state(Path(task["work_dir"]) / "state-reference.h5", entry.state, task.get("state_names", []))
         if task["op_index"] is not None:
-            session.run_step(target, observers=[oplog])
+            entry.session.run_step(entry.target, observers=[oplog])
     finally:
-        session.close()
+        entry.session.close()
+    steps_run = entry.window_steps + (task["op_index"] is not None)
     if oplog.kept is None:
-        return {"case": None}
+        return {"case": None, "steps_run": steps_run}
     args, kwargs, outputs = oplog.kept
     path = Path(task["work_dir"]) / "reference-call.h5"
     site = oplog.records[task["op_index"]].site
     prior = Counter(r.site.key for r in oplog.records[: task["op_index"]])
     OperatorCase(site, prior, args, kwargs, outputs, outputs, rng=oplog.rng_before).write(path)
-    return {"case": str(path)}
+    return {"case": str(path), "steps_run": steps_run}
 
 
 def run_isolate_task(task: dict) -> dict:
@@ -351,6 +404,7 @@ def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, r
     return (first.step if first else None), {
         "replay": report.to_json(), "first_entry": first.brief() if first else None,
         "record_first_entry": record_first.brief() if record_first else None,
+        "steps_run": _total({"replay": sum(len(log.steps) for run in report.devices for log in run.logs)}),
     }
 
 
@@ -423,24 +477,31 @@ def bisect(
         }, on_event)
 
     common = {"bundle": str(opened.path), "step": step, "inject": list(inject), "work_dir": str(work)}
+    entry_state = str(work / ENTRY_STATE_FILE)
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
-    ref_log = _one(run_device_processes("oplog", [reference], lambda _: common, work), reference)
+    ref_log = _one(run_device_processes("oplog", [reference], lambda _: {**common, "save_entry": entry_state}, work),
+                   reference)
+    common["entry_state"] = entry_state  # every later run starts from the state entering the step
     on_event("oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)")
     sus = _one(run_device_processes("oplog", [suspect], lambda _: {**common, "expected": ref_log["oplog"], "repeats": repeats}, work), suspect)
+    steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0), "oplog_reference": ref_log["steps_run"],
+             "oplog_suspect": sus["steps_run"]}
     if "structure_error" in sus:
         raise StructureError(
             f"{suspect} runs a different sequence of operators than {reference} in step {step}: {sus['structure_error']}",
             "The devices run different code or configuration (different kernels chosen?); this is not silent data corruption.",
         )
     if not sus["divergent"]:
-        return _finish(out, {**base, "verdict": "no_divergence", "step": step, "repeats_run": sus["repeats_run"], **replayed}, on_event)
+        return _finish(out, {**base, "verdict": "no_divergence", "step": step, "repeats_run": sus["repeats_run"],
+                             "steps_run": _total(steps), **replayed}, on_event)
 
     on_event("fetch", f"fetching the reference's inputs of the divergent call from {reference}")
     fetched = _one(run_device_processes("fetch", [reference], lambda _: {
         **common, "op_index": sus["op_index"], "state_names": sus["state_differs"]}, work), reference)
+    steps["fetch"] = fetched["steps_run"]
     state_report = _state_forensics(work, suspect, sus["state_differs"])
     result = {**base, "verdict": "divergence", "step": step, "repeats_run": sus["repeats_run"],
-              "state": state_report, **replayed}
+              "steps_run": _total(steps), "state": state_report, **replayed}
     if fetched["case"] is None:
         result.update(phase="state", module=state_report[0]["tensor"] if state_report else None, op=None,
                       op_index=None, isolated="upstream", kernels=[])
@@ -483,6 +544,11 @@ def bisect(
         actual = [v for v in case.actual if isinstance(v, torch.Tensor)][output_index]
         result["plot"] = str(plot_element_heatmap(expected, actual, Path(plot), f"{site.op} under {site.module} ({site.phase}), step {step}"))
     return _finish(out, result, on_event)
+
+
+def _total(steps: dict[str, int]) -> dict[str, int]:
+    """Training steps each stage executed, and in all: what a bisect costs."""
+    return {**steps, "total": sum(steps.values())}
 
 
 def _plotter():

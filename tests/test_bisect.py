@@ -445,7 +445,7 @@ def test_suspect_running_fewer_operators_is_a_structural_difference(structural_b
     suspect = run_oplog_task({**task, "device": "cpu:2", "expected": reference["oplog"], "repeats": 1})
     made = reference["operators"] - 1
     assert suspect == {"structure_error": f"operator call {made}: nothing here, aten.mul_.Tensor under <outside> "
-                                          "(forward) on the reference", "repeat": 0}
+                                          "(forward) on the reference", "repeat": 0, "steps_run": 1}
 
 
 def test_suspect_that_reproduces_the_reference_points_at_the_recording(runs):
@@ -656,3 +656,27 @@ def test_a_fault_on_a_view_the_backward_reads_never_kills_a_replay(tmp_path):
         "aten.detach.default", "layers.1.ffn_norm", [38], 31)
     first = runs["cpu:1"].judgement.first_divergence
     assert (first.step, first.name) == (1, "forward:layers.1.ffn_norm")
+
+
+def test_a_step_started_from_the_saved_entry_state_matches_the_window_replay(llama_bundle, tmp_path):
+    """The reference replays steps 0-1 and saves the state entering step 2; a run loading it
+    (no window) makes every operator call of step 2 bit for bit as the reference did."""
+    task = {"bundle": str(llama_bundle), "step": 2, "inject": [], "work_dir": str(tmp_path)}
+    entry = tmp_path / "entry.h5"
+    reference = run_oplog_task({**task, "device": "cpu:0", "save_entry": str(entry)})
+    assert reference["steps_run"] == 3 and entry.is_file()
+    loaded = run_oplog_task({**task, "device": "cpu:1", "entry_state": str(entry),
+                             "expected": reference["oplog"], "repeats": 2})
+    assert loaded == {"divergent": False, "repeats_run": 2, "steps_run": 2}
+
+
+@pytest.mark.parametrize("case, steps", [
+    # --step 1 of 3: the reference replays step 0 and runs step 1; the suspect and fetch run step 1 only
+    ("backward", {"replay": 0, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 4}),
+    # no --step: first both devices replay all 3 steps
+    ("optimizer", {"replay": 6, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 10}),
+])
+def test_only_the_reference_replays_the_window(case, steps, runs):
+    report = runs.get(case).to_json()
+    assert report["steps_run"] == steps
+    assert (Path(report["report"]) / "work" / "state-entering-step.h5").is_file()
