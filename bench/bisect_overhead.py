@@ -16,6 +16,12 @@
    a real subprocess, with and without ``--step``: wall time and the number of
    worker processes it started.
 
+3. Cost against the step's position: ``sdcreplay bisect`` on a 24-step bundle
+   with the fault in the first and in the last step, with and without
+   ``--step``: the training steps it executed (``steps_run`` in the report)
+   and wall time. Only the reference replays the window, so the last step
+   should cost about one window replay more than the first, not four.
+
 Run from the repository root:
 
     PYTHONPATH=. python bench/bisect_overhead.py
@@ -52,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9, help="timed steps of each kind; the median counts")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--skip-end-to-end", action="store_true", help="time only the step")
+    parser.add_argument("--window-steps", type=int, default=24, help="steps of the bundle in part 3")
+    parser.add_argument("--skip-position", action="store_true", help="leave out part 3")
     parser.add_argument("--profile", action="store_true", help="cProfile one captured step (suspect mode)")
     return parser.parse_args()
 
@@ -163,6 +171,52 @@ def end_to_end(folder: Path) -> list[dict]:
     return rows
 
 
+POSITION_SIZE = {"layers": 2, "dim": 128, "seq_len": 64, "batch_size": 8}
+
+
+def position_cost(folder: Path, steps: int) -> list[dict]:
+    """Bisect a fault in the first and in the last step of a ``steps``-step bundle."""
+    exe = _console_script()
+    bundle = folder / "window.bundle"
+    size = [part for key, value in POSITION_SIZE.items() for part in ("-a", f"{key}={value}")]
+    subprocess.run([exe, "record", "builtin:tiny-llama", "--steps", str(steps), "--out", str(bundle), *size],
+                   check=True, capture_output=True)
+    rows = []
+    for given in (True, False):
+        for step in (0, steps - 1):
+            fault = FAULT.replace("step=1", f"step={step}")
+            out = folder / f"position-{len(rows)}"
+            extra = ["--step", str(step)] if given else []
+            start = time.perf_counter()
+            done = subprocess.run([exe, "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
+                                   "--inject", fault, "--out", str(out), "--json", *extra],
+                                  capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            if done.returncode != 1:
+                raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
+            report = json.loads(done.stdout)
+            assert report["step"] == step, report["step"]
+            rows.append({"step": step, "given": given, "wall_s": wall, "steps_run": report["steps_run"]})
+    return rows
+
+
+def print_position_cost(rows: list[dict], steps: int) -> None:
+    print()
+    print(f"tiny-llama {POSITION_SIZE}, {steps} steps: divergence at the first and the last step")
+    print("| bisect | divergent step | step executions | wall s |")
+    print("| --- | ---: | ---: | ---: |")
+    for row in rows:
+        detail = ", ".join(f"{k} {v}" for k, v in row["steps_run"].items() if k != "total" and v)
+        print(f"| {'with' if row['given'] else 'without'} --step | {row['step']} "
+              f"| {row['steps_run']['total']} ({detail}) | {row['wall_s']:.1f} |")
+    for given in (True, False):
+        first, last = (row for row in rows if row["given"] is given)
+        print(f"{'with' if given else 'without'} --step: last/first = "
+              f"{last['steps_run']['total'] / first['steps_run']['total']:.2f}x step executions "
+              f"(+{last['steps_run']['total'] - first['steps_run']['total']}), "
+              f"{last['wall_s'] / first['wall_s']:.2f}x wall (+{last['wall_s'] - first['wall_s']:.1f} s)")
+
+
 def main() -> None:
     args = parse_args()
     determinism.enable(num_threads=args.threads)
@@ -181,15 +235,17 @@ def main() -> None:
     for kind in ("plain", "reference", "suspect"):
         print(f"| {kind} | {wall[kind]:.1f} | {wall[kind] / wall['plain']:.2f}x "
               f"| {cpu[kind]:.1f} | {cpu[kind] / cpu['plain']:.2f}x |")
-    if args.skip_end_to_end:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        rows = end_to_end(Path(folder))
-    print()
-    print("| bisect | wall s | worker processes | found |")
-    print("| --- | ---: | ---: | --- |")
-    for row in rows:
-        print(f"| {row['run']} | {row['wall_s']:.1f} | {row['workers']} | {row['found']} |")
+    if not args.skip_end_to_end:
+        with tempfile.TemporaryDirectory() as folder:
+            rows = end_to_end(Path(folder))
+        print()
+        print("| bisect | wall s | worker processes | found |")
+        print("| --- | ---: | ---: | --- |")
+        for row in rows:
+            print(f"| {row['run']} | {row['wall_s']:.1f} | {row['workers']} | {row['found']} |")
+    if not args.skip_position:
+        with tempfile.TemporaryDirectory() as folder:
+            print_position_cost(position_cost(Path(folder), args.window_steps), args.window_steps)
 
 
 if __name__ == "__main__":
