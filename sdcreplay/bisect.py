@@ -246,19 +246,38 @@ def run_isolate_task(task: dict) -> dict:
             "kernels": kernel_names(op, case, device)}
 
 
-def kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
-    """The GPU kernels one call launches, from the profiler (none on a CPU)."""
-    if device.type != "cuda":
-        return []
+def _cuda_profile(device: torch.device):
     from torch.profiler import ProfilerActivity, profile
 
-    args, kwargs = place((list(case.args), case.kwargs), device)
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        op(*args, **kwargs)
+    return profile(activities=[ProfilerActivity.CUDA])
+
+
+KERNEL_PROFILERS: dict[str, Callable] = {"cuda": _cuda_profile}
+"""Device type -> a profiler context for one call (its ``events()`` name the kernels); none on a CPU."""
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
-    names = []
-    for event in prof.events():
+
+
+def kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
+    """The device kernels one call launches, from the profiler (none on a CPU)."""
+    profiler = KERNEL_PROFILERS.get(device.type)
+    if profiler is None:
+        return []
+    args, kwargs = place((list(case.args), case.kwargs), device)
+    _synchronize(device)
+    with profiler(device) as prof:
+        op(*args, **kwargs)
+        _synchronize(device)
+    return device_kernels(prof.events())
+
+
+def device_kernels(events) -> list[str]:
+    """Names of the profiler events that ran on the device (CUDA activity), first seen first, once each."""
+    names: list[str] = []
+    for event in events:
         if event.device_type.name == "CUDA" and event.name not in names:
             names.append(event.name)
     return names

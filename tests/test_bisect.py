@@ -680,3 +680,64 @@ def test_only_the_reference_replays_the_window(case, steps, runs):
     report = runs.get(case).to_json()
     assert report["steps_run"] == steps
     assert (Path(report["report"]) / "work" / "state-entering-step.h5").is_file()
+
+
+class FakeKernelProfile:
+    """A stand-in for torch.profiler on a CPU: the operators run under it become fake CUDA kernels.
+
+    Each operator call yields a host-side event (dropped) and two device-side
+    launches of the same kernel (named once), as the CUDA profiler reports them.
+    """
+
+    def __init__(self, device):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Seen(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Seen()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        return self.mode.__exit__(*exc_info)
+
+    def events(self):
+        from types import SimpleNamespace
+
+        def event(name, kind):
+            return SimpleNamespace(name=name, device_type=SimpleNamespace(name=kind))
+
+        return [e for op in self.ops for e in (event(op, "CPU"), event(f"sm90_gemm<{op}>", "CUDA"),
+                                               event(f"sm90_gemm<{op}>", "CUDA"))]
+
+
+def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bundle, monkeypatch):
+    from sdcreplay import bisect as bisect_module
+
+    monkeypatch.setattr(bisect_module, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
+    result = bisect_module.run_isolate_task({"bundle": str(llama_bundle), "device": "cpu:1", "inject": [],
+                                             "case": str(forward_cli["out"] / OPERATOR_FILE), "runs": 1})
+    assert result["kernels"] == ["sm90_gemm<aten.mm.default>"]
+    assert (result["runs"], result["failures"]) == (1, 0)  # no fault given here: the call alone is right
+
+
+def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
+    """The event fields used (name, device_type.name) are torch's own: a real CPU profile has
+    host events only, so no kernel is named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sdcreplay.bisect import device_kernels
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+    events = prof.events()
+    assert "aten::mm" in [event.name for event in events]
+    assert {event.device_type.name for event in events} == {"CPU"}
+    assert device_kernels(events) == []
