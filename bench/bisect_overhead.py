@@ -147,24 +147,32 @@ def _console_script() -> str:
     return str(beside) if beside.is_file() else "sdcreplay"
 
 
+def _record(bundle: Path, steps: int, size: dict) -> None:
+    arguments = [part for key, value in size.items() for part in ("-a", f"{key}={value}")]
+    subprocess.run([_console_script(), "record", "builtin:tiny-llama", "--steps", str(steps), "--out", str(bundle),
+                    *arguments], check=True, capture_output=True)
+
+
+def _bisect(bundle: Path, fault: str, out: Path, extra: list[str]) -> tuple[dict, float]:
+    """``sdcreplay bisect --json`` as a person runs it: the report and the wall time."""
+    start = time.perf_counter()
+    done = subprocess.run([_console_script(), "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
+                           "--inject", fault, "--out", str(out), "--json", *extra],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 1:
+        raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
+    return json.loads(done.stdout), wall
+
+
 def end_to_end(folder: Path) -> list[dict]:
     """``sdcreplay bisect`` on a 3-step, 2-layer bundle with a forward bitflip, as a person runs it."""
-    exe = _console_script()
     bundle = folder / "bench.bundle"
-    small = ["-a", "layers=2", "-a", "dim=64", "-a", "seq_len=32", "-a", "batch_size=4"]
-    subprocess.run([exe, "record", "builtin:tiny-llama", "--steps", "3", "--out", str(bundle), *small],
-                   check=True, capture_output=True)
+    _record(bundle, 3, {"layers": 2, "dim": 64, "seq_len": 32, "batch_size": 4})
     rows = []
     for label, extra in (("with --step 1", ["--step", "1"]), ("without --step", [])):
         out = folder / f"report-{len(rows)}"
-        start = time.perf_counter()
-        done = subprocess.run([exe, "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
-                               "--inject", FAULT, "--out", str(out), "--json", *extra],
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if done.returncode != 1:
-            raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
-        report = json.loads(done.stdout)
+        report, wall = _bisect(bundle, FAULT, out, extra)
         workers = len(list((out / "work").rglob("*.task.json")))
         rows.append({"run": label, "wall_s": wall, "workers": workers,
                      "found": f"{report['op']} under {report['module']}, call {report['op_index']}"})
@@ -176,25 +184,14 @@ POSITION_SIZE = {"layers": 2, "dim": 128, "seq_len": 64, "batch_size": 8}
 
 def position_cost(folder: Path, steps: int) -> list[dict]:
     """Bisect a fault in the first and in the last step of a ``steps``-step bundle."""
-    exe = _console_script()
     bundle = folder / "window.bundle"
-    size = [part for key, value in POSITION_SIZE.items() for part in ("-a", f"{key}={value}")]
-    subprocess.run([exe, "record", "builtin:tiny-llama", "--steps", str(steps), "--out", str(bundle), *size],
-                   check=True, capture_output=True)
+    _record(bundle, steps, POSITION_SIZE)
     rows = []
     for given in (True, False):
         for step in (0, steps - 1):
-            fault = FAULT.replace("step=1", f"step={step}")
-            out = folder / f"position-{len(rows)}"
             extra = ["--step", str(step)] if given else []
-            start = time.perf_counter()
-            done = subprocess.run([exe, "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
-                                   "--inject", fault, "--out", str(out), "--json", *extra],
-                                  capture_output=True, text=True)
-            wall = time.perf_counter() - start
-            if done.returncode != 1:
-                raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
-            report = json.loads(done.stdout)
+            fault = FAULT.replace("step=1", f"step={step}")
+            report, wall = _bisect(bundle, fault, folder / f"position-{len(rows)}", extra)
             assert report["step"] == step, report["step"]
             rows.append({"step": step, "given": given, "wall_s": wall, "steps_run": report["steps_run"]})
     return rows
