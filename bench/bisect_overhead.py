@@ -60,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-end-to-end", action="store_true", help="time only the step")
     parser.add_argument("--window-steps", type=int, default=24, help="steps of the bundle in part 3")
     parser.add_argument("--skip-position", action="store_true", help="leave out part 3")
+    parser.add_argument("--baseline", help="part 3 also with the sdcreplay of this source tree (e.g. /work/main)")
     parser.add_argument("--profile", action="store_true", help="cProfile one captured step (suspect mode)")
     return parser.parse_args()
 
@@ -153,12 +154,13 @@ def _record(bundle: Path, steps: int, size: dict) -> None:
                     *arguments], check=True, capture_output=True)
 
 
-def _bisect(bundle: Path, fault: str, out: Path, extra: list[str]) -> tuple[dict, float]:
-    """``sdcreplay bisect --json`` as a person runs it: the report and the wall time."""
+def _bisect(bundle: Path, fault: str, out: Path, extra: list[str], source: str | None = None) -> tuple[dict, float]:
+    """``sdcreplay bisect --json`` as a person runs it (with ``source``'s sdcreplay): report, wall time."""
+    env = {**os.environ, "PYTHONPATH": source} if source else None
     start = time.perf_counter()
     done = subprocess.run([_console_script(), "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
                            "--inject", fault, "--out", str(out), "--json", *extra],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode != 1:
         raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
@@ -182,8 +184,12 @@ def end_to_end(folder: Path) -> list[dict]:
 POSITION_SIZE = {"layers": 2, "dim": 128, "seq_len": 64, "batch_size": 8}
 
 
-def position_cost(folder: Path, steps: int) -> list[dict]:
-    """Bisect a fault in the first and in the last step of a ``steps``-step bundle."""
+def position_cost(folder: Path, steps: int, baseline: str | None) -> list[dict]:
+    """Bisect a fault in the first and in the last step of a ``steps``-step bundle.
+
+    With ``baseline`` (another source tree), each bisect also runs with that
+    tree's sdcreplay right after, for a side-by-side wall time.
+    """
     bundle = folder / "window.bundle"
     _record(bundle, steps, POSITION_SIZE)
     rows = []
@@ -193,25 +199,32 @@ def position_cost(folder: Path, steps: int) -> list[dict]:
             fault = FAULT.replace("step=1", f"step={step}")
             report, wall = _bisect(bundle, fault, folder / f"position-{len(rows)}", extra)
             assert report["step"] == step, report["step"]
-            rows.append({"step": step, "given": given, "wall_s": wall, "steps_run": report["steps_run"]})
+            row = {"step": step, "given": given, "wall_s": wall, "steps_run": report["steps_run"]}
+            if baseline:
+                old, row["baseline_wall_s"] = _bisect(bundle, fault, folder / f"baseline-{len(rows)}", extra, baseline)
+                assert old["step"] == step and old["op_index"] == report["op_index"]
+            rows.append(row)
     return rows
 
 
 def print_position_cost(rows: list[dict], steps: int) -> None:
     print()
     print(f"tiny-llama {POSITION_SIZE}, {steps} steps: divergence at the first and the last step")
-    print("| bisect | divergent step | step executions | wall s |")
-    print("| --- | ---: | ---: | ---: |")
+    baseline = "baseline_wall_s" in rows[0]
+    print("| bisect | divergent step | step executions | wall s |" + (" baseline wall s |" if baseline else ""))
+    print("| --- | ---: | ---: | ---: |" + (" ---: |" if baseline else ""))
     for row in rows:
         detail = ", ".join(f"{k} {v}" for k, v in row["steps_run"].items() if k != "total" and v)
         print(f"| {'with' if row['given'] else 'without'} --step | {row['step']} "
-              f"| {row['steps_run']['total']} ({detail}) | {row['wall_s']:.1f} |")
+              f"| {row['steps_run']['total']} ({detail}) | {row['wall_s']:.1f} |"
+              + (f" {row['baseline_wall_s']:.1f} |" if baseline else ""))
     for given in (True, False):
         first, last = (row for row in rows if row["given"] is given)
         print(f"{'with' if given else 'without'} --step: last/first = "
               f"{last['steps_run']['total'] / first['steps_run']['total']:.2f}x step executions "
               f"(+{last['steps_run']['total'] - first['steps_run']['total']}), "
-              f"{last['wall_s'] / first['wall_s']:.2f}x wall (+{last['wall_s'] - first['wall_s']:.1f} s)")
+              f"{last['wall_s'] / first['wall_s']:.2f}x wall (+{last['wall_s'] - first['wall_s']:.1f} s)"
+              + (f"; baseline +{last['baseline_wall_s'] - first['baseline_wall_s']:.1f} s" if baseline else ""))
 
 
 def main() -> None:
@@ -242,7 +255,7 @@ def main() -> None:
             print(f"| {row['run']} | {row['wall_s']:.1f} | {row['workers']} | {row['found']} |")
     if not args.skip_position:
         with tempfile.TemporaryDirectory() as folder:
-            print_position_cost(position_cost(Path(folder), args.window_steps), args.window_steps)
+            print_position_cost(position_cost(Path(folder), args.window_steps, args.baseline), args.window_steps)
 
 
 if __name__ == "__main__":

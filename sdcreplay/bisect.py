@@ -204,7 +204,12 @@ def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]
 
 
 def run_fetch_task(task: dict) -> dict:
-    """Reference: keep the inputs and outputs of one call, and named state tensors."""
+    """Reference: keep the inputs and outputs of one call, and named state tensors.
+
+    Given the reference's own operator log (``expected``), the run from the
+    loaded state must reproduce it call for call: otherwise the saved state
+    was not all the step depends on, and no later comparison could be trusted.
+    """
     oplog = OperatorLog(watch=task["op_index"])
     entry = _enter_step(task, 0)
     try:
@@ -214,6 +219,8 @@ def run_fetch_task(task: dict) -> dict:
     finally:
         entry.session.close()
     steps_run = entry.window_steps + (task["op_index"] is not None)
+    if task.get("expected") and task["op_index"] is not None:
+        _check_reproduced(json.loads(Path(task["expected"]).read_text()), entry.digests, oplog, task["step"])
     if oplog.kept is None:
         return {"case": None, "steps_run": steps_run}
     args, kwargs, outputs = oplog.kept
@@ -222,6 +229,16 @@ def run_fetch_task(task: dict) -> dict:
     prior = Counter(r.site.key for r in oplog.records[: task["op_index"]])
     OperatorCase(site, prior, args, kwargs, outputs, outputs, rng=oplog.rng_before).write(path)
     return {"case": str(path), "steps_run": steps_run}
+
+
+def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, step: int) -> None:
+    calls = [row[3] for row in expected["operators"]]
+    if state_digests == expected["state"] and [r.digests for r in oplog.records] == calls:
+        return
+    raise SdcReplayError(
+        f"the reference does not reproduce its own step {step} from the state saved entering it",
+        "The step depends on state outside the model and optimizer (a scheduler, a Python counter?); "
+        "bisect can only start a step from what its saved state holds.")
 
 
 def run_isolate_task(task: dict) -> dict:
@@ -516,7 +533,8 @@ def bisect(
 
     on_event("fetch", f"fetching the reference's inputs of the divergent call from {reference}")
     fetched = _one(run_device_processes("fetch", [reference], lambda _: {
-        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"]}, work), reference)
+        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"], "expected": ref_log["oplog"]},
+        work), reference)
     steps["fetch"] = fetched["steps_run"]
     state_report = _state_forensics(work, suspect, sus["state_differs"])
     result = {**base, "verdict": "divergence", "step": step, "repeats_run": sus["repeats_run"],

@@ -32,6 +32,7 @@ from sdcreplay.bisect import (
     element_forensics,
     run_oplog_task,
 )
+from sdcreplay.errors import SdcReplayError
 from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
@@ -741,3 +742,34 @@ def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
     assert "aten::mm" in [event.name for event in events]
     assert {event.device_type.name for event in events} == {"CPU"}
     assert device_kernels(events) == []
+
+
+HIDDEN_STATE_WORKLOAD = '''
+"""tiny-llama whose loss is scaled by how many steps this process ran: state outside the model."""
+from sdcreplay import Workload
+from sdcreplay.workloads.tiny_llama import make_workload
+
+CALLS = [0]
+
+
+def make(seed: int = 0) -> Workload:
+    base = make_workload(seed=seed, **KWARGS)
+
+    def loss_fn(model, batch):
+        CALLS[0] += 1
+        return base.loss_fn(model, batch) * CALLS[0]
+
+    return Workload(base.model, base.optimizer, base.get_batch, loss_fn)
+'''
+
+
+def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path):
+    """The later runs start from the saved model and optimizer state; a step that also depends on
+    something else cannot be bisected that way, and the reference's own re-run says so (exit 3)."""
+    source = tmp_path / "hidden.py"
+    source.write_text(textwrap.dedent(HIDDEN_STATE_WORKLOAD).replace("KWARGS", repr(LLAMA)))
+    bundle = tmp_path / "hidden.bundle"
+    sdcreplay.record(f"{source}:make", bundle, steps=2, seed=0)
+    with pytest.raises(SdcReplayError, match="does not reproduce its own step 1 from the state saved") as caught:
+        bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
+    assert "outside the model and optimizer" in caught.value.hint
