@@ -181,7 +181,7 @@ def end_to_end(folder: Path) -> list[dict]:
     return rows
 
 
-POSITION_SIZE = {"layers": 2, "dim": 128, "seq_len": 64, "batch_size": 8}
+POSITION_SIZE = {"layers": 2, "dim": 256, "seq_len": 128, "batch_size": 8}
 
 
 def position_cost(folder: Path, steps: int, baseline: str | None) -> list[dict]:
