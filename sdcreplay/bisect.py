@@ -63,7 +63,7 @@ class StepEntry:
     """A session in the state entering the bisected step, that state, and the step's record."""
 
     session: ReplaySession
-    digests: dict[str, str]  # state tensor name -> digest, after this device's own faults before the step
+    digests: dict[str, str]  # state name -> digest, after this device's own faults before the step
     state: dict[str, torch.Tensor]
     target: StepRecord
     window_steps: int  # steps of the window this process replayed to get here (0: loaded)
@@ -85,7 +85,8 @@ def _enter_step(task: dict, repeat: int) -> StepEntry:
     try:
         target = next((r for r in session.bundle.steps if r.index == step), None)
         if target is None:
-            raise SdcReplayError(f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}.")
+            raise SdcReplayError(f"the bundle has no step {step}",
+                                 f"Steps: {session.bundle.step_indices}.")
         if task.get("entry_state"):
             load_entry_state(session, Path(task["entry_state"]))
         else:
@@ -213,14 +214,16 @@ def run_fetch_task(task: dict) -> dict:
     oplog = OperatorLog(watch=task["op_index"])
     entry = _enter_step(task, 0)
     try:
-        _save_state(Path(task["work_dir"]) / "state-reference.h5", entry.state, task.get("state_names", []))
+        _save_state(Path(task["work_dir"]) / "state-reference.h5", entry.state,
+                    task.get("state_names", []))
         if task["op_index"] is not None:
             entry.session.run_step(entry.target, observers=[oplog])
     finally:
         entry.session.close()
     steps_run = entry.window_steps + (task["op_index"] is not None)
     if task.get("expected") and task["op_index"] is not None:
-        _check_reproduced(json.loads(Path(task["expected"]).read_text()), entry.digests, oplog, task["step"])
+        expected = json.loads(Path(task["expected"]).read_text())
+        _check_reproduced(expected, entry.digests, oplog, task["step"])
     if oplog.kept is None:
         return {"case": None, "steps_run": steps_run}
     args, kwargs, outputs = oplog.kept
@@ -237,8 +240,8 @@ def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, s
         return
     raise SdcReplayError(
         f"the reference does not reproduce its own step {step} from the state saved entering it",
-        "The step depends on state outside the model and optimizer (a scheduler, a Python counter?); "
-        "bisect can only start a step from what its saved state holds.")
+        "The step depends on state outside the model and optimizer (a scheduler, a Python "
+        "counter?); bisect can only start a step from what its saved state holds.")
 
 
 def run_isolate_task(task: dict) -> dict:
@@ -270,7 +273,7 @@ def _cuda_profile(device: torch.device):
 
 
 KERNEL_PROFILERS: dict[str, Callable] = {"cuda": _cuda_profile}
-"""Device type -> a profiler context for one call (its ``events()`` name the kernels); none on a CPU."""
+"""Device type -> a profiler context for one call (its ``events()`` name the kernels)."""
 
 
 def _synchronize(device: torch.device) -> None:
@@ -292,7 +295,7 @@ def kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
 
 
 def device_kernels(events) -> list[str]:
-    """Names of the profiler events that ran on the device (CUDA activity), first seen first, once each."""
+    """Names of the profiler events that ran on the device (CUDA activity), in order, once each."""
     names: list[str] = []
     for event in events:
         if event.device_type.name == "CUDA" and event.name not in names:
@@ -440,7 +443,8 @@ def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, r
     return (first.step if first else None), {
         "replay": report.to_json(), "first_entry": first.brief() if first else None,
         "record_first_entry": record_first.brief() if record_first else None,
-        "steps_run": _total({"replay": sum(len(log.steps) for run in report.devices for log in run.logs)}),
+        "steps_run": _total({"replay": sum(len(log.steps) for r in report.devices
+                                           for log in r.logs)}),
     }
 
 
@@ -515,26 +519,28 @@ def bisect(
     common = {"bundle": str(opened.path), "step": step, "inject": list(inject), "work_dir": str(work)}
     entry_state = str(work / ENTRY_STATE_FILE)
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
-    ref_log = _one(run_device_processes("oplog", [reference], lambda _: {**common, "save_entry": entry_state}, work),
-                   reference)
+    ref_log = _one(run_device_processes(
+        "oplog", [reference], lambda _: {**common, "save_entry": entry_state}, work), reference)
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
     on_event("oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)")
     sus = _one(run_device_processes("oplog", [suspect], lambda _: {**common, "expected": ref_log["oplog"], "repeats": repeats}, work), suspect)
-    steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0), "oplog_reference": ref_log["steps_run"],
-             "oplog_suspect": sus["steps_run"]}
+    steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0),
+             "oplog_reference": ref_log["steps_run"], "oplog_suspect": sus["steps_run"]}
     if "structure_error" in sus:
         raise StructureError(
             f"{suspect} runs a different sequence of operators than {reference} in step {step}: {sus['structure_error']}",
             "The devices run different code or configuration (different kernels chosen?); this is not silent data corruption.",
         )
     if not sus["divergent"]:
-        return _finish(out, {**base, "verdict": "no_divergence", "step": step, "repeats_run": sus["repeats_run"],
-                             "steps_run": _total(steps), **replayed}, on_event)
+        return _finish(out, {**base, "verdict": "no_divergence", "step": step,
+                             "repeats_run": sus["repeats_run"], "steps_run": _total(steps),
+                             **replayed},
+                       on_event)
 
     on_event("fetch", f"fetching the reference's inputs of the divergent call from {reference}")
     fetched = _one(run_device_processes("fetch", [reference], lambda _: {
-        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"], "expected": ref_log["oplog"]},
-        work), reference)
+        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"],
+        "expected": ref_log["oplog"]}, work), reference)
     steps["fetch"] = fetched["steps_run"]
     state_report = _state_forensics(work, suspect, sus["state_differs"])
     result = {**base, "verdict": "divergence", "step": step, "repeats_run": sus["repeats_run"],
@@ -573,7 +579,7 @@ def bisect(
         result["upstream"] = _upstream(case, sus.get("origins", []), sus["state_differs"])
         producer = result["upstream"] and result["upstream"]["producer"]
         if result["upstream"] and result["upstream"]["at_rest"] and producer:
-            # Where the corruption is first seen: the producer's side (the reader is in site/upstream).
+            # Where the corruption is first seen: the producer's side (the reader: site, upstream).
             result.update(phase=producer["phase"], module=producer["module"])
     if plot is not None and forensics.get("count"):
         plot_element_heatmap = _plotter()
@@ -642,24 +648,31 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
     first, site = differing[0], case.site
     producer, state = first["producer"], first["state"]
     reader = {"index": site.index, "op": site.op, "module": site.module, "phase": site.phase}
-    at_rest = bool(producer["matched_reference"]) if producer else (state is not None and state not in state_differs)
+    if producer:
+        at_rest = bool(producer["matched_reference"])
+    else:
+        at_rest = state is not None and state not in state_differs
     element = "" if first["element"] is None else f"[{first['element']}]"
     read = (f"call {site.index} ({site.op} under {site.module}, {site.phase}) read it wrong "
             f"as input {first['position']}{element} ({first['name']})")
     if producer:
-        made = (f"call {producer['index']} ({producer['op']} under {producer['module']}, {producer['phase']}) "
-                f"produced it {'right' if producer['matched_reference'] else 'wrong'}")
+        how = "right" if producer["matched_reference"] else "wrong"
+        made = (f"call {producer['index']} ({producer['op']} under {producer['module']}, "
+                f"{producer['phase']}) produced it {how}")
     else:
-        made = (f"it entered the step as {state}, " + ("right" if at_rest else "already wrong")) if state \
-            else "no operator call of the step wrote it (an input of the step?)"
+        how = "right" if at_rest else "already wrong"
+        made = (f"it entered the step as {state}, {how}" if state
+                else "no operator call of the step wrote it (an input of the step?)")
     summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
     forensics = element_forensics(_input_at(case.args, first), _input_at(case.suspect_args, first))
     return {
         "at_rest": at_rest, "summary": summary,
         "input": {key: first[key] for key in ("position", "element", "name")},
         "producer": producer, "state": state, "reader": reader,
-        "inputs_differ": [o["name"] + ("" if o["element"] is None else f"[{o['element']}]") for o in differing],
-        "elements": {k: forensics.get(k) for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")},
+        "inputs_differ": [o["name"] + ("" if o["element"] is None else f"[{o['element']}]")
+                          for o in differing],
+        "elements": {k: forensics.get(k)
+                     for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")},
     }
 
 

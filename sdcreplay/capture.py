@@ -368,7 +368,7 @@ def _mutated_inputs(func, args) -> dict[int, object]:
 
 @dataclass
 class InputOrigin:
-    """Where one tensor input of a call came from: the last call that wrote its memory, or the state."""
+    """Where a tensor input of a call came from: the last call that wrote its memory, or state."""
 
     position: int  # argument position in the call
     element: int | None  # position in a list argument (aten.cat's tensors); None for a tensor
@@ -436,7 +436,8 @@ class OperatorLog:
                 self._writer[memory_address(value)] = record
 
     def _trace_inputs(self, func, args) -> list[InputOrigin]:
-        names = [argument.name for argument in func._schema.arguments] if hasattr(func, "_schema") else []
+        schema = getattr(func, "_schema", None)
+        names = [argument.name for argument in schema.arguments] if schema is not None else []
         origins = []
         for position, value in enumerate(args):
             tensors = [(None, value)] if isinstance(value, torch.Tensor) else (
@@ -445,9 +446,10 @@ class OperatorLog:
                 if not isinstance(tensor, torch.Tensor) or not tensor.numel():
                     continue
                 memory = memory_address(tensor)
-                origins.append(InputOrigin(
-                    position, element, names[position] if position < len(names) else f"arg{position}",
-                    self._writer.get(memory), None if memory in self._writer else self._state_memory.get(memory)))
+                name = names[position] if position < len(names) else f"arg{position}"
+                state = None if memory in self._writer else self._state_memory.get(memory)
+                producer = self._writer.get(memory)
+                origins.append(InputOrigin(position, element, name, producer, state))
         return origins
 
     def _compare(self, record: OperatorRecord, func, args, kwargs, out) -> None:
