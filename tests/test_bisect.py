@@ -50,9 +50,10 @@ MEMFLIP = "kind=memflip,param=layers.0.mlp.w1.weight,step=1,index=7,bit=20,devic
 INTERMITTENT = "kind=bitflip,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,nth=0,index=2,bit=19,p=0.2,seed=13,device=cpu:1"
 # Memory corrupted at rest (a fault on a view corrupts the memory it aliases): the gradient of
 # layers.0.mlp.w2.weight after the backward mm made it, and RMSNorm's rsqrt before the mul reads it.
-AT_REST_BACKWARD = "kind=bitflip,op=aten.detach,module=layers.0.mlp.w2,phase=backward,step=1,nth=0,index=3,bit=30,device=cpu:1"
-AT_REST_FORWARD = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,nth=0,"
-                   "index=5,bit=31,device=cpu:1")
+AT_REST_BACKWARD = ("kind=bitflip,op=aten.detach,module=layers.0.mlp.w2,phase=backward,step=1,"
+                    "nth=0,index=3,bit=30,device=cpu:1")
+AT_REST_FORWARD = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,"
+                   "step=1,nth=0,index=5,bit=31,device=cpu:1")
 RECORDED = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"
 
 JSON_KEYS = {"schema", "verdict", "step", "phase", "module", "op", "op_index", "kernels", "isolated",
@@ -149,7 +150,8 @@ RUNS: dict[str, tuple[str, dict]] = {
     "intermittent": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "repeats": 20, "inject": [INTERMITTENT]}),
     # No --step: the report's phase must agree with the first divergent signature entry.
     "at_rest_backward": ("llama_bundle", {"suspect": "cpu:1", "inject": [AT_REST_BACKWARD]}),
-    "at_rest_forward": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "inject": [AT_REST_FORWARD]}),
+    "at_rest_forward": ("llama_bundle",
+                        {"suspect": "cpu:1", "step": 1, "inject": [AT_REST_FORWARD]}),
     "clean": ("llama_bundle", {"suspect": "cpu:1"}),
     "clean_recording_at_step": ("llama_bundle", {"step": 1}),
     "faulty_record_clean_suspect": ("faulty_bundle", {"suspect": "cpu:1"}),
@@ -340,7 +342,8 @@ def test_memflip_is_state_entering_the_step_and_upstream(runs, llama_bundle):
 
 
 @pytest.mark.parametrize("case, producer_spec, producer, reader, first_input, element_bit", [
-    ("at_rest_backward", "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0",
+    ("at_rest_backward",
+     "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0",
      ("aten.mm.default", "layers.0.mlp.w2", "backward"),
      ("aten.lerp_.Scalar", "layers.0.mlp.w2.weight", "optimizer"), (1, "end"), (3, 30)),
     ("at_rest_forward", "kind=bitflip,op=aten.rsqrt,module=layers.1.ffn_norm,phase=forward,step=1",
@@ -354,23 +357,27 @@ def test_memory_corrupted_at_rest_names_the_producer_and_the_reader(
     report = runs.get(case).to_json()  # no replay process died: bisect raises if one does
     upstream = report["upstream"]
     assert report["isolated"] == "upstream" and upstream["at_rest"] is True
-    assert upstream["producer"] == {"index": made["op_index"], "op": producer[0], "module": producer[1],
-                                    "phase": producer[2], "matched_reference": True}
+    assert upstream["producer"] == {"index": made["op_index"], "op": producer[0],
+                                    "module": producer[1], "phase": producer[2],
+                                    "matched_reference": True}
     assert made["op_index"] < fault["op_index"] < report["op_index"]
-    assert (upstream["reader"]["op"], upstream["reader"]["module"], upstream["reader"]["phase"]) == reader
+    seen_reader = upstream["reader"]
+    assert (seen_reader["op"], seen_reader["module"], seen_reader["phase"]) == reader
     assert upstream["reader"]["index"] == report["site"]["index"] == report["op_index"]
     assert (upstream["input"]["position"], upstream["input"]["name"]) == first_input
     # The report's phase and module are the producer's: where the corruption is first seen.
     assert (report["phase"], report["module"]) == (producer[2], producer[1])
     index, bit = element_bit
-    assert (upstream["elements"]["indices"], upstream["elements"]["xor"]) == ([index], [f"{1 << bit:08x}"])
+    changed = upstream["elements"]
+    assert (changed["indices"], changed["xor"]) == ([index], [f"{1 << bit:08x}"])
     assert upstream["summary"].startswith("memory corrupted at rest: ")
     assert f"call {made['op_index']} ({producer[0]}" in upstream["summary"]
 
 
 def test_at_rest_in_the_backward_agrees_with_the_first_divergent_entry(runs):
     report = runs.get("at_rest_backward").to_json()
-    assert report["first_entry"] == {"step": 1, "phase": "backward", "name": "grad:layers.0.mlp.w2.weight"}
+    assert report["first_entry"] == {"step": 1, "phase": "backward",
+                                     "name": "grad:layers.0.mlp.w2.weight"}
     assert report["phase"] == report["first_entry"]["phase"] == "backward"
     assert report["site"]["phase"] == "optimizer"  # the reader, kept in the JSON
 
@@ -644,11 +651,12 @@ def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundl
 def test_a_fault_on_a_view_the_backward_reads_never_kills_a_replay(tmp_path):
     """The campaign's crash: the bitflip bumped the version counter of rsqrt's output, which
     autograd saved, and killed cpu:1 ("output 0 of Rsqrt is at version 1"). Default size."""
-    spec = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,nth=0,"
-            "index=38,bit=31,device=cpu:1")
+    spec = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,"
+            "nth=0,index=38,bit=31,device=cpu:1")
     bundle = tmp_path / "default.bundle"
     sdcreplay.record("builtin:tiny-llama", bundle, steps=2, seed=0)
-    report = sdcreplay.replay_devices(bundle, ["cpu:0", "cpu:1"], inject=[spec], log_dir=tmp_path / "logs")
+    report = sdcreplay.replay_devices(bundle, ["cpu:0", "cpu:1"], inject=[spec],
+                                      log_dir=tmp_path / "logs")
     runs = {run.device: run for run in report.devices}
     assert [run.error for run in report.devices] == [None, None]
     assert (runs["cpu:0"].verdict, runs["cpu:1"].verdict) == ("match", "persistent")
@@ -659,7 +667,7 @@ def test_a_fault_on_a_view_the_backward_reads_never_kills_a_replay(tmp_path):
     assert (first.step, first.name) == (1, "forward:layers.1.ffn_norm")
 
 
-def test_a_step_started_from_the_saved_entry_state_matches_the_window_replay(llama_bundle, tmp_path):
+def test_a_step_started_from_the_saved_entry_state_matches_the_window(llama_bundle, tmp_path):
     """The reference replays steps 0-1 and saves the state entering step 2; a run loading it
     (no window) makes every operator call of step 2 bit for bit as the reference did."""
     task = {"bundle": str(llama_bundle), "step": 2, "inject": [], "work_dir": str(tmp_path)}
@@ -672,7 +680,7 @@ def test_a_step_started_from_the_saved_entry_state_matches_the_window_replay(lla
 
 
 @pytest.mark.parametrize("case, steps", [
-    # --step 1 of 3: the reference replays step 0 and runs step 1; the suspect and fetch run step 1 only
+    # --step 1 of 3: the reference replays step 0 and runs step 1; the suspect and fetch run 1 only
     ("backward", {"replay": 0, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 4}),
     # no --step: first both devices replay all 3 steps
     ("optimizer", {"replay": 6, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 10}),
@@ -723,10 +731,11 @@ def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bu
     from sdcreplay import bisect as bisect_module
 
     monkeypatch.setattr(bisect_module, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
-    result = bisect_module.run_isolate_task({"bundle": str(llama_bundle), "device": "cpu:1", "inject": [],
-                                             "case": str(forward_cli["out"] / OPERATOR_FILE), "runs": 1})
+    result = bisect_module.run_isolate_task({
+        "bundle": str(llama_bundle), "device": "cpu:1", "inject": [],
+        "case": str(forward_cli["out"] / OPERATOR_FILE), "runs": 1})
     assert result["kernels"] == ["sm90_gemm<aten.mm.default>"]
-    assert (result["runs"], result["failures"]) == (1, 0)  # no fault given here: the call alone is right
+    assert (result["runs"], result["failures"]) == (1, 0)  # no fault here: alone, the call is right
 
 
 def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
@@ -770,6 +779,7 @@ def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path)
     source.write_text(textwrap.dedent(HIDDEN_STATE_WORKLOAD).replace("KWARGS", repr(LLAMA)))
     bundle = tmp_path / "hidden.bundle"
     sdcreplay.record(f"{source}:make", bundle, steps=2, seed=0)
-    with pytest.raises(SdcReplayError, match="does not reproduce its own step 1 from the state saved") as caught:
+    refused = "does not reproduce its own step 1 from the state saved"
+    with pytest.raises(SdcReplayError, match=refused) as caught:
         bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
     assert "outside the model and optimizer" in caught.value.hint

@@ -367,13 +367,16 @@ class VersionSpy(Spy):
 @pytest.mark.parametrize("text, where", [
     # views: the fault corrupts the memory they alias (a weight; a gradient's operand)
     ("kind=bitflip,op=aten.t,module=enc2,phase=forward,index=5,bit=30", ("forward", "enc2")),
-    ("kind=bitflip,op=aten.t,module=head.1,phase=backward,nth=0,index=3,bit=31", ("backward", "head.1")),
+    ("kind=bitflip,op=aten.t,module=head.1,phase=backward,nth=0,index=3,bit=31",
+     ("backward", "head.1")),
     # relu's output, as autograd saved it for relu's backward; a gradient being accumulated
     ("kind=bitflip,op=aten.detach,phase=forward,index=2,bit=30", ("forward", "<root>")),
-    ("kind=bitflip,op=aten.detach,module=head.1,phase=backward,index=3,bit=31", ("backward", "head.1")),
+    ("kind=bitflip,op=aten.detach,module=head.1,phase=backward,index=3,bit=31",
+     ("backward", "head.1")),
     # an output autograd saved for the backward, and an in-place update
     ("kind=bitflip,op=aten.relu,phase=forward,index=2,bit=30", ("forward", "<root>")),
-    ("kind=bitflip,op=aten.add_,phase=optimizer,module=enc.weight,index=6,bit=29", ("optimizer", "enc.weight")),
+    ("kind=bitflip,op=aten.add_,phase=optimizer,module=enc.weight,index=6,bit=29",
+     ("optimizer", "enc.weight")),
 ])
 def test_a_fault_changes_bits_only_never_a_version_counter(text, where):
     """A defect changes values, not metadata: autograd's saved-tensor checks never trip on it."""
