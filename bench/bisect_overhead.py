@@ -58,9 +58,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9, help="timed steps of each kind; the median counts")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--skip-end-to-end", action="store_true", help="time only the step")
-    parser.add_argument("--window-steps", type=int, default=24, help="steps of the bundle in part 3")
+    parser.add_argument("--window-steps", type=int, default=24, help="bundle steps in part 3")
     parser.add_argument("--skip-position", action="store_true", help="leave out part 3")
-    parser.add_argument("--baseline", help="part 3 also with the sdcreplay of this source tree (e.g. /work/main)")
+    parser.add_argument("--baseline",
+                        help="part 3 also with the sdcreplay of this source tree (e.g. /work/main)")
     parser.add_argument("--profile", action="store_true", help="cProfile one captured step (suspect mode)")
     return parser.parse_args()
 
@@ -150,16 +151,18 @@ def _console_script() -> str:
 
 def _record(bundle: Path, steps: int, size: dict) -> None:
     arguments = [part for key, value in size.items() for part in ("-a", f"{key}={value}")]
-    subprocess.run([_console_script(), "record", "builtin:tiny-llama", "--steps", str(steps), "--out", str(bundle),
-                    *arguments], check=True, capture_output=True)
+    subprocess.run([_console_script(), "record", "builtin:tiny-llama", "--steps", str(steps),
+                    "--out", str(bundle), *arguments], check=True, capture_output=True)
 
 
-def _bisect(bundle: Path, fault: str, out: Path, extra: list[str], source: str | None = None) -> tuple[dict, float]:
-    """``sdcreplay bisect --json`` as a person runs it (with ``source``'s sdcreplay): report, wall time."""
+def _bisect(bundle: Path, fault: str, out: Path, extra: list[str],
+            source: str | None = None) -> tuple[dict, float]:
+    """``sdcreplay bisect --json`` as a person runs it (``source``'s code): report, wall time."""
     env = {**os.environ, "PYTHONPATH": source} if source else None
     start = time.perf_counter()
-    done = subprocess.run([_console_script(), "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
-                           "--inject", fault, "--out", str(out), "--json", *extra],
+    done = subprocess.run([_console_script(), "bisect", str(bundle), "--suspect", "cpu:1",
+                           "--reference", "cpu:0", "--inject", fault, "--out", str(out), "--json",
+                           *extra],
                           capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode != 1:
@@ -201,7 +204,8 @@ def position_cost(folder: Path, steps: int, baseline: str | None) -> list[dict]:
             assert report["step"] == step, report["step"]
             row = {"step": step, "given": given, "wall_s": wall, "steps_run": report["steps_run"]}
             if baseline:
-                old, row["baseline_wall_s"] = _bisect(bundle, fault, folder / f"baseline-{len(rows)}", extra, baseline)
+                old, row["baseline_wall_s"] = _bisect(bundle, fault, folder / f"baseline-{len(rows)}",
+                                                      extra, baseline)
                 assert old["step"] == step and old["op_index"] == report["op_index"]
             rows.append(row)
     return rows
@@ -211,7 +215,8 @@ def print_position_cost(rows: list[dict], steps: int) -> None:
     print()
     print(f"tiny-llama {POSITION_SIZE}, {steps} steps: divergence at the first and the last step")
     baseline = "baseline_wall_s" in rows[0]
-    print("| bisect | divergent step | step executions | wall s |" + (" baseline wall s |" if baseline else ""))
+    print("| bisect | divergent step | step executions | wall s |"
+          + (" baseline wall s |" if baseline else ""))
     print("| --- | ---: | ---: | ---: |" + (" ---: |" if baseline else ""))
     for row in rows:
         detail = ", ".join(f"{k} {v}" for k, v in row["steps_run"].items() if k != "total" and v)
@@ -223,8 +228,10 @@ def print_position_cost(rows: list[dict], steps: int) -> None:
         print(f"{'with' if given else 'without'} --step: last/first = "
               f"{last['steps_run']['total'] / first['steps_run']['total']:.2f}x step executions "
               f"(+{last['steps_run']['total'] - first['steps_run']['total']}), "
-              f"{last['wall_s'] / first['wall_s']:.2f}x wall (+{last['wall_s'] - first['wall_s']:.1f} s)"
-              + (f"; baseline +{last['baseline_wall_s'] - first['baseline_wall_s']:.1f} s" if baseline else ""))
+              f"{last['wall_s'] / first['wall_s']:.2f}x wall "
+              f"(+{last['wall_s'] - first['wall_s']:.1f} s)"
+              + (f"; baseline +{last['baseline_wall_s'] - first['baseline_wall_s']:.1f} s"
+                 if baseline else ""))
 
 
 def main() -> None:
@@ -255,7 +262,8 @@ def main() -> None:
             print(f"| {row['run']} | {row['wall_s']:.1f} | {row['workers']} | {row['found']} |")
     if not args.skip_position:
         with tempfile.TemporaryDirectory() as folder:
-            print_position_cost(position_cost(Path(folder), args.window_steps, args.baseline), args.window_steps)
+            rows = position_cost(Path(folder), args.window_steps, args.baseline)
+            print_position_cost(rows, args.window_steps)
 
 
 if __name__ == "__main__":
