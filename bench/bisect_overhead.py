@@ -204,8 +204,8 @@ def position_cost(folder: Path, steps: int, baseline: str | None) -> list[dict]:
             assert report["step"] == step, report["step"]
             row = {"step": step, "given": given, "wall_s": wall, "steps_run": report["steps_run"]}
             if baseline:
-                old, row["baseline_wall_s"] = _bisect(bundle, fault, folder / f"baseline-{len(rows)}",
-                                                      extra, baseline)
+                before = folder / f"baseline-{len(rows)}"
+                old, row["baseline_wall_s"] = _bisect(bundle, fault, before, extra, baseline)
                 assert old["step"] == step and old["op_index"] == report["op_index"]
             rows.append(row)
     return rows
