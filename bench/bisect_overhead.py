@@ -16,6 +16,12 @@
    a real subprocess, with and without ``--step``: wall time and the number of
    worker processes it started.
 
+3. Cost against the step's position: ``sdcreplay bisect`` on a 24-step bundle
+   with the fault in the first and in the last step, with and without
+   ``--step``: the training steps it executed (``steps_run`` in the report)
+   and wall time. Only the reference replays the window, so the last step
+   should cost about one window replay more than the first, not four.
+
 Run from the repository root:
 
     PYTHONPATH=. python bench/bisect_overhead.py
@@ -52,6 +58,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9, help="timed steps of each kind; the median counts")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--skip-end-to-end", action="store_true", help="time only the step")
+    parser.add_argument("--window-steps", type=int, default=24, help="bundle steps in part 3")
+    parser.add_argument("--skip-position", action="store_true", help="leave out part 3")
+    parser.add_argument("--baseline",
+                        help="part 3 also with the sdcreplay of this source tree (e.g. /work/main)")
     parser.add_argument("--profile", action="store_true", help="cProfile one captured step (suspect mode)")
     return parser.parse_args()
 
@@ -139,28 +149,89 @@ def _console_script() -> str:
     return str(beside) if beside.is_file() else "sdcreplay"
 
 
+def _record(bundle: Path, steps: int, size: dict) -> None:
+    arguments = [part for key, value in size.items() for part in ("-a", f"{key}={value}")]
+    subprocess.run([_console_script(), "record", "builtin:tiny-llama", "--steps", str(steps),
+                    "--out", str(bundle), *arguments], check=True, capture_output=True)
+
+
+def _bisect(bundle: Path, fault: str, out: Path, extra: list[str],
+            source: str | None = None) -> tuple[dict, float]:
+    """``sdcreplay bisect --json`` as a person runs it (``source``'s code): report, wall time."""
+    env = {**os.environ, "PYTHONPATH": source} if source else None
+    start = time.perf_counter()
+    done = subprocess.run([_console_script(), "bisect", str(bundle), "--suspect", "cpu:1",
+                           "--reference", "cpu:0", "--inject", fault, "--out", str(out), "--json",
+                           *extra],
+                          capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if done.returncode != 1:
+        raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
+    return json.loads(done.stdout), wall
+
+
 def end_to_end(folder: Path) -> list[dict]:
     """``sdcreplay bisect`` on a 3-step, 2-layer bundle with a forward bitflip, as a person runs it."""
-    exe = _console_script()
     bundle = folder / "bench.bundle"
-    small = ["-a", "layers=2", "-a", "dim=64", "-a", "seq_len=32", "-a", "batch_size=4"]
-    subprocess.run([exe, "record", "builtin:tiny-llama", "--steps", "3", "--out", str(bundle), *small],
-                   check=True, capture_output=True)
+    _record(bundle, 3, {"layers": 2, "dim": 64, "seq_len": 32, "batch_size": 4})
     rows = []
     for label, extra in (("with --step 1", ["--step", "1"]), ("without --step", [])):
         out = folder / f"report-{len(rows)}"
-        start = time.perf_counter()
-        done = subprocess.run([exe, "bisect", str(bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
-                               "--inject", FAULT, "--out", str(out), "--json", *extra],
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if done.returncode != 1:
-            raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
-        report = json.loads(done.stdout)
+        report, wall = _bisect(bundle, FAULT, out, extra)
         workers = len(list((out / "work").rglob("*.task.json")))
         rows.append({"run": label, "wall_s": wall, "workers": workers,
                      "found": f"{report['op']} under {report['module']}, call {report['op_index']}"})
     return rows
+
+
+POSITION_SIZE = {"layers": 2, "dim": 256, "seq_len": 128, "batch_size": 8}
+
+
+def position_cost(folder: Path, steps: int, baseline: str | None) -> list[dict]:
+    """Bisect a fault in the first and in the last step of a ``steps``-step bundle.
+
+    With ``baseline`` (another source tree), each bisect also runs with that
+    tree's sdcreplay right after, for a side-by-side wall time.
+    """
+    bundle = folder / "window.bundle"
+    _record(bundle, steps, POSITION_SIZE)
+    rows = []
+    for given in (True, False):
+        for step in (0, steps - 1):
+            extra = ["--step", str(step)] if given else []
+            fault = FAULT.replace("step=1", f"step={step}")
+            report, wall = _bisect(bundle, fault, folder / f"position-{len(rows)}", extra)
+            assert report["step"] == step, report["step"]
+            row = {"step": step, "given": given, "wall_s": wall, "steps_run": report["steps_run"]}
+            if baseline:
+                before = folder / f"baseline-{len(rows)}"
+                old, row["baseline_wall_s"] = _bisect(bundle, fault, before, extra, baseline)
+                assert old["step"] == step and old["op_index"] == report["op_index"]
+            rows.append(row)
+    return rows
+
+
+def print_position_cost(rows: list[dict], steps: int) -> None:
+    print()
+    print(f"tiny-llama {POSITION_SIZE}, {steps} steps: divergence at the first and the last step")
+    baseline = "baseline_wall_s" in rows[0]
+    print("| bisect | divergent step | step executions | wall s |"
+          + (" baseline wall s |" if baseline else ""))
+    print("| --- | ---: | ---: | ---: |" + (" ---: |" if baseline else ""))
+    for row in rows:
+        detail = ", ".join(f"{k} {v}" for k, v in row["steps_run"].items() if k != "total" and v)
+        print(f"| {'with' if row['given'] else 'without'} --step | {row['step']} "
+              f"| {row['steps_run']['total']} ({detail}) | {row['wall_s']:.1f} |"
+              + (f" {row['baseline_wall_s']:.1f} |" if baseline else ""))
+    for given in (True, False):
+        first, last = (row for row in rows if row["given"] is given)
+        print(f"{'with' if given else 'without'} --step: last/first = "
+              f"{last['steps_run']['total'] / first['steps_run']['total']:.2f}x step executions "
+              f"(+{last['steps_run']['total'] - first['steps_run']['total']}), "
+              f"{last['wall_s'] / first['wall_s']:.2f}x wall "
+              f"(+{last['wall_s'] - first['wall_s']:.1f} s)"
+              + (f"; baseline +{last['baseline_wall_s'] - first['baseline_wall_s']:.1f} s"
+                 if baseline else ""))
 
 
 def main() -> None:
@@ -181,15 +252,18 @@ def main() -> None:
     for kind in ("plain", "reference", "suspect"):
         print(f"| {kind} | {wall[kind]:.1f} | {wall[kind] / wall['plain']:.2f}x "
               f"| {cpu[kind]:.1f} | {cpu[kind] / cpu['plain']:.2f}x |")
-    if args.skip_end_to_end:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        rows = end_to_end(Path(folder))
-    print()
-    print("| bisect | wall s | worker processes | found |")
-    print("| --- | ---: | ---: | --- |")
-    for row in rows:
-        print(f"| {row['run']} | {row['wall_s']:.1f} | {row['workers']} | {row['found']} |")
+    if not args.skip_end_to_end:
+        with tempfile.TemporaryDirectory() as folder:
+            rows = end_to_end(Path(folder))
+        print()
+        print("| bisect | wall s | worker processes | found |")
+        print("| --- | ---: | ---: | --- |")
+        for row in rows:
+            print(f"| {row['run']} | {row['wall_s']:.1f} | {row['workers']} | {row['found']} |")
+    if not args.skip_position:
+        with tempfile.TemporaryDirectory() as folder:
+            rows = position_cost(Path(folder), args.window_steps, args.baseline)
+            print_position_cost(rows, args.window_steps)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ that already differed when the step began). The reference then hands over the
 same call's inputs and outputs, and the call is re-run alone on the suspect
 from the reference's inputs: still wrong means the operator itself computes
 wrong there (``kernel``); right means the corruption came from before
-(``upstream``) or does not fire every time (``intermittent``). Every device
-runs in its own process; the whole bisect is four replays of one window.
+(``upstream``: the wrong input, the call that wrote it, and whether it changed
+at rest in between) or does not fire every time (``intermittent``). Every
+device runs in its own process. Only the reference replays the window up to
+the step; it hands the state entering the step to the later runs as HDF5.
 """
 
 from __future__ import annotations
@@ -19,15 +21,23 @@ import shlex
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import h5py
 import torch
 
 from . import determinism
-from .bundle import Bundle, StepRecord
-from .capture import CallSite, OperatorLog, OperatorRecord, operator_results, state_tensors
+from .bundle import Bundle, StepRecord, write_state
+from .capture import (
+    CallSite,
+    InputOrigin,
+    OperatorLog,
+    OperatorRecord,
+    memory_address,
+    operator_results,
+    state_tensors,
+)
 from .compare import RECORD, Divergence, compare_logs
 from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
@@ -37,30 +47,76 @@ from .faults import Injector, parse_specs
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .replay import ReplaySession, replay_devices, run_device_processes
 from .signature import SignatureLog, layer_of
-from .tensorio import raw_bits, read_tensor, write_tensor
+from .tensorio import raw_bits, read_tensor, read_tree, write_tensor
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
+ENTRY_STATE_FILE = "state-entering-step.h5"
 SCHEMA = "sdcreplay.bisect/1"
 
 
 # ---------------------------------------------------------------------------
 # Worker side: each function runs in a device process (see worker.py).
 
-def _replay_window(task: dict, repeat: int) -> tuple[ReplaySession, dict, dict, StepRecord]:
-    """Replay up to the bisected step; the state entering it (digests and tensors) and its record."""
+@dataclass
+class StepEntry:
+    """A session in the state entering the bisected step, that state, and the step's record."""
+
+    session: ReplaySession
+    digests: dict[str, str]  # state name -> digest, after this device's own faults before the step
+    state: dict[str, torch.Tensor]
+    target: StepRecord
+    window_steps: int  # steps of the window this process replayed to get here (0: loaded)
+
+
+def _enter_step(task: dict, repeat: int) -> StepEntry:
+    """Bring a session to the state entering the bisected step.
+
+    Only the reference replays the window, once, and writes that state
+    (``save_entry``); every later run loads it (``entry_state``): every
+    device matched the reference up to this step, so it is the same state,
+    and a bisect of step 90 costs one extra window replay, not four. The
+    device's own memory faults before the step still apply after loading,
+    and its state is digested here and compared with the reference's, so
+    memory corrupted at rest entering the step is still seen.
+    """
     session = ReplaySession(task["bundle"], task["device"], inject=task.get("inject", ()), repeat=repeat)
-    step = task["step"]
-    target = next((r for r in session.bundle.steps if r.index == step), None)
-    if target is None:
+    step, window_steps = task["step"], 0
+    try:
+        target = next((r for r in session.bundle.steps if r.index == step), None)
+        if target is None:
+            raise SdcReplayError(f"the bundle has no step {step}",
+                                 f"Steps: {session.bundle.step_indices}.")
+        if task.get("entry_state"):
+            load_entry_state(session, Path(task["entry_state"]))
+        else:
+            for record in session.steps_until(step - 1):
+                session.run_step(record)
+                window_steps += 1
+            if task.get("save_entry"):
+                save_entry_state(session, Path(task["save_entry"]))
+    except BaseException:
         session.close()
-        raise SdcReplayError(f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}.")
-    for record in session.steps_until(step - 1):
-        session.run_step(record)
+        raise
     session.injector.before_step(step, session.model)  # memory corrupted before the step belongs to its state
     state = state_tensors(session.model, session.optimizer)
     digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
-    return session, digests, state, target
+    return StepEntry(session, digests, state, target, window_steps)
+
+
+def save_entry_state(session: ReplaySession, path: Path) -> None:
+    """The session's model and optimizer state as plain HDF5 (no pickle crosses processes)."""
+    write_state(path, session.model.state_dict(), session.optimizer.state_dict())
+
+
+def load_entry_state(session: ReplaySession, path: Path) -> None:
+    """Set the session's model and optimizer state from ``save_entry_state``'s file."""
+    with h5py.File(path, "r") as handle:
+        model = read_tree(handle["model"])
+        optimizer = read_tree(handle["optimizer"]) if "optimizer" in handle else None
+    session.model.load_state_dict(model)
+    if optimizer is not None:
+        session.optimizer.load_state_dict(optimizer)
 
 
 def _records_to_json(records: list[OperatorRecord]) -> list:
@@ -77,9 +133,14 @@ def run_oplog_task(task: dict) -> dict:
     step, work = task["step"], Path(task["work_dir"])
     expected = json.loads(Path(task["expected"]).read_text()) if task.get("expected") else None
     repeats = task.get("repeats", 1) if expected else 1
+    steps_run = 0
     for repeat in range(repeats):
-        oplog = OperatorLog(expected=_records_from_json(expected["operators"], step) if expected else None)
-        session, digests, state, target = _replay_window(task, repeat)
+        entry = _enter_step(task, repeat)
+        session, digests, state, target = entry.session, entry.digests, entry.state, entry.target
+        steps_run += entry.window_steps + 1
+        reference = _records_from_json(expected["operators"], step) if expected else None
+        oplog = OperatorLog(expected=reference,
+                            state_memory={memory_address(t): name for name, t in state.items()})
         try:
             differing = [n for n, d in digests.items() if expected and expected["state"].get(n) != d]
             _save_state(work / f"state-{task['device'].replace(':', '-')}.h5", state, differing)
@@ -90,10 +151,11 @@ def run_oplog_task(task: dict) -> dict:
         if expected is None:
             path = work / "oplog-reference.json"
             path.write_text(json.dumps({"state": digests, "operators": _records_to_json(oplog.records)}))
-            return {"oplog": str(path), "operators": len(oplog.records), "environment": environment}
+            return {"oplog": str(path), "operators": len(oplog.records), "environment": environment,
+                    "steps_run": steps_run}
         structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
         if structure_error:
-            return {"structure_error": structure_error, "repeat": repeat}
+            return {"structure_error": structure_error, "repeat": repeat, "steps_run": steps_run}
         if oplog.divergent is not None or differing:
             case_path = work / "suspect-call.h5"
             if oplog.kept is not None:
@@ -101,10 +163,23 @@ def run_oplog_task(task: dict) -> dict:
                 OperatorCase(oplog.divergent.site, Counter(), args, kwargs, outputs, outputs).write(case_path)
             return {
                 "divergent": True, "repeat": repeat, "repeats_run": repeat + 1, "environment": environment,
+                "steps_run": steps_run,
                 "op_index": oplog.divergent.site.index if oplog.divergent else None,
                 "state_differs": differing, "case": str(case_path) if oplog.kept is not None else None,
+                "origins": [_origin_to_json(o, expected["operators"]) for o in oplog.origins],
             }
-    return {"divergent": False, "repeats_run": repeats}
+    return {"divergent": False, "repeats_run": repeats, "steps_run": steps_run}
+
+
+def _origin_to_json(origin: InputOrigin, expected: list) -> dict:
+    """One input of the divergent call; did its producer's output match the reference's?"""
+    producer = None
+    if origin.producer is not None:
+        site = origin.producer.site
+        producer = {"index": site.index, "op": site.op, "module": site.module, "phase": site.phase,
+                    "matched_reference": origin.producer.digests == expected[site.index][3]}
+    return {"position": origin.position, "element": origin.element, "name": origin.name,
+            "producer": producer, "state": origin.state}
 
 
 def _missing_calls(oplog: OperatorLog, expected: list) -> str | None:
@@ -130,23 +205,43 @@ def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]
 
 
 def run_fetch_task(task: dict) -> dict:
-    """Reference: keep the inputs and outputs of one call, and named state tensors."""
+    """Reference: keep the inputs and outputs of one call, and named state tensors.
+
+    Given the reference's own operator log (``expected``), the run from the
+    loaded state must reproduce it call for call: otherwise the saved state
+    was not all the step depends on, and no later comparison could be trusted.
+    """
     oplog = OperatorLog(watch=task["op_index"])
-    session, _, state, target = _replay_window(task, 0)
+    entry = _enter_step(task, 0)
     try:
-        _save_state(Path(task["work_dir"]) / "state-reference.h5", state, task.get("state_names", []))
+        _save_state(Path(task["work_dir"]) / "state-reference.h5", entry.state,
+                    task.get("state_names", []))
         if task["op_index"] is not None:
-            session.run_step(target, observers=[oplog])
+            entry.session.run_step(entry.target, observers=[oplog])
     finally:
-        session.close()
+        entry.session.close()
+    steps_run = entry.window_steps + (task["op_index"] is not None)
+    if task.get("expected") and task["op_index"] is not None:
+        expected = json.loads(Path(task["expected"]).read_text())
+        _check_reproduced(expected, entry.digests, oplog, task["step"])
     if oplog.kept is None:
-        return {"case": None}
+        return {"case": None, "steps_run": steps_run}
     args, kwargs, outputs = oplog.kept
     path = Path(task["work_dir"]) / "reference-call.h5"
     site = oplog.records[task["op_index"]].site
     prior = Counter(r.site.key for r in oplog.records[: task["op_index"]])
     OperatorCase(site, prior, args, kwargs, outputs, outputs, rng=oplog.rng_before).write(path)
-    return {"case": str(path)}
+    return {"case": str(path), "steps_run": steps_run}
+
+
+def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, step: int) -> None:
+    calls = [row[3] for row in expected["operators"]]
+    if state_digests == expected["state"] and [r.digests for r in oplog.records] == calls:
+        return
+    raise SdcReplayError(
+        f"the reference does not reproduce its own step {step} from the state saved entering it",
+        "The step depends on state outside the model and optimizer (a scheduler, a Python "
+        "counter?); bisect can only start a step from what its saved state holds.")
 
 
 def run_isolate_task(task: dict) -> dict:
@@ -171,19 +266,38 @@ def run_isolate_task(task: dict) -> dict:
             "kernels": kernel_names(op, case, device)}
 
 
-def kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
-    """The GPU kernels one call launches, from the profiler (none on a CPU)."""
-    if device.type != "cuda":
-        return []
+def _cuda_profile(device: torch.device):
     from torch.profiler import ProfilerActivity, profile
 
-    args, kwargs = place((list(case.args), case.kwargs), device)
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        op(*args, **kwargs)
+    return profile(activities=[ProfilerActivity.CUDA])
+
+
+KERNEL_PROFILERS: dict[str, Callable] = {"cuda": _cuda_profile}
+"""Device type -> a profiler context for one call (its ``events()`` name the kernels)."""
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
-    names = []
-    for event in prof.events():
+
+
+def kernel_names(op, case: OperatorCase, device: torch.device) -> list[str]:
+    """The device kernels one call launches, from the profiler (none on a CPU)."""
+    profiler = KERNEL_PROFILERS.get(device.type)
+    if profiler is None:
+        return []
+    args, kwargs = place((list(case.args), case.kwargs), device)
+    _synchronize(device)
+    with profiler(device) as prof:
+        op(*args, **kwargs)
+        _synchronize(device)
+    return device_kernels(prof.events())
+
+
+def device_kernels(events) -> list[str]:
+    """Names of the profiler events that ran on the device (CUDA activity), in order, once each."""
+    names: list[str] = []
+    for event in events:
         if event.device_type.name == "CUDA" and event.name not in names:
             names.append(event.name)
     return names
@@ -329,6 +443,8 @@ def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, r
     return (first.step if first else None), {
         "replay": report.to_json(), "first_entry": first.brief() if first else None,
         "record_first_entry": record_first.brief() if record_first else None,
+        "steps_run": _total({"replay": sum(len(log.steps) for r in report.devices
+                                           for log in r.logs)}),
     }
 
 
@@ -405,24 +521,34 @@ def bisect(
         }, on_event)
 
     common = {"bundle": str(opened.path), "step": step, "inject": list(inject), "work_dir": str(work)}
+    entry_state = str(work / ENTRY_STATE_FILE)
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
-    ref_log = _one(run_device_processes("oplog", [reference], lambda _: common, work), reference)
+    ref_log = _one(run_device_processes(
+        "oplog", [reference], lambda _: {**common, "save_entry": entry_state}, work), reference)
+    common["entry_state"] = entry_state  # every later run starts from the state entering the step
     on_event("oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)")
     sus = _one(run_device_processes("oplog", [suspect], lambda _: {**common, "expected": ref_log["oplog"], "repeats": repeats}, work), suspect)
+    steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0),
+             "oplog_reference": ref_log["steps_run"], "oplog_suspect": sus["steps_run"]}
     if "structure_error" in sus:
         raise StructureError(
             f"{suspect} runs a different sequence of operators than {reference} in step {step}: {sus['structure_error']}",
             "The devices run different code or configuration (different kernels chosen?); this is not silent data corruption.",
         )
     if not sus["divergent"]:
-        return _finish(out, {**base, "verdict": "no_divergence", "step": step, "repeats_run": sus["repeats_run"], **replayed}, on_event)
+        return _finish(out, {**base, "verdict": "no_divergence", "step": step,
+                             "repeats_run": sus["repeats_run"], "steps_run": _total(steps),
+                             **replayed},
+                       on_event)
 
     on_event("fetch", f"fetching the reference's inputs of the divergent call from {reference}")
     fetched = _one(run_device_processes("fetch", [reference], lambda _: {
-        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"]}, work), reference)
+        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"],
+        "expected": ref_log["oplog"]}, work), reference)
+    steps["fetch"] = fetched["steps_run"]
     state_report = _state_forensics(work, suspect, sus["state_differs"])
     result = {**base, "verdict": "divergence", "step": step, "repeats_run": sus["repeats_run"],
-              "state": state_report, **replayed}
+              "steps_run": _total(steps), "state": state_report, **replayed}
     if fetched["case"] is None:
         result.update(phase="state", module=state_report[0]["tensor"] if state_report else None, op=None,
                       op_index=None, isolated="upstream", kernels=[])
@@ -453,12 +579,23 @@ def bisect(
         site=asdict(site), prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
     )
+    if verdict == "upstream":
+        result["upstream"] = _upstream(case, sus.get("origins", []), sus["state_differs"])
+        producer = result["upstream"] and result["upstream"]["producer"]
+        if result["upstream"] and result["upstream"]["at_rest"] and producer:
+            # Where the corruption is first seen: the producer's side (the reader: site, upstream).
+            result.update(phase=producer["phase"], module=producer["module"])
     if plot is not None and forensics.get("count"):
         plot_element_heatmap = _plotter()
         expected = [v for v in case.expected if isinstance(v, torch.Tensor)][output_index]
         actual = [v for v in case.actual if isinstance(v, torch.Tensor)][output_index]
         result["plot"] = str(plot_element_heatmap(expected, actual, Path(plot), f"{site.op} under {site.module} ({site.phase}), step {step}"))
     return _finish(out, result, on_event)
+
+
+def _total(steps: dict[str, int]) -> dict[str, int]:
+    """Training steps each stage executed, and in all: what a bisect costs."""
+    return {**steps, "total": sum(steps.values())}
 
 
 def _plotter():
@@ -492,6 +629,55 @@ def _trees_equal(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_trees_equal(a[k], b[k]) for k in a)
     return a == b
+
+
+def _input_at(args: tuple, origin: dict):
+    value = args[origin["position"]]
+    return value if origin["element"] is None else value[origin["element"]]
+
+
+def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str]) -> dict | None:
+    """The first input of the call that differed, where it came from, and when it went wrong.
+
+    Every call before the first divergent one matched the reference, so a
+    wrong input whose producer's output matched when produced (or whose state
+    tensor entered the step right) was corrupted *at rest*, in memory between
+    the write and this read. An input that was state which already differed
+    entering the step is the ``state`` evidence instead.
+    """
+    differing = [o for o in origins if case.suspect_args is not None
+                 and not _trees_equal(_input_at(case.args, o), _input_at(case.suspect_args, o))]
+    if not differing:
+        return None
+    first, site = differing[0], case.site
+    producer, state = first["producer"], first["state"]
+    reader = {"index": site.index, "op": site.op, "module": site.module, "phase": site.phase}
+    if producer:
+        at_rest = bool(producer["matched_reference"])
+    else:
+        at_rest = state is not None and state not in state_differs
+    element = "" if first["element"] is None else f"[{first['element']}]"
+    read = (f"call {site.index} ({site.op} under {site.module}, {site.phase}) read it wrong "
+            f"as input {first['position']}{element} ({first['name']})")
+    if producer:
+        how = "right" if producer["matched_reference"] else "wrong"
+        made = (f"call {producer['index']} ({producer['op']} under {producer['module']}, "
+                f"{producer['phase']}) produced it {how}")
+    else:
+        how = "right" if at_rest else "already wrong"
+        made = (f"it entered the step as {state}, {how}" if state
+                else "no operator call of the step wrote it (an input of the step?)")
+    summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
+    forensics = element_forensics(_input_at(case.args, first), _input_at(case.suspect_args, first))
+    return {
+        "at_rest": at_rest, "summary": summary,
+        "input": {key: first[key] for key in ("position", "element", "name")},
+        "producer": producer, "state": state, "reader": reader,
+        "inputs_differ": [o["name"] + ("" if o["element"] is None else f"[{o['element']}]")
+                          for o in differing],
+        "elements": {k: forensics.get(k)
+                     for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")},
+    }
 
 
 def _first_differing_output(case: OperatorCase) -> tuple[int, dict]:

@@ -503,24 +503,41 @@ def _mutated_inputs(func, args) -> dict[int, object]:
     return {position: args[position] for position in _written_positions(func) if position < len(args)}
 
 
+@dataclass
+class InputOrigin:
+    """Where a tensor input of a call came from: the last call that wrote its memory, or state."""
+
+    position: int  # argument position in the call
+    element: int | None  # position in a list argument (aten.cat's tensors); None for a tensor
+    name: str  # the argument's name in the operator's schema (self, mat2, other, ...)
+    producer: OperatorRecord | None  # the step's last call that wrote this memory
+    state: str | None  # else the state tensor (param:..., optimizer:...) whose memory it is
+
+
 class OperatorLog:
     """An OperatorMode observer: a digest of every operator's outputs, in order.
 
     Given the log of a reference device (``expected``), it compares as the
     step runs and keeps the inputs and outputs of the first divergent call
-    (inputs as they were *before* the call, even for in-place operators);
-    given ``watch``, it keeps those of that call index.
+    (inputs as they were *before* the call, even for in-place operators),
+    and where each input came from (``origins``: the call that last wrote
+    its memory, or the state tensor named in ``state_memory``, a storage
+    address -> name map); given ``watch``, it keeps those of that call index.
     """
 
-    def __init__(self, expected: list[OperatorRecord] | None = None, watch: int | None = None):
+    def __init__(self, expected: list[OperatorRecord] | None = None, watch: int | None = None,
+                 state_memory: dict[int, str] | None = None):
         self.records: list[OperatorRecord] = []
         self.expected = expected
         self.watch = watch
         self.structure_error: str | None = None
         self.divergent: OperatorRecord | None = None
         self.kept: tuple | None = None  # (args, kwargs, outputs), on the CPU
+        self.origins: list[InputOrigin] = []  # the divergent call's tensor inputs
         self.rng_before: dict | None = None  # the watched call's generator states
         self._written_before: dict[int, object] = {}
+        self._state_memory = state_memory or {}
+        self._writer: dict[int, OperatorRecord] = {}  # storage address -> last call that wrote it
 
     def before_call(self, site: CallSite, func, args, kwargs) -> None:
         self._written_before = {}
@@ -534,15 +551,43 @@ class OperatorLog:
             self._written_before = {i: _cpu_copy(value) for i, value in _mutated_inputs(func, args).items()}
 
     def on_call(self, site: CallSite, func, args, kwargs, out):
-        digests = [] if func.is_view else [tensor_digest(value) for value in operator_results(func, args, out)]
-        record = OperatorRecord(site, digests)
+        results = [] if func.is_view else operator_results(func, args, out)
+        record = OperatorRecord(site, [tensor_digest(value) for value in results])
         self.records.append(record)
         if self.kept is None and self.structure_error is None:
             if self.expected is not None:
                 self._compare(record, func, args, kwargs, out)
+                self._note_writes(record, results)
             elif site.index == self.watch:
                 self._keep(func, args, kwargs, out)
         return out
+
+    def _note_writes(self, record: OperatorRecord, results: list) -> None:
+        """Which call last wrote each memory block, so a wrong input can name its producer.
+
+        Views write nothing: a view's input is traced to the call that wrote
+        the memory it aliases.
+        """
+        for value in results:
+            if isinstance(value, torch.Tensor) and value.numel():
+                self._writer[memory_address(value)] = record
+
+    def _trace_inputs(self, func, args) -> list[InputOrigin]:
+        schema = getattr(func, "_schema", None)
+        names = [argument.name for argument in schema.arguments] if schema is not None else []
+        origins = []
+        for position, value in enumerate(args):
+            tensors = [(None, value)] if isinstance(value, torch.Tensor) else (
+                list(enumerate(value)) if isinstance(value, (list, tuple)) else [])
+            for element, tensor in tensors:
+                if not isinstance(tensor, torch.Tensor) or not tensor.numel():
+                    continue
+                memory = memory_address(tensor)
+                name = names[position] if position < len(names) else f"arg{position}"
+                state = None if memory in self._writer else self._state_memory.get(memory)
+                producer = self._writer.get(memory)
+                origins.append(InputOrigin(position, element, name, producer, state))
+        return origins
 
     def _compare(self, record: OperatorRecord, func, args, kwargs, out) -> None:
         index = record.site.index
@@ -553,6 +598,7 @@ class OperatorLog:
             return
         if record.digests != self.expected[index].digests:
             self.divergent = record
+            self.origins = self._trace_inputs(func, args)
             self._keep(func, args, kwargs, out)
 
     def _keep(self, func, args, kwargs, out) -> None:
@@ -560,6 +606,11 @@ class OperatorLog:
             inputs = [self._written_before[i] if i in self._written_before else _cpu_copy(value)
                       for i, value in enumerate(args)]
             self.kept = (tuple(inputs), _cpu_copy(kwargs), _cpu_copy(operator_results(func, args, out)))
+
+
+def memory_address(tensor: torch.Tensor) -> int:
+    """The address of the memory block a tensor lives in (shared by all its views)."""
+    return tensor.untyped_storage().data_ptr()
 
 
 def operator_results(func, args, out) -> list:

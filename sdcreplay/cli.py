@@ -347,6 +347,12 @@ def render_bisect(output: Output, report: dict) -> None:
                      ["max abs diff", str(elements.get("max_abs_diff"))]]
     elif report.get("entry"):
         rows.append(["first divergent entry", report["entry"]])
+    upstream = report.get("upstream")
+    if upstream:
+        changed = upstream["elements"]
+        rows.append(["upstream", f"{upstream['summary']}; {changed['count']} element(s) of it "
+                                 f"differ at {changed['positions'][:4]} "
+                                 f"(XOR {', '.join(changed['xor'][:4])})"])
     for state in report.get("state") or []:
         bits = ", ".join(f"bit {b}" for b in state["bits"]["histogram"])
         rows.append(["state entering step", f"{state['tensor']}: {state['count']} element(s) differ at {state['positions'][:4]} ({bits})"])

@@ -278,14 +278,30 @@ def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(position))
 
 
+def bits_only_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor over the same memory (same offset, shape and strides), outside autograd.
+
+    Writing through it changes the values and nothing else: the version
+    counter of ``tensor`` (shared with every view of it, and checked by
+    autograd for the tensors it saved) does not move, as a hardware defect
+    would not move it. A fault on a view therefore corrupts the memory the
+    view aliases, and a replay never dies of "modified by an inplace operation".
+    """
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return alias
+
+
 @torch.no_grad()
 def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | None] | None:
-    """Apply one fault to ``tensor`` in place; the flat elements touched and the bit.
+    """Apply one fault to the memory of ``tensor``; the flat elements touched and the bit.
 
-    Returns None (nothing fired) when the elements lie outside the tensor: a
-    defect tied to an output position cannot fire where the output is smaller.
+    The bits change, the metadata does not (see ``bits_only_alias``). Returns
+    None (nothing fired) when the elements lie outside the tensor: a defect
+    tied to an output position cannot fire where the output is smaller.
     """
     numel = tensor.numel()
+    tensor = bits_only_alias(tensor)
     first, second = spec.index, spec.index + spec.count
     needed = {"pairflip": second, "swap": second, "bias": spec.index + spec.count - 1}.get(spec.kind, first)
     if needed >= numel:

@@ -32,6 +32,7 @@ from sdcreplay.bisect import (
     element_forensics,
     run_oplog_task,
 )
+from sdcreplay.errors import SdcReplayError
 from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
@@ -47,6 +48,12 @@ MOE_GATHER = "kind=bitflip,op=aten.index_select,module=layers.1.moe,phase=forwar
 MEMFLIP = "kind=memflip,param=layers.0.mlp.w1.weight,step=1,index=7,bit=20,device=cpu:1"
 # seed=13: the draw of repeat 0 misses (p=0.2), a later repeat's hits.
 INTERMITTENT = "kind=bitflip,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,nth=0,index=2,bit=19,p=0.2,seed=13,device=cpu:1"
+# Memory corrupted at rest (a fault on a view corrupts the memory it aliases): the gradient of
+# layers.0.mlp.w2.weight after the backward mm made it, and RMSNorm's rsqrt before the mul reads it.
+AT_REST_BACKWARD = ("kind=bitflip,op=aten.detach,module=layers.0.mlp.w2,phase=backward,step=1,"
+                    "nth=0,index=3,bit=30,device=cpu:1")
+AT_REST_FORWARD = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,"
+                   "step=1,nth=0,index=5,bit=31,device=cpu:1")
 RECORDED = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"
 
 JSON_KEYS = {"schema", "verdict", "step", "phase", "module", "op", "op_index", "kernels", "isolated",
@@ -148,6 +155,10 @@ RUNS: dict[str, tuple[str, dict]] = {
     "moe_gather": ("moe_bundle", {"suspect": "cpu:1", "step": 1, "inject": [MOE_GATHER]}),
     "memflip": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "inject": [MEMFLIP]}),
     "intermittent": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "repeats": 20, "inject": [INTERMITTENT]}),
+    # No --step: the report's phase must agree with the first divergent signature entry.
+    "at_rest_backward": ("llama_bundle", {"suspect": "cpu:1", "inject": [AT_REST_BACKWARD]}),
+    "at_rest_forward": ("llama_bundle",
+                        {"suspect": "cpu:1", "step": 1, "inject": [AT_REST_FORWARD]}),
     "clean": ("llama_bundle", {"suspect": "cpu:1"}),
     "clean_recording_at_step": ("llama_bundle", {"step": 1}),
     "faulty_record_clean_suspect": ("faulty_bundle", {"suspect": "cpu:1"}),
@@ -331,6 +342,51 @@ def test_memflip_is_state_entering_the_step_and_upstream(runs, llama_bundle):
     assert report["isolated"] == "upstream"
     assert report["isolation"]["failures"] == 0
     assert report["inputs_match_reference"] is False
+    upstream = report["upstream"]  # entered the step wrong: the state's evidence, not "at rest"
+    assert (upstream["at_rest"], upstream["producer"]) == (False, None)
+    assert upstream["state"] == "param:layers.0.mlp.w1.weight"
+    assert (upstream["input"]["name"], upstream["elements"]["count"]) == ("mat2", 1)
+
+
+@pytest.mark.parametrize("case, producer_spec, producer, reader, first_input, element_bit", [
+    ("at_rest_backward",
+     "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0",
+     ("aten.mm.default", "layers.0.mlp.w2", "backward"),
+     ("aten.lerp_.Scalar", "layers.0.mlp.w2.weight", "optimizer"), (1, "end"), (3, 30)),
+    ("at_rest_forward", "kind=bitflip,op=aten.rsqrt,module=layers.1.ffn_norm,phase=forward,step=1",
+     ("aten.rsqrt.default", "layers.1.ffn_norm", "forward"),
+     ("aten.mul.Tensor", "layers.1.ffn_norm", "forward"), (1, "other"), (5, 31)),
+])
+def test_memory_corrupted_at_rest_names_the_producer_and_the_reader(
+        case, producer_spec, producer, reader, first_input, element_bit, runs, llama_bundle):
+    made = only_fired(llama_bundle, producer_spec)  # where the producing call runs, by the injector
+    fault = only_fired(llama_bundle, RUNS[case][1]["inject"][0])  # the view call that corrupted it
+    report = runs.get(case).to_json()  # no replay process died: bisect raises if one does
+    upstream = report["upstream"]
+    assert report["isolated"] == "upstream" and upstream["at_rest"] is True
+    assert upstream["producer"] == {"index": made["op_index"], "op": producer[0],
+                                    "module": producer[1], "phase": producer[2],
+                                    "matched_reference": True}
+    assert made["op_index"] < fault["op_index"] < report["op_index"]
+    seen_reader = upstream["reader"]
+    assert (seen_reader["op"], seen_reader["module"], seen_reader["phase"]) == reader
+    assert upstream["reader"]["index"] == report["site"]["index"] == report["op_index"]
+    assert (upstream["input"]["position"], upstream["input"]["name"]) == first_input
+    # The report's phase and module are the producer's: where the corruption is first seen.
+    assert (report["phase"], report["module"]) == (producer[2], producer[1])
+    index, bit = element_bit
+    changed = upstream["elements"]
+    assert (changed["indices"], changed["xor"]) == ([index], [f"{1 << bit:08x}"])
+    assert upstream["summary"].startswith("memory corrupted at rest: ")
+    assert f"call {made['op_index']} ({producer[0]}" in upstream["summary"]
+
+
+def test_at_rest_in_the_backward_agrees_with_the_first_divergent_entry(runs):
+    report = runs.get("at_rest_backward").to_json()
+    assert report["first_entry"] == {"step": 1, "phase": "backward",
+                                     "name": "grad:layers.0.mlp.w2.weight"}
+    assert report["phase"] == report["first_entry"]["phase"] == "backward"
+    assert report["site"]["phase"] == "optimizer"  # the reader, kept in the JSON
 
 
 def test_intermittent_fault_found_within_repeats(runs, llama_bundle):
@@ -404,7 +460,7 @@ def test_suspect_running_fewer_operators_is_a_structural_difference(structural_b
     suspect = run_oplog_task({**task, "device": "cpu:2", "expected": reference["oplog"], "repeats": 1})
     made = reference["operators"] - 1
     assert suspect == {"structure_error": f"operator call {made}: nothing here, aten.mul_.Tensor under <outside> "
-                                          "(forward) on the reference", "repeat": 0}
+                                          "(forward) on the reference", "repeat": 0, "steps_run": 1}
 
 
 def test_suspect_that_reproduces_the_reference_points_at_the_recording(runs):
@@ -597,3 +653,140 @@ def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundl
     assert OperatorCase.read(tmp_path / "rep" / "operator.h5").rng is not None
     ticket = minimize(tmp_path / "rep", inject=[spec], trials=20, out=tmp_path / "ticket").to_json()
     assert ticket["reproduced"] and ticket["reference_failures"] == 0
+
+
+def test_a_fault_on_a_view_the_backward_reads_never_kills_a_replay(tmp_path):
+    """The campaign's crash: the bitflip bumped the version counter of rsqrt's output, which
+    autograd saved, and killed cpu:1 ("output 0 of Rsqrt is at version 1"). Default size."""
+    spec = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,"
+            "nth=0,index=38,bit=31,device=cpu:1")
+    bundle = tmp_path / "default.bundle"
+    sdcreplay.record("builtin:tiny-llama", bundle, steps=2, seed=0)
+    report = sdcreplay.replay_devices(bundle, ["cpu:0", "cpu:1"], inject=[spec],
+                                      log_dir=tmp_path / "logs")
+    runs = {run.device: run for run in report.devices}
+    assert [run.error for run in report.devices] == [None, None]
+    assert (runs["cpu:0"].verdict, runs["cpu:1"].verdict) == ("match", "persistent")
+    [[fired]] = runs["cpu:1"].injected[0:1]
+    assert (fired["op"], fired["module"], fired["elements"], fired["bit"]) == (
+        "aten.detach.default", "layers.1.ffn_norm", [38], 31)
+    first = runs["cpu:1"].judgement.first_divergence
+    assert (first.step, first.name) == (1, "forward:layers.1.ffn_norm")
+
+
+def test_a_step_started_from_the_saved_entry_state_matches_the_window(llama_bundle, tmp_path):
+    """The reference replays steps 0-1 and saves the state entering step 2; a run loading it
+    (no window) makes every operator call of step 2 bit for bit as the reference did."""
+    task = {"bundle": str(llama_bundle), "step": 2, "inject": [], "work_dir": str(tmp_path)}
+    entry = tmp_path / "entry.h5"
+    reference = run_oplog_task({**task, "device": "cpu:0", "save_entry": str(entry)})
+    assert reference["steps_run"] == 3 and entry.is_file()
+    loaded = run_oplog_task({**task, "device": "cpu:1", "entry_state": str(entry),
+                             "expected": reference["oplog"], "repeats": 2})
+    assert loaded == {"divergent": False, "repeats_run": 2, "steps_run": 2}
+
+
+@pytest.mark.parametrize("case, steps", [
+    # --step 1 of 3: the reference replays step 0 and runs step 1; the suspect and fetch run 1 only
+    ("backward", {"replay": 0, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 4}),
+    # no --step: first both devices replay all 3 steps
+    ("optimizer", {"replay": 6, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 10}),
+])
+def test_only_the_reference_replays_the_window(case, steps, runs):
+    report = runs.get(case).to_json()
+    assert report["steps_run"] == steps
+    assert (Path(report["report"]) / "work" / "state-entering-step.h5").is_file()
+
+
+class FakeKernelProfile:
+    """A stand-in for torch.profiler on a CPU: the operators run under it become fake CUDA kernels.
+
+    Each operator call yields a host-side event (dropped) and two device-side
+    launches of the same kernel (named once), as the CUDA profiler reports them.
+    """
+
+    def __init__(self, device):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Seen(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Seen()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        return self.mode.__exit__(*exc_info)
+
+    def events(self):
+        from types import SimpleNamespace
+
+        def event(name, kind):
+            return SimpleNamespace(name=name, device_type=SimpleNamespace(name=kind))
+
+        return [e for op in self.ops for e in (event(op, "CPU"), event(f"sm90_gemm<{op}>", "CUDA"),
+                                               event(f"sm90_gemm<{op}>", "CUDA"))]
+
+
+def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bundle, monkeypatch):
+    from sdcreplay import bisect as bisect_module
+
+    monkeypatch.setattr(bisect_module, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
+    result = bisect_module.run_isolate_task({
+        "bundle": str(llama_bundle), "device": "cpu:1", "inject": [],
+        "case": str(forward_cli["out"] / OPERATOR_FILE), "runs": 1})
+    assert result["kernels"] == ["sm90_gemm<aten.mm.default>"]
+    assert (result["runs"], result["failures"]) == (1, 0)  # no fault here: alone, the call is right
+
+
+def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
+    """The event fields used (name, device_type.name) are torch's own: a real CPU profile has
+    host events only, so no kernel is named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sdcreplay.bisect import device_kernels
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+    events = prof.events()
+    assert "aten::mm" in [event.name for event in events]
+    assert {event.device_type.name for event in events} == {"CPU"}
+    assert device_kernels(events) == []
+
+
+HIDDEN_STATE_WORKLOAD = '''
+"""tiny-llama whose loss is scaled by how many steps this process ran: state outside the model."""
+from sdcreplay import Workload
+from sdcreplay.workloads.tiny_llama import make_workload
+
+CALLS = [0]
+
+
+def make(seed: int = 0) -> Workload:
+    base = make_workload(seed=seed, **KWARGS)
+
+    def loss_fn(model, batch):
+        CALLS[0] += 1
+        return base.loss_fn(model, batch) * CALLS[0]
+
+    return Workload(base.model, base.optimizer, base.get_batch, loss_fn)
+'''
+
+
+def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path):
+    """The later runs start from the saved model and optimizer state; a step that also depends on
+    something else cannot be bisected that way, and the reference's own re-run says so (exit 3)."""
+    source = tmp_path / "hidden.py"
+    source.write_text(textwrap.dedent(HIDDEN_STATE_WORKLOAD).replace("KWARGS", repr(LLAMA)))
+    bundle = tmp_path / "hidden.bundle"
+    sdcreplay.record(f"{source}:make", bundle, steps=2, seed=0)
+    refused = "does not reproduce its own step 1 from the state saved"
+    with pytest.raises(SdcReplayError, match=refused) as caught:
+        bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
+    assert "outside the model and optimizer" in caught.value.hint

@@ -352,6 +352,51 @@ def test_the_corruption_is_what_later_observers_and_the_module_see():
     assert torch.equal(spy.calls[1][1], clean.calls[1][1])  # enc ran before: untouched
 
 
+class VersionSpy(Spy):
+    """Also records the version counter of every tensor output, after the injector."""
+
+    def __init__(self):
+        super().__init__()
+        self.versions: list[int | None] = []
+
+    def on_call(self, site, func, args, kwargs, out):
+        self.versions.append(out._version if isinstance(out, torch.Tensor) else None)
+        return super().on_call(site, func, args, kwargs, out)
+
+
+@pytest.mark.parametrize("text, where", [
+    # views: the fault corrupts the memory they alias (a weight; a gradient's operand)
+    ("kind=bitflip,op=aten.t,module=enc2,phase=forward,index=5,bit=30", ("forward", "enc2")),
+    ("kind=bitflip,op=aten.t,module=head.1,phase=backward,nth=0,index=3,bit=31",
+     ("backward", "head.1")),
+    # relu's output, as autograd saved it for relu's backward; a gradient being accumulated
+    ("kind=bitflip,op=aten.detach,phase=forward,index=2,bit=30", ("forward", "<root>")),
+    ("kind=bitflip,op=aten.detach,module=head.1,phase=backward,index=3,bit=31",
+     ("backward", "head.1")),
+    # an output autograd saved for the backward, and an in-place update
+    ("kind=bitflip,op=aten.relu,phase=forward,index=2,bit=30", ("forward", "<root>")),
+    ("kind=bitflip,op=aten.add_,phase=optimizer,module=enc.weight,index=6,bit=29",
+     ("optimizer", "enc.weight")),
+])
+def test_a_fault_changes_bits_only_never_a_version_counter(text, where):
+    """A defect changes values, not metadata: autograd's saved-tensor checks never trip on it."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    spies = []
+    for specs in ([], [text]):
+        model, optimizer = _toy()
+        injector, spy = Injector([FaultSpec.parse(s) for s in specs], "cpu:0"), VersionSpy()
+        with OperatorMode(model, optimizer, [injector, spy], 0):
+            model(x).square().sum().backward()  # would raise "modified by an inplace operation"
+            optimizer.step()
+        spies.append(spy)
+    clean, spy = spies
+    (fired,) = injector.fired
+    assert (fired.phase, fired.module) == where
+    assert spy.versions == clean.versions
+    _, out = spy.calls[fired.op_index]
+    assert _xor(clean.calls[fired.op_index][1], out) == [(fired.elements[0], 1 << fired.bit)]
+
+
 @pytest.mark.parametrize("prefix, modules", [
     ("enc", ["enc"]),              # a path prefix, not a string prefix: enc2 is not under enc
     ("enc2", ["enc2"]),
