@@ -11,7 +11,12 @@ storage bytes in logical row-major order together with the dtype and shape:
   arithmetic. The sum is associative, so the value does not depend on the
   reduction order, the chunking or the device, and the tensor never leaves the
   device. Each word's mix is a bijection, so any change to a single word always
-  changes the digest.
+  changes the digest. Written in eager torch ops it is about fifteen passes over
+  the tensor; on a device the same function is compiled by ``torch.compile``
+  (Triton on a GPU, C++ on a CPU) into one memory-bound pass, compiled once per
+  process for every shape (``dynamic=True``). Where compiling fails (no compiler,
+  no Triton) or ``SDCREPLAY_DIGEST_COMPILE=0``, the eager definition runs: the
+  same value, more passes.
 
 The two algorithms give different values for the same tensor; a digest is only
 comparable with one made by the same algorithm (see :func:`algorithm_for`).
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import struct
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -39,6 +46,7 @@ __all__ = [
     "Digester",
     "algorithm_for",
     "mix64",
+    "one_pass_status",
     "tensor_digest",
 ]
 
@@ -50,6 +58,9 @@ EXACT_MAX_BYTES = 8
 
 DEFAULT_CHUNK_WORDS = 1 << 23
 """32-bit words mixed at a time: bounds mix64's temporaries to a few x 64 MiB."""
+
+ONE_PASS_SWITCH = "SDCREPLAY_DIGEST_COMPILE"
+"""Set to 0 to digest device tensors with the eager definition (no torch.compile)."""
 
 _MASK64 = (1 << 64) - 1
 _LOW_32_BITS = (1 << 32) - 1
@@ -86,22 +97,89 @@ def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
     return _hex(mix64(tensor).item())
 
 
-def mix64(t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS) -> torch.Tensor:
+def mix64(
+    t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS, one_pass: bool | None = None
+) -> torch.Tensor:
     """The device digest of ``t``, as a 0-dim int64 tensor on ``t.device``, computed there.
 
     ``sum_i fmix64(word_i ^ i * golden) + xxh3(dtype, shape, length)``, wrapping
     at 64 bits, over the bytes as little-endian 32-bit words (the tail
-    zero-padded). Words are mixed ``chunk_words`` at a time so the temporaries stay bounded;
-    the result does not depend on ``chunk_words``.
+    zero-padded). ``one_pass`` (default: on any device but the CPU, whose
+    digest is xxh3) runs the compiled single pass over the whole tensor; the
+    eager definition mixes ``chunk_words`` at a time so its temporaries stay
+    bounded. The result depends on neither.
     """
     tensor = _plain(t)
     data = _storage_bytes(tensor)
+    header = _wrap_int64(xxhash.xxh3_64_intdigest(_header(tensor, data.numel())))
+    return _word_sum(data, chunk_words=chunk_words, one_pass=one_pass).add_(header)
+
+
+def one_pass_status() -> str:
+    """``compiled``, ``not compiled yet``, or why device digests run the eager definition."""
+    if os.environ.get(ONE_PASS_SWITCH) == "0":
+        return f"eager ({ONE_PASS_SWITCH}=0)"
+    if _one_pass.failure is not None:
+        return f"eager (torch.compile failed: {_one_pass.failure})"
+    return "compiled" if _one_pass.compiled is not None else "not compiled yet"
+
+
+def _word_sum(data: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS,
+              one_pass: bool | None = None) -> torch.Tensor:
+    """mix64 without the header: the sum over the words of ``data`` (flat uint8), on its device."""
+    multiplier = _position_multiplier(data.device)
+    if data.device.type != "cpu" if one_pass is None else one_pass:
+        total = _one_pass(_as_words(data), multiplier)
+        if total is not None:
+            return total
     chunk_bytes = 4 * chunk_words
     total = torch.zeros((), dtype=torch.int64, device=data.device)
     for first_byte in range(0, data.numel(), chunk_bytes):
         words = _as_words(data[first_byte : first_byte + chunk_bytes])
-        total += _mixed_sum(words, first_index=first_byte // 4)
-    return total.add_(_wrap_int64(xxhash.xxh3_64_intdigest(_header(tensor, data.numel()))))
+        total += _mixed_sum(words, first_byte // 4, multiplier)
+    return total
+
+
+@functools.cache
+def _position_multiplier(device: torch.device) -> torch.Tensor:
+    """The golden-ratio multiplier as a 0-dim tensor on ``device`` (made once per device).
+
+    A tensor, not a constant, because Inductor folds ``arange * constant`` into
+    a vectorized arange whose 64-bit step it computes wrongly on the CPU.
+    """
+    return torch.tensor(_POSITION_MULTIPLIER, dtype=torch.int64, device=device)
+
+
+def _mixed_sum_from_zero(words: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+    return _mixed_sum(words, 0, multiplier)
+
+
+class _OnePass:
+    """``_mixed_sum`` compiled on first use; ``None`` (eager) after a compile failure."""
+
+    def __init__(self) -> None:
+        self.compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.failure: str | None = None
+
+    def __call__(self, words: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor | None:
+        if self.failure is not None or os.environ.get(ONE_PASS_SWITCH) == "0":
+            return None
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(_mixed_sum_from_zero, dynamic=True, fullgraph=True)
+            with torch.no_grad():  # one graph whatever the caller's grad mode
+                return self.compiled(words, multiplier)
+        except Exception as exc:  # noqa: BLE001 - any compile failure: the eager definition
+            self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            warnings.warn(
+                f"device digests run eager ({self.failure}); set {ONE_PASS_SWITCH}=0 to skip",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+
+
+_one_pass = _OnePass()
 
 
 class _Pending(NamedTuple):
@@ -147,8 +225,9 @@ class Digester:
         data = _storage_bytes(tensor)
         if data.numel() <= EXACT_MAX_BYTES:
             queued, render = _packed_exact(data), _exact_renderer(tensor.dtype, data.numel())
-        else:
-            queued, render = mix64(tensor), _hex
+        else:  # the header is added on the host: one launch per tensor, not two
+            header = xxhash.xxh3_64_intdigest(_header(tensor, data.numel()))
+            queued, render = _word_sum(data), functools.partial(_hex_plus, header)
         queue = self._queued.setdefault(tensor.device, [])
         queue.append(queued)
         return _Pending(tensor.device, len(queue) - 1, render)
@@ -239,12 +318,15 @@ def _as_words(chunk: torch.Tensor) -> torch.Tensor:
     return chunk.view(torch.int32)
 
 
-def _mixed_sum(words: torch.Tensor, first_index: int) -> torch.Tensor:
-    """Sum over words of fmix64(word ^ position * golden), all in wrapping int64."""
+def _mixed_sum(words: torch.Tensor, first_index: int, multiplier: torch.Tensor) -> torch.Tensor:
+    """Sum over words of fmix64(word ^ position * golden), all in wrapping int64.
+
+    The eager definition, and what ``torch.compile`` turns into one pass.
+    """
     mixed = torch.arange(
         first_index, first_index + words.numel(), dtype=torch.int64, device=words.device
     )
-    mixed.mul_(_POSITION_MULTIPLIER)
+    mixed.mul_(multiplier)
     mixed.bitwise_xor_(words.to(torch.int64).bitwise_and_(_LOW_32_BITS))
     _xor_shift_right_33_(mixed)
     mixed.mul_(_FMIX_MULTIPLIER_1)
@@ -274,6 +356,10 @@ def _exact(dtype: torch.dtype, raw: bytes) -> str:
     size = dtype.itemsize
     bits = "".join(raw[start : start + size][::-1].hex() for start in range(0, len(raw), size))
     return f"={_dtype_name(dtype)}:{bits}"
+
+
+def _hex_plus(header: int, word_sum: int) -> str:
+    return _hex(word_sum + header)
 
 
 def _hex(digest: int) -> str:

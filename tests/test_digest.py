@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import warnings
 
 import pytest
 import torch
@@ -10,14 +12,17 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sdcreplay import digest as digest_module
 from sdcreplay.digest import (
     CPU_ALGORITHM,
     DEVICE_ALGORITHM,
+    ONE_PASS_SWITCH,
     Digester,
     _exact_renderer,
     _packed_exact,
     algorithm_for,
     mix64,
+    one_pass_status,
     tensor_digest,
 )
 
@@ -41,7 +46,20 @@ def mix64_digest(tensor: torch.Tensor) -> str:
     return f"{int(mix64(tensor)) & MASK64:016x}"
 
 
-DIGESTS = {"xxh3": tensor_digest, "mix64": mix64_digest}
+def one_pass_digest(tensor: torch.Tensor) -> str:
+    """mix64 through torch.compile (Inductor's C++ here, Triton on a GPU), checked against eager.
+
+    Every test of the digest's properties runs through it, so the compiled pass
+    is held to the eager definition on every dtype and shape here. One graph
+    (``dynamic=True``) serves them all: the compile is paid once per session.
+    """
+    compiled = mix64(tensor, one_pass=True)
+    eager = mix64(tensor, one_pass=False, chunk_words=7)  # several chunks: positions carry over
+    assert int(compiled) == int(eager), (tensor.dtype, tuple(tensor.shape))
+    return f"{int(compiled) & MASK64:016x}"
+
+
+DIGESTS = {"xxh3": tensor_digest, "mix64": mix64_digest, "mix64 one pass": one_pass_digest}
 each_digest = pytest.mark.parametrize("digest", DIGESTS.values(), ids=DIGESTS.keys())
 
 
@@ -307,3 +325,67 @@ def test_digester_on_cuda_matches_tensor_digest_and_small_values_match_the_cpu()
     assert entries == {name: tensor_digest(value) for name, value in values.items()}
     assert entries["loss"] == tensor_digest(values["loss"].cpu()) == "=float32:40200000"
     assert entries["pair"] == "=int32:00000001fffffffe"
+
+
+def c_compiler_present() -> bool:
+    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64], ids=str)
+def test_one_pass_equals_the_eager_definition_on_large_and_unaligned_tensors(dtype):
+    tensor = random_tensor(dtype, numel=(1 << 16) + 3).view(-1)
+    # whole, starting off a word boundary, a partial last word, a short reshaped slice
+    for case in [tensor, tensor[1:], tensor[:-1].view(1, -1), tensor[5:].reshape(-1)[:999]]:
+        assert one_pass_digest(case) == mix64_digest(case)
+    short = tensor[3:40].view(1, 37)
+    assert one_pass_digest(short) == f"{reference_mix64(short):016x}"
+    if c_compiler_present():
+        assert one_pass_status() == "compiled"
+
+
+@pytest.fixture
+def fresh_one_pass(monkeypatch):
+    """A one-pass digest that has not been compiled yet (the session's compiled one is kept)."""
+    fresh = digest_module._OnePass()
+    monkeypatch.setattr(digest_module, "_one_pass", fresh)
+    return fresh
+
+
+def test_a_failed_compile_falls_back_to_the_eager_definition(fresh_one_pass, monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InductorError: no working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    tensor = random_tensor(torch.bfloat16, numel=101)
+    with pytest.warns(RuntimeWarning, match="device digests run eager"):
+        fallback = mix64(tensor, one_pass=True)
+    assert int(fallback) & MASK64 == reference_mix64(tensor)
+    assert one_pass_status() == "eager (torch.compile failed: RuntimeError: InductorError: no working C++ compiler found)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not on every tensor
+        assert int(mix64(tensor, one_pass=True)) == int(fallback)
+
+
+def test_the_switch_turns_the_one_pass_off(fresh_one_pass, monkeypatch):
+    monkeypatch.setenv(ONE_PASS_SWITCH, "0")
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled despite the switch"))
+    tensor = random_tensor(torch.float32, numel=50)
+    assert int(mix64(tensor, one_pass=True)) & MASK64 == reference_mix64(tensor)
+    assert one_pass_status() == f"eager ({ONE_PASS_SWITCH}=0)"
+
+
+@needs_cuda
+def test_digester_on_cuda_never_waits_for_the_device_until_entries():
+    tensors = [torch.randn(n, device="cuda") for n in (3, 1000, 1 << 20)]
+    digester = Digester()
+    digester.add("warm-up", torch.randn(17, device="cuda"))  # compiles outside the check
+    digester.entries()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for index, tensor in enumerate(tensors):
+            digester.add(f"t{index}", tensor)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eager = {f"t{i}": f"{int(mix64(t, one_pass=False)) & MASK64:016x}" for i, t in enumerate(tensors)}
+    assert dict(digester.entries()) == eager
+    assert one_pass_status() == "compiled"
