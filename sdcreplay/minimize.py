@@ -306,6 +306,7 @@ class Axis:
     name: str
     size: int
     members: tuple[tuple[int, int], ...]
+    output_dim: int | None = None  # the output dimension it cuts; None for a matrix product's inner one
 
 
 # packet -> (left operand, right operand, bias or None, right operand stored as [N, K])
@@ -347,7 +348,7 @@ def _aligned_axis(name: str, args: Sequence, out: torch.Tensor, dim: int) -> Axi
         if isinstance(arg, torch.Tensor) and dim - (out.dim() - arg.dim()) >= 0
         and arg.shape[dim - (out.dim() - arg.dim())] == size
     )
-    return Axis(name, size, members) if size > 1 and members else None
+    return Axis(name, size, members, dim) if size > 1 and members else None
 
 
 def _matrix_axes(args: Sequence, left: int, right: int, bias: int | None, right_is_nk: bool) -> tuple[list[Axis], str | None]:
@@ -370,9 +371,9 @@ def _matrix_axes(args: Sequence, left: int, right: int, bias: int | None, right_
     for dim in range(a.dim() - 2):
         right_dim = dim - (a.dim() - b.dim())
         members = [(left, dim)] + ([(right, right_dim)] if right_dim >= 0 and b.shape[right_dim] == a.shape[dim] else [])
-        axes.append(Axis(f"batch {dim}", a.shape[dim], with_bias(members, dim, a.shape[dim])))
-    axes.append(Axis("rows", rows, with_bias([(left, a.dim() - 2)], out_dims - 2, rows)))
-    axes.append(Axis("cols", cols, with_bias([(right, col_dim)], out_dims - 1, cols)))
+        axes.append(Axis(f"batch {dim}", a.shape[dim], with_bias(members, dim, a.shape[dim]), dim))
+    axes.append(Axis("rows", rows, with_bias([(left, a.dim() - 2)], out_dims - 2, rows), out_dims - 2))
+    axes.append(Axis("cols", cols, with_bias([(right, col_dim)], out_dims - 1, cols), out_dims - 1))
     axes.append(Axis("inner", a.shape[-1], ((left, a.dim() - 1), (right, inner_dim))))
     return [axis for axis in axes if axis.size > 1], None
 
@@ -580,7 +581,7 @@ def minimize(
     reproduced = measured.failures > 0
     bad_trials = bad_trials or default_bad_trials(measured.rate, trials)
     acceptance = Acceptance(suspect, checker, good_trials, bad_trials)
-    args, kwargs, shrink = shrink_inputs(case, op, acceptance if reproduced else None,
+    args, kwargs, shrink, cut = shrink_inputs(case, op, acceptance if reproduced else None,
                                          on_test=lambda tested, kept: progress("shrink", tested, None, kept))
     expected = checker.outputs(args, kwargs)
     minimal, data_dependent = None, None
@@ -617,6 +618,8 @@ def minimize(
         "minimal": minimal.to_json() if minimal else None,
         "data_dependent": data_dependent,
         "first_mismatch": _first_element(failure),
+        "coordinates": failing_element_coordinates(_first_element(failure), _first_element(measured.first_failure),
+                                                   cut, shrunk=minimal is not None),
         "bits": failure.get("bits") if failure else None,
         "pattern": failure.get("pattern") if failure else None,
         "kernels": kernels,
@@ -636,8 +639,8 @@ def minimize(
 
 
 def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
-                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict]:
-    """The smallest inputs that still meet the acceptance rule, and how the shrink went.
+                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict, list[tuple[Axis, tuple]]]:
+    """The smallest inputs that still meet the acceptance rule, how the shrink went, what each axis kept.
 
     Without an acceptance rule (nothing reproduced) the inputs stay whole. The
     inputs are always fresh copies in the originals' layout: what repro.py rebuilds.
@@ -653,10 +656,12 @@ def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
         if status == "shrunk" and shrinker.kept == 0:
             status = "already minimal"
     args, kwargs = shrinker.inputs(shrinker.best)
+    cut = list(zip(axes, shrinker.best, strict=True))
     return args, kwargs, {
         "status": status, "reason": reason, "tests": shrinker.tests,
-        "axes": {axis.name: [axis.size, len(kept)] for axis, kept in zip(axes, shrinker.best, strict=True)},
-    }
+        "axes": {axis.name: [axis.size, len(kept)] for axis, kept in cut},
+        "kept": {axis.name: list(kept) for axis, kept in cut if len(kept) < axis.size},
+    }, cut
 
 
 def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int) -> bool:
@@ -686,6 +691,61 @@ def _first_element(failure: dict | None) -> dict | None:
         "expected": failure["expected"][0], "actual": failure["actual"][0], "xor": failure["xor"][0],
         "count": failure["count"], "total": failure["total"], "dtype": failure["dtype"],
     }
+
+
+def failing_element_coordinates(minimal: dict | None, original: dict | None,
+                                cut: list[tuple[Axis, tuple]], shrunk: bool) -> dict | None:
+    """The failing element in the minimal inputs' coordinates, in the original's, and how they relate.
+
+    ``minimal`` is the first mismatch of a failing trial on the minimal inputs,
+    ``original`` of one on the original inputs (what bisect saw). An output
+    dimension an axis cut maps back through the indices it kept; one no axis
+    cut is the original's. A matrix product's inner dimension is in no output
+    position but changes every value that sums over it.
+    """
+    if not minimal or "position" not in minimal or not shrunk:
+        return None
+    original_first = {key: original[key] for key in ("output", "index", "position")} \
+        if original and "position" in original else None
+    result = {"minimal": {key: minimal[key] for key in ("output", "index", "position")},
+              "original": None, "original_first_mismatch": original_first}
+    by_dim = {axis.output_dim: (axis, kept) for axis, kept in cut if axis.output_dim is not None}
+    inner = [(axis, kept) for axis, kept in cut if axis.output_dim is None and len(kept) < axis.size]
+    position = minimal["position"]
+    if len(position) < max(by_dim, default=-1) + 1:
+        result["why"] = ("the failing output does not have the dimensions the shrink cut, "
+                         "so its element has no place in the original output")
+        return result
+    mapped = [by_dim[dim][1][index] if dim in by_dim else index for dim, index in enumerate(position)]
+    result["original"] = {"output": minimal["output"], "position": mapped}
+    kept = "; ".join(f"{axis.name} {_indices(kept)} of {axis.size}" for axis, kept in cut if len(kept) < axis.size)
+    said = [f"the minimal inputs keep {kept or 'every index'}, so element {position} of the minimal output "
+            f"is element {mapped} of the original output"]
+    if inner:
+        said.append("computed from " + ", ".join(f"{len(kept)} of {axis.size} {axis.name} terms"
+                                                 for axis, kept in inner) + ", so its value differs from the original's")
+    if original_first is not None:
+        same = original_first["position"] == mapped and original_first["output"] == minimal["output"]
+        said.append("the same element the original inputs fail at first" if same else
+                    f"the original inputs fail first at element {original_first['position']}: "
+                    + _why_elsewhere(minimal, original_first))
+    result["why"] = "; ".join(said)
+    return result
+
+
+def _why_elsewhere(minimal: dict, original: dict) -> str:
+    """Why a shrunk call fails at another element than the original call did."""
+    same_index = minimal["index"] == original["index"] and minimal["output"] == original["output"]
+    where = (f"both are flat index {minimal['index']} of their output, so the corruption follows "
+             "the position in the output's memory, not the data" if same_index else
+             "the corruption is tied to where an element is computed (a lane, a tile, a memory address), "
+             "and a smaller shape puts other elements there")
+    return f"{where}; the minimal inputs still fail, which is what the reproducer needs"
+
+
+def _indices(kept: tuple) -> str:
+    shown = ", ".join(map(str, kept[:8]))
+    return f"[{shown}{', ...' if len(kept) > 8 else ''}]"
 
 
 def _command_line(report_dir: Path, device, reference, trials, good_trials, bad_trials, inject, out) -> str:

@@ -160,6 +160,7 @@ def ticket_document(result: dict, report: dict) -> dict:
         "acceptance": result["acceptance"],
         "data_dependent": result["data_dependent"],
         "first_mismatch": result["first_mismatch"],
+        "coordinates": result.get("coordinates"),
         "bits": result["bits"],
         "pattern": result["pattern"],
         "bisect": {key: report.get(key) for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")},
@@ -233,13 +234,29 @@ def render_markdown(doc: dict) -> str:
     if first and "index" in first:
         lines += [f"| first mismatch | output {first['output']}, element {first['index']} at {first['position']} "
                   f"of {first['count']} wrong in {first['total']}: expected {first['expected']}, actual {first['actual']}, "
-                  f"XOR mask 0x{first['xor']} |",
+                  f"XOR mask 0x{first['xor']}"
+                  + (" (in the minimal inputs)" if doc.get("coordinates") else "") + " |",
+                  *_coordinate_lines(doc.get("coordinates")),
                   f"| pattern | {doc['pattern']} |",
                   f"| flipped bits | {', '.join(f'bit {b}: {n}' for b, n in (doc['bits'] or {}).get('histogram', {}).items())} |"]
     lines += _health_lines(nvml.get("health"))
     lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
     lines += _return_process_lines(device)
     return "\n".join(lines)
+
+
+def _coordinate_lines(coordinates: dict | None) -> list[str]:
+    """The failing element in the original inputs' coordinates, and why it is another one."""
+    if not coordinates:
+        return []
+    original = coordinates["original"]
+    first = coordinates["original_first_mismatch"]
+    where = f"element {original['position']}" if original else "no place"
+    lines = [f"| in the original output | {where}: {coordinates['why']} |"]
+    if first:
+        lines.append(f"| original inputs' first mismatch | output {first['output']}, element {first['index']} "
+                     f"at {first['position']} |")
+    return lines
 
 
 def _health_lines(health: dict | None) -> list[str]:

@@ -278,3 +278,23 @@ def test_accelerator_verdicts_stay_on_the_device_until_one_fetch():
              _device_flag([expected.clone(), 4], wanted), _device_flag([expected[:2].clone(), 3], wanted)]
     assert isinstance(flags[0], torch.Tensor) and isinstance(flags[1], torch.Tensor)
     assert _fetch(flags) == [False, True, True, True]
+
+
+def test_ticket_names_the_failing_element_in_both_coordinates(sticky_result, wq_call: OperatorCase):
+    """The fault flips flat element 5 of whatever output the call makes: [0, 5] of the original
+    [16, 32] output, and [0, 5] of the minimal [1, 6] one, which is another element of the original."""
+    data = sticky_result.to_json()
+    kept = data["shrink"]["kept"]
+    (row,), columns, inner = kept["rows"], kept["cols"], kept["inner"]
+    coordinates = data["coordinates"]
+    assert coordinates["minimal"] == {"output": 0, "index": 5, "position": [0, 5]}
+    assert coordinates["original"] == {"output": 0, "position": [row, columns[5]]}
+    assert coordinates["original_first_mismatch"] == {"output": 0, "index": 5, "position": [0, 5]}
+    # the mapping is true of the data: the minimal inputs are those rows, columns and inner terms
+    a, b = OperatorCase.read(Path(data["ticket"]) / "inputs.h5").args
+    left, right = wq_call.args
+    assert torch.equal(a, left[[row]][:, inner]) and torch.equal(b, right[inner][:, columns])
+    why = coordinates["why"]
+    assert f"element [0, 5] of the minimal output is element [{row}, {columns[5]}] of the original output" in why
+    assert f"computed from {len(inner)} of 32 inner terms" in why
+    assert "the original inputs fail first at element [0, 5]" in why and "both are flat index 5" in why

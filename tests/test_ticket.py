@@ -113,6 +113,9 @@ def test_ticket_json_and_markdown_say_what_a_vendor_needs(ticket: Path):
     markdown = (ticket / "ticket.md").read_text()
     assert f"failed {TRIALS} of {TRIALS} trials" in markdown.splitlines()[0]
     assert "**Drill:**" in markdown and "python repro.py --device cpu:1 --trials 1000" in markdown and "XOR mask 0x00400000" in markdown
+    original = doc["coordinates"]["original"]["position"]
+    assert f"| in the original output | element {original}: the minimal inputs keep rows [" in markdown
+    assert "| original inputs' first mismatch | output 0, element 5 at [0, 5] |" in markdown
 
 
 def test_inputs_keep_dtype_shape_and_strides(tmp_path: Path):
