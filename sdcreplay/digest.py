@@ -86,7 +86,7 @@ def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
     """The signature entry of one value; synchronous (a device tensor's digest is fetched)."""
     if not isinstance(value, torch.Tensor):
         return _scalar_digest(value)
-    if value.device.type == "cpu" and _plain_in_memory(value) and value.numel() * value.element_size() > EXACT_MAX_BYTES:
+    if value.is_cpu and value.nbytes > EXACT_MAX_BYTES and _plain_in_memory(value):
         return _hex(_xxh3_in_place(value))
     tensor = _plain(value)
     data = _storage_bytes(tensor)
@@ -209,7 +209,7 @@ class Digester:
             return
         # The same tensor is often captured twice in a step (a container returns its
         # last child's output; a gradient reaches both branches of a residual): hash it once.
-        key = (value._version, value.dtype, tuple(value.shape), value.stride(), value.storage_offset())
+        key = (value._version, value.dtype, value.shape, value.stride(), value.storage_offset())
         seen = self._seen.get(id(value))
         if seen is not None and seen[0]() is value and seen[1] == key:
             self._entries.append((name, seen[2]))
@@ -219,7 +219,7 @@ class Digester:
         self._entries.append((name, digest))
 
     def _digest(self, value: torch.Tensor) -> str | _Pending:
-        if value.device.type == "cpu":
+        if value.is_cpu:
             return tensor_digest(value)
         tensor = _plain(value)
         data = _storage_bytes(tensor)
@@ -289,8 +289,10 @@ def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
 
 
 def _plain_in_memory(tensor: torch.Tensor) -> bool:
-    """Its memory already holds the logical values in row-major order."""
-    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    """Its memory already holds the logical values in row-major order (a real tensor is never conj)."""
+    return tensor.is_contiguous() and not tensor.is_neg() and not (
+        tensor.dtype.is_complex and tensor.is_conj()
+    )
 
 
 def _xxh3_in_place(tensor: torch.Tensor) -> int:
@@ -299,15 +301,19 @@ def _xxh3_in_place(tensor: torch.Tensor) -> int:
     Same value as ``_xxh3``: the header is hashed into a state that is copied,
     then the tensor's memory is read where it lies.
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    hasher = _header_hasher(tensor.dtype, tuple(tensor.shape), nbytes).copy()
-    hasher.update((ctypes.c_char * nbytes).from_address(tensor.data_ptr()))
+    header, memory = _in_place_reader(tensor.dtype, tensor.shape, tensor.nbytes)
+    hasher = header.copy()
+    hasher.update(memory.from_address(tensor.data_ptr()))
     return hasher.intdigest()
 
 
 @functools.lru_cache(maxsize=4096)
-def _header_hasher(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> xxhash.xxh3_64:
-    return xxhash.xxh3_64(f"{_dtype_name(dtype)}:{'x'.join(map(str, shape))}:{nbytes}".encode())
+def _in_place_reader(
+    dtype: torch.dtype, shape: torch.Size, nbytes: int
+) -> tuple[xxhash.xxh3_64, type[ctypes.Array]]:
+    """The hashed header and the ctypes array type of one layout (a model has a few dozen)."""
+    header = xxhash.xxh3_64(f"{_dtype_name(dtype)}:{'x'.join(map(str, shape))}:{nbytes}".encode())
+    return header, ctypes.c_char * nbytes
 
 
 def _as_words(chunk: torch.Tensor) -> torch.Tensor:
