@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from . import determinism, ticket
 from .bisect import REPORT_FILE, element_forensics, kernel_names
@@ -37,6 +36,7 @@ from .bundle import Bundle
 from .capture import CallSite, operator_results
 from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
+from .digest import tensor_digest
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
 from .operator_case import (
@@ -148,10 +148,11 @@ class Measurement:
 class TrialRunner:
     """Runs one operator call again and again on one device label; counts outputs that differ.
 
-    Inputs are placed on the device once per measurement (cloned per trial
-    only when the operator writes to them). Each output is compared with the
-    expected one where it lies, over the raw bits: on a CPU by an xxh3 digest
-    (one pass over the bytes, several times faster than ``torch.equal``), on
+    Inputs are placed on the device once per measurement, used as they are
+    when already there (cloned per trial only when the operator writes to
+    them). Each output is compared with the expected one where it lies, over
+    the raw bits: on a CPU by its xxh3 digest read where it lies (one pass over
+    the bytes, several times faster than ``torch.equal``), on
     an accelerator word by word into a flag that stays on the device and is
     fetched once per block of trials, so the loop never waits for the device.
     Only a failing trial's outputs are copied back.
@@ -163,6 +164,8 @@ class TrialRunner:
         self.device = torch_device(label)
         self.specs = list(specs)
         self.mutates = op._schema.is_mutable
+        # an output that is a view of an input would carry an injected flip back into the case
+        self.views_inputs = any(value.alias_info is not None for value in op._schema.returns)
         self._salts = itertools.count()  # a fresh random stream for each block of trials
 
     def _injector(self) -> Injector | None:
@@ -178,15 +181,22 @@ class TrialRunner:
             injector.on_isolated_call(self.site, self.prior, out)
         return operator_results(self.op, args, out)
 
+    def _placed(self, args: Sequence, kwargs: dict) -> tuple[list, dict]:
+        """The inputs on the device; no copy of inputs already there that no trial can write."""
+        tree = (list(args), kwargs)
+        on_device = [not self.views_inputs]
+        map_tensors(tree, lambda t: on_device.append(t.device == self.device))
+        return tree if all(on_device) else place(tree, self.device)
+
     def outputs(self, args: Sequence, kwargs: dict) -> list:
         """One run's outputs, on the CPU: the expected outputs of a candidate on the reference."""
-        placed_args, placed_kwargs = place((list(args), kwargs), self.device)
+        placed_args, placed_kwargs = self._placed(args, kwargs)
         return to_cpu(self._call(placed_args, placed_kwargs, self._injector()))
 
     def measure(self, args: Sequence, kwargs: dict, expected: Sequence, trials: int, *,
                 stop_at_first_failure: bool = False,
                 progress: Callable[[int, int, int], None] | None = None) -> Measurement:
-        placed_args, placed_kwargs = place((list(args), kwargs), self.device)
+        placed_args, placed_kwargs = self._placed(args, kwargs)
         wanted = self._expectation(expected)
         injector = self._injector()
         block = 1 if self.device.type == "cpu" else _block_size(expected)
@@ -210,28 +220,16 @@ class TrialRunner:
         return Measurement(self.label, done, failures, first_trial, described, first_outputs, seconds)
 
     def _expectation(self, expected: Sequence) -> list:
-        """What each trial's outputs are compared with: fingerprints on a CPU, raw words elsewhere."""
+        """What each trial's outputs are compared with: digests on a CPU, raw words elsewhere."""
         if self.device.type == "cpu":
-            return [fingerprint(value) for value in expected]
+            return [tensor_digest(value) for value in expected]
         return [raw_bits(e) if isinstance(e, torch.Tensor) else e for e in place(list(expected), self.device)]
 
     def _verdicts(self, pending: list, wanted: list) -> list[bool]:
         """Which trials of a block failed; an accelerator's flags come back in one copy (one sync)."""
         if self.device.type == "cpu":
-            return [[fingerprint(value) for value in results] != wanted for results in pending]
+            return [[tensor_digest(value) for value in results] != wanted for results in pending]
         return _fetch([_device_flag(results, wanted) for results in pending])
-
-
-def fingerprint(value: Any) -> Any:
-    """A CPU output as (dtype, shape, xxh3-64 of its raw bytes); other values as themselves.
-
-    The digest module's algorithm without its signature-entry formatting,
-    which would cost more than a small operator: about 4 us for a 4x4 output
-    and 19 us for 256 KiB, where ``torch.equal`` takes 6 and 130.
-    """
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.dtype, value.shape, xxhash.xxh3_64_intdigest(raw_bits(value.contiguous()).numpy())
 
 
 def _device_flag(results: list, wanted: list) -> bool | torch.Tensor:
