@@ -149,8 +149,8 @@ class TrialRunner:
     """Runs one operator call again and again on one device label; counts outputs that differ.
 
     Inputs are placed on the device once per measurement, used as they are
-    when already there (cloned per trial only when the operator writes to
-    them). Each output is compared with the expected one where it lies, over
+    when already there (cloned per trial only when the call can write to
+    them: in place, ``out=``, or through an output that is a view of one). Each output is compared with the expected one where it lies, over
     the raw bits: on a CPU by its xxh3 digest read where it lies (one pass over
     the bytes, several times faster than ``torch.equal``), on
     an accelerator word by word into a flag that stays on the device and is
@@ -163,9 +163,10 @@ class TrialRunner:
         self.rng = rng  # a random operator draws the numbers it drew in the step, every trial
         self.device = torch_device(label)
         self.specs = list(specs)
-        self.mutates = op._schema.is_mutable
-        # an output that is a view of an input would carry an injected flip back into the case
-        self.views_inputs = any(value.alias_info is not None for value in op._schema.returns)
+        # Inputs the call can write (in place, out=, or through an output that views them, which
+        # an injected flip writes) are cloned for every trial, so each trial starts from the case.
+        self.writes_inputs = op._schema.is_mutable or any(
+            value.alias_info is not None for value in op._schema.returns)
         self._salts = itertools.count()  # a fresh random stream for each block of trials
 
     def _injector(self) -> Injector | None:
@@ -173,7 +174,7 @@ class TrialRunner:
         return injector if injector.has_operator_faults else None
 
     def _call(self, args: list, kwargs: dict, injector: Injector | None) -> list:
-        if self.mutates:
+        if self.writes_inputs:
             args, kwargs = map_tensors((args, kwargs), torch.clone)
         restore_operator_rng(self.rng, self.device)
         out = self.op(*args, **kwargs)
@@ -182,9 +183,9 @@ class TrialRunner:
         return operator_results(self.op, args, out)
 
     def _placed(self, args: Sequence, kwargs: dict) -> tuple[list, dict]:
-        """The inputs on the device; no copy of inputs already there that no trial can write."""
+        """The inputs on the device; no copy of inputs already there (a trial never writes them)."""
         tree = (list(args), kwargs)
-        on_device = [not self.views_inputs]
+        on_device = []
         map_tensors(tree, lambda t: on_device.append(t.device == self.device))
         return tree if all(on_device) else place(tree, self.device)
 

@@ -21,7 +21,7 @@ from conftest import SMALL
 from sdcreplay import build_workload
 from sdcreplay.bisect import REPORT_FILE
 from sdcreplay.bisect import SCHEMA as BISECT_SCHEMA
-from sdcreplay.capture import OperatorLog, OperatorMode
+from sdcreplay.capture import CallSite, OperatorLog, OperatorMode
 from sdcreplay.errors import DeterminismError
 from sdcreplay.faults import Injector, parse_specs
 from sdcreplay.minimize import (
@@ -35,6 +35,7 @@ from sdcreplay.minimize import (
     wilson_interval,
 )
 from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, resolve_op
+from sdcreplay.tensorio import raw_bits
 
 MODULE = "layers.0.attn.wq"
 STICKY = f"kind=bitflip,op=aten.mm,module={MODULE},phase=forward,step=1,index=5,bit=22,device=cpu:1"
@@ -298,3 +299,18 @@ def test_ticket_names_the_failing_element_in_both_coordinates(sticky_result, wq_
     assert f"element [0, 5] of the minimal output is element [{row}, {columns[5]}] of the original output" in why
     assert f"computed from {len(inner)} of 32 inner terms" in why
     assert "the original inputs fail first at element [0, 5]" in why and "both are flat index 5" in why
+
+
+def test_trials_of_a_view_operator_never_write_the_case_inputs():
+    """An output that is a view of an input is flipped in place by the injector: every trial must
+    start from a fresh copy, or a flip would reach the case and the next trial would flip it back."""
+    op = resolve_op("aten.t.default")
+    site = CallSite(1, "forward", MODULE, "aten.t.default", 0)
+    spec = f"kind=bitflip,op=aten.t,module={MODULE},phase=forward,step=1,index=2,bit=3,device=cpu:1"
+    matrix = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    original = matrix.clone()
+    runner = TrialRunner(op, site, Counter(), "cpu:1", parse_specs([spec], include_env=False))
+    assert runner.writes_inputs
+    measured = runner.measure([matrix], {}, [original.t()], 5)
+    assert measured.failures == 5
+    assert torch.equal(raw_bits(matrix), raw_bits(original))
