@@ -37,6 +37,7 @@ from sdcreplay import determinism
 from sdcreplay import recorder as recorder_module
 from sdcreplay.capture import SignatureCapture
 from sdcreplay.recorder import Recorder
+from sdcreplay.tensorio import map_tensors
 from sdcreplay.workload import build_workload
 
 
@@ -53,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--depth", type=int, default=None, help="Recorder max_depth (default: every module)")
     parser.add_argument("--profile", action="store_true", help="cProfile the recorded steps and print the top functions")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (each timed step ends in a sync)")
     return parser.parse_args()
 
 
@@ -63,8 +65,11 @@ class Bench:
             "batch_size": args.batch_size, "seed": 0,
         }
         self.workload = build_workload("builtin:tiny-llama", self.kwargs)
+        device = torch.device(args.device)
+        self.workload.model.to(device)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.depth = args.depth
-        self.batches = [self.workload.get_batch(i) for i in range(8)]
+        self.batches = [map_tensors(self.workload.get_batch(i), lambda t: t.to(device)) for i in range(8)]
         self.scratch = scratch
         self.recordings = 0
         self.step_index = 0
@@ -83,6 +88,7 @@ class Bench:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            self.sync()
             times.append((time.perf_counter() - start, time.process_time() - cpu))
         return times
 
@@ -102,6 +108,7 @@ class Bench:
                 loss.backward()
             optimizer.step()  # the recorder writes the step from this hook
             optimizer.zero_grad()
+            self.sync()
             times.append((time.perf_counter() - start, time.process_time() - cpu))
             if profiler is not None:
                 profiler.disable()
