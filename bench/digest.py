@@ -64,7 +64,9 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    ours_name = args.digest if args.digest != "auto" else "tensor_digest" if device.type == "cpu" else "mix64"
+    ours_name = args.digest
+    if ours_name == "auto":
+        ours_name = "tensor_digest" if device.type == "cpu" else "mix64"
     digest = DIGESTS[ours_name]
     started = time.perf_counter()
     digest(torch.ones(1024, device=device))

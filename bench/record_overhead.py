@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--depth", type=int, default=None, help="Recorder max_depth (default: every module)")
     parser.add_argument("--profile", action="store_true", help="cProfile the recorded steps and print the top functions")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (each timed step ends in a sync)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (steps end in a sync)")
     return parser.parse_args()
 
 
@@ -69,7 +69,8 @@ class Bench:
         self.workload.model.to(device)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.depth = args.depth
-        self.batches = [map_tensors(self.workload.get_batch(i), lambda t: t.to(device)) for i in range(8)]
+        self.batches = [map_tensors(self.workload.get_batch(i), lambda t: t.to(device))
+                        for i in range(8)]
         self.scratch = scratch
         self.recordings = 0
         self.step_index = 0

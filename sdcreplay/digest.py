@@ -128,7 +128,9 @@ def _word_sum(data: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS,
               one_pass: bool | None = None) -> torch.Tensor:
     """mix64 without the header: the sum over the words of ``data`` (flat uint8), on its device."""
     multiplier = _position_multiplier(data.device)
-    if data.device.type != "cpu" if one_pass is None else one_pass:
+    if one_pass is None:
+        one_pass = data.device.type != "cpu"
+    if one_pass:
         total = _one_pass(_as_words(data), multiplier)
         if total is not None:
             return total
@@ -278,8 +280,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _header(tensor: torch.Tensor, nbytes: int) -> bytes:
     """What the bytes alone do not say: same bytes as another dtype or shape is another tensor."""
-    shape = "x".join(str(size) for size in tensor.shape)
-    return f"{_dtype_name(tensor.dtype)}:{shape}:{nbytes}".encode()
+    return _header_of(tensor.dtype, tensor.shape, nbytes)
+
+
+def _header_of(dtype: torch.dtype, shape: torch.Size, nbytes: int) -> bytes:
+    return f"{_dtype_name(dtype)}:{'x'.join(map(str, shape))}:{nbytes}".encode()
 
 
 def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
@@ -289,7 +294,7 @@ def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
 
 
 def _plain_in_memory(tensor: torch.Tensor) -> bool:
-    """Its memory already holds the logical values in row-major order (a real tensor is never conj)."""
+    """Its memory holds the logical values in row-major order (a real tensor is never conj)."""
     return tensor.is_contiguous() and not tensor.is_neg() and not (
         tensor.dtype.is_complex and tensor.is_conj()
     )
@@ -312,8 +317,7 @@ def _in_place_reader(
     dtype: torch.dtype, shape: torch.Size, nbytes: int
 ) -> tuple[xxhash.xxh3_64, type[ctypes.Array]]:
     """The hashed header and the ctypes array type of one layout (a model has a few dozen)."""
-    header = xxhash.xxh3_64(f"{_dtype_name(dtype)}:{'x'.join(map(str, shape))}:{nbytes}".encode())
-    return header, ctypes.c_char * nbytes
+    return xxhash.xxh3_64(_header_of(dtype, shape, nbytes)), ctypes.c_char * nbytes
 
 
 def _as_words(chunk: torch.Tensor) -> torch.Tensor:

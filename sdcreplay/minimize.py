@@ -150,11 +150,12 @@ class TrialRunner:
 
     Inputs are placed on the device once per measurement, used as they are
     when already there (cloned per trial only when the call can write to
-    them: in place, ``out=``, or through an output that is a view of one). Each output is compared with the expected one where it lies, over
-    the raw bits: on a CPU by its xxh3 digest read where it lies (one pass over
-    the bytes, several times faster than ``torch.equal``), on
-    an accelerator word by word into a flag that stays on the device and is
-    fetched once per block of trials, so the loop never waits for the device.
+    them: in place, ``out=``, or through an output that is a view of one).
+    Each output is compared with the expected one where it lies, over the raw
+    bits: on a CPU by its xxh3 digest read where it lies (one pass over the
+    bytes, several times faster than ``torch.equal``), on an accelerator word
+    by word into a flag that stays on the device and is fetched once per block
+    of trials, so the loop never waits for the device.
     Only a failing trial's outputs are copied back.
     """
 
@@ -305,7 +306,7 @@ class Axis:
     name: str
     size: int
     members: tuple[tuple[int, int], ...]
-    output_dim: int | None = None  # the output dimension it cuts; None for a matrix product's inner one
+    output_dim: int | None = None  # the output dimension it cuts (None: a matrix product's inner)
 
 
 # packet -> (left operand, right operand, bias or None, right operand stored as [N, K])
@@ -371,7 +372,8 @@ def _matrix_axes(args: Sequence, left: int, right: int, bias: int | None, right_
         right_dim = dim - (a.dim() - b.dim())
         members = [(left, dim)] + ([(right, right_dim)] if right_dim >= 0 and b.shape[right_dim] == a.shape[dim] else [])
         axes.append(Axis(f"batch {dim}", a.shape[dim], with_bias(members, dim, a.shape[dim]), dim))
-    axes.append(Axis("rows", rows, with_bias([(left, a.dim() - 2)], out_dims - 2, rows), out_dims - 2))
+    row_members = with_bias([(left, a.dim() - 2)], out_dims - 2, rows)
+    axes.append(Axis("rows", rows, row_members, out_dims - 2))
     axes.append(Axis("cols", cols, with_bias([(right, col_dim)], out_dims - 1, cols), out_dims - 1))
     axes.append(Axis("inner", a.shape[-1], ((left, a.dim() - 1), (right, inner_dim))))
     return [axis for axis in axes if axis.size > 1], None
@@ -617,8 +619,9 @@ def minimize(
         "minimal": minimal.to_json() if minimal else None,
         "data_dependent": data_dependent,
         "first_mismatch": _first_element(failure),
-        "coordinates": failing_element_coordinates(_first_element(failure), _first_element(measured.first_failure),
-                                                   cut, shrunk=minimal is not None),
+        "coordinates": failing_element_coordinates(
+            _first_element(failure), _first_element(measured.first_failure), cut,
+            shrunk=minimal is not None),
         "bits": failure.get("bits") if failure else None,
         "pattern": failure.get("pattern") if failure else None,
         "kernels": kernels,
@@ -637,9 +640,13 @@ def minimize(
     return MinimizeResult(data)
 
 
+Cut = list[tuple[Axis, tuple]]
+"""Each shrink axis with the original indices it kept."""
+
+
 def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
-                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict, list[tuple[Axis, tuple]]]:
-    """The smallest inputs that still meet the acceptance rule, how the shrink went, what each axis kept.
+                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict, Cut]:
+    """The smallest inputs that still meet the acceptance rule, how the shrink went, the cut.
 
     Without an acceptance rule (nothing reproduced) the inputs stay whole. The
     inputs are always fresh copies in the originals' layout: what repro.py rebuilds.
@@ -692,9 +699,9 @@ def _first_element(failure: dict | None) -> dict | None:
     }
 
 
-def failing_element_coordinates(minimal: dict | None, original: dict | None,
-                                cut: list[tuple[Axis, tuple]], shrunk: bool) -> dict | None:
-    """The failing element in the minimal inputs' coordinates, in the original's, and how they relate.
+def failing_element_coordinates(minimal: dict | None, original: dict | None, cut: Cut,
+                                shrunk: bool) -> dict | None:
+    """The failing element in the minimal inputs' coordinates, in the original's, how they relate.
 
     ``minimal`` is the first mismatch of a failing trial on the minimal inputs,
     ``original`` of one on the original inputs (what bisect saw). An output
@@ -704,30 +711,32 @@ def failing_element_coordinates(minimal: dict | None, original: dict | None,
     """
     if not minimal or "position" not in minimal or not shrunk:
         return None
-    original_first = {key: original[key] for key in ("output", "index", "position")} \
-        if original and "position" in original else None
+    first = None
+    if original and "position" in original:
+        first = {key: original[key] for key in ("output", "index", "position")}
     result = {"minimal": {key: minimal[key] for key in ("output", "index", "position")},
-              "original": None, "original_first_mismatch": original_first}
-    by_dim = {axis.output_dim: (axis, kept) for axis, kept in cut if axis.output_dim is not None}
-    inner = [(axis, kept) for axis, kept in cut if axis.output_dim is None and len(kept) < axis.size]
+              "original": None, "original_first_mismatch": first}
+    by_dim = {axis.output_dim: kept for axis, kept in cut if axis.output_dim is not None}
     position = minimal["position"]
-    if len(position) < max(by_dim, default=-1) + 1:
+    if len(position) <= max(by_dim, default=-1):
         result["why"] = ("the failing output does not have the dimensions the shrink cut, "
                          "so its element has no place in the original output")
         return result
-    mapped = [by_dim[dim][1][index] if dim in by_dim else index for dim, index in enumerate(position)]
+    mapped = [by_dim[dim][index] if dim in by_dim else index for dim, index in enumerate(position)]
     result["original"] = {"output": minimal["output"], "position": mapped}
-    kept = "; ".join(f"{axis.name} {_indices(kept)} of {axis.size}" for axis, kept in cut if len(kept) < axis.size)
-    said = [f"the minimal inputs keep {kept or 'every index'}, so element {position} of the minimal output "
-            f"is element {mapped} of the original output"]
+    cuts = [(axis, kept) for axis, kept in cut if len(kept) < axis.size]
+    kept = "; ".join(f"{axis.name} {_indices(kept)} of {axis.size}" for axis, kept in cuts)
+    said = [f"the minimal inputs keep {kept or 'every index'}, so element {position} of the "
+            f"minimal output is element {mapped} of the original output"]
+    inner = [f"{len(kept)} of {axis.size} {axis.name} terms" for axis, kept in cuts
+             if axis.output_dim is None]
     if inner:
-        said.append("computed from " + ", ".join(f"{len(kept)} of {axis.size} {axis.name} terms"
-                                                 for axis, kept in inner) + ", so its value differs from the original's")
-    if original_first is not None:
-        same = original_first["position"] == mapped and original_first["output"] == minimal["output"]
+        said.append(f"computed from {', '.join(inner)}, so its value differs from the original's")
+    if first is not None:
+        same = first["position"] == mapped and first["output"] == minimal["output"]
         said.append("the same element the original inputs fail at first" if same else
-                    f"the original inputs fail first at element {original_first['position']}: "
-                    + _why_elsewhere(minimal, original_first))
+                    f"the original inputs fail first at element {first['position']}: "
+                    + _why_elsewhere(minimal, first))
     result["why"] = "; ".join(said)
     return result
 
@@ -737,7 +746,7 @@ def _why_elsewhere(minimal: dict, original: dict) -> str:
     same_index = minimal["index"] == original["index"] and minimal["output"] == original["output"]
     where = (f"both are flat index {minimal['index']} of their output, so the corruption follows "
              "the position in the output's memory, not the data" if same_index else
-             "the corruption is tied to where an element is computed (a lane, a tile, a memory address), "
+             "the corruption is tied to where an element is computed (a lane, a tile, an address), "
              "and a smaller shape puts other elements there")
     return f"{where}; the minimal inputs still fail, which is what the reproducer needs"
 

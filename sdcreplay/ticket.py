@@ -58,7 +58,7 @@ NVML_IDENTITY = ("name", "uuid", "serial", "board_part_number", "vbios", "inforo
 
 
 def nvml_identity(uuid: str) -> dict:
-    """NVML's view of the GPU with this UUID (found by UUID, so CUDA_VISIBLE_DEVICES cannot mislead).
+    """NVML's view of the GPU with this UUID (by UUID: CUDA_VISIBLE_DEVICES cannot mislead it).
 
     ``identity`` names the board; ``health`` is its state now: ECC counts
     (volatile since the driver loaded, aggregate over its life), retired pages,
@@ -68,8 +68,8 @@ def nvml_identity(uuid: str) -> dict:
     try:
         import pynvml
     except ImportError:
-        return {"available": False,
-                "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') for serial, VBIOS and ECC counters"}
+        return {"available": False, "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
+                                            "for serial, VBIOS and ECC counters"}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
@@ -84,9 +84,10 @@ def nvml_identity(uuid: str) -> dict:
             except pynvml.NVMLError as exc:  # not supported on this board, or no permission
                 return f"unavailable ({exc})"
 
+        identity = {key: ask(partial(query, handle))
+                    for key, query in _identity_queries(pynvml).items()}
         return {"available": True, "driver": ask(pynvml.nvmlSystemGetDriverVersion),
-                "identity": {key: ask(partial(query, handle)) for key, query in _identity_queries(pynvml).items()},
-                "health": _health(pynvml, handle, ask)}
+                "identity": identity, "health": _health(pynvml, handle, ask)}
     except pynvml.NVMLError as exc:
         return {"available": False, "note": f"NVML: {exc}"}
     finally:
@@ -95,8 +96,11 @@ def nvml_identity(uuid: str) -> dict:
 
 def _identity_queries(nvml) -> dict[str, Callable]:
     return {
-        "name": nvml.nvmlDeviceGetName, "uuid": nvml.nvmlDeviceGetUUID, "serial": nvml.nvmlDeviceGetSerial,
-        "board_part_number": nvml.nvmlDeviceGetBoardPartNumber, "vbios": nvml.nvmlDeviceGetVbiosVersion,
+        "name": nvml.nvmlDeviceGetName,
+        "uuid": nvml.nvmlDeviceGetUUID,
+        "serial": nvml.nvmlDeviceGetSerial,
+        "board_part_number": nvml.nvmlDeviceGetBoardPartNumber,
+        "vbios": nvml.nvmlDeviceGetVbiosVersion,
         "inforom": nvml.nvmlDeviceGetInforomImageVersion,
         "pci_bus_id": lambda h: nvml.nvmlDeviceGetPciInfo(h).busId,
     }
@@ -104,26 +108,26 @@ def _identity_queries(nvml) -> dict[str, Callable]:
 
 def _health(nvml, handle, ask: Callable[[Callable[[], Any]], Any]) -> dict:
     """ECC, retired pages, remapped rows, clocks, temperature and power of one GPU, now."""
-    ecc = {
-        f"{when}_{kind}": ask(partial(nvml.nvmlDeviceGetTotalEccErrors, handle, error, counter))
-        for when, counter in (("volatile", nvml.NVML_VOLATILE_ECC), ("aggregate", nvml.NVML_AGGREGATE_ECC))
-        for kind, error in (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                            ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
-    }
-    retired = {
-        cause: ask(lambda c=code: len(nvml.nvmlDeviceGetRetiredPages(handle, c)))
-        for cause, code in (("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-                            ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
-    }
+    counters = (("volatile", nvml.NVML_VOLATILE_ECC), ("aggregate", nvml.NVML_AGGREGATE_ECC))
+    errors = (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+              ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
+    ecc = {f"{when}_{kind}": ask(partial(nvml.nvmlDeviceGetTotalEccErrors, handle, error, counter))
+           for when, counter in counters for kind, error in errors}
+    causes = (("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+              ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
+    retired = {cause: ask(lambda c=code: len(nvml.nvmlDeviceGetRetiredPages(handle, c)))
+               for cause, code in causes}
     retired["pending"] = ask(lambda: bool(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)))
     rows = ask(lambda: dict(zip(("correctable", "uncorrectable", "pending", "failure"),
                                 nvml.nvmlDeviceGetRemappedRows(handle), strict=True)))
+    clock_codes = (("graphics", nvml.NVML_CLOCK_GRAPHICS), ("sm", nvml.NVML_CLOCK_SM),
+                   ("memory", nvml.NVML_CLOCK_MEM))
     clocks = {clock: ask(partial(nvml.nvmlDeviceGetClockInfo, handle, code))
-              for clock, code in (("graphics", nvml.NVML_CLOCK_GRAPHICS), ("sm", nvml.NVML_CLOCK_SM),
-                                  ("memory", nvml.NVML_CLOCK_MEM))}
+              for clock, code in clock_codes}
     return {
         "ecc": ecc, "retired_pages": retired, "remapped_rows": rows, "clocks_mhz": clocks,
-        "temperature_c": ask(partial(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)),
+        "temperature_c": ask(
+            partial(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)),
         "power_w": ask(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
         "power_limit_w": ask(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000),
     }
@@ -254,8 +258,8 @@ def _coordinate_lines(coordinates: dict | None) -> list[str]:
     where = f"element {original['position']}" if original else "no place"
     lines = [f"| in the original output | {where}: {coordinates['why']} |"]
     if first:
-        lines.append(f"| original inputs' first mismatch | output {first['output']}, element {first['index']} "
-                     f"at {first['position']} |")
+        lines.append(f"| original inputs' first mismatch | output {first['output']}, "
+                     f"element {first['index']} at {first['position']} |")
     return lines
 
 
@@ -269,7 +273,8 @@ def _health_lines(health: dict | None) -> list[str]:
         shown = ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in values.items()) \
             if isinstance(values, dict) else values
         lines.append(f"| {group.replace('_', ' ')} | {shown} |")
-    lines += [f"| {key.replace('_', ' ')} | {health[key]} |" for key in ("temperature_c", "power_w", "power_limit_w")]
+    lines += [f"| {key.replace('_', ' ')} | {health[key]} |"
+              for key in ("temperature_c", "power_w", "power_limit_w")]
     return lines
 
 
@@ -281,17 +286,20 @@ def _return_process_lines(device: dict) -> list[str]:
                 "`grep microcode /proc/cpuinfo`) and the machine's serial (`dmidecode -t system`), "
                 "and the output of the vendor's own CPU diagnostic.", ""]
     identity = (device.get("nvml") or {}).get("identity") or {}
-    board = ", ".join(f"{key.replace('_', ' ')} {identity[key]}" for key in ("serial", "board_part_number")
-                      if key in identity)
+    board = ", ".join(f"{key.replace('_', ' ')} {identity[key]}"
+                      for key in ("serial", "board_part_number") if key in identity)
     return ["## For the vendor's return process", "",
-            f"A GPU return (RMA) asks for the board's identity ({board or 'serial and part number from NVML'}) "
-            "and evidence besides this directory:", "",
-            "- the output of `sudo nvidia-bug-report.sh` run on this host (`nvidia-bug-report.log.gz`);",
-            "- the log of NVIDIA's field diagnostic (`fieldiag`, from the vendor's enterprise support) "
-            "for this serial, or where it is not at hand `dcgmi diag -r 3`;",
+            "A GPU return (RMA) asks for the board's identity "
+            f"({board or 'serial and part number from NVML'}) and evidence besides this directory:",
+            "",
+            "- the output of `sudo nvidia-bug-report.sh` run on this host "
+            "(`nvidia-bug-report.log.gz`);",
+            "- the log of NVIDIA's field diagnostic (`fieldiag`, from the vendor's enterprise "
+            "support) for this serial, or where it is not at hand `dcgmi diag -r 3`;",
             "- `nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER,CLOCK,TEMPERATURE,POWER` "
             "(the health above, as the vendor's tools print it);",
-            "- this directory: `repro.py` and `inputs.h5` reproduce the failure on the board alone.", ""]
+            "- this directory: `repro.py` and `inputs.h5` reproduce the failure on the board "
+            "alone.", ""]
 
 
 def _dependence(data_dependent: bool | None) -> str:

@@ -335,7 +335,9 @@ def c_compiler_present() -> bool:
     return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64], ids=str
+)
 def test_one_pass_equals_the_eager_definition_on_large_and_unaligned_tensors(dtype):
     tensor = random_tensor(dtype, numel=(1 << 16) + 3).view(-1)
     # whole, starting off a word boundary, a partial last word, a short reshaped slice
@@ -364,7 +366,9 @@ def test_a_failed_compile_falls_back_to_the_eager_definition(fresh_one_pass, mon
     with pytest.warns(RuntimeWarning, match="device digests run eager"):
         fallback = mix64(tensor, one_pass=True)
     assert int(fallback) & MASK64 == reference_mix64(tensor)
-    assert one_pass_status() == "eager (torch.compile failed: RuntimeError: InductorError: no working C++ compiler found)"
+    assert one_pass_status() == (
+        "eager (torch.compile failed: RuntimeError: InductorError: no working C++ compiler found)"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, not on every tensor
         assert int(mix64(tensor, one_pass=True)) == int(fallback)
@@ -372,7 +376,7 @@ def test_a_failed_compile_falls_back_to_the_eager_definition(fresh_one_pass, mon
 
 def test_the_switch_turns_the_one_pass_off(fresh_one_pass, monkeypatch):
     monkeypatch.setenv(ONE_PASS_SWITCH, "0")
-    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled despite the switch"))
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled despite it"))
     tensor = random_tensor(torch.float32, numel=50)
     assert int(mix64(tensor, one_pass=True)) & MASK64 == reference_mix64(tensor)
     assert one_pass_status() == f"eager ({ONE_PASS_SWITCH}=0)"
@@ -390,7 +394,8 @@ def test_digester_on_cuda_never_waits_for_the_device_until_entries():
             digester.add(f"t{index}", tensor)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    eager = {f"t{i}": f"{int(mix64(t, one_pass=False)) & MASK64:016x}" for i, t in enumerate(tensors)}
+    eager = {f"t{i}": f"{int(mix64(t, one_pass=False)) & MASK64:016x}"
+             for i, t in enumerate(tensors)}
     assert dict(digester.entries()) == eager
     assert one_pass_status() == "compiled"
 
@@ -400,8 +405,8 @@ def test_gpu_check_runs_its_cpu_parts_and_says_so(tmp_path):
     """`make gpu-check` on a machine without a GPU (here in --quick mode: the smallest sizes)."""
     script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
     env = {**os.environ, "OUT": str(tmp_path)}
-    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                          text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     table = (tmp_path / "gpu-check" / "table.md").read_text()
     assert table in done.stdout and "no GPU: the CPU-checkable parts ran on the CPU" in table

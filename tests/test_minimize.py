@@ -282,8 +282,9 @@ def test_accelerator_verdicts_stay_on_the_device_until_one_fetch():
 
 
 def test_ticket_names_the_failing_element_in_both_coordinates(sticky_result, wq_call: OperatorCase):
-    """The fault flips flat element 5 of whatever output the call makes: [0, 5] of the original
-    [16, 32] output, and [0, 5] of the minimal [1, 6] one, which is another element of the original."""
+    """The fault flips flat element 5 of whatever output the call makes: [0, 5] of the
+    original [16, 32] output, and [0, 5] of the minimal [1, 6] one, which is another
+    element of the original."""
     data = sticky_result.to_json()
     kept = data["shrink"]["kept"]
     (row,), columns, inner = kept["rows"], kept["cols"], kept["inner"]
@@ -296,14 +297,17 @@ def test_ticket_names_the_failing_element_in_both_coordinates(sticky_result, wq_
     left, right = wq_call.args
     assert torch.equal(a, left[[row]][:, inner]) and torch.equal(b, right[inner][:, columns])
     why = coordinates["why"]
-    assert f"element [0, 5] of the minimal output is element [{row}, {columns[5]}] of the original output" in why
+    assert (f"element [0, 5] of the minimal output is element [{row}, {columns[5]}] "
+            "of the original output") in why
     assert f"computed from {len(inner)} of 32 inner terms" in why
-    assert "the original inputs fail first at element [0, 5]" in why and "both are flat index 5" in why
+    assert "the original inputs fail first at element [0, 5]" in why
+    assert "both are flat index 5" in why
 
 
 def test_trials_of_a_view_operator_never_write_the_case_inputs():
-    """An output that is a view of an input is flipped in place by the injector: every trial must
-    start from a fresh copy, or a flip would reach the case and the next trial would flip it back."""
+    """An output that is a view of an input is flipped in place by the injector: every trial
+    must start from a fresh copy, or a flip would reach the case and the next trial would flip
+    it back."""
     op = resolve_op("aten.t.default")
     site = CallSite(1, "forward", MODULE, "aten.t.default", 0)
     spec = f"kind=bitflip,op=aten.t,module={MODULE},phase=forward,step=1,index=2,bit=3,device=cpu:1"

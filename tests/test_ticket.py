@@ -114,7 +114,8 @@ def test_ticket_json_and_markdown_say_what_a_vendor_needs(ticket: Path):
     assert f"failed {TRIALS} of {TRIALS} trials" in markdown.splitlines()[0]
     assert "**Drill:**" in markdown and "python repro.py --device cpu:1 --trials 1000" in markdown and "XOR mask 0x00400000" in markdown
     original = doc["coordinates"]["original"]["position"]
-    assert f"| in the original output | element {original}: the minimal inputs keep rows [" in markdown
+    assert f"| in the original output | element {original}: the minimal inputs keep rows [" \
+        in markdown
     assert "| original inputs' first mismatch | output 0, element 5 at [0, 5] |" in markdown
 
 
@@ -164,7 +165,8 @@ def test_gpu_identity_from_nvml():
     assert identity["type"] == "cuda" and identity["uuid"]
     nvml = identity["nvml"]
     if nvml["available"]:
-        assert nvml["identity"]["uuid"].removeprefix("GPU-") == identity["uuid"].removeprefix("GPU-")
+        uuid = identity["uuid"].removeprefix("GPU-")
+        assert nvml["identity"]["uuid"].removeprefix("GPU-") == uuid
         assert nvml["driver"] and "serial" in nvml["identity"]
         assert "volatile_uncorrected" in nvml["health"]["ecc"]
 
@@ -177,7 +179,8 @@ class FakeNvml(types.ModuleType):
 
     NVML_VOLATILE_ECC, NVML_AGGREGATE_ECC = 0, 1
     NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
-    NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 0, 1
+    NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = 0
+    NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1
     NVML_CLOCK_GRAPHICS, NVML_CLOCK_SM, NVML_CLOCK_MEM = 0, 1, 2
     NVML_TEMPERATURE_GPU = 0
     UUID = "GPU-5b0c2a7e-0000-4000-8000-000000000001"
@@ -225,7 +228,8 @@ class FakeNvml(types.ModuleType):
         return {(0, 0): 3, (1, 0): 0, (0, 1): 118, (1, 1): 2}[(error, counter)]
 
     def nvmlDeviceGetRetiredPages(self, handle, cause):
-        return [0x1F000, 0x2A000] if cause == self.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR else []
+        double_bit = cause == self.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+        return [0x1F000, 0x2A000] if double_bit else []
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle):
         return 1
@@ -267,7 +271,8 @@ def test_nvml_identity_and_health_with_unsupported_fields(ticket: Path, monkeypa
     assert fake.open == 0
 
     doc = json.loads((ticket / "ticket.json").read_text())
-    doc["device"] = {"label": "cuda:0", "type": "cuda", "name": "NVIDIA A100-SXM4-80GB", "nvml": nvml}
+    doc["device"] = {"label": "cuda:0", "type": "cuda", "name": "NVIDIA A100-SXM4-80GB",
+                     "nvml": nvml}
     markdown = render_markdown(doc)
     for row in ["| serial | 1564720004631 |", "| board part number | 692-2G506-0212-002 |",
                 "| inforom | unavailable (Not Supported) |", "| pci bus id | 00000000:07:00.0 |",
@@ -275,14 +280,17 @@ def test_nvml_identity_and_health_with_unsupported_fields(ticket: Path, monkeypa
                 "| ecc | volatile corrected 3, volatile uncorrected 0, aggregate corrected 118, "
                 "aggregate uncorrected 2 |",
                 "| retired pages | single bit ecc 0, double bit ecc 2, pending True |",
-                "| remapped rows | unavailable (Insufficient Permissions) |", "| power w | 312.5 |"]:
+                "| remapped rows | unavailable (Insufficient Permissions) |",
+                "| power w | 312.5 |"]:
         assert row in markdown.splitlines(), row
     assert "## For the vendor's return process" in markdown and "nvidia-bug-report.sh" in markdown
-    assert "fieldiag" in markdown and "serial 1564720004631, board part number 692-2G506-0212-002" in markdown
+    assert "fieldiag" in markdown
+    assert "serial 1564720004631, board part number 692-2G506-0212-002" in markdown
 
 
 def test_without_nvidia_ml_py_the_ticket_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     assert nvml_identity("x") == {
         "available": False,
-        "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') for serial, VBIOS and ECC counters"}
+        "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
+                "for serial, VBIOS and ECC counters"}
