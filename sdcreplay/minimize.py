@@ -214,6 +214,10 @@ class TrialRunner:
                     if first_trial is None:
                         first_trial, first_outputs = done + offset + 1, to_cpu(pending[offset])
             done += len(pending)
+            # Free this block's outputs before the next call allocates its own: the allocator
+            # then hands that call the same, cache-warm memory, as in a bare loop (two outputs
+            # alive at once made glibc give a 256 KiB matmul output back and fault it in again).
+            del pending
             if progress is not None and (time.perf_counter() - reported >= PROGRESS_SECONDS or done == trials):
                 progress(done, trials, failures)
                 reported = time.perf_counter()
