@@ -138,6 +138,14 @@ def table_rows(output: str, first_cell: str) -> list[list[str]]:
     return rows
 
 
+def table_part(
+    part: str, code: int, rows: list[list[str]], shown: Callable[[list[str]], str]
+) -> Row:
+    """A part whose figures are rows of a bench script's table: ok when it exited 0 with rows."""
+    figures = "; ".join(shown(cells) for cells in rows)
+    return Row(part, "ok" if code == 0 and rows else "failed", figures or "no table")
+
+
 def digest_vs_hash_tensor(settings: Settings) -> Row:
     sizes = "1,16,64,256" if settings.gpu else "1" if settings.quick else "1,16"
     device = "cuda" if settings.gpu else "cpu"
@@ -156,11 +164,11 @@ def digest_vs_hash_tensor(settings: Settings) -> Row:
         90,
     )
     rows = table_rows(output, "float32") + table_rows(output, "bfloat16")
-    figures = "; ".join(f"{cells[0]} {cells[1]} MiB ours/hash_tensor {cells[4]}" for cells in rows)
-    return Row(
+    return table_part(
         f"digest vs torch.hash_tensor ({device})",
-        "ok" if code == 0 and rows else "failed",
-        figures or "no table",
+        code,
+        rows,
+        lambda cells: f"{cells[0]} {cells[1]} MiB ours/hash_tensor {cells[4]}",
     )
 
 
@@ -265,11 +273,11 @@ def minimize_throughput(settings: Settings) -> Row:
         150,
     )
     rows = table_rows(output, "mm") + table_rows(output, "rms_norm")
-    figures = "; ".join(f"{cells[0]}: {cells[2]} trials/s, x{cells[4]} of bare" for cells in rows)
-    return Row(
+    return table_part(
         f"minimize trials/s ({settings.device})",
-        "ok" if code == 0 and rows else "failed",
-        figures or "no table",
+        code,
+        rows,
+        lambda cells: f"{cells[0]}: {cells[2]} trials/s, x{cells[4]} of bare",
     )
 
 
