@@ -157,20 +157,31 @@ def _mixed_sum_from_zero(words: torch.Tensor, multiplier: torch.Tensor) -> torch
 
 
 class _OnePass:
-    """``_mixed_sum`` compiled on first use; ``None`` (eager) after a compile failure."""
+    """``_mixed_sum`` compiled on first use; ``None`` (eager) after a compile failure.
+
+    ``torch.compile`` cannot trace inside a dispatch mode's handler (bisect's
+    operator capture digests every call there), but a graph compiled before
+    runs there: until it has run once on a device type, calls from a handler
+    get the eager definition, and its failure would not say compiling is broken.
+    """
 
     def __init__(self) -> None:
         self.compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.failure: str | None = None
+        self.ready: set[str] = set()  # device types it has run on
 
     def __call__(self, words: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor | None:
         if self.failure is not None or os.environ.get(ONE_PASS_SWITCH) == "0":
+            return None
+        if words.device.type not in self.ready and _in_dispatch_handler():
             return None
         try:
             if self.compiled is None:
                 self.compiled = torch.compile(_mixed_sum_from_zero, dynamic=True, fullgraph=True)
             with torch.no_grad():  # one graph whatever the caller's grad mode
-                return self.compiled(words, multiplier)
+                total = self.compiled(words, multiplier)
+            self.ready.add(words.device.type)
+            return total
         except Exception as exc:  # noqa: BLE001 - any compile failure: the eager definition
             self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
             warnings.warn(
@@ -182,6 +193,11 @@ class _OnePass:
 
 
 _one_pass = _OnePass()
+
+
+def _in_dispatch_handler() -> bool:
+    """Running inside a ``TorchDispatchMode.__torch_dispatch__`` (it excludes this key)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.PythonTLSSnapshot)
 
 
 class _Pending(NamedTuple):

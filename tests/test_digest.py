@@ -15,6 +15,7 @@ import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdcreplay import digest as digest_module
 from sdcreplay.digest import (
@@ -417,3 +418,30 @@ def test_gpu_check_runs_its_cpu_parts_and_says_so(tmp_path):
     assert "ours/hash_tensor" in table and "of the plain step" in table and "of bare" in table
     assert {path.name for path in (tmp_path / "gpu-check").iterdir()} >= {
         "table.md", "digest.log", "capture-factor.log", "minimize-throughput.log"}
+
+
+def test_one_pass_inside_a_dispatch_handler_waits_for_a_graph_compiled_outside(fresh_one_pass):
+    """bisect's operator capture digests in a dispatch mode's handler, where torch.compile
+    cannot trace: there the eager definition runs, with no warning, until a graph exists."""
+    results = []
+
+    class Digesting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            results.append((mix64(out, one_pass=True), fresh_one_pass.ready.copy()))
+            return out
+
+    tensor = random_tensor(torch.float32, numel=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Digesting():
+            torch.neg(tensor)
+        assert one_pass_status() == "not compiled yet" and results[0][1] == set()
+        outside = mix64(tensor, one_pass=True)  # compiles (or reuses the session's graph)
+        with Digesting():
+            torch.neg(tensor)
+    if c_compiler_present():
+        assert one_pass_status() == "compiled" and results[1][1] == {"cpu"}
+    expected = int(mix64(-tensor, one_pass=False))
+    assert [int(total) for total, _ in results] == [expected, expected]
+    assert int(outside) == int(mix64(tensor, one_pass=False))
