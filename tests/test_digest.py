@@ -387,9 +387,10 @@ def test_the_switch_turns_the_one_pass_off(fresh_one_pass, monkeypatch):
 def test_digester_on_cuda_never_waits_for_the_device_until_entries():
     tensors = [torch.randn(n, device="cuda") for n in (3, 1000, 1 << 20)]
     digester = Digester()
-    digester.add("warm-up", torch.randn(17, device="cuda"))  # compiles outside the check
+    for tensor in tensors:  # a first step: compiles, and Triton may time its configs per size
+        digester.add("warm-up", tensor.clone())
     digester.entries()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error")  # every later step: no sync until entries()
     try:
         for index, tensor in enumerate(tensors):
             digester.add(f"t{index}", tensor)
