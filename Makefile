@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdcreplay-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo traces bench lint clean
+.PHONY: setup test demo traces bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,14 @@ bench: $(STAMP)
 	$(PY) bench/digest.py
 	$(PY) bench/record_overhead.py
 
+# On a machine with one GPU: the gpu-marked tests, the benchmarks on cuda:0 and an end-to-end
+# record/replay/bisect, in at most 8 minutes; one table (and logs) under $$OUT/gpu-check or
+# ./gpu-check. Without a GPU it runs the parts a CPU can check, says so, and exits 0.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
+
 lint: $(STAMP)
 	$(PY) -m ruff check sdcreplay tests bench examples
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) demo-out .pytest_cache gpu-check

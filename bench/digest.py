@@ -1,8 +1,11 @@
 """Time sdcreplay's tensor digest against torch.hash_tensor on the same tensors.
 
-On the CPU ours is ``tensor_digest`` (xxh3-64); on CUDA it is ``mix64``. The
-two timings are interleaved in one run (best of --repeats each), so a noisy
-machine slows both alike. Run from the repository root:
+On the CPU ours is ``tensor_digest`` (xxh3-64); on CUDA it is ``mix64`` in one
+compiled pass. ``--digest mix64`` or ``mix64-eager`` times the device digest
+itself (compiled, or its eager definition) on any device, the CPU included.
+The two timings are interleaved in one run (best of --repeats each), so a
+noisy machine slows both alike; the first call (the compile) is timed apart.
+Run from the repository root:
 
     PYTHONPATH=. python bench/digest.py --device cpu
 """
@@ -16,7 +19,7 @@ from functools import partial
 
 import torch
 
-from sdcreplay.digest import mix64, tensor_digest
+from sdcreplay.digest import mix64, one_pass_status, tensor_digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -30,7 +33,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timings of each; the best counts")
     parser.add_argument("--device", default="cpu", choices=devices, help="where the tensors live")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
+    parser.add_argument("--digest", default="auto", choices=["auto", *DIGESTS],
+                        help="auto: what a recording on --device uses")
     return parser.parse_args()
+
+
+DIGESTS: dict[str, Callable[[torch.Tensor], object]] = {
+    "tensor_digest": tensor_digest,
+    "mix64": partial(mix64, one_pass=True),
+    "mix64-eager": partial(mix64, one_pass=False),
+}
 
 
 def best_times_ms(
@@ -52,9 +64,15 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    digest = tensor_digest if device.type == "cpu" else mix64
-    ours_name = digest.__name__
-    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
+    ours_name = args.digest
+    if ours_name == "auto":
+        ours_name = "tensor_digest" if device.type == "cpu" else "mix64"
+    digest = DIGESTS[ours_name]
+    started = time.perf_counter()
+    digest(torch.ones(1024, device=device))
+    sync()
+    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
+          f"first call {time.perf_counter() - started:.1f} s ({one_pass_status()})")
     print(
         f"| dtype | MiB | {ours_name} ms | hash_tensor ms | ratio ours/hash_tensor "
         f"| {ours_name} GB/s | hash_tensor GB/s |"

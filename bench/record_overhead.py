@@ -43,6 +43,7 @@ from sdcreplay import determinism
 from sdcreplay import recorder as recorder_module
 from sdcreplay.capture import SignatureCapture
 from sdcreplay.recorder import Recorder
+from sdcreplay.tensorio import map_tensors
 from sdcreplay.workload import build_workload
 
 
@@ -67,6 +68,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="cProfile the recorded steps and print the top functions",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (steps end in a sync)")
     return parser.parse_args()
 
 
@@ -81,8 +83,12 @@ class Bench:
             "seed": 0,
         }
         self.workload = build_workload("builtin:tiny-llama", self.kwargs)
+        device = torch.device(args.device)
+        self.workload.model.to(device)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.depth = args.depth
-        self.batches = [self.workload.get_batch(i) for i in range(8)]
+        self.batches = [map_tensors(self.workload.get_batch(i), lambda t: t.to(device))
+                        for i in range(8)]
         self.scratch = scratch
         self.recordings = 0
         self.step_index = 0
@@ -106,6 +112,7 @@ class Bench:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            self.sync()
             times.append((time.perf_counter() - start, time.process_time() - cpu))
         return times
 
@@ -143,6 +150,7 @@ class Bench:
                 loss.backward()
             optimizer.step()  # the recorder writes the step from this hook
             optimizer.zero_grad()
+            self.sync()
             times.append((time.perf_counter() - start, time.process_time() - cpu))
             if profiler is not None:
                 profiler.disable()

@@ -11,7 +11,12 @@ storage bytes in logical row-major order together with the dtype and shape:
   arithmetic. The sum is associative, so the value does not depend on the
   reduction order, the chunking or the device, and the tensor never leaves the
   device. Each word's mix is a bijection, so any change to a single word always
-  changes the digest.
+  changes the digest. Written in eager torch ops it is about fifteen passes over
+  the tensor; on a device the same function is compiled by ``torch.compile``
+  (Triton on a GPU, C++ on a CPU) into one memory-bound pass, compiled once per
+  process for every shape (``dynamic=True``). Where compiling fails (no compiler,
+  no Triton) or ``SDCREPLAY_DIGEST_COMPILE=0``, the eager definition runs: the
+  same value, more passes.
 
 The two algorithms give different values for the same tensor; a digest is only
 comparable with one made by the same algorithm (see :func:`algorithm_for`).
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import struct
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -39,6 +46,7 @@ __all__ = [
     "Digester",
     "algorithm_for",
     "mix64",
+    "one_pass_status",
     "tensor_digest",
 ]
 
@@ -50,6 +58,9 @@ EXACT_MAX_BYTES = 8
 
 DEFAULT_CHUNK_WORDS = 1 << 23
 """32-bit words mixed at a time: bounds mix64's temporaries to a few x 64 MiB."""
+
+ONE_PASS_SWITCH = "SDCREPLAY_DIGEST_COMPILE"
+"""Set to 0 to digest device tensors with the eager definition (no torch.compile)."""
 
 _MASK64 = (1 << 64) - 1
 _LOW_32_BITS = (1 << 32) - 1
@@ -75,7 +86,7 @@ def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
     """The signature entry of one value; synchronous (a device tensor's digest is fetched)."""
     if not isinstance(value, torch.Tensor):
         return _scalar_digest(value)
-    if value.device.type == "cpu" and _plain_in_memory(value) and value.numel() * value.element_size() > EXACT_MAX_BYTES:
+    if value.is_cpu and value.nbytes > EXACT_MAX_BYTES and _plain_in_memory(value):
         return _hex(_xxh3_in_place(value))
     tensor = _plain(value)
     data = _storage_bytes(tensor)
@@ -86,22 +97,107 @@ def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
     return _hex(mix64(tensor).item())
 
 
-def mix64(t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS) -> torch.Tensor:
+def mix64(
+    t: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS, one_pass: bool | None = None
+) -> torch.Tensor:
     """The device digest of ``t``, as a 0-dim int64 tensor on ``t.device``, computed there.
 
     ``sum_i fmix64(word_i ^ i * golden) + xxh3(dtype, shape, length)``, wrapping
     at 64 bits, over the bytes as little-endian 32-bit words (the tail
-    zero-padded). Words are mixed ``chunk_words`` at a time so the temporaries stay bounded;
-    the result does not depend on ``chunk_words``.
+    zero-padded). ``one_pass`` (default: on any device but the CPU, whose
+    digest is xxh3) runs the compiled single pass over the whole tensor; the
+    eager definition mixes ``chunk_words`` at a time so its temporaries stay
+    bounded. The result depends on neither.
     """
     tensor = _plain(t)
     data = _storage_bytes(tensor)
+    header = _wrap_int64(xxhash.xxh3_64_intdigest(_header(tensor, data.numel())))
+    return _word_sum(data, chunk_words=chunk_words, one_pass=one_pass).add_(header)
+
+
+def one_pass_status() -> str:
+    """``compiled``, ``not compiled yet``, or why device digests run the eager definition."""
+    if os.environ.get(ONE_PASS_SWITCH) == "0":
+        return f"eager ({ONE_PASS_SWITCH}=0)"
+    if _one_pass.failure is not None:
+        return f"eager (torch.compile failed: {_one_pass.failure})"
+    return "compiled" if _one_pass.compiled is not None else "not compiled yet"
+
+
+def _word_sum(data: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS,
+              one_pass: bool | None = None) -> torch.Tensor:
+    """mix64 without the header: the sum over the words of ``data`` (flat uint8), on its device."""
+    multiplier = _position_multiplier(data.device)
+    if one_pass is None:
+        one_pass = data.device.type != "cpu"
+    if one_pass:
+        total = _one_pass(_as_words(data), multiplier)
+        if total is not None:
+            return total
     chunk_bytes = 4 * chunk_words
     total = torch.zeros((), dtype=torch.int64, device=data.device)
     for first_byte in range(0, data.numel(), chunk_bytes):
         words = _as_words(data[first_byte : first_byte + chunk_bytes])
-        total += _mixed_sum(words, first_index=first_byte // 4)
-    return total.add_(_wrap_int64(xxhash.xxh3_64_intdigest(_header(tensor, data.numel()))))
+        total += _mixed_sum(words, first_byte // 4, multiplier)
+    return total
+
+
+@functools.cache
+def _position_multiplier(device: torch.device) -> torch.Tensor:
+    """The golden-ratio multiplier as a 0-dim tensor on ``device`` (made once per device).
+
+    A tensor, not a constant, because Inductor folds ``arange * constant`` into
+    a vectorized arange whose 64-bit step it computes wrongly on the CPU.
+    """
+    return torch.tensor(_POSITION_MULTIPLIER, dtype=torch.int64, device=device)
+
+
+def _mixed_sum_from_zero(words: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+    return _mixed_sum(words, 0, multiplier)
+
+
+class _OnePass:
+    """``_mixed_sum`` compiled on first use; ``None`` (eager) after a compile failure.
+
+    ``torch.compile`` cannot trace inside a dispatch mode's handler (bisect's
+    operator capture digests every call there), but a graph compiled before
+    runs there: until it has run once on a device type, calls from a handler
+    get the eager definition, and its failure would not say compiling is broken.
+    """
+
+    def __init__(self) -> None:
+        self.compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.failure: str | None = None
+        self.ready: set[str] = set()  # device types it has run on
+
+    def __call__(self, words: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor | None:
+        if self.failure is not None or os.environ.get(ONE_PASS_SWITCH) == "0":
+            return None
+        if words.device.type not in self.ready and _in_dispatch_handler():
+            return None
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(_mixed_sum_from_zero, dynamic=True, fullgraph=True)
+            with torch.no_grad():  # one graph whatever the caller's grad mode
+                total = self.compiled(words, multiplier)
+            self.ready.add(words.device.type)
+            return total
+        except Exception as exc:  # noqa: BLE001 - any compile failure: the eager definition
+            self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            warnings.warn(
+                f"device digests run eager ({self.failure}); set {ONE_PASS_SWITCH}=0 to skip",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+
+
+_one_pass = _OnePass()
+
+
+def _in_dispatch_handler() -> bool:
+    """Running inside a ``TorchDispatchMode.__torch_dispatch__`` (it excludes this key)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.PythonTLSSnapshot)
 
 
 class _Pending(NamedTuple):
@@ -131,7 +227,7 @@ class Digester:
             return
         # The same tensor is often captured twice in a step (a container returns its
         # last child's output; a gradient reaches both branches of a residual): hash it once.
-        key = (value._version, value.dtype, tuple(value.shape), value.stride(), value.storage_offset())
+        key = (value._version, value.dtype, value.shape, value.stride(), value.storage_offset())
         seen = self._seen.get(id(value))
         if seen is not None and seen[0]() is value and seen[1] == key:
             self._entries.append((name, seen[2]))
@@ -141,14 +237,15 @@ class Digester:
         self._entries.append((name, digest))
 
     def _digest(self, value: torch.Tensor) -> str | _Pending:
-        if value.device.type == "cpu":
+        if value.is_cpu:
             return tensor_digest(value)
         tensor = _plain(value)
         data = _storage_bytes(tensor)
         if data.numel() <= EXACT_MAX_BYTES:
             queued, render = _packed_exact(data), _exact_renderer(tensor.dtype, data.numel())
-        else:
-            queued, render = mix64(tensor), _hex
+        else:  # the header is added on the host: one launch per tensor, not two
+            header = xxhash.xxh3_64_intdigest(_header(tensor, data.numel()))
+            queued, render = _word_sum(data), functools.partial(_hex_plus, header)
         queue = self._queued.setdefault(tensor.device, [])
         queue.append(queued)
         return _Pending(tensor.device, len(queue) - 1, render)
@@ -199,8 +296,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _header(tensor: torch.Tensor, nbytes: int) -> bytes:
     """What the bytes alone do not say: same bytes as another dtype or shape is another tensor."""
-    shape = "x".join(str(size) for size in tensor.shape)
-    return f"{_dtype_name(tensor.dtype)}:{shape}:{nbytes}".encode()
+    return _header_of(tensor.dtype, tensor.shape, nbytes)
+
+
+def _header_of(dtype: torch.dtype, shape: torch.Size, nbytes: int) -> bytes:
+    return f"{_dtype_name(dtype)}:{'x'.join(map(str, shape))}:{nbytes}".encode()
 
 
 def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
@@ -210,8 +310,10 @@ def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
 
 
 def _plain_in_memory(tensor: torch.Tensor) -> bool:
-    """Its memory already holds the logical values in row-major order."""
-    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    """Its memory holds the logical values in row-major order (a real tensor is never conj)."""
+    return tensor.is_contiguous() and not tensor.is_neg() and not (
+        tensor.dtype.is_complex and tensor.is_conj()
+    )
 
 
 def _xxh3_in_place(tensor: torch.Tensor) -> int:
@@ -220,15 +322,18 @@ def _xxh3_in_place(tensor: torch.Tensor) -> int:
     Same value as ``_xxh3``: the header is hashed into a state that is copied,
     then the tensor's memory is read where it lies.
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    hasher = _header_hasher(tensor.dtype, tuple(tensor.shape), nbytes).copy()
-    hasher.update((ctypes.c_char * nbytes).from_address(tensor.data_ptr()))
+    header, memory = _in_place_reader(tensor.dtype, tensor.shape, tensor.nbytes)
+    hasher = header.copy()
+    hasher.update(memory.from_address(tensor.data_ptr()))
     return hasher.intdigest()
 
 
 @functools.lru_cache(maxsize=4096)
-def _header_hasher(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> xxhash.xxh3_64:
-    return xxhash.xxh3_64(f"{_dtype_name(dtype)}:{'x'.join(map(str, shape))}:{nbytes}".encode())
+def _in_place_reader(
+    dtype: torch.dtype, shape: torch.Size, nbytes: int
+) -> tuple[xxhash.xxh3_64, type[ctypes.Array]]:
+    """The hashed header and the ctypes array type of one layout (a model has a few dozen)."""
+    return xxhash.xxh3_64(_header_of(dtype, shape, nbytes)), ctypes.c_char * nbytes
 
 
 def _as_words(chunk: torch.Tensor) -> torch.Tensor:
@@ -239,12 +344,15 @@ def _as_words(chunk: torch.Tensor) -> torch.Tensor:
     return chunk.view(torch.int32)
 
 
-def _mixed_sum(words: torch.Tensor, first_index: int) -> torch.Tensor:
-    """Sum over words of fmix64(word ^ position * golden), all in wrapping int64."""
+def _mixed_sum(words: torch.Tensor, first_index: int, multiplier: torch.Tensor) -> torch.Tensor:
+    """Sum over words of fmix64(word ^ position * golden), all in wrapping int64.
+
+    The eager definition, and what ``torch.compile`` turns into one pass.
+    """
     mixed = torch.arange(
         first_index, first_index + words.numel(), dtype=torch.int64, device=words.device
     )
-    mixed.mul_(_POSITION_MULTIPLIER)
+    mixed.mul_(multiplier)
     mixed.bitwise_xor_(words.to(torch.int64).bitwise_and_(_LOW_32_BITS))
     _xor_shift_right_33_(mixed)
     mixed.mul_(_FMIX_MULTIPLIER_1)
@@ -274,6 +382,10 @@ def _exact(dtype: torch.dtype, raw: bytes) -> str:
     size = dtype.itemsize
     bits = "".join(raw[start : start + size][::-1].hex() for start in range(0, len(raw), size))
     return f"={_dtype_name(dtype)}:{bits}"
+
+
+def _hex_plus(header: int, word_sum: int) -> str:
+    return _hex(word_sum + header)
 
 
 def _hex(digest: int) -> str:

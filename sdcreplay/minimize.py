@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from . import determinism, ticket
 from .bisect import REPORT_FILE, element_forensics, kernel_names
@@ -37,6 +36,7 @@ from .bundle import Bundle
 from .capture import CallSite, operator_results
 from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
+from .digest import tensor_digest
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
 from .operator_case import (
@@ -148,12 +148,14 @@ class Measurement:
 class TrialRunner:
     """Runs one operator call again and again on one device label; counts outputs that differ.
 
-    Inputs are placed on the device once per measurement (cloned per trial
-    only when the operator writes to them). Each output is compared with the
-    expected one where it lies, over the raw bits: on a CPU by an xxh3 digest
-    (one pass over the bytes, several times faster than ``torch.equal``), on
-    an accelerator word by word into a flag that stays on the device and is
-    fetched once per block of trials, so the loop never waits for the device.
+    Inputs are placed on the device once per measurement, used as they are
+    when already there (cloned per trial only when the call can write to
+    them: in place, ``out=``, or through an output that is a view of one).
+    Each output is compared with the expected one where it lies, over the raw
+    bits: on a CPU by its xxh3 digest read where it lies (one pass over the
+    bytes, several times faster than ``torch.equal``), on an accelerator word
+    by word into a flag that stays on the device and is fetched once per block
+    of trials, so the loop never waits for the device.
     Only a failing trial's outputs are copied back.
     """
 
@@ -162,7 +164,10 @@ class TrialRunner:
         self.rng = rng  # a random operator draws the numbers it drew in the step, every trial
         self.device = torch_device(label)
         self.specs = list(specs)
-        self.mutates = op._schema.is_mutable
+        # Inputs the call can write (in place, out=, or through an output that views them, which
+        # an injected flip writes) are cloned for every trial, so each trial starts from the case.
+        self.writes_inputs = op._schema.is_mutable or any(
+            value.alias_info is not None for value in op._schema.returns)
         self._salts = itertools.count()  # a fresh random stream for each block of trials
 
     def _injector(self) -> Injector | None:
@@ -170,7 +175,7 @@ class TrialRunner:
         return injector if injector.has_operator_faults else None
 
     def _call(self, args: list, kwargs: dict, injector: Injector | None) -> list:
-        if self.mutates:
+        if self.writes_inputs:
             args, kwargs = map_tensors((args, kwargs), torch.clone)
         restore_operator_rng(self.rng, self.device)
         out = self.op(*args, **kwargs)
@@ -178,15 +183,22 @@ class TrialRunner:
             injector.on_isolated_call(self.site, self.prior, out)
         return operator_results(self.op, args, out)
 
+    def _placed(self, args: Sequence, kwargs: dict) -> tuple[list, dict]:
+        """The inputs on the device; no copy of inputs already there (a trial never writes them)."""
+        tree = (list(args), kwargs)
+        on_device = []
+        map_tensors(tree, lambda t: on_device.append(t.device == self.device))
+        return tree if all(on_device) else place(tree, self.device)
+
     def outputs(self, args: Sequence, kwargs: dict) -> list:
         """One run's outputs, on the CPU: the expected outputs of a candidate on the reference."""
-        placed_args, placed_kwargs = place((list(args), kwargs), self.device)
+        placed_args, placed_kwargs = self._placed(args, kwargs)
         return to_cpu(self._call(placed_args, placed_kwargs, self._injector()))
 
     def measure(self, args: Sequence, kwargs: dict, expected: Sequence, trials: int, *,
                 stop_at_first_failure: bool = False,
                 progress: Callable[[int, int, int], None] | None = None) -> Measurement:
-        placed_args, placed_kwargs = place((list(args), kwargs), self.device)
+        placed_args, placed_kwargs = self._placed(args, kwargs)
         wanted = self._expectation(expected)
         injector = self._injector()
         block = 1 if self.device.type == "cpu" else _block_size(expected)
@@ -202,6 +214,10 @@ class TrialRunner:
                     if first_trial is None:
                         first_trial, first_outputs = done + offset + 1, to_cpu(pending[offset])
             done += len(pending)
+            # Free this block's outputs before the next call allocates its own: the allocator
+            # then hands that call the same, cache-warm memory, as in a bare loop (two outputs
+            # alive at once made glibc give a 256 KiB matmul output back and fault it in again).
+            del pending
             if progress is not None and (time.perf_counter() - reported >= PROGRESS_SECONDS or done == trials):
                 progress(done, trials, failures)
                 reported = time.perf_counter()
@@ -210,28 +226,16 @@ class TrialRunner:
         return Measurement(self.label, done, failures, first_trial, described, first_outputs, seconds)
 
     def _expectation(self, expected: Sequence) -> list:
-        """What each trial's outputs are compared with: fingerprints on a CPU, raw words elsewhere."""
+        """What each trial's outputs are compared with: digests on a CPU, raw words elsewhere."""
         if self.device.type == "cpu":
-            return [fingerprint(value) for value in expected]
+            return [tensor_digest(value) for value in expected]
         return [raw_bits(e) if isinstance(e, torch.Tensor) else e for e in place(list(expected), self.device)]
 
     def _verdicts(self, pending: list, wanted: list) -> list[bool]:
         """Which trials of a block failed; an accelerator's flags come back in one copy (one sync)."""
         if self.device.type == "cpu":
-            return [[fingerprint(value) for value in results] != wanted for results in pending]
+            return [[tensor_digest(value) for value in results] != wanted for results in pending]
         return _fetch([_device_flag(results, wanted) for results in pending])
-
-
-def fingerprint(value: Any) -> Any:
-    """A CPU output as (dtype, shape, xxh3-64 of its raw bytes); other values as themselves.
-
-    The digest module's algorithm without its signature-entry formatting,
-    which would cost more than a small operator: about 4 us for a 4x4 output
-    and 19 us for 256 KiB, where ``torch.equal`` takes 6 and 130.
-    """
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.dtype, value.shape, xxhash.xxh3_64_intdigest(raw_bits(value.contiguous()).numpy())
 
 
 def _device_flag(results: list, wanted: list) -> bool | torch.Tensor:
@@ -306,6 +310,7 @@ class Axis:
     name: str
     size: int
     members: tuple[tuple[int, int], ...]
+    output_dim: int | None = None  # the output dimension it cuts (None: a matrix product's inner)
 
 
 # packet -> (left operand, right operand, bias or None, right operand stored as [N, K])
@@ -347,7 +352,7 @@ def _aligned_axis(name: str, args: Sequence, out: torch.Tensor, dim: int) -> Axi
         if isinstance(arg, torch.Tensor) and dim - (out.dim() - arg.dim()) >= 0
         and arg.shape[dim - (out.dim() - arg.dim())] == size
     )
-    return Axis(name, size, members) if size > 1 and members else None
+    return Axis(name, size, members, dim) if size > 1 and members else None
 
 
 def _matrix_axes(args: Sequence, left: int, right: int, bias: int | None, right_is_nk: bool) -> tuple[list[Axis], str | None]:
@@ -370,9 +375,10 @@ def _matrix_axes(args: Sequence, left: int, right: int, bias: int | None, right_
     for dim in range(a.dim() - 2):
         right_dim = dim - (a.dim() - b.dim())
         members = [(left, dim)] + ([(right, right_dim)] if right_dim >= 0 and b.shape[right_dim] == a.shape[dim] else [])
-        axes.append(Axis(f"batch {dim}", a.shape[dim], with_bias(members, dim, a.shape[dim])))
-    axes.append(Axis("rows", rows, with_bias([(left, a.dim() - 2)], out_dims - 2, rows)))
-    axes.append(Axis("cols", cols, with_bias([(right, col_dim)], out_dims - 1, cols)))
+        axes.append(Axis(f"batch {dim}", a.shape[dim], with_bias(members, dim, a.shape[dim]), dim))
+    row_members = with_bias([(left, a.dim() - 2)], out_dims - 2, rows)
+    axes.append(Axis("rows", rows, row_members, out_dims - 2))
+    axes.append(Axis("cols", cols, with_bias([(right, col_dim)], out_dims - 1, cols), out_dims - 1))
     axes.append(Axis("inner", a.shape[-1], ((left, a.dim() - 1), (right, inner_dim))))
     return [axis for axis in axes if axis.size > 1], None
 
@@ -580,7 +586,7 @@ def minimize(
     reproduced = measured.failures > 0
     bad_trials = bad_trials or default_bad_trials(measured.rate, trials)
     acceptance = Acceptance(suspect, checker, good_trials, bad_trials)
-    args, kwargs, shrink = shrink_inputs(case, op, acceptance if reproduced else None,
+    args, kwargs, shrink, cut = shrink_inputs(case, op, acceptance if reproduced else None,
                                          on_test=lambda tested, kept: progress("shrink", tested, None, kept))
     expected = checker.outputs(args, kwargs)
     minimal, data_dependent = None, None
@@ -617,6 +623,9 @@ def minimize(
         "minimal": minimal.to_json() if minimal else None,
         "data_dependent": data_dependent,
         "first_mismatch": _first_element(failure),
+        "coordinates": failing_element_coordinates(
+            _first_element(failure), _first_element(measured.first_failure), cut,
+            shrunk=minimal is not None),
         "bits": failure.get("bits") if failure else None,
         "pattern": failure.get("pattern") if failure else None,
         "kernels": kernels,
@@ -635,9 +644,13 @@ def minimize(
     return MinimizeResult(data)
 
 
+Cut = list[tuple[Axis, tuple]]
+"""Each shrink axis with the original indices it kept."""
+
+
 def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
-                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict]:
-    """The smallest inputs that still meet the acceptance rule, and how the shrink went.
+                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict, Cut]:
+    """The smallest inputs that still meet the acceptance rule, how the shrink went, the cut.
 
     Without an acceptance rule (nothing reproduced) the inputs stay whole. The
     inputs are always fresh copies in the originals' layout: what repro.py rebuilds.
@@ -653,10 +666,12 @@ def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
         if status == "shrunk" and shrinker.kept == 0:
             status = "already minimal"
     args, kwargs = shrinker.inputs(shrinker.best)
+    cut = list(zip(axes, shrinker.best, strict=True))
     return args, kwargs, {
         "status": status, "reason": reason, "tests": shrinker.tests,
-        "axes": {axis.name: [axis.size, len(kept)] for axis, kept in zip(axes, shrinker.best, strict=True)},
-    }
+        "axes": {axis.name: [axis.size, len(kept)] for axis, kept in cut},
+        "kept": {axis.name: list(kept) for axis, kept in cut if len(kept) < axis.size},
+    }, cut
 
 
 def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int) -> bool:
@@ -686,6 +701,63 @@ def _first_element(failure: dict | None) -> dict | None:
         "expected": failure["expected"][0], "actual": failure["actual"][0], "xor": failure["xor"][0],
         "count": failure["count"], "total": failure["total"], "dtype": failure["dtype"],
     }
+
+
+def failing_element_coordinates(minimal: dict | None, original: dict | None, cut: Cut,
+                                shrunk: bool) -> dict | None:
+    """The failing element in the minimal inputs' coordinates, in the original's, how they relate.
+
+    ``minimal`` is the first mismatch of a failing trial on the minimal inputs,
+    ``original`` of one on the original inputs (what bisect saw). An output
+    dimension an axis cut maps back through the indices it kept; one no axis
+    cut is the original's. A matrix product's inner dimension is in no output
+    position but changes every value that sums over it.
+    """
+    if not minimal or "position" not in minimal or not shrunk:
+        return None
+    first = None
+    if original and "position" in original:
+        first = {key: original[key] for key in ("output", "index", "position")}
+    result = {"minimal": {key: minimal[key] for key in ("output", "index", "position")},
+              "original": None, "original_first_mismatch": first}
+    by_dim = {axis.output_dim: kept for axis, kept in cut if axis.output_dim is not None}
+    position = minimal["position"]
+    if len(position) <= max(by_dim, default=-1):
+        result["why"] = ("the failing output does not have the dimensions the shrink cut, "
+                         "so its element has no place in the original output")
+        return result
+    mapped = [by_dim[dim][index] if dim in by_dim else index for dim, index in enumerate(position)]
+    result["original"] = {"output": minimal["output"], "position": mapped}
+    cuts = [(axis, kept) for axis, kept in cut if len(kept) < axis.size]
+    kept = "; ".join(f"{axis.name} {_indices(kept)} of {axis.size}" for axis, kept in cuts)
+    said = [f"the minimal inputs keep {kept or 'every index'}, so element {position} of the "
+            f"minimal output is element {mapped} of the original output"]
+    inner = [f"{len(kept)} of {axis.size} {axis.name} terms" for axis, kept in cuts
+             if axis.output_dim is None]
+    if inner:
+        said.append(f"computed from {', '.join(inner)}, so its value differs from the original's")
+    if first is not None:
+        same = first["position"] == mapped and first["output"] == minimal["output"]
+        said.append("the same element the original inputs fail at first" if same else
+                    f"the original inputs fail first at element {first['position']}: "
+                    + _why_elsewhere(minimal, first))
+    result["why"] = "; ".join(said)
+    return result
+
+
+def _why_elsewhere(minimal: dict, original: dict) -> str:
+    """Why a shrunk call fails at another element than the original call did."""
+    same_index = minimal["index"] == original["index"] and minimal["output"] == original["output"]
+    where = (f"both are flat index {minimal['index']} of their output, so the corruption follows "
+             "the position in the output's memory, not the data" if same_index else
+             "the corruption is tied to where an element is computed (a lane, a tile, an address), "
+             "and a smaller shape puts other elements there")
+    return f"{where}; the minimal inputs still fail, which is what the reproducer needs"
+
+
+def _indices(kept: tuple) -> str:
+    shown = ", ".join(map(str, kept[:8]))
+    return f"[{shown}{', ...' if len(kept) > 8 else ''}]"
 
 
 def _command_line(report_dir: Path, device, reference, trials, good_trials, bad_trials, inject, out) -> str:

@@ -18,8 +18,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
+from functools import partial
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import h5py
 
@@ -40,7 +43,7 @@ def repro_source() -> str:
 
 
 def device_identity(label: str) -> dict:
-    """Who the device is: NVML's serial, UUID, driver, VBIOS and ECC counters for a GPU; the CPU model otherwise."""
+    """Who the device is: NVML's identity and health for a GPU; the CPU model otherwise."""
     device = torch_device(label)
     identity = {"label": label, **determinism.device_description(device)}
     if device.type == "cuda":
@@ -50,12 +53,23 @@ def device_identity(label: str) -> dict:
     return identity
 
 
+NVML_IDENTITY = ("name", "uuid", "serial", "board_part_number", "vbios", "inforom", "pci_bus_id")
+"""What a vendor's return process identifies a board by, in the order ticket.md shows it."""
+
+
 def nvml_identity(uuid: str) -> dict:
-    """NVML's view of the GPU with this UUID (found by UUID, so CUDA_VISIBLE_DEVICES cannot mislead)."""
+    """NVML's view of the GPU with this UUID (by UUID: CUDA_VISIBLE_DEVICES cannot mislead it).
+
+    ``identity`` names the board; ``health`` is its state now: ECC counts
+    (volatile since the driver loaded, aggregate over its life), retired pages,
+    remapped rows, clocks, temperature and power. A field the board or driver
+    does not support holds ``unavailable (NVML's reason)``.
+    """
     try:
         import pynvml
     except ImportError:
-        return {"available": False, "note": "install nvidia-ml-py for serial, VBIOS and ECC counters"}
+        return {"available": False, "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
+                                            "for serial, VBIOS and ECC counters"}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
@@ -63,30 +77,60 @@ def nvml_identity(uuid: str) -> dict:
     try:
         name = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
         handle = pynvml.nvmlDeviceGetHandleByUUID(name)
-        ecc = {
-            f"{when}_{kind}": (lambda h, e=error, c=counter: pynvml.nvmlDeviceGetTotalEccErrors(h, e, c))
-            for when, counter in (("volatile", pynvml.NVML_VOLATILE_ECC), ("aggregate", pynvml.NVML_AGGREGATE_ECC))
-            for kind, error in (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                                ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
-        }
-        queries = {
-            "name": pynvml.nvmlDeviceGetName, "uuid": pynvml.nvmlDeviceGetUUID,
-            "serial": pynvml.nvmlDeviceGetSerial, "vbios": pynvml.nvmlDeviceGetVbiosVersion,
-            "pci_bus_id": lambda h: pynvml.nvmlDeviceGetPciInfo(h).busId,
-            "remapped_rows": lambda h: list(pynvml.nvmlDeviceGetRemappedRows(h)),
-            **{f"ecc_{key}": query for key, query in ecc.items()},
-        }
-        found = {"available": True, "driver": _text(pynvml.nvmlSystemGetDriverVersion())}
-        for key, query in queries.items():
+
+        def ask(query: Callable[[], Any]) -> Any:
             try:
-                found[key] = _text(query(handle))
+                return _text(query())
             except pynvml.NVMLError as exc:  # not supported on this board, or no permission
-                found[key] = f"unavailable ({exc})"
-        return found
+                return f"unavailable ({exc})"
+
+        identity = {key: ask(partial(query, handle))
+                    for key, query in _identity_queries(pynvml).items()}
+        return {"available": True, "driver": ask(pynvml.nvmlSystemGetDriverVersion),
+                "identity": identity, "health": _health(pynvml, handle, ask)}
     except pynvml.NVMLError as exc:
         return {"available": False, "note": f"NVML: {exc}"}
     finally:
         pynvml.nvmlShutdown()
+
+
+def _identity_queries(nvml) -> dict[str, Callable]:
+    return {
+        "name": nvml.nvmlDeviceGetName,
+        "uuid": nvml.nvmlDeviceGetUUID,
+        "serial": nvml.nvmlDeviceGetSerial,
+        "board_part_number": nvml.nvmlDeviceGetBoardPartNumber,
+        "vbios": nvml.nvmlDeviceGetVbiosVersion,
+        "inforom": nvml.nvmlDeviceGetInforomImageVersion,
+        "pci_bus_id": lambda h: nvml.nvmlDeviceGetPciInfo(h).busId,
+    }
+
+
+def _health(nvml, handle, ask: Callable[[Callable[[], Any]], Any]) -> dict:
+    """ECC, retired pages, remapped rows, clocks, temperature and power of one GPU, now."""
+    counters = (("volatile", nvml.NVML_VOLATILE_ECC), ("aggregate", nvml.NVML_AGGREGATE_ECC))
+    errors = (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+              ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
+    ecc = {f"{when}_{kind}": ask(partial(nvml.nvmlDeviceGetTotalEccErrors, handle, error, counter))
+           for when, counter in counters for kind, error in errors}
+    causes = (("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+              ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
+    retired = {cause: ask(lambda c=code: len(nvml.nvmlDeviceGetRetiredPages(handle, c)))
+               for cause, code in causes}
+    retired["pending"] = ask(lambda: bool(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)))
+    rows = ask(lambda: dict(zip(("correctable", "uncorrectable", "pending", "failure"),
+                                nvml.nvmlDeviceGetRemappedRows(handle), strict=True)))
+    clock_codes = (("graphics", nvml.NVML_CLOCK_GRAPHICS), ("sm", nvml.NVML_CLOCK_SM),
+                   ("memory", nvml.NVML_CLOCK_MEM))
+    clocks = {clock: ask(partial(nvml.nvmlDeviceGetClockInfo, handle, code))
+              for clock, code in clock_codes}
+    return {
+        "ecc": ecc, "retired_pages": retired, "remapped_rows": rows, "clocks_mhz": clocks,
+        "temperature_c": ask(
+            partial(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)),
+        "power_w": ask(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
+        "power_limit_w": ask(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000),
+    }
 
 
 def _text(value):
@@ -120,6 +164,7 @@ def ticket_document(result: dict, report: dict) -> dict:
         "acceptance": result["acceptance"],
         "data_dependent": result["data_dependent"],
         "first_mismatch": result["first_mismatch"],
+        "coordinates": result.get("coordinates"),
         "bits": result["bits"],
         "pattern": result["pattern"],
         "bisect": {key: report.get(key) for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")},
@@ -155,10 +200,9 @@ def render_markdown(doc: dict) -> str:
               "the first mismatching element, and exits 1 if any trial failed.", "",
               "## Device", "", "| | |", "| --- | --- |",
               f"| label | {device['label']} |", f"| name | {device.get('name')} |"]
-    for key in ("uuid", "serial", "driver", "vbios", "pci_bus_id", "remapped_rows"):
-        if key in nvml:
-            lines.append(f"| {key} | {nvml[key]} |")
-    lines += [f"| {key.replace('_', ' ')} | {value} |" for key, value in nvml.items() if key.startswith("ecc_")]
+    lines += [f"| {key.replace('_', ' ')} | {value} |"
+              for key, value in {**nvml.get("identity", {}), "driver": nvml.get("driver")}.items()
+              if key != "name" and value is not None]
     if "cpu_affinity" in device:
         lines.append(f"| cores | {device.get('cores')} (this process may run on {device['cpu_affinity']}) |")
     if nvml and not nvml.get("available"):
@@ -194,11 +238,68 @@ def render_markdown(doc: dict) -> str:
     if first and "index" in first:
         lines += [f"| first mismatch | output {first['output']}, element {first['index']} at {first['position']} "
                   f"of {first['count']} wrong in {first['total']}: expected {first['expected']}, actual {first['actual']}, "
-                  f"XOR mask 0x{first['xor']} |",
+                  f"XOR mask 0x{first['xor']}"
+                  + (" (in the minimal inputs)" if doc.get("coordinates") else "") + " |",
+                  *_coordinate_lines(doc.get("coordinates")),
                   f"| pattern | {doc['pattern']} |",
                   f"| flipped bits | {', '.join(f'bit {b}: {n}' for b, n in (doc['bits'] or {}).get('histogram', {}).items())} |"]
+    lines += _health_lines(nvml.get("health"))
     lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
+    lines += _return_process_lines(device)
     return "\n".join(lines)
+
+
+def _coordinate_lines(coordinates: dict | None) -> list[str]:
+    """The failing element in the original inputs' coordinates, and why it is another one."""
+    if not coordinates:
+        return []
+    original = coordinates["original"]
+    first = coordinates["original_first_mismatch"]
+    where = f"element {original['position']}" if original else "no place"
+    lines = [f"| in the original output | {where}: {coordinates['why']} |"]
+    if first:
+        lines.append(f"| original inputs' first mismatch | output {first['output']}, "
+                     f"element {first['index']} at {first['position']} |")
+    return lines
+
+
+def _health_lines(health: dict | None) -> list[str]:
+    """The GPU's health when the ticket was written: what a vendor checks first."""
+    if not health:
+        return []
+    lines = ["", "## Device health when this ticket was written", "", "| | |", "| --- | --- |"]
+    for group in ("ecc", "retired_pages", "remapped_rows", "clocks_mhz"):
+        values = health[group]
+        shown = ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in values.items()) \
+            if isinstance(values, dict) else values
+        lines.append(f"| {group.replace('_', ' ')} | {shown} |")
+    lines += [f"| {key.replace('_', ' ')} | {health[key]} |"
+              for key in ("temperature_c", "power_w", "power_limit_w")]
+    return lines
+
+
+def _return_process_lines(device: dict) -> list[str]:
+    """What a vendor's return (RMA) process asks for besides this directory."""
+    if device.get("type") != "cuda":
+        return ["## For the vendor", "",
+                "Attach this directory, the CPU's model, stepping and microcode (`lscpu`, "
+                "`grep microcode /proc/cpuinfo`) and the machine's serial (`dmidecode -t system`), "
+                "and the output of the vendor's own CPU diagnostic.", ""]
+    identity = (device.get("nvml") or {}).get("identity") or {}
+    board = ", ".join(f"{key.replace('_', ' ')} {identity[key]}"
+                      for key in ("serial", "board_part_number") if key in identity)
+    return ["## For the vendor's return process", "",
+            "A GPU return (RMA) asks for the board's identity "
+            f"({board or 'serial and part number from NVML'}) and evidence besides this directory:",
+            "",
+            "- the output of `sudo nvidia-bug-report.sh` run on this host "
+            "(`nvidia-bug-report.log.gz`);",
+            "- the log of NVIDIA's field diagnostic (`fieldiag`, from the vendor's enterprise "
+            "support) for this serial, or where it is not at hand `dcgmi diag -r 3`;",
+            "- `nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER,CLOCK,TEMPERATURE,POWER` "
+            "(the health above, as the vendor's tools print it);",
+            "- this directory: `repro.py` and `inputs.h5` reproduce the failure on the board "
+            "alone.", ""]
 
 
 def _dependence(data_dependent: bool | None) -> str:

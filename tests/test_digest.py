@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from sdcreplay import digest as digest_module
 from sdcreplay.digest import (
     CPU_ALGORITHM,
     DEVICE_ALGORITHM,
+    ONE_PASS_SWITCH,
     Digester,
     _exact_renderer,
     _packed_exact,
     algorithm_for,
     mix64,
+    one_pass_status,
     tensor_digest,
 )
 
@@ -41,7 +51,20 @@ def mix64_digest(tensor: torch.Tensor) -> str:
     return f"{int(mix64(tensor)) & MASK64:016x}"
 
 
-DIGESTS = {"xxh3": tensor_digest, "mix64": mix64_digest}
+def one_pass_digest(tensor: torch.Tensor) -> str:
+    """mix64 through torch.compile (Inductor's C++ here, Triton on a GPU), checked against eager.
+
+    Every test of the digest's properties runs through it, so the compiled pass
+    is held to the eager definition on every dtype and shape here. One graph
+    (``dynamic=True``) serves them all: the compile is paid once per session.
+    """
+    compiled = mix64(tensor, one_pass=True)
+    eager = mix64(tensor, one_pass=False, chunk_words=7)  # several chunks: positions carry over
+    assert int(compiled) == int(eager), (tensor.dtype, tuple(tensor.shape))
+    return f"{int(compiled) & MASK64:016x}"
+
+
+DIGESTS = {"xxh3": tensor_digest, "mix64": mix64_digest, "mix64 one pass": one_pass_digest}
 each_digest = pytest.mark.parametrize("digest", DIGESTS.values(), ids=DIGESTS.keys())
 
 
@@ -307,3 +330,119 @@ def test_digester_on_cuda_matches_tensor_digest_and_small_values_match_the_cpu()
     assert entries == {name: tensor_digest(value) for name, value in values.items()}
     assert entries["loss"] == tensor_digest(values["loss"].cpu()) == "=float32:40200000"
     assert entries["pair"] == "=int32:00000001fffffffe"
+
+
+def c_compiler_present() -> bool:
+    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64], ids=str
+)
+def test_one_pass_equals_the_eager_definition_on_large_and_unaligned_tensors(dtype):
+    tensor = random_tensor(dtype, numel=(1 << 16) + 3).view(-1)
+    # whole, starting off a word boundary, a partial last word, a short reshaped slice
+    for case in [tensor, tensor[1:], tensor[:-1].view(1, -1), tensor[5:].reshape(-1)[:999]]:
+        assert one_pass_digest(case) == mix64_digest(case)
+    short = tensor[3:40].view(1, 37)
+    assert one_pass_digest(short) == f"{reference_mix64(short):016x}"
+    if c_compiler_present():
+        assert one_pass_status() == "compiled"
+
+
+@pytest.fixture
+def fresh_one_pass(monkeypatch):
+    """A one-pass digest that has not been compiled yet (the session's compiled one is kept)."""
+    fresh = digest_module._OnePass()
+    monkeypatch.setattr(digest_module, "_one_pass", fresh)
+    return fresh
+
+
+def test_a_failed_compile_falls_back_to_the_eager_definition(fresh_one_pass, monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InductorError: no working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    tensor = random_tensor(torch.bfloat16, numel=101)
+    with pytest.warns(RuntimeWarning, match="device digests run eager"):
+        fallback = mix64(tensor, one_pass=True)
+    assert int(fallback) & MASK64 == reference_mix64(tensor)
+    assert one_pass_status() == (
+        "eager (torch.compile failed: RuntimeError: InductorError: no working C++ compiler found)"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not on every tensor
+        assert int(mix64(tensor, one_pass=True)) == int(fallback)
+
+
+def test_the_switch_turns_the_one_pass_off(fresh_one_pass, monkeypatch):
+    monkeypatch.setenv(ONE_PASS_SWITCH, "0")
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled despite it"))
+    tensor = random_tensor(torch.float32, numel=50)
+    assert int(mix64(tensor, one_pass=True)) & MASK64 == reference_mix64(tensor)
+    assert one_pass_status() == f"eager ({ONE_PASS_SWITCH}=0)"
+
+
+@needs_cuda
+def test_digester_on_cuda_never_waits_for_the_device_until_entries():
+    tensors = [torch.randn(n, device="cuda") for n in (3, 1000, 1 << 20)]
+    digester = Digester()
+    for tensor in tensors:  # a first step: compiles, and Triton may time its configs per size
+        digester.add("warm-up", tensor.clone())
+    digester.entries()
+    torch.cuda.set_sync_debug_mode("error")  # every later step: no sync until entries()
+    try:
+        for index, tensor in enumerate(tensors):
+            digester.add(f"t{index}", tensor)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eager = {f"t{i}": f"{int(mix64(t, one_pass=False)) & MASK64:016x}"
+             for i, t in enumerate(tensors)}
+    assert dict(digester.entries()) == eager
+    assert one_pass_status() == "compiled"
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_cpu_parts_and_says_so(tmp_path):
+    """`make gpu-check` on a machine without a GPU (here in --quick mode: the smallest sizes)."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    env = {**os.environ, "OUT": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "gpu-check" / "table.md").read_text()
+    assert table in done.stdout and "no GPU: the CPU-checkable parts ran on the CPU" in table
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith(("| part", "| ---"))}
+    assert rows == {"gpu-marked tests": "skipped", "digest vs torch.hash_tensor (cpu)": "ok",
+                    "bisect operator capture (cpu)": "ok", "minimize trials/s (cpu)": "ok"}
+    assert "ours/hash_tensor" in table and "of the plain step" in table and "of bare" in table
+    assert {path.name for path in (tmp_path / "gpu-check").iterdir()} >= {
+        "table.md", "digest.log", "capture-factor.log", "minimize-throughput.log"}
+
+
+def test_one_pass_inside_a_dispatch_handler_waits_for_a_graph_compiled_outside(fresh_one_pass):
+    """bisect's operator capture digests in a dispatch mode's handler, where torch.compile
+    cannot trace: there the eager definition runs, with no warning, until a graph exists."""
+    results = []
+
+    class Digesting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            results.append((mix64(out, one_pass=True), fresh_one_pass.ready.copy()))
+            return out
+
+    tensor = random_tensor(torch.float32, numel=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Digesting():
+            torch.neg(tensor)
+        assert one_pass_status() == "not compiled yet" and results[0][1] == set()
+        outside = mix64(tensor, one_pass=True)  # compiles (or reuses the session's graph)
+        with Digesting():
+            torch.neg(tensor)
+    if c_compiler_present():
+        assert one_pass_status() == "compiled" and results[1][1] == {"cpu"}
+    expected = int(mix64(-tensor, one_pass=False))
+    assert [int(total) for total, _ in results] == [expected, expected]
+    assert int(outside) == int(mix64(tensor, one_pass=False))

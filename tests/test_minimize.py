@@ -21,7 +21,7 @@ from conftest import SMALL
 from sdcreplay import build_workload
 from sdcreplay.bisect import REPORT_FILE
 from sdcreplay.bisect import SCHEMA as BISECT_SCHEMA
-from sdcreplay.capture import OperatorLog, OperatorMode
+from sdcreplay.capture import CallSite, OperatorLog, OperatorMode
 from sdcreplay.errors import DeterminismError
 from sdcreplay.faults import Injector, parse_specs
 from sdcreplay.minimize import (
@@ -35,6 +35,7 @@ from sdcreplay.minimize import (
     wilson_interval,
 )
 from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, resolve_op
+from sdcreplay.tensorio import raw_bits
 
 MODULE = "layers.0.attn.wq"
 STICKY = f"kind=bitflip,op=aten.mm,module={MODULE},phase=forward,step=1,index=5,bit=22,device=cpu:1"
@@ -278,3 +279,42 @@ def test_accelerator_verdicts_stay_on_the_device_until_one_fetch():
              _device_flag([expected.clone(), 4], wanted), _device_flag([expected[:2].clone(), 3], wanted)]
     assert isinstance(flags[0], torch.Tensor) and isinstance(flags[1], torch.Tensor)
     assert _fetch(flags) == [False, True, True, True]
+
+
+def test_ticket_names_the_failing_element_in_both_coordinates(sticky_result, wq_call: OperatorCase):
+    """The fault flips flat element 5 of whatever output the call makes: [0, 5] of the
+    original [16, 32] output, and [0, 5] of the minimal [1, 6] one, which is another
+    element of the original."""
+    data = sticky_result.to_json()
+    kept = data["shrink"]["kept"]
+    (row,), columns, inner = kept["rows"], kept["cols"], kept["inner"]
+    coordinates = data["coordinates"]
+    assert coordinates["minimal"] == {"output": 0, "index": 5, "position": [0, 5]}
+    assert coordinates["original"] == {"output": 0, "position": [row, columns[5]]}
+    assert coordinates["original_first_mismatch"] == {"output": 0, "index": 5, "position": [0, 5]}
+    # the mapping is true of the data: the minimal inputs are those rows, columns and inner terms
+    a, b = OperatorCase.read(Path(data["ticket"]) / "inputs.h5").args
+    left, right = wq_call.args
+    assert torch.equal(a, left[[row]][:, inner]) and torch.equal(b, right[inner][:, columns])
+    why = coordinates["why"]
+    assert (f"element [0, 5] of the minimal output is element [{row}, {columns[5]}] "
+            "of the original output") in why
+    assert f"computed from {len(inner)} of 32 inner terms" in why
+    assert "the original inputs fail first at element [0, 5]" in why
+    assert "both are flat index 5" in why
+
+
+def test_trials_of_a_view_operator_never_write_the_case_inputs():
+    """An output that is a view of an input is flipped in place by the injector: every trial
+    must start from a fresh copy, or a flip would reach the case and the next trial would flip
+    it back."""
+    op = resolve_op("aten.t.default")
+    site = CallSite(1, "forward", MODULE, "aten.t.default", 0)
+    spec = f"kind=bitflip,op=aten.t,module={MODULE},phase=forward,step=1,index=2,bit=3,device=cpu:1"
+    matrix = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    original = matrix.clone()
+    runner = TrialRunner(op, site, Counter(), "cpu:1", parse_specs([spec], include_env=False))
+    assert runner.writes_inputs
+    measured = runner.measure([matrix], {}, [original.t()], 5)
+    assert measured.failures == 5
+    assert torch.equal(raw_bits(matrix), raw_bits(original))

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
@@ -26,7 +27,7 @@ from sdcreplay.minimize import minimize
 from sdcreplay.operator_case import OperatorCase
 from sdcreplay.templates import repro
 from sdcreplay.tensorio import raw_bits
-from sdcreplay.ticket import device_identity, write_ticket
+from sdcreplay.ticket import device_identity, nvml_identity, render_markdown, write_ticket
 
 TRIALS = 200
 
@@ -112,6 +113,10 @@ def test_ticket_json_and_markdown_say_what_a_vendor_needs(ticket: Path):
     markdown = (ticket / "ticket.md").read_text()
     assert f"failed {TRIALS} of {TRIALS} trials" in markdown.splitlines()[0]
     assert "**Drill:**" in markdown and "python repro.py --device cpu:1 --trials 1000" in markdown and "XOR mask 0x00400000" in markdown
+    original = doc["coordinates"]["original"]["position"]
+    assert f"| in the original output | element {original}: the minimal inputs keep rows [" \
+        in markdown
+    assert "| original inputs' first mismatch | output 0, element 5 at [0, 5] |" in markdown
 
 
 def test_inputs_keep_dtype_shape_and_strides(tmp_path: Path):
@@ -160,5 +165,132 @@ def test_gpu_identity_from_nvml():
     assert identity["type"] == "cuda" and identity["uuid"]
     nvml = identity["nvml"]
     if nvml["available"]:
-        assert nvml["uuid"].removeprefix("GPU-") == identity["uuid"].removeprefix("GPU-")
-        assert nvml["driver"] and "serial" in nvml and "ecc_volatile_uncorrected" in nvml
+        uuid = identity["uuid"].removeprefix("GPU-")
+        assert nvml["identity"]["uuid"].removeprefix("GPU-") == uuid
+        assert nvml["driver"] and "serial" in nvml["identity"]
+        assert "volatile_uncorrected" in nvml["health"]["ecc"]
+
+
+class FakeNvml(types.ModuleType):
+    """pynvml's calls for one board: an A100 whose InfoROM and row remapper NVML cannot read."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_VOLATILE_ECC, NVML_AGGREGATE_ECC = 0, 1
+    NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
+    NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = 0
+    NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1
+    NVML_CLOCK_GRAPHICS, NVML_CLOCK_SM, NVML_CLOCK_MEM = 0, 1, 2
+    NVML_TEMPERATURE_GPU = 0
+    UUID = "GPU-5b0c2a7e-0000-4000-8000-000000000001"
+
+    def __init__(self) -> None:
+        super().__init__("pynvml")
+        self.open = 0
+
+    def nvmlInit(self):
+        self.open += 1
+
+    def nvmlShutdown(self):
+        self.open -= 1
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid != self.UUID:
+            raise self.NVMLError("Not Found")
+        return "handle"
+
+    def nvmlSystemGetDriverVersion(self):
+        return b"550.54.15"
+
+    def nvmlDeviceGetName(self, handle):
+        return "NVIDIA A100-SXM4-80GB"
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self.UUID
+
+    def nvmlDeviceGetSerial(self, handle):
+        return b"1564720004631"
+
+    def nvmlDeviceGetBoardPartNumber(self, handle):
+        return "692-2G506-0212-002"
+
+    def nvmlDeviceGetVbiosVersion(self, handle):
+        return "92.00.45.00.03"
+
+    def nvmlDeviceGetInforomImageVersion(self, handle):
+        raise self.NVMLError("Not Supported")
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        return types.SimpleNamespace(busId="00000000:07:00.0")
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, error, counter):
+        return {(0, 0): 3, (1, 0): 0, (0, 1): 118, (1, 1): 2}[(error, counter)]
+
+    def nvmlDeviceGetRetiredPages(self, handle, cause):
+        double_bit = cause == self.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+        return [0x1F000, 0x2A000] if double_bit else []
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle):
+        return 1
+
+    def nvmlDeviceGetRemappedRows(self, handle):
+        raise self.NVMLError("Insufficient Permissions")
+
+    def nvmlDeviceGetClockInfo(self, handle, clock):
+        return [1410, 1410, 1593][clock]
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        return 71
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 312_500  # milliwatts
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle):
+        return 400_000
+
+
+def test_nvml_identity_and_health_with_unsupported_fields(ticket: Path, monkeypatch):
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml = nvml_identity(fake.UUID.removeprefix("GPU-"))  # torch's UUID lacks the prefix
+    assert fake.open == 0  # shut down again
+    assert nvml["available"] is True and nvml["driver"] == "550.54.15"
+    assert nvml["identity"] == {
+        "name": "NVIDIA A100-SXM4-80GB", "uuid": fake.UUID, "serial": "1564720004631",
+        "board_part_number": "692-2G506-0212-002", "vbios": "92.00.45.00.03",
+        "inforom": "unavailable (Not Supported)", "pci_bus_id": "00000000:07:00.0"}
+    assert nvml["health"] == {
+        "ecc": {"volatile_corrected": 3, "volatile_uncorrected": 0, "aggregate_corrected": 118,
+                "aggregate_uncorrected": 2},
+        "retired_pages": {"single_bit_ecc": 0, "double_bit_ecc": 2, "pending": True},
+        "remapped_rows": "unavailable (Insufficient Permissions)",
+        "clocks_mhz": {"graphics": 1410, "sm": 1410, "memory": 1593},
+        "temperature_c": 71, "power_w": 312.5, "power_limit_w": 400.0}
+    assert nvml_identity("another-board") == {"available": False, "note": "NVML: Not Found"}
+    assert fake.open == 0
+
+    doc = json.loads((ticket / "ticket.json").read_text())
+    doc["device"] = {"label": "cuda:0", "type": "cuda", "name": "NVIDIA A100-SXM4-80GB",
+                     "nvml": nvml}
+    markdown = render_markdown(doc)
+    for row in ["| serial | 1564720004631 |", "| board part number | 692-2G506-0212-002 |",
+                "| inforom | unavailable (Not Supported) |", "| pci bus id | 00000000:07:00.0 |",
+                "| driver | 550.54.15 |",
+                "| ecc | volatile corrected 3, volatile uncorrected 0, aggregate corrected 118, "
+                "aggregate uncorrected 2 |",
+                "| retired pages | single bit ecc 0, double bit ecc 2, pending True |",
+                "| remapped rows | unavailable (Insufficient Permissions) |",
+                "| power w | 312.5 |"]:
+        assert row in markdown.splitlines(), row
+    assert "## For the vendor's return process" in markdown and "nvidia-bug-report.sh" in markdown
+    assert "fieldiag" in markdown
+    assert "serial 1564720004631, board part number 692-2G506-0212-002" in markdown
+
+
+def test_without_nvidia_ml_py_the_ticket_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    assert nvml_identity("x") == {
+        "available": False,
+        "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
+                "for serial, VBIOS and ECC counters"}
