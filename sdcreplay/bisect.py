@@ -28,7 +28,7 @@ import h5py
 import torch
 
 from . import determinism
-from .bundle import Bundle, StepRecord, write_state
+from .bundle import Bundle, StepRecord
 from .capture import (
     CallSite,
     InputOrigin,
@@ -47,7 +47,7 @@ from .faults import Injector, parse_specs
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .replay import ReplaySession, replay_devices, run_device_processes
 from .signature import SignatureLog, layer_of
-from .tensorio import raw_bits, read_tensor, read_tree, write_tensor
+from .tensorio import raw_bits, read_tensor, write_tensor
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
@@ -67,6 +67,7 @@ class StepEntry:
     state: dict[str, torch.Tensor]
     target: StepRecord
     window_steps: int  # steps of the window this process replayed to get here (0: loaded)
+    continuation: list[tuple[str, str]] | None = None  # the step run on from the window itself
 
 
 def _enter_step(task: dict, repeat: int) -> StepEntry:
@@ -80,43 +81,40 @@ def _enter_step(task: dict, repeat: int) -> StepEntry:
     and its state is digested here and compared with the reference's, so
     memory corrupted at rest entering the step is still seen.
     """
-    session = ReplaySession(task["bundle"], task["device"], inject=task.get("inject", ()), repeat=repeat)
-    step, window_steps = task["step"], 0
+    def new_session() -> ReplaySession:
+        return ReplaySession(task["bundle"], task["device"], inject=task.get("inject", ()),
+                             repeat=repeat)
+
+    session = new_session()
+    step, window_steps, continuation = task["step"], 0, None
     try:
         target = next((r for r in session.bundle.steps if r.index == step), None)
         if target is None:
             raise SdcReplayError(f"the bundle has no step {step}",
                                  f"Steps: {session.bundle.step_indices}.")
         if task.get("entry_state"):
-            load_entry_state(session, Path(task["entry_state"]))
+            session.load_state(Path(task["entry_state"]))
         else:
             for record in session.steps_until(step - 1):
                 session.run_step(record)
                 window_steps += 1
             if task.get("save_entry"):
-                save_entry_state(session, Path(task["save_entry"]))
+                # The reference runs the step in a session fresh from the saved state, like every
+                # later run: objects that build tensors lazily (a GradScaler's scale) then call
+                # the same operators.
+                session.save_state(Path(task["save_entry"]))
+                continuation = session.run_step(target)
+                window_steps += 1
+                session.close()
+                session = new_session()
+                session.load_state(Path(task["save_entry"]))
     except BaseException:
         session.close()
         raise
     session.injector.before_step(step, session.model)  # memory corrupted before the step belongs to its state
     state = state_tensors(session.model, session.optimizer)
     digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
-    return StepEntry(session, digests, state, target, window_steps)
-
-
-def save_entry_state(session: ReplaySession, path: Path) -> None:
-    """The session's model and optimizer state as plain HDF5 (no pickle crosses processes)."""
-    write_state(path, session.model.state_dict(), session.optimizer.state_dict())
-
-
-def load_entry_state(session: ReplaySession, path: Path) -> None:
-    """Set the session's model and optimizer state from ``save_entry_state``'s file."""
-    with h5py.File(path, "r") as handle:
-        model = read_tree(handle["model"])
-        optimizer = read_tree(handle["optimizer"]) if "optimizer" in handle else None
-    session.model.load_state_dict(model)
-    if optimizer is not None:
-        session.optimizer.load_state_dict(optimizer)
+    return StepEntry(session, digests, state, target, window_steps, continuation)
 
 
 def _records_to_json(records: list[OperatorRecord]) -> list:
@@ -144,9 +142,11 @@ def run_oplog_task(task: dict) -> dict:
         try:
             differing = [n for n, d in digests.items() if expected and expected["state"].get(n) != d]
             _save_state(work / f"state-{task['device'].replace(':', '-')}.h5", state, differing)
-            session.run_step(target, observers=[oplog])
+            entries = session.run_step(target, observers=[oplog])
         finally:
             session.close()
+        if entry.continuation is not None and entries != entry.continuation:
+            _refuse_unreproduced(step)
         environment = determinism.environment(session.device)
         if expected is None:
             path = work / "oplog-reference.json"
@@ -236,12 +236,17 @@ def run_fetch_task(task: dict) -> dict:
 
 def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, step: int) -> None:
     calls = [row[3] for row in expected["operators"]]
-    if state_digests == expected["state"] and [r.digests for r in oplog.records] == calls:
-        return
+    if state_digests != expected["state"] or [r.digests for r in oplog.records] != calls:
+        _refuse_unreproduced(step)
+
+
+def _refuse_unreproduced(step: int) -> None:
+    """Every run after the window starts from the saved state: it must be the whole state."""
     raise SdcReplayError(
         f"the reference does not reproduce its own step {step} from the state saved entering it",
-        "The step depends on state outside the model and optimizer (a scheduler, a Python "
-        "counter?); bisect can only start a step from what its saved state holds.")
+        "The step depends on state outside the model, optimizer and the workload's state "
+        "objects (a Python counter?); give it to the workload as a state object "
+        "(docs/recording.md), since bisect starts the step from what the saved state holds.")
 
 
 def run_isolate_task(task: dict) -> dict:

@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h5py
 import torch
 
 from . import determinism, trust, worker
-from .bundle import Bundle, StepRecord, verify_checkpoint
+from .bundle import Bundle, StepRecord, verify_checkpoint, write_state
 from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
@@ -28,7 +29,7 @@ from .digest import algorithm_for
 from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, WorkloadError
 from .faults import Injector, parse_specs
 from .signature import SignatureLog, read_signature_log
-from .tensorio import map_tensors
+from .tensorio import map_tensors, read_tree, write_tree
 from .workload import Workload, build_workload
 
 
@@ -143,6 +144,31 @@ class ReplaySession:
         self.workload.loss(batch).backward()
         if record.optimizer_step:
             self.optimizer.step()
+
+    def save_state(self, path: Path) -> None:
+        """Everything the next step starts from, as plain HDF5 (no pickle crosses processes):
+        model, optimizer, state objects, and the gradients a step may accumulate into."""
+        objects = {name: obj.state_dict() for name, obj in self.workload.state.items()}
+        grads = {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
+        write_state(path, self.model.state_dict(), self.optimizer.state_dict(), objects)
+        with h5py.File(path, "a") as handle:
+            write_tree(handle.create_group("grads"), grads)
+
+    def load_state(self, path: Path) -> None:
+        """Put the session in the state ``save_state`` wrote (from this bundle's own replay)."""
+        with h5py.File(path, "r") as handle:
+            model = read_tree(handle["model"])
+            optimizer = read_tree(handle["optimizer"]) if "optimizer" in handle else None
+            objects = {name: read_tree(handle["objects"][name]) for name in self.workload.state}
+            grads = read_tree(handle["grads"])
+        self.model.load_state_dict(model)
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+        for name, obj in self.workload.state.items():
+            obj.load_state_dict(objects[name])
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.grad = grads[name].to(param.device) if name in grads else None
 
     def steps_until(self, last: int | None) -> Iterator[StepRecord]:
         for record in self.bundle.steps:

@@ -675,22 +675,24 @@ def test_a_fault_on_a_view_the_backward_reads_never_kills_a_replay(tmp_path):
 
 
 def test_a_step_started_from_the_saved_entry_state_matches_the_window(llama_bundle, tmp_path):
-    """The reference replays steps 0-1 and saves the state entering step 2; a run loading it
-    (no window) makes every operator call of step 2 bit for bit as the reference did."""
+    """The reference replays steps 0-1, saves the state entering step 2, runs step 2 on from the
+    window and again from the saved state (they must agree); a run loading it (no window) makes
+    every operator call of step 2 bit for bit as the reference did."""
     task = {"bundle": str(llama_bundle), "step": 2, "inject": [], "work_dir": str(tmp_path)}
     entry = tmp_path / "entry.h5"
     reference = run_oplog_task({**task, "device": "cpu:0", "save_entry": str(entry)})
-    assert reference["steps_run"] == 3 and entry.is_file()
+    assert reference["steps_run"] == 4 and entry.is_file()
     loaded = run_oplog_task({**task, "device": "cpu:1", "entry_state": str(entry),
                              "expected": reference["oplog"], "repeats": 2})
     assert loaded == {"divergent": False, "repeats_run": 2, "steps_run": 2}
 
 
 @pytest.mark.parametrize("case, steps", [
-    # --step 1 of 3: the reference replays step 0 and runs step 1; the suspect and fetch run 1 only
-    ("backward", {"replay": 0, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 4}),
+    # --step 1 of 3: the reference replays step 0, runs step 1 on from it (the continuation the
+    # saved state must reproduce) and again from the saved state; the suspect and fetch run 1 only
+    ("backward", {"replay": 0, "oplog_reference": 3, "oplog_suspect": 1, "fetch": 1, "total": 5}),
     # no --step: first both devices replay all 3 steps
-    ("optimizer", {"replay": 6, "oplog_reference": 2, "oplog_suspect": 1, "fetch": 1, "total": 10}),
+    ("optimizer", {"replay": 6, "oplog_reference": 3, "oplog_suspect": 1, "fetch": 1, "total": 11}),
 ])
 def test_only_the_reference_replays_the_window(case, steps, runs):
     report = runs.get(case).to_json()
@@ -789,4 +791,4 @@ def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path)
     refused = "does not reproduce its own step 1 from the state saved"
     with pytest.raises(SdcReplayError, match=refused) as caught:
         bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
-    assert "outside the model and optimizer" in caught.value.hint
+    assert "outside the model, optimizer and the workload's state objects" in caught.value.hint
