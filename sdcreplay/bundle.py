@@ -459,7 +459,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
         lambda v: isinstance(v, list) and len(v) <= 4096
         and all(isinstance(n, str) and 0 < len(n) <= 256 for n in v),
         "a list of state object names")),
-    "verification": optional(OBJECT),
+    "verification": Check(lambda v: v is _MISSING or isinstance(v, dict), "an object"),
     "verification.status": optional(choice(*VERIFICATION_STATUS)),
     "verification.mode": optional(choice("on", "warn", "off")),
     "verification.problem": optional(text(65536)),
@@ -552,6 +552,9 @@ def _validate_manifest(manifest: Any) -> None:
         _require(name in files, f"files[{name!r}] is missing")
     _require(not manifest.get("state_objects") or STATE in files,
              f"files[{STATE!r}] is missing (the bundle has state objects)")
+    _require("verification" not in manifest or "status" in manifest["verification"],
+             "verification.status is missing (expected one of "
+             + ", ".join(json.dumps(status) for status in VERIFICATION_STATUS) + ")")
 
 
 class Bundle:
