@@ -22,6 +22,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import h5py
@@ -44,10 +45,13 @@ from .devices import torch_device, validate_label
 from .digest import tensor_digest
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
+from .forensics import element_forensics, words
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
-from .replay import ReplaySession, replay_devices, run_device_processes
+from .processes import run_device_processes
+from .replay import ReplaySession, replay_devices
 from .signature import SignatureLog, layer_of
-from .tensorio import raw_bits, read_tensor, write_tensor
+from .tensorio import read_tensor, write_tensor
+from .worker import device_task
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
@@ -56,7 +60,7 @@ SCHEMA = "sdcreplay.bisect/1"
 
 
 # ---------------------------------------------------------------------------
-# Worker side: each function runs in a device process (see worker.py).
+# Worker side: each device_task runs in a device process (see worker.py).
 
 @dataclass
 class StepEntry:
@@ -70,7 +74,8 @@ class StepEntry:
     continuation: list[tuple[str, str]] | None = None  # the step run on from the window itself
 
 
-def _enter_step(task: dict, repeat: int) -> StepEntry:
+def _enter_step(bundle: str, device: str, inject: Sequence[str], step: int, repeat: int, *,
+                entry_state: str | None = None, save_entry: str | None = None) -> StepEntry:
     """Bring a session to the state entering the bisected step.
 
     Only the reference replays the window, once, and writes that state
@@ -82,32 +87,31 @@ def _enter_step(task: dict, repeat: int) -> StepEntry:
     memory corrupted at rest entering the step is still seen.
     """
     def new_session() -> ReplaySession:
-        return ReplaySession(task["bundle"], task["device"], inject=task.get("inject", ()),
-                             repeat=repeat)
+        return ReplaySession(bundle, device, inject=inject, repeat=repeat)
 
     session = new_session()
-    step, window_steps, continuation = task["step"], 0, None
+    window_steps, continuation = 0, None
     try:
         target = next((r for r in session.bundle.steps if r.index == step), None)
         if target is None:
             raise SdcReplayError(f"the bundle has no step {step}",
                                  f"Steps: {session.bundle.step_indices}.")
-        if task.get("entry_state"):
-            session.load_state(Path(task["entry_state"]))
+        if entry_state:
+            session.load_state(Path(entry_state))
         else:
             for record in session.steps_until(step - 1):
                 session.run_step(record)
                 window_steps += 1
-            if task.get("save_entry"):
+            if save_entry:
                 # The reference runs the step in a session fresh from the saved state, like every
                 # later run: objects that build tensors lazily (a GradScaler's scale) then call
                 # the same operators.
-                session.save_state(Path(task["save_entry"]))
+                session.save_state(Path(save_entry))
                 continuation = session.run_step(target)
                 window_steps += 1
                 session.close()
                 session = new_session()
-                session.load_state(Path(task["save_entry"]))
+                session.load_state(Path(save_entry))
     except BaseException:
         session.close()
         raise
@@ -126,14 +130,24 @@ def _records_from_json(rows: list, step: int) -> list[OperatorRecord]:
             for index, (phase, module, op, digests) in enumerate(rows)]
 
 
-def run_oplog_task(task: dict) -> dict:
-    """Reference: write the step's operator log. Suspect: compare and keep the first divergence."""
-    step, work = task["step"], Path(task["work_dir"])
-    expected = json.loads(Path(task["expected"]).read_text()) if task.get("expected") else None
-    repeats = task.get("repeats", 1) if expected else 1
+@device_task
+def run_oplog_task(
+    device: str, bundle: str, step: int, work_dir: str, inject: Sequence[str] = (), *,
+    save_entry: str | None = None, entry_state: str | None = None,
+    expected_log: str | None = None, repeats: int = 1,
+) -> dict:
+    """Reference: write the step's operator log. Suspect: compare and keep the first divergence.
+
+    ``expected_log`` is the reference's operator log (a suspect runs up to ``repeats``
+    times); ``save_entry`` and ``entry_state``: see `_enter_step`.
+    """
+    work = Path(work_dir)
+    expected = json.loads(Path(expected_log).read_text()) if expected_log else None
+    repeats = repeats if expected else 1
     steps_run = 0
     for repeat in range(repeats):
-        entry = _enter_step(task, repeat)
+        entry = _enter_step(bundle, device, inject, step, repeat, entry_state=entry_state,
+                            save_entry=save_entry)
         session, digests, state, target = entry.session, entry.digests, entry.state, entry.target
         steps_run += entry.window_steps + 1
         reference = _records_from_json(expected["operators"], step) if expected else None
@@ -141,7 +155,7 @@ def run_oplog_task(task: dict) -> dict:
                             state_memory={memory_address(t): name for name, t in state.items()})
         try:
             differing = [n for n, d in digests.items() if expected and expected["state"].get(n) != d]
-            _save_state(work / f"state-{task['device'].replace(':', '-')}.h5", state, differing)
+            _save_state(work / f"state-{device.replace(':', '-')}.h5", state, differing)
             entries = session.run_step(target, observers=[oplog])
         finally:
             session.close()
@@ -204,32 +218,36 @@ def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]
             write_tensor(handle, name.replace("/", "|"), state[name])
 
 
-def run_fetch_task(task: dict) -> dict:
+@device_task
+def run_fetch_task(
+    device: str, bundle: str, step: int, work_dir: str, op_index: int | None,
+    inject: Sequence[str] = (), *, state_names: Sequence[str] = (),
+    entry_state: str | None = None, expected_log: str | None = None,
+) -> dict:
     """Reference: keep the inputs and outputs of one call, and named state tensors.
 
-    Given the reference's own operator log (``expected``), the run from the
+    Given the reference's own operator log (``expected_log``), the run from the
     loaded state must reproduce it call for call: otherwise the saved state
     was not all the step depends on, and no later comparison could be trusted.
     """
-    oplog = OperatorLog(watch=task["op_index"])
-    entry = _enter_step(task, 0)
+    oplog = OperatorLog(watch=op_index)
+    entry = _enter_step(bundle, device, inject, step, 0, entry_state=entry_state)
     try:
-        _save_state(Path(task["work_dir"]) / "state-reference.h5", entry.state,
-                    task.get("state_names", []))
-        if task["op_index"] is not None:
+        _save_state(Path(work_dir) / "state-reference.h5", entry.state, state_names)
+        if op_index is not None:
             entry.session.run_step(entry.target, observers=[oplog])
     finally:
         entry.session.close()
-    steps_run = entry.window_steps + (task["op_index"] is not None)
-    if task.get("expected") and task["op_index"] is not None:
-        expected = json.loads(Path(task["expected"]).read_text())
-        _check_reproduced(expected, entry.digests, oplog, task["step"])
+    steps_run = entry.window_steps + (op_index is not None)
+    if expected_log and op_index is not None:
+        expected = json.loads(Path(expected_log).read_text())
+        _check_reproduced(expected, entry.digests, oplog, step)
     if oplog.kept is None:
         return {"case": None, "steps_run": steps_run}
     args, kwargs, outputs = oplog.kept
-    path = Path(task["work_dir"]) / "reference-call.h5"
-    site = oplog.records[task["op_index"]].site
-    prior = Counter(r.site.key for r in oplog.records[: task["op_index"]])
+    path = Path(work_dir) / "reference-call.h5"
+    site = oplog.records[op_index].site
+    prior = Counter(r.site.key for r in oplog.records[:op_index])
     OperatorCase(site, prior, args, kwargs, outputs, outputs, rng=oplog.rng_before).write(path)
     return {"case": str(path), "steps_run": steps_run}
 
@@ -249,26 +267,28 @@ def _refuse_unreproduced(step: int) -> None:
         "(docs/recording.md), since bisect starts the step from what the saved state holds.")
 
 
-def run_isolate_task(task: dict) -> dict:
+@device_task
+def run_isolate_task(
+    device: str, bundle: str, case_file: str, runs: int, inject: Sequence[str] = ()
+) -> dict:
     """Suspect: run the one call alone from the reference's inputs, ``runs`` times."""
-    bundle = Bundle.open(task["bundle"])
-    determinism.apply(bundle.manifest["determinism"])
-    device = torch_device(task["device"])
-    case = OperatorCase.read(Path(task["case"]))
+    determinism.apply(Bundle.open(bundle).manifest["determinism"])
+    where = torch_device(device)
+    case = OperatorCase.read(Path(case_file))
     op = resolve_op(case.op)
-    injector = Injector(parse_specs(task.get("inject", ())), task["device"], salt=task.get("salt", 0))
-    expected = [tensor_digest(v) for v in place(case.expected, device)]
+    injector = Injector(parse_specs(inject), device)
+    expected = [tensor_digest(v) for v in place(case.expected, where)]
     failures, first_failure = 0, None
-    for run in range(task["runs"]):
-        args, kwargs = place((list(case.args), case.kwargs), device)
-        restore_operator_rng(case.rng, device)
+    for run in range(runs):
+        args, kwargs = place((list(case.args), case.kwargs), where)
+        restore_operator_rng(case.rng, where)
         out = op(*args, **kwargs)
         injector.on_isolated_call(case.site, case.prior, out)
         if [tensor_digest(v) for v in operator_results(op, args, out)] != expected:
             failures += 1
             first_failure = run if first_failure is None else first_failure
-    return {"runs": task["runs"], "failures": failures, "first_failure": first_failure,
-            "kernels": kernel_names(op, case, device)}
+    return {"runs": runs, "failures": failures, "first_failure": first_failure,
+            "kernels": kernel_names(op, case, where)}
 
 
 def _cuda_profile(device: torch.device):
@@ -306,106 +326,6 @@ def device_kernels(events) -> list[str]:
         if event.device_type.name == "CUDA" and event.name not in names:
             names.append(event.name)
     return names
-
-
-# ---------------------------------------------------------------------------
-# Forensics: which elements, which bits, what shape the damage has.
-
-def _words(tensor: torch.Tensor) -> torch.Tensor:
-    return raw_bits(tensor.contiguous()).reshape(-1).to(torch.int64)
-
-
-def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int = 16) -> dict:
-    """Differing elements (bitwise), their XOR masks, flipped-bit histogram and pattern."""
-    if expected.shape != actual.shape or expected.dtype != actual.dtype:
-        return {"count": None, "note": f"shape/dtype differ: {tuple(expected.shape)} {expected.dtype} vs {tuple(actual.shape)} {actual.dtype}"}
-    width = 8 * expected.element_size()
-    xor = _words(expected) ^ _words(actual)
-    if width < 64:
-        xor &= (1 << width) - 1
-    indices = torch.nonzero(xor).flatten()
-    masks = xor[indices]
-    histogram = Counter()
-    for bit in range(width):
-        flipped = int(((masks >> bit) & 1).sum()) if bit < 63 else int((masks < 0).sum())
-        if flipped:
-            histogram[bit] = flipped
-    flat_e, flat_a = expected.reshape(-1), actual.reshape(-1)
-    chosen = indices[:shown]
-    result = {
-        "count": int(indices.numel()),
-        "total": int(expected.numel()),
-        "indices": [int(i) for i in chosen],
-        "positions": [list(_unravel(int(i), expected.shape)) for i in chosen],
-        "xor": [f"{int(m) & ((1 << width) - 1):0{width // 4}x}" for m in masks[:shown]],
-        "expected": [_value(flat_e[i]) for i in chosen],
-        "actual": [_value(flat_a[i]) for i in chosen],
-        "bits": {"width": width, "histogram": {str(b): n for b, n in sorted(histogram.items())}},
-        "dtype": str(expected.dtype).removeprefix("torch."),
-        "shape": list(expected.shape),
-    }
-    if expected.is_floating_point() and indices.numel():
-        e, a = flat_e[indices].double(), flat_a[indices].double()
-        diff = (e - a).abs()
-        result["max_abs_diff"] = _number(diff.max())
-        result["max_rel_diff"] = _number((diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)).max())
-    else:
-        result["max_abs_diff"] = _number((flat_e[indices].double() - flat_a[indices].double()).abs().max()) if indices.numel() else 0.0
-    result["pattern"] = _pattern(indices, masks, expected, actual)
-    return result
-
-
-def _value(scalar: torch.Tensor):
-    value = scalar.item()
-    return _number(value) if isinstance(value, float) else value
-
-
-def _number(value) -> float | str:
-    value = float(value)
-    return value if value == value and abs(value) != float("inf") else str(value)
-
-
-def _unravel(flat: int, shape) -> tuple[int, ...]:
-    position = []
-    for size in reversed(list(shape)):
-        position.append(flat % size)
-        flat //= size
-    return tuple(reversed(position))
-
-
-def _pattern(indices: torch.Tensor, masks: torch.Tensor, expected: torch.Tensor, actual: torch.Tensor) -> str:
-    """A word for the set of differing elements, as a vendor would describe it."""
-    count = indices.numel()
-    if count == 0:
-        return "none"
-    if count == 1:
-        return "single element"
-    flat_e, flat_a = expected.reshape(-1), actual.reshape(-1)
-    if count == 2:
-        i, j = int(indices[0]), int(indices[1])
-        if _words(flat_a[i:i + 1]).equal(_words(flat_e[j:j + 1])) and _words(flat_a[j:j + 1]).equal(_words(flat_e[i:i + 1])):
-            return "two elements swapped"
-        if int(masks[0]) == int(masks[1]):
-            return "two elements, same bit"
-    columns = expected.shape[-1] if expected.dim() else 1
-    rows, cols = indices // columns, indices % columns
-    one_row, one_column = rows.unique().numel() == 1, cols.unique().numel() == 1
-    height = int(rows.max() - rows.min()) + 1
-    width = int(cols.max() - cols.min()) + 1
-    if one_row and width == count:
-        return "row segment"
-    if one_column and height == count:
-        return "column segment"
-    if height * width == count:
-        return f"block {height}x{width}"
-    steps = (indices[1:] - indices[:-1]).unique()
-    if count > 2 and steps.numel() == 1:  # checked before "one row": a 1-D tensor is all one row
-        return f"strided (every {int(steps[0])} elements)"
-    if one_row:
-        return "scattered in one row"
-    if one_column:
-        return "scattered in one column"
-    return "scattered"
 
 
 # ---------------------------------------------------------------------------
@@ -527,12 +447,15 @@ def bisect(
 
     common = {"bundle": str(opened.path), "step": step, "inject": list(inject), "work_dir": str(work)}
     entry_state = str(work / ENTRY_STATE_FILE)
+    pinned = determinism.pinned_environment(opened.manifest.get("fingerprint"))
+    run = partial(_run_alone, work=work, environment=pinned)
+
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
-    ref_log = _one(run_device_processes(
-        "oplog", [reference], lambda _: {**common, "save_entry": entry_state}, work), reference)
+    ref_log = run("oplog", run_oplog_task, reference, {**common, "save_entry": entry_state})
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
     on_event("oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)")
-    sus = _one(run_device_processes("oplog", [suspect], lambda _: {**common, "expected": ref_log["oplog"], "repeats": repeats}, work), suspect)
+    sus = run("oplog", run_oplog_task, suspect,
+              {**common, "expected_log": ref_log["oplog"], "repeats": repeats})
     steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0),
              "oplog_reference": ref_log["steps_run"], "oplog_suspect": sus["steps_run"]}
     if "structure_error" in sus:
@@ -547,9 +470,9 @@ def bisect(
                        on_event)
 
     on_event("fetch", f"fetching the reference's inputs of the divergent call from {reference}")
-    fetched = _one(run_device_processes("fetch", [reference], lambda _: {
+    fetched = run("fetch", run_fetch_task, reference, {
         **common, "op_index": sus["op_index"], "state_names": sus["state_differs"],
-        "expected": ref_log["oplog"]}, work), reference)
+        "expected_log": ref_log["oplog"]})
     steps["fetch"] = fetched["steps_run"]
     state_report = _state_forensics(work, suspect, sus["state_differs"])
     result = {**base, "verdict": "divergence", "step": step, "repeats_run": sus["repeats_run"],
@@ -567,8 +490,9 @@ def bisect(
     case.write(out / OPERATOR_FILE)
     runs = isolation_runs or max(repeats, 3)
     on_event("isolate", f"re-running {case.op} alone on {suspect} from {reference}'s inputs ({runs} runs)")
-    isolated = _one(run_device_processes("isolate", [suspect], lambda _: {
-        "bundle": str(opened.path), "case": str(out / OPERATOR_FILE), "inject": list(inject), "runs": runs}, work), suspect)
+    isolated = run("isolate", run_isolate_task, suspect, {
+        "bundle": str(opened.path), "case_file": str(out / OPERATOR_FILE), "inject": list(inject),
+        "runs": runs})
     output_index, forensics = _first_differing_output(case)
     inputs_equal = _trees_equal((case.args, case.kwargs), (case.suspect_args, case.suspect_kwargs))
     verdict = "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream")
@@ -615,20 +539,23 @@ def _plotter():
     return plot_element_heatmap
 
 
-def _one(results: dict, label: str) -> dict:
-    result = results[label]
-    if "error" in result:
-        error = result["error"]
-        detail = f": {error['stderr_tail'].splitlines()[-1]}" if error.get("stderr_tail") else ""
-        raise SdcReplayError(f"the {label} process failed: {error['message']}{detail}",
-                             error.get("hint") or "See the stderr file in the report's work directory.")
-    return result
+def _run_alone(kind: str, task: Callable[..., dict], label: str, arguments: dict, *, work: Path,
+               environment: dict[str, str]) -> dict:
+    """``task`` in one device process: its value, or the error that stops the bisect."""
+    results = run_device_processes(kind, task, [label], lambda _: arguments, work,
+                                   environment=environment)
+    result, error = results[label], results[label].error
+    if error is not None:
+        detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
+        raise SdcReplayError(f"the {label} process failed: {error.message}{detail}",
+                             error.hint or "See the stderr file in the report's work directory.")
+    return result.value or {}
 
 
 def _trees_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(_words(a), _words(b)))
+                and a.shape == b.shape and torch.equal(words(a), words(b)))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_trees_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import determinism, ticket
-from .bisect import REPORT_FILE, element_forensics, kernel_names
+from .bisect import REPORT_FILE, kernel_names
 from .bisect import SCHEMA as BISECT_SCHEMA
 from .bundle import Bundle
 from .capture import CallSite, operator_results
@@ -39,6 +39,7 @@ from .devices import torch_device, validate_label
 from .digest import tensor_digest
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
+from .forensics import element_forensics
 from .operator_case import (
     OPERATOR_FILE,
     OperatorCase,

@@ -9,9 +9,6 @@ Running several labels at once, each in its own process, is `replay_devices`.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +17,7 @@ from pathlib import Path
 import h5py
 import torch
 
-from . import determinism, trust, worker
+from . import determinism, trust
 from .bundle import Bundle, StepRecord, verify_checkpoint, write_state
 from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
@@ -28,8 +25,10 @@ from .devices import torch_device, validate_label
 from .digest import algorithm_for
 from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, WorkloadError
 from .faults import Injector, parse_specs
-from .signature import SignatureLog, read_signature_log
+from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
+from .signature import SignatureLog, read_signature_log, write_signature_log
 from .tensorio import map_tensors, read_tree, write_tree
+from .worker import HEARTBEAT, DeviceResult, device_task
 from .workload import Workload, build_workload
 
 
@@ -212,6 +211,28 @@ def replay_on_device(
         session.close()
 
 
+@device_task
+def run_replay_task(
+    device: str, bundle: str, repeats: int, log_dir: str, inject: Sequence[str] = (),
+    last_step: int | None = None,
+) -> dict:
+    """In a device process: replay ``repeats`` times, one signature log each, in ``log_dir``."""
+    logs, warnings, injected, unmatched = [], [], [], None
+    for repeat in range(repeats):
+        log = replay_on_device(
+            bundle, device, last_step=last_step, inject=inject, repeat=repeat,
+            on_step=lambda index, repeat=repeat: HEARTBEAT.beat(f"step {index} (repeat {repeat})"),
+        )
+        path = Path(log_dir) / f"{device.replace(':', '-')}.r{repeat}.sig.zst"
+        write_signature_log(path, log)
+        logs.append(str(path))
+        warnings = log.meta.get("warnings", [])
+        injected.append(log.meta.get("injected", []))
+        unmatched = log.meta["unmatched"] if unmatched is None else unmatched
+    return {"logs": logs, "warnings": warnings, "injected": injected, "unmatched": unmatched or [],
+            "fingerprint": determinism.fingerprint(torch_device(device))}
+
+
 def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple[str, str]]:
     """One step; what the workload raises on the bundle's data is named as such (exit 3)."""
     try:
@@ -342,45 +363,6 @@ class ReplayReport:
         }
 
 
-def _tail(path: Path, lines: int = 12) -> str:
-    """The last lines of a device's stderr without traceback frames (those stay in the file)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(max(0, os.fstat(handle.fileno()).st_size - 65536))
-            text = handle.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    frames = (" ", "\t", "Traceback ", "During handling", "The above exception")
-    kept = [line for line in text.splitlines() if line.strip() and not line.startswith(frames)]
-    return "\n".join(kept[-lines:])
-
-
-def _exit_description(status: int) -> str:
-    if status < 0:
-        try:
-            return f"killed by signal {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exited with status {status}"
-
-
-def _retry_hint(status: int) -> str:
-    """Whether running the device again is worth it, from how its process ended."""
-    if status in (-signal.SIGKILL, 137):
-        return ("Killed from outside (out of memory, or a person/scheduler): retry alone on that device; "
-                "if it dies again, look for the kill in `dmesg` or the scheduler's log.")
-    if status in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGILL, -signal.SIGFPE):
-        return ("A crash inside a kernel or the driver: retry once; if the same device crashes again "
-                "while the others do not, treat it as the suspect.")
-    return "The stderr lines above say why; fix that and retry (a retry alone does not change the outcome)."
-STARTUP_SECONDS = 120.0
-"""For a device process to start (fork, build the workload, load the state) before step one."""
-STEP_FACTOR = 50
-"""A step may take this many times the slowest recorded step before its device is deemed hung."""
-UNKNOWN_STEP_TIMEOUT = 3600.0
-"""Without recorded step times (a bundle from before they were recorded, or a bisect task)."""
-
-
 def progress_timeout(bundle: Bundle) -> float:
     """Seconds a device process may go without progress, derived from the recorded step times.
 
@@ -393,122 +375,10 @@ def progress_timeout(bundle: Bundle) -> float:
     return round(STARTUP_SECONDS + STEP_FACTOR * max(times), 1)
 
 
-@dataclass
-class _DeviceProcess:
-    process: object
-    result: Path
-    stderr: Path
-    alive: Path
-    started: float
-
-    def last_progress(self) -> float:
-        with contextlib.suppress(OSError):
-            return max(self.started, self.alive.stat().st_mtime)
-        return self.started
-
-    def where(self) -> str:
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            return self.alive.read_text()[:80] or "start-up"
-        return "start-up"
-
-
-def _stop(process, grace: float = 5.0) -> None:
-    """SIGKILL and reap, waiting at most ``grace`` seconds."""
-    with contextlib.suppress(OSError, ValueError):
-        process.kill()
-    process.join(grace)
-
-
-def run_device_processes(
-    kind: str,
-    devices: list[str],
-    task_for: Callable[[str], dict],
-    work_dir: Path,
-    on_done: Callable[[str, dict], None] | None = None,
-    timeout: float | None = None,
-) -> dict[str, dict]:
-    """Run one worker process per device label at once; collect each result.
-
-    A process that dies yields ``{"error": {...}}`` with its exit status, its
-    log file and the last lines of its stderr (never traceback frames); one that
-    shows no progress for ``timeout`` seconds (default: ``UNKNOWN_STEP_TIMEOUT``)
-    is killed and reported as timed out. The others run to the end.
-    """
-    timeout = UNKNOWN_STEP_TIMEOUT if timeout is None else timeout
-    try:
-        work_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SdcReplayError(
-            f"cannot create the log directory {work_dir}: {exc.strerror}",
-            "Choose a --logs/--out directory that can be written (not under a file or /proc, "
-            "each name at most 255 bytes).",
-        ) from exc
-    running: dict[str, _DeviceProcess] = {}
-    for label in devices:
-        stem = f"{kind}-{label.replace(':', '-')}"
-        paths = {name: work_dir / f"{stem}.{name}"
-                 for name in ("result.json", "stderr.txt", "alive")}
-        task = {"kind": kind, "device": label, "result": str(paths["result.json"]),
-                "stderr": str(paths["stderr.txt"]), "alive": str(paths["alive"]), **task_for(label)}
-        task_path = work_dir / f"{stem}.task.json"
-        task_path.write_text(json.dumps(task))
-        paths["alive"].unlink(missing_ok=True)
-        process = worker.start(task_path, paths["stderr.txt"], label)
-        running[label] = _DeviceProcess(process, paths["result.json"], paths["stderr.txt"],
-                                        paths["alive"], time.time())
-    results: dict[str, dict] = {}
-    try:
-        while running:
-            for label, device in list(running.items()):
-                result = _poll(label, device, timeout)
-                if result is None:
-                    continue
-                del running[label]
-                results[label] = result
-                if on_done is not None:
-                    on_done(label, result)
-            if running:
-                time.sleep(0.05)
-    finally:
-        for device in running.values():  # interrupted: no process outlives the command
-            _stop(device.process)
-    return results
-
-
-def _poll(label: str, device: _DeviceProcess, timeout: float) -> dict | None:
-    """The result of a process that ended (or was killed for a timeout), or None while it runs."""
-    process = device.process
-    status = process.exitcode
-    if status is None and time.time() - device.last_progress() <= timeout:
-        return None
-    if status is None:
-        where = device.where()
-        _stop(process)
-        return {"error": {
-            "message": f"the {label} process timed out after {timeout:g} s without progress "
-                       f"(at {where}) and was killed",
-            "hint": "A hung device or workload (its log may say where). If the step is just slow, "
-                    "give it more time with --timeout SECONDS.",
-            "timed_out": timeout, "exit_status": None, "log": str(device.stderr),
-            "stderr_tail": _tail(device.stderr)}}
-    process.join(5)
-    result = None
-    if device.result.is_file():
-        with contextlib.suppress(ValueError, OSError):
-            result = json.loads(device.result.read_text())
-    if not isinstance(result, dict) or (status != 0 and not isinstance(result.get("error"), dict)):
-        # died without a word (signal, os._exit): its last lines of stderr are all there is to say
-        result = {"error": {"message": f"the {label} process {_exit_description(status)}",
-                            "hint": _retry_hint(status),
-                            "stderr_tail": _tail(device.stderr)}}
-    if "error" in result:
-        result["error"].update(exit_status=status, log=str(device.stderr))
-    return result
-
-
-def _refuse_unmatched_specs(results: dict[str, dict]) -> None:
+def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
     """A fault spec that selected no call on any device it applies to is a mistake in the spec, not a finding."""
-    reports = [result.get("unmatched") for result in results.values() if "error" not in result]
+    finished = {label: result.value for label, result in results.items() if result.value is not None}
+    reports = [value.get("unmatched") for value in finished.values()]
     if not reports or any(report is None for report in reports):
         return
     by_spec: dict[str, list[str]] = {}
@@ -516,9 +386,9 @@ def _refuse_unmatched_specs(results: dict[str, dict]) -> None:
         for miss in report:
             by_spec.setdefault(miss["spec"], miss["closest"])
     for spec, closest in by_spec.items():
-        applies = [label for label, result in results.items()
-                   if "error" not in result and any(f.applies_to(label) for f in parse_specs([spec], False))]
-        missed = [label for label in applies if any(m["spec"] == spec for m in results[label]["unmatched"])]
+        applies = [label for label in finished
+                   if any(f.applies_to(label) for f in parse_specs([spec], False))]
+        missed = [label for label in applies if any(m["spec"] == spec for m in finished[label]["unmatched"])]
         if applies and missed == applies:
             raise FaultSpecError(
                 f"fault spec {spec!r} matches no operator call of the replayed steps",
@@ -539,7 +409,7 @@ def replay_devices(
     inject: list[str] | tuple[str, ...] = (),
     last_step: int | None = None,
     log_dir: str | Path | None = None,
-    on_done: Callable[[str, dict], None] | None = None,
+    on_done: Callable[[str, DeviceResult], None] | None = None,
     timeout: float | None = None,
 ) -> ReplayReport:
     """Replay on every device label at once, each in its own process, and vote.
@@ -565,24 +435,27 @@ def replay_devices(
     if len(set(labels)) != len(labels):
         raise DeviceError(f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ...")
     log_dir = Path(log_dir) if log_dir else default_log_dir(opened.path)
+    recorded_fingerprint = opened.manifest.get("fingerprint")
     results = run_device_processes(
-        "replay", labels,
+        "replay", run_replay_task, labels,
         lambda label: {"bundle": str(opened.path), "repeats": repeats, "inject": list(inject),
                        "last_step": last_step, "log_dir": str(log_dir)},
-        log_dir, on_done, timeout=progress_timeout(opened) if timeout is None else timeout,
+        log_dir, environment=determinism.pinned_environment(recorded_fingerprint), on_done=on_done,
+        timeout=progress_timeout(opened) if timeout is None else timeout,
     )
-    if all("error" in result for result in results.values()) and len({r["error"]["message"] for r in results.values()}) == 1:
-        error = next(iter(results.values()))["error"]  # the same failure everywhere: the tool's, not a device's
-        raise SdcReplayError(f"every device failed: {error['message']}", error.get("hint") or None)
+    errors = [result.error for result in results.values() if result.error is not None]
+    if len(errors) == len(results) and len({error.message for error in errors}) == 1:
+        error = errors[0]  # the same failure everywhere: the tool's, not a device's
+        raise SdcReplayError(f"every device failed: {error.message}", error.hint)
     _refuse_unmatched_specs(results)
-    recorded_fingerprint = opened.manifest.get("fingerprint")
     runs = []
     for label in labels:
-        result = results[label]
-        run = DeviceRun(label, error=result.get("error"), warnings=result.get("warnings", []),
-                        injected=result.get("injected", []), fingerprint=result.get("fingerprint"))
+        error, value = results[label].error, results[label].value or {}
+        run = DeviceRun(label, error=error.to_json() if error else None,
+                        warnings=value.get("warnings", []), injected=value.get("injected", []),
+                        fingerprint=value.get("fingerprint"))
         if run.error is None:
-            run.log_paths = result["logs"]
+            run.log_paths = value["logs"]
             run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
             run.differences = determinism.fingerprint_differences(recorded_fingerprint, run.fingerprint)
         runs.append(run)

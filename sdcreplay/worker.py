@@ -1,25 +1,164 @@
-"""The device process: one per device label, so a device that crashes takes only its own result.
+"""Inside a device process: read the task, run the function it names, write the result.
 
-The task and the result are JSON files; logs are written next to the result.
-Processes are forked from a multiprocessing *forkserver* that has imported
-torch once (a fresh interpreter would pay several seconds per device to import
-torch and torch._dynamo); the server never runs a torch operator or touches
-CUDA, so every child starts clean. ``python -m sdcreplay.worker TASK.json``
-runs a task by hand.
+The task and the result are JSON files (`DeviceTask`, `DeviceResult`). A task
+names its function by reference (``sdcreplay.bisect:run_oplog_task``), as a
+bundle names its workload; only a function of sdcreplay's own modules marked
+with `device_task` runs, so a task file is data and cannot name other code.
+This module knows no task: replay and bisect mark their own. Starting the
+processes and watching them is `processes.py`. ``python -m sdcreplay.worker
+TASK.json`` runs a task by hand.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import importlib
+import inspect
 import json
-import multiprocessing
 import os
 import sys
 import traceback
-import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import SdcReplayError
+
+PACKAGE = "sdcreplay"
+_TASKS: dict[str, Callable[..., dict]] = {}
+"""Reference (``module:function``) -> each function `device_task` marked, once its module ran."""
+
+
+class TaskError(SdcReplayError):
+    default_hint = "Device tasks are written by sdcreplay itself; run the command that wrote it."
+
+
+def device_task(function: Callable[..., dict]) -> Callable[..., dict]:
+    """Mark ``function`` as one a task may name: it takes ``device=`` and the task's arguments
+    as keywords, and returns a JSON-able dict."""
+    _TASKS[f"{function.__module__}:{function.__qualname__}"] = function
+    return function
+
+
+def task_reference(function: Callable[..., dict]) -> str:
+    """The reference a task names ``function`` by (it must be marked with `device_task`)."""
+    reference = f"{function.__module__}:{function.__qualname__}"
+    if _TASKS.get(reference) is not function:
+        raise TaskError(f"{reference} is not a device task")
+    return reference
+
+
+def task_function(reference: str) -> Callable[..., dict]:
+    """The marked function ``reference`` names; refused unless it is sdcreplay's own."""
+    module, sep, name = reference.partition(":")
+    if not sep or module.split(".")[0] != PACKAGE:
+        raise TaskError(f"task function {reference!r} is not one of sdcreplay's")
+    try:
+        importlib.import_module(module)  # its device_task marks register its functions
+    except ImportError as exc:
+        raise TaskError(f"cannot import {module} for task function {reference!r}: {exc}") from exc
+    if reference not in _TASKS:
+        raise TaskError(f"{reference} is not a device task")
+    return _TASKS[reference]
+
+
+_TASK_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "function": str,
+    "device": str,
+    "result": str,
+    "arguments": dict,
+    "environment": dict,
+    "stderr": (str, type(None)),
+    "alive": (str, type(None)),
+}
+_REQUIRED = ("function", "device", "result")
+
+
+@dataclass(frozen=True)
+class DeviceTask:
+    """What one device process is asked to do, and where it reports."""
+
+    function: str  # a device_task reference, e.g. "sdcreplay.replay:run_replay_task"
+    device: str
+    result: str  # path of the result JSON
+    arguments: dict[str, Any] = field(default_factory=dict)  # the function's keywords
+    environment: dict[str, str] = field(default_factory=dict)  # set before the task runs
+    stderr: str | None = None  # the process's log, named in error hints
+    alive: str | None = None  # the liveness file (`Heartbeat`)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeviceTask:
+        if not isinstance(data, dict):
+            raise TaskError(f"a device task is a JSON object, not {type(data).__name__}")
+        for name, types in _TASK_FIELDS.items():
+            if name in _REQUIRED and name not in data:
+                raise TaskError(f"the device task has no {name!r}")
+            if name in data and not isinstance(data[name], types):
+                raise TaskError(f"the device task's {name!r} is {type(data[name]).__name__}")
+        unknown = sorted(set(data) - set(_TASK_FIELDS))
+        if unknown:
+            raise TaskError(f"the device task has unknown fields {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def read(cls, path: Path) -> DeviceTask:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise TaskError(f"cannot read the device task {path}: {exc}") from exc
+        return cls.from_json(data)
+
+
+@dataclass(frozen=True)
+class DeviceError:
+    """Why a device process gave no result: what the task raised, or how the process ended."""
+
+    message: str
+    hint: str | None = None
+    exit_status: int | None = None  # None while it ran (killed for a timeout)
+    log: str | None = None  # its stderr file, traceback included
+    stderr_tail: str | None = None  # its last stderr lines, without traceback frames
+    timed_out: float | None = None  # the timeout it exceeded, in seconds
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeviceError:
+        if not isinstance(data, dict) or not isinstance(data.get("message"), str):
+            raise ValueError("a device error is an object with a message")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+
+@dataclass(frozen=True)
+class DeviceResult:
+    """What the task function returned (``value``), or why there is nothing (``error``)."""
+
+    value: dict | None = None
+    error: DeviceError | None = None
+
+    def __post_init__(self) -> None:
+        if (self.value is None) == (self.error is None):
+            raise ValueError("a device result holds a value or an error, not both or neither")
+
+    def to_json(self) -> dict:
+        if self.error is not None:
+            return {"error": self.error.to_json()}
+        return {"value": self.value}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeviceResult:
+        """Raises ValueError for anything a worker would not have written."""
+        if isinstance(data, dict) and "error" in data:
+            return cls(error=DeviceError.from_json(data["error"]))
+        if isinstance(data, dict) and isinstance(data.get("value"), dict):
+            return cls(value=data["value"])
+        raise ValueError("a device result is an object with a value or an error")
 
 
 class Heartbeat:
@@ -42,140 +181,70 @@ class Heartbeat:
 HEARTBEAT = Heartbeat(None)
 
 
-def run_replay_task(task: dict) -> dict:
-    from .replay import replay_on_device
-    from .signature import write_signature_log
-
-    logs, warnings, injected, unmatched = [], [], [], None
-    for repeat in range(task["repeats"]):
-        log = replay_on_device(
-            task["bundle"], task["device"], last_step=task.get("last_step"),
-            inject=task.get("inject", ()), repeat=repeat,
-            on_step=lambda index, repeat=repeat: HEARTBEAT.beat(f"step {index} (repeat {repeat})"),
-        )
-        path = Path(task["log_dir"]) / f"{task['device'].replace(':', '-')}.r{repeat}.sig.zst"
-        write_signature_log(path, log)
-        logs.append(str(path))
-        warnings = log.meta.get("warnings", [])
-        injected.append(log.meta.get("injected", []))
-        unmatched = log.meta["unmatched"] if unmatched is None else unmatched
-    from .determinism import fingerprint
-    from .devices import torch_device
-
-    return {"logs": logs, "warnings": warnings, "injected": injected, "unmatched": unmatched or [],
-            "fingerprint": fingerprint(torch_device(task["device"]))}
-
-
-def _bisect_task(name: str):
-    def run(task: dict) -> dict:
-        from . import bisect
-
-        return getattr(bisect, name)(task)
-
-    return run
-
-
-TASKS = {
-    "replay": run_replay_task,
-    "oplog": _bisect_task("run_oplog_task"),
-    "fetch": _bisect_task("run_fetch_task"),
-    "isolate": _bisect_task("run_isolate_task"),
-}
-
-
-def _pin_recorded_kernels(task: dict) -> None:
-    """Put the recording's kernel choices in force before this process runs its first operator."""
-    from .determinism import pin_environment
-
-    if "bundle" in task:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            bundle = Path(task["bundle"])
-            manifest = bundle / "manifest.json"
-            if not manifest.is_file():
-                manifest = bundle.with_name(bundle.name + ".partial") / "manifest.json"
-            pin_environment(json.loads(manifest.read_text()).get("fingerprint"))
+def _call(task: DeviceTask) -> dict:
+    function = task_function(task.function)
+    try:
+        inspect.signature(function).bind(device=task.device, **task.arguments)
+    except TypeError as exc:
+        raise TaskError(f"{task.function} does not take the task's arguments: {exc}") from exc
+    return function(device=task.device, **task.arguments)
 
 
 def main(argv: list[str]) -> int:
-    task = json.loads(Path(argv[1]).read_text())
-    result_path = Path(task["result"])
-    _pin_recorded_kernels(task)
-    HEARTBEAT.path = Path(task["alive"]) if task.get("alive") else None
+    task = DeviceTask.read(Path(argv[1]))
+    os.environ.update(task.environment)  # before the first operator: e.g. the recorded kernels
+    HEARTBEAT.path = Path(task.alive) if task.alive else None
     HEARTBEAT.beat("start-up")
-    log = task.get("stderr")
-    log_hint = f"The traceback is in {log}." if log else "The traceback is on stderr."
+    log_hint = (
+        f"The traceback is in {task.stderr}." if task.stderr else "The traceback is on stderr."
+    )
     try:
-        result = TASKS[task["kind"]](task)
+        result = DeviceResult(value=_call(task))
         status = 0
     except SdcReplayError as exc:
         traceback.print_exc()  # into the device's log file, for whoever debugs it
-        result = {"error": {"message": exc.message, "hint": exc.hint}}
+        result = DeviceResult(error=DeviceError(exc.message, exc.hint))
         status = 3
     except SystemExit as exc:  # workload code called sys.exit(): this device's failure
         traceback.print_exc()
         exit_call = f"sys.exit({exc.code!r})"
-        result = {"error": {"message": f"the workload called {exit_call} at {HEARTBEAT.where}",
-                            "hint": f"Workload code must not exit the process. {log_hint}"}}
+        result = DeviceResult(
+            error=DeviceError(
+                f"the workload called {exit_call} at {HEARTBEAT.where}",
+                f"Workload code must not exit the process. {log_hint}",
+            )
+        )
         status = 3
     except Exception as exc:  # reported for this device; the others go on
         traceback.print_exc()
         first_line = (str(exc).splitlines() or [""])[0][:300]
         what = f"{type(exc).__name__}: {first_line}"
-        result = {"error": {"message": f"the workload failed at {HEARTBEAT.where}: {what}",
-                            "hint": "A stored batch or state the workload cannot use (a damaged "
-                                    "or foreign bundle), or a workload that changed since the "
-                                    f"recording. {log_hint}"}}
+        result = DeviceResult(
+            error=DeviceError(
+                f"the workload failed at {HEARTBEAT.where}: {what}",
+                "A stored batch or state the workload cannot use (a damaged or foreign bundle), "
+                f"or a workload that changed since the recording. {log_hint}",
+            )
+        )
         status = 3
-    result_path.write_text(json.dumps(result))
+    Path(task.result).write_text(json.dumps(result.to_json()))
     return status
 
 
-_server = None
-
-
-def _process_context():
-    global _server
-    if _server is None:
-        _server = multiprocessing.get_context("forkserver")
-        _server.set_forkserver_preload(["sdcreplay.worker", "sdcreplay.bisect", "torch._dynamo"])
-    return _server
-
-
-def _child(task_path: str, stderr_path: str, env: dict, cwd: str) -> None:
-    """In the forked process: the caller's environment and directory, stderr to a file."""
-    descriptor = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(descriptor, 2)
-    os.close(descriptor)
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    status = main(["worker", task_path])
-    sys.stderr.flush()
-    sys.exit(status)
-
-
-def start(task_path: Path, stderr_path: Path, label: str):
-    """Start the device process for one task; ``.exitcode`` is None while it runs."""
-    from .trust import child_environment
-
-    env = {**os.environ, **child_environment(), "SDCREPLAY_DEVICE": label}
-    process = _process_context().Process(
-        target=_child, args=(str(task_path), str(stderr_path), env, os.getcwd()), name=f"sdcreplay-{label}", daemon=False
-    )
-    # multiprocessing would re-import the caller's script in the child (as it does for
-    # spawn); a script that calls replay_devices() without a __main__ guard would then
-    # run again there. The child needs nothing from it.
-    caller_main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
+def run_by_hand(argv: list[str]) -> int:
+    """``python -m sdcreplay.worker TASK.json``: a task file's problem as Error/Hint, exit 3."""
+    if len(argv) != 2:
+        print("usage: python -m sdcreplay.worker TASK.json", file=sys.stderr)
+        return 2
     try:
-        process.start()
-    finally:
-        sys.modules["__main__"] = caller_main
-    return process
+        return main(argv)
+    except SdcReplayError as exc:
+        print(f"Error: {exc.message}\nHint: {exc.hint}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    # The task functions register in sdcreplay.worker, not in this __main__ copy of it.
+    from sdcreplay.worker import run_by_hand
+
+    sys.exit(run_by_hand(sys.argv))

@@ -93,27 +93,28 @@ def check_state_objects(state: Any, where: str) -> dict[str, Any]:
     return dict(state)
 
 
-def _builtin_factories() -> dict[str, Callable[..., Workload]]:
-    from .workloads import tiny_llama, tiny_moe
-
-    return {"tiny-llama": tiny_llama.make_workload, "tiny-moe": tiny_moe.make_workload}
+BUILTIN_WORKLOADS = {
+    "tiny-llama": "sdcreplay.workloads.tiny_llama:make_workload",
+    "tiny-moe": "sdcreplay.workloads.tiny_moe:make_workload",
+}
+"""``builtin:NAME`` -> the factory's reference: built-ins are named like any workload, so
+this module never imports them (they import `Workload` from here)."""
 
 
 def builtin_names() -> list[str]:
-    return sorted(_builtin_factories())
+    return sorted(BUILTIN_WORKLOADS)
 
 
 def resolve_factory(ref: str) -> Callable[..., Workload]:
     """Turn ``builtin:NAME``, ``pkg.mod:fn`` or ``path/file.py:fn`` into a callable."""
     if ref.startswith("builtin:"):
         name = ref.removeprefix("builtin:")
-        factories = _builtin_factories()
-        if name not in factories:
+        if name not in BUILTIN_WORKLOADS:
             raise WorkloadError(
                 f"unknown built-in workload {name!r}",
-                f"Built-in workloads: {', '.join('builtin:' + n for n in sorted(factories))}.",
+                f"Built-in workloads: {', '.join('builtin:' + n for n in builtin_names())}.",
             )
-        return factories[name]
+        ref = BUILTIN_WORKLOADS[name]
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:
         raise WorkloadError(f"cannot read workload reference {ref!r}")

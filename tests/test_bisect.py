@@ -29,10 +29,10 @@ from sdcreplay.bisect import (
     BisectResult,
     _first_divergence,
     bisect,
-    element_forensics,
     run_oplog_task,
 )
 from sdcreplay.errors import SdcReplayError
+from sdcreplay.forensics import element_forensics
 from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
@@ -455,9 +455,9 @@ def test_suspect_running_fewer_operators_is_a_structural_difference(structural_b
     """
     task = {"bundle": str(structural_bundle), "step": 0, "inject": [], "work_dir": str(tmp_path)}
     monkeypatch.setenv("SDCREPLAY_DEVICE", "cpu:0")
-    reference = run_oplog_task({**task, "device": "cpu:0"})
+    reference = run_oplog_task(**task, device="cpu:0")
     monkeypatch.setenv("SDCREPLAY_DEVICE", "cpu:2")
-    suspect = run_oplog_task({**task, "device": "cpu:2", "expected": reference["oplog"], "repeats": 1})
+    suspect = run_oplog_task(**task, device="cpu:2", expected_log=reference["oplog"], repeats=1)
     made = reference["operators"] - 1
     assert suspect == {"structure_error": f"operator call {made}: nothing here, aten.mul_.Tensor under <outside> "
                                           "(forward) on the reference", "repeat": 0, "steps_run": 1}
@@ -680,10 +680,10 @@ def test_a_step_started_from_the_saved_entry_state_matches_the_window(llama_bund
     every operator call of step 2 bit for bit as the reference did."""
     task = {"bundle": str(llama_bundle), "step": 2, "inject": [], "work_dir": str(tmp_path)}
     entry = tmp_path / "entry.h5"
-    reference = run_oplog_task({**task, "device": "cpu:0", "save_entry": str(entry)})
+    reference = run_oplog_task(**task, device="cpu:0", save_entry=str(entry))
     assert reference["steps_run"] == 4 and entry.is_file()
-    loaded = run_oplog_task({**task, "device": "cpu:1", "entry_state": str(entry),
-                             "expected": reference["oplog"], "repeats": 2})
+    loaded = run_oplog_task(**task, device="cpu:1", entry_state=str(entry),
+                            expected_log=reference["oplog"], repeats=2)
     assert loaded == {"divergent": False, "repeats_run": 2, "steps_run": 2}
 
 

@@ -81,8 +81,9 @@ def test_no_command_runs_an_untrusted_workload(hostile, cli, tmp_path: Path):
 
 def test_a_hand_made_task_cannot_skip_the_check(hostile, tmp_path: Path):
     bundle, ref, marker = hostile
-    task = {"kind": "replay", "bundle": str(bundle), "device": "cpu:0", "repeats": 1,
-            "log_dir": str(tmp_path / "logs"), "result": str(tmp_path / "result.json")}
+    task = {"function": "sdcreplay.replay:run_replay_task", "device": "cpu:0",
+            "result": str(tmp_path / "result.json"),
+            "arguments": {"bundle": str(bundle), "repeats": 1, "log_dir": str(tmp_path / "logs")}}
     (tmp_path / "task.json").write_text(json.dumps(task))
     with preserved_global_state():
         assert worker.main(["worker", str(tmp_path / "task.json")]) == 3
