@@ -740,9 +740,9 @@ def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bu
     from sdcreplay import bisect as bisect_module
 
     monkeypatch.setattr(bisect_module, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
-    result = bisect_module.run_isolate_task({
-        "bundle": str(llama_bundle), "device": "cpu:1", "inject": [],
-        "case": str(forward_cli["out"] / OPERATOR_FILE), "runs": 1})
+    result = bisect_module.run_isolate_task(
+        device="cpu:1", bundle=str(llama_bundle), case_file=str(forward_cli["out"] / OPERATOR_FILE),
+        runs=1)
     assert result["kernels"] == ["sm90_gemm<aten.mm.default>"]
     assert (result["runs"], result["failures"]) == (1, 0)  # no fault here: alone, the call is right
 
