@@ -1,8 +1,8 @@
 """Replay on several devices through real worker processes, with injected faults as ground truth.
 
-Every device label is its own ``python -m sdcreplay.worker`` process, and a
-process costs seconds to start (torch import), so the scenarios share few
-``replay_devices`` calls:
+Every device label is its own process (forked from the forkserver, see
+processes.py), and the first costs seconds to start (torch import), so the
+scenarios share few ``replay_devices`` calls:
 
 * one call replays a two-layer tiny-llama bundle on two healthy replicas and
   seven faulty ones, each with one fault kind. Each kind is then judged as
@@ -11,13 +11,18 @@ process costs seconds to start (torch import), so the scenarios share few
 * tiny-moe with a fault in the expert scatter (``index_add_``);
 * a bundle recorded *with* a fault, replayed through the CLI (``--json``);
 * a device whose process is killed by SIGKILL next to an intermittent one
-  (``p=0.3``, ten repeats) and two healthy ones.
+  (``p=0.3``, ten repeats) and two healthy ones;
+* the process layer itself: a task names only a marked function of sdcreplay,
+  its typed task and result, its environment, and a task run by hand.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -25,11 +30,15 @@ import pytest
 import torch
 from conftest import preserved_global_state
 
-from sdcreplay import Bundle, ReplaySession, record, replay_devices, replay_on_device
+from sdcreplay import Bundle, ReplaySession, record, replay_devices, replay_on_device, worker
 from sdcreplay.capture import CallSite
 from sdcreplay.compare import compare_logs, vote
 from sdcreplay.digest import tensor_digest
 from sdcreplay.faults import FaultSpec, Injector, corrupt
+from sdcreplay.processes import run_device_processes
+from sdcreplay.replay import run_replay_task
+from sdcreplay.signature import read_signature_log
+from sdcreplay.worker import DeviceError, DeviceResult, DeviceTask, TaskError
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 MOE = {**LLAMA, "layers": 1, "experts": 2, "top_k": 1}
@@ -339,3 +348,100 @@ def test_a_bad_fault_spec_is_refused_before_any_process_starts(llama, tmp_path):
     with pytest.raises(FaultSpecError, match="phase 'sideways' is not one of"):
         replay_devices(llama, ["cpu:0"], inject=["kind=bitflip,op=aten.mm,phase=sideways"], log_dir=tmp_path / "logs")
     assert not (tmp_path / "logs").exists()
+
+
+# ---------------------------------------------------------------------------
+# The process layer: tasks name their function, typed task and result
+
+EVIL = """
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+"""
+
+
+def _run_task(tmp_path: Path, function: str, **arguments) -> tuple[int, dict]:
+    """A hand-made task through worker.main, in this process: its exit status and result file."""
+    task = DeviceTask(function, "cpu:0", str(tmp_path / "result.json"), arguments)
+    (tmp_path / "task.json").write_text(json.dumps(task.to_json()))
+    status = worker.main(["worker", str(tmp_path / "task.json")])
+    return status, json.loads((tmp_path / "result.json").read_text())
+
+
+def test_a_task_runs_only_a_function_sdcreplay_marked_as_a_device_task(tmp_path: Path):
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(EVIL.format(marker=str(marker)))
+    status, result = _run_task(tmp_path, "os:system", command=f"touch {marker}")
+    assert status == 3
+    assert result["error"]["message"] == "task function 'os:system' is not one of sdcreplay's"
+    # sdcreplay's own, but not a task: it would build (import) any workload, trusted or not
+    status, result = _run_task(tmp_path, "sdcreplay.workload:build_workload", ref=f"{evil}:make")
+    assert status == 3
+    assert result["error"]["message"] == "sdcreplay.workload:build_workload is not a device task"
+    assert not marker.exists()
+    status, result = _run_task(tmp_path, "sdcreplay.replay:run_replay_task", bundle="b", speed=2)
+    assert status == 3
+    assert result["error"]["message"].startswith(
+        "sdcreplay.replay:run_replay_task does not take the task's arguments: ")
+    with pytest.raises(TaskError, match="is not a device task"):
+        run_device_processes("x", os.getcwd, ["cpu:0"], lambda _: {}, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_tasks_and_results_are_typed_json():
+    task = DeviceTask("sdcreplay.replay:run_replay_task", "cpu:1", "/r.json", {"repeats": 2},
+                      {"MKL_CBWR": "AVX2"}, stderr="/e.txt", alive="/a")
+    assert DeviceTask.from_json(json.loads(json.dumps(task.to_json()))) == task
+    error = DeviceError("the cpu:1 process timed out", "give it more time", None, "/e.txt", "last", 3.0)
+    for result in (DeviceResult(value={"logs": ["x"]}), DeviceResult(error=error)):
+        assert DeviceResult.from_json(json.loads(json.dumps(result.to_json()))) == result
+    assert DeviceResult(error=error).to_json()["error"] == {
+        "message": "the cpu:1 process timed out", "hint": "give it more time", "exit_status": None,
+        "log": "/e.txt", "stderr_tail": "last", "timed_out": 3.0}
+    with pytest.raises(TaskError, match="the device task has no 'function'"):
+        DeviceTask.from_json({"device": "cpu", "result": "/r"})
+    with pytest.raises(TaskError, match="the device task's 'arguments' is list"):
+        DeviceTask.from_json({**task.to_json(), "arguments": []})
+    with pytest.raises(TaskError, match=r"unknown fields \['kind'\]"):
+        DeviceTask.from_json({**task.to_json(), "kind": "replay"})
+    for written in ({}, {"value": [1]}, {"error": {"hint": "no message"}}, []):
+        with pytest.raises(ValueError):
+            DeviceResult.from_json(written)
+    with pytest.raises(ValueError, match="not both or neither"):
+        DeviceResult(value={}, error=error)
+
+
+def test_a_task_runs_with_its_environment_in_force(small_bundle: Path, tmp_path: Path):
+    """The environment is set before the task's first operator: ATen's kernel choice follows it."""
+    results = run_device_processes(
+        "replay", run_replay_task, ["cpu:0"],
+        lambda label: {"bundle": str(small_bundle), "repeats": 1, "log_dir": str(tmp_path)},
+        tmp_path, environment={"ATEN_CPU_CAPABILITY": "default"},
+    )
+    value = results["cpu:0"].value
+    assert results["cpu:0"].error is None and value is not None
+    assert value["fingerprint"]["cpu.capability"] == "DEFAULT"
+    assert sorted(read_signature_log(Path(value["logs"][0])).steps) == [0, 1]
+    written = json.loads((tmp_path / "replay-cpu-0.task.json").read_text())
+    assert written["function"] == "sdcreplay.replay:run_replay_task"
+    assert written["environment"] == {"ATEN_CPU_CAPABILITY": "default"}
+
+
+@pytest.mark.slow
+def test_a_task_file_runs_by_hand(small_bundle: Path, tmp_path: Path):
+    """``python -m sdcreplay.worker TASK.json``: the task's function is found from __main__ too."""
+    task = DeviceTask("sdcreplay.replay:run_replay_task", "cpu:0", str(tmp_path / "result.json"),
+                      {"bundle": str(small_bundle), "repeats": 1, "log_dir": str(tmp_path)})
+    (tmp_path / "task.json").write_text(json.dumps(task.to_json()))
+    command = [sys.executable, "-m", "sdcreplay.worker"]
+    done = subprocess.run([*command, str(tmp_path / "task.json")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    value = json.loads((tmp_path / "result.json").read_text())["value"]
+    assert value["logs"] == [str(tmp_path / "cpu-0.r0.sig.zst")]
+    (tmp_path / "bad.json").write_text(json.dumps({"device": "cpu:0"}))
+    done = subprocess.run([*command, str(tmp_path / "bad.json")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 3
+    assert "Error: the device task has no 'function'" in done.stderr and "Hint:" in done.stderr
+    assert "Traceback" not in done.stderr
