@@ -377,7 +377,8 @@ def progress_timeout(bundle: Bundle) -> float:
 
 def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
     """A fault spec that selected no call on any device it applies to is a mistake in the spec, not a finding."""
-    finished = {label: result.value for label, result in results.items() if result.value is not None}
+    finished = {label: result.value for label, result in results.items()
+                if result.value is not None}
     reports = [value.get("unmatched") for value in finished.values()]
     if not reports or any(report is None for report in reports):
         return
@@ -388,7 +389,8 @@ def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
     for spec, closest in by_spec.items():
         applies = [label for label in finished
                    if any(f.applies_to(label) for f in parse_specs([spec], False))]
-        missed = [label for label in applies if any(m["spec"] == spec for m in finished[label]["unmatched"])]
+        missed = [label for label in applies
+                  if any(m["spec"] == spec for m in finished[label]["unmatched"])]
         if applies and missed == applies:
             raise FaultSpecError(
                 f"fault spec {spec!r} matches no operator call of the replayed steps",

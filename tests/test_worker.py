@@ -392,7 +392,8 @@ def test_tasks_and_results_are_typed_json():
     task = DeviceTask("sdcreplay.replay:run_replay_task", "cpu:1", "/r.json", {"repeats": 2},
                       {"MKL_CBWR": "AVX2"}, stderr="/e.txt", alive="/a")
     assert DeviceTask.from_json(json.loads(json.dumps(task.to_json()))) == task
-    error = DeviceError("the cpu:1 process timed out", "give it more time", None, "/e.txt", "last", 3.0)
+    error = DeviceError("the cpu:1 process timed out", "give it more time", None, "/e.txt", "last",
+                        3.0)
     for result in (DeviceResult(value={"logs": ["x"]}), DeviceResult(error=error)):
         assert DeviceResult.from_json(json.loads(json.dumps(result.to_json()))) == result
     assert DeviceResult(error=error).to_json()["error"] == {
