@@ -2,7 +2,7 @@
 
 `run_device_processes` writes each process's `DeviceTask`, starts them all at
 once and collects each `DeviceResult`; a process that dies, or shows no
-progress for the timeout, becomes a `DeviceError` for its device alone. What
+progress for the timeout, becomes a `DeviceFailure` for its device alone. What
 runs inside a process is `worker.py`. Processes are forked from a
 multiprocessing *forkserver* that has imported torch once (a fresh
 interpreter would pay several seconds per device to import torch and
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import trust, worker
 from .errors import SdcReplayError
-from .worker import DeviceError, DeviceResult, DeviceTask
+from .worker import DeviceFailure, DeviceResult, DeviceTask
 
 STARTUP_SECONDS = 120.0
 """For a device process to start (fork, build the workload, load the state) before step one."""
@@ -165,7 +165,7 @@ def run_device_processes(
 
     Each process gets ``device=label`` and ``arguments_for(label)`` as keywords,
     and ``environment`` set before it runs; its files in ``work_dir`` are named
-    ``<kind>-<label>.*``. A process that dies yields a `DeviceError` with its exit
+    ``<kind>-<label>.*``. A process that dies yields a `DeviceFailure` with its exit
     status, its log file and the last lines of its stderr (never traceback
     frames); one that shows no progress for ``timeout`` seconds (default:
     ``UNKNOWN_STEP_TIMEOUT``) is killed and reported as timed out. The others run
@@ -230,7 +230,7 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> DeviceResult | 
         where = device.where()
         _stop(process)
         return DeviceResult(
-            error=DeviceError(
+            error=DeviceFailure(
                 f"the {label} process timed out after {timeout:g} s without progress "
                 f"(at {where}) and was killed",
                 "A hung device or workload (its log may say where). If the step is just slow, "
@@ -248,7 +248,7 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> DeviceResult | 
     if result is None or (status != 0 and result.error is None):
         # died without a word (signal, os._exit): its last lines of stderr are all there is to say
         result = DeviceResult(
-            error=DeviceError(
+            error=DeviceFailure(
                 f"the {label} process {_exit_description(status)}",
                 _retry_hint(status),
                 stderr_tail=_tail(device.stderr),

@@ -102,6 +102,8 @@ class DeviceTask:
         unknown = sorted(set(data) - set(_TASK_FIELDS))
         if unknown:
             raise TaskError(f"the device task has unknown fields {unknown}")
+        if not all(isinstance(value, str) for value in data.get("environment", {}).values()):
+            raise TaskError("the device task's 'environment' holds a value that is not a string")
         return cls(**data)
 
     @classmethod
@@ -114,7 +116,7 @@ class DeviceTask:
 
 
 @dataclass(frozen=True)
-class DeviceError:
+class DeviceFailure:
     """Why a device process gave no result: what the task raised, or how the process ended."""
 
     message: str
@@ -128,11 +130,13 @@ class DeviceError:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any) -> DeviceError:
+    def from_json(cls, data: Any) -> DeviceFailure:
         if not isinstance(data, dict) or not isinstance(data.get("message"), str):
-            raise ValueError("a device error is an object with a message")
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
+            raise ValueError("a device failure is an object with a message")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a field it does not have
+            raise ValueError(f"not a device failure: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ class DeviceResult:
     """What the task function returned (``value``), or why there is nothing (``error``)."""
 
     value: dict | None = None
-    error: DeviceError | None = None
+    error: DeviceFailure | None = None
 
     def __post_init__(self) -> None:
         if (self.value is None) == (self.error is None):
@@ -155,7 +159,7 @@ class DeviceResult:
     def from_json(cls, data: Any) -> DeviceResult:
         """Raises ValueError for anything a worker would not have written."""
         if isinstance(data, dict) and "error" in data:
-            return cls(error=DeviceError.from_json(data["error"]))
+            return cls(error=DeviceFailure.from_json(data["error"]))
         if isinstance(data, dict) and isinstance(data.get("value"), dict):
             return cls(value=data["value"])
         raise ValueError("a device result is an object with a value or an error")
@@ -203,13 +207,13 @@ def main(argv: list[str]) -> int:
         status = 0
     except SdcReplayError as exc:
         traceback.print_exc()  # into the device's log file, for whoever debugs it
-        result = DeviceResult(error=DeviceError(exc.message, exc.hint))
+        result = DeviceResult(error=DeviceFailure(exc.message, exc.hint))
         status = 3
     except SystemExit as exc:  # workload code called sys.exit(): this device's failure
         traceback.print_exc()
         exit_call = f"sys.exit({exc.code!r})"
         result = DeviceResult(
-            error=DeviceError(
+            error=DeviceFailure(
                 f"the workload called {exit_call} at {HEARTBEAT.where}",
                 f"Workload code must not exit the process. {log_hint}",
             )
@@ -220,7 +224,7 @@ def main(argv: list[str]) -> int:
         first_line = (str(exc).splitlines() or [""])[0][:300]
         what = f"{type(exc).__name__}: {first_line}"
         result = DeviceResult(
-            error=DeviceError(
+            error=DeviceFailure(
                 f"the workload failed at {HEARTBEAT.where}: {what}",
                 "A stored batch or state the workload cannot use (a damaged or foreign bundle), "
                 f"or a workload that changed since the recording. {log_hint}",

@@ -38,7 +38,7 @@ from sdcreplay.faults import FaultSpec, Injector, corrupt
 from sdcreplay.processes import run_device_processes
 from sdcreplay.replay import run_replay_task
 from sdcreplay.signature import read_signature_log
-from sdcreplay.worker import DeviceError, DeviceResult, DeviceTask, TaskError
+from sdcreplay.worker import DeviceFailure, DeviceResult, DeviceTask, TaskError
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 MOE = {**LLAMA, "layers": 1, "experts": 2, "top_k": 1}
@@ -392,7 +392,7 @@ def test_tasks_and_results_are_typed_json():
     task = DeviceTask("sdcreplay.replay:run_replay_task", "cpu:1", "/r.json", {"repeats": 2},
                       {"MKL_CBWR": "AVX2"}, stderr="/e.txt", alive="/a")
     assert DeviceTask.from_json(json.loads(json.dumps(task.to_json()))) == task
-    error = DeviceError("the cpu:1 process timed out", "give it more time", None, "/e.txt", "last",
+    error = DeviceFailure("the cpu:1 process timed out", "give it more time", None, "/e.txt", "last",
                         3.0)
     for result in (DeviceResult(value={"logs": ["x"]}), DeviceResult(error=error)):
         assert DeviceResult.from_json(json.loads(json.dumps(result.to_json()))) == result
@@ -405,7 +405,10 @@ def test_tasks_and_results_are_typed_json():
         DeviceTask.from_json({**task.to_json(), "arguments": []})
     with pytest.raises(TaskError, match=r"unknown fields \['kind'\]"):
         DeviceTask.from_json({**task.to_json(), "kind": "replay"})
-    for written in ({}, {"value": [1]}, {"error": {"hint": "no message"}}, []):
+    with pytest.raises(TaskError, match="'environment' holds a value that is not a string"):
+        DeviceTask.from_json({**task.to_json(), "environment": {"MKL_CBWR": 1}})
+    for written in ({}, {"value": [1]}, {"error": {"hint": "no message"}}, [],
+                    {"error": {"message": "m", "signal": 9}}):
         with pytest.raises(ValueError):
             DeviceResult.from_json(written)
     with pytest.raises(ValueError, match="not both or neither"):
