@@ -747,36 +747,67 @@ class Bundle:
         return sum(meta["size"] for meta in self.manifest["files"].values()) + (self.path / MANIFEST).stat().st_size
 
 
-def describe(path: str | Path) -> dict:
+@dataclass
+class BundleInfo:
+    """What ``sdcreplay info`` shows (``sdcreplay.info/1``); every file was verified first."""
+
+    bundle: str
+    bundle_schema: str
+    complete: bool
+    created: str | None
+    workload: dict
+    device: str
+    device_type: str
+    digest: dict | None
+    state: dict
+    steps: list[dict]
+    state_objects: list[str]
+    verification: dict
+    entries: int
+    files: int
+    size_bytes: int
+    integrity: str
+    environment: dict
+    determinism: dict
+    fingerprint: dict | None
+    must_match: dict
+    trusted: bool
+
+    exit_code = 0
+
+    def to_json(self) -> dict:
+        return {"schema": "sdcreplay.info/1", **vars(self)}
+
+
+def describe(path: str | Path) -> BundleInfo:
     """What ``sdcreplay info`` shows: every file is verified first."""
     bundle = Bundle.open(path, verify=True)
     manifest = bundle.manifest
     log = bundle.signature_log()
-    return {
-        "schema": "sdcreplay.info/1",
-        "bundle": str(bundle.path),
-        "bundle_schema": manifest["schema"],
-        "complete": manifest["complete"],
-        "created": manifest.get("created"),
-        "workload": manifest["workload"],
-        "device": manifest["device"],
-        "device_type": manifest["device_type"],
-        "digest": manifest.get("digest"),
-        "state": {k: v for k, v in manifest["state"].items()},
-        "steps": [
+    return BundleInfo(
+        bundle=str(bundle.path),
+        bundle_schema=manifest["schema"],
+        complete=manifest["complete"],
+        created=manifest.get("created"),
+        workload=manifest["workload"],
+        device=manifest["device"],
+        device_type=manifest["device_type"],
+        digest=manifest.get("digest"),
+        state={k: v for k, v in manifest["state"].items()},
+        steps=[
             {"index": step.index, "entries": step.entries, "optimizer_step": step.optimizer_step,
              "grads": step.grads}
             for step in bundle.steps
         ],
-        "state_objects": bundle.state_object_names,
-        "verification": bundle.verification,
-        "entries": log.entry_count(),
-        "files": len(manifest["files"]),
-        "size_bytes": bundle.size_bytes(),
-        "integrity": "ok",
-        "environment": manifest["environment"],
-        "determinism": manifest["determinism"],
-        "fingerprint": manifest.get("fingerprint"),
-        "must_match": must_match(manifest.get("fingerprint") or {}),
-        "trusted": trust.is_trusted(manifest),
-    }
+        state_objects=bundle.state_object_names,
+        verification=bundle.verification,
+        entries=log.entry_count(),
+        files=len(manifest["files"]),
+        size_bytes=bundle.size_bytes(),
+        integrity="ok",
+        environment=manifest["environment"],
+        determinism=manifest["determinism"],
+        fingerprint=manifest.get("fingerprint"),
+        must_match=must_match(manifest.get("fingerprint") or {}),
+        trusted=trust.is_trusted(manifest),
+    )

@@ -22,7 +22,7 @@ import math
 import shlex
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -517,20 +517,47 @@ def deterministic_switches(report: dict, report_dir: Path, warnings: list[str]) 
 
 @dataclass
 class MinimizeResult:
-    """What ``--json`` prints (``sdcreplay.minimize/1``)."""
+    """What ``--json`` prints and the ticket records (``sdcreplay.minimize/1``)."""
 
-    data: dict = field(default_factory=dict)
-
-    @property
-    def reproduced(self) -> bool:
-        return self.data["reproduced"]
+    reproduced: bool
+    op: str
+    site: dict
+    device: str  # the suspect the trials ran on
+    reference: str
+    trials: int
+    failures: int
+    rate: float
+    ci95: list[float]  # Wilson 95% interval of the rate
+    trials_to_first_failure: int | None
+    trials_per_second: float
+    reference_trials: int
+    reference_failures: int
+    dtypes: list[str]
+    input_shapes_original: list[list[int]]
+    input_shapes_minimal: list[list[int]]
+    shrink: dict  # status (ShrinkStatus), reason, tests, axes, kept
+    acceptance: dict[str, int]  # good_trials, bad_trials
+    minimal: dict | None  # the measurement on the minimal inputs
+    data_dependent: bool | None
+    first_mismatch: dict | None
+    coordinates: dict | None
+    bits: dict | None
+    pattern: str | None
+    kernels: list[str]
+    inject: list[str]
+    report: str
+    ticket: str
+    switches: dict
+    warnings: list[str]
+    commands: list[str]
+    seconds: float = 0.0
 
     @property
     def exit_code(self) -> int:
         return 1 if self.reproduced else 0
 
     def to_json(self) -> dict:
-        return self.data
+        return {"schema": SCHEMA, **vars(self)}
 
 
 def default_bad_trials(rate: float, trials: int) -> int:
@@ -600,48 +627,47 @@ def minimize(
     if suspect.device.type == "cuda":
         kernels = kernel_names(op, OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, expected), suspect.device)
     failure = (minimal.first_failure if minimal else None) or measured.first_failure
-    data = {
-        "schema": SCHEMA,
-        "reproduced": reproduced,
-        "op": case.op,
-        "site": asdict(case.site),
-        "device": suspect_label,
-        "reference": reference_label,
-        "trials": measured.trials,
-        "failures": measured.failures,
-        "rate": measured.rate,
-        "ci95": list(measured.ci95),
-        "trials_to_first_failure": measured.trials_to_first_failure,
-        "trials_per_second": measured.to_json()["trials_per_second"],
-        "reference_trials": checked.trials,
-        "reference_failures": checked.failures,
-        "dtypes": [dtype_name(t.dtype) for t in case.args if isinstance(t, torch.Tensor)],
-        "input_shapes_original": shapes_of((list(case.args), case.kwargs)),
-        "input_shapes_minimal": shapes_of((args, kwargs)),
-        "shrink": shrink,
-        "acceptance": {"good_trials": good_trials, "bad_trials": bad_trials},
-        "minimal": minimal.to_json() if minimal else None,
-        "data_dependent": data_dependent,
-        "first_mismatch": _first_element(failure),
-        "coordinates": failing_element_coordinates(
+    result = MinimizeResult(
+        reproduced=reproduced,
+        op=case.op,
+        site=asdict(case.site),
+        device=suspect_label,
+        reference=reference_label,
+        trials=measured.trials,
+        failures=measured.failures,
+        rate=measured.rate,
+        ci95=list(measured.ci95),
+        trials_to_first_failure=measured.trials_to_first_failure,
+        trials_per_second=measured.to_json()["trials_per_second"],
+        reference_trials=checked.trials,
+        reference_failures=checked.failures,
+        dtypes=[dtype_name(t.dtype) for t in case.args if isinstance(t, torch.Tensor)],
+        input_shapes_original=shapes_of((list(case.args), case.kwargs)),
+        input_shapes_minimal=shapes_of((args, kwargs)),
+        shrink=shrink,
+        acceptance={"good_trials": good_trials, "bad_trials": bad_trials},
+        minimal=minimal.to_json() if minimal else None,
+        data_dependent=data_dependent,
+        first_mismatch=_first_element(failure),
+        coordinates=failing_element_coordinates(
             _first_element(failure), _first_element(measured.first_failure), cut,
             shrunk=minimal is not None),
-        "bits": failure.get("bits") if failure else None,
-        "pattern": failure.get("pattern") if failure else None,
-        "kernels": kernels,
-        "inject": [str(spec) for spec in specs],
-        "report": str(report_dir),
-        "ticket": str(target),
-        "switches": switches,
-        "warnings": warnings,
-        "commands": [*report.get("commands", []), _command_line(report_dir, device, reference, trials, good_trials,
+        bits=failure.get("bits") if failure else None,
+        pattern=failure.get("pattern") if failure else None,
+        kernels=kernels,
+        inject=[str(spec) for spec in specs],
+        report=str(report_dir),
+        ticket=str(target),
+        switches=switches,
+        warnings=warnings,
+        commands=[*report.get("commands", []), _command_line(report_dir, device, reference, trials, good_trials,
                                                                  bad_trials, inject, out)],
-    }
+    )
     suspect_outputs = minimal.failing_outputs if minimal and minimal.failing_outputs is not None else expected
     ticket_case = OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs, rng=case.rng)
-    data["seconds"] = round(time.perf_counter() - started, 3)
-    ticket.write_ticket(target, data, report, ticket_case)
-    return MinimizeResult(data)
+    result.seconds = round(time.perf_counter() - started, 3)
+    ticket.write_ticket(target, result.to_json(), report, ticket_case)
+    return result
 
 
 Cut = list[tuple[Axis, tuple]]
