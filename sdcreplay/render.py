@@ -64,6 +64,13 @@ def _longest_word(cell: str) -> int:
     return max((len(word) for word in Text.from_markup(cell).plain.split()), default=0)
 
 
+def _counts(done: int | None, total: int | None) -> str:
+    """``7/10``; ``7`` where the total is not known (a shrink): never ``7/?``."""
+    if done is None:
+        return ""
+    return f"{done}/{total}" if total is not None else str(done)
+
+
 class Stages:
     """Progress through named stages, each with its own count and (when known) total.
 
@@ -91,9 +98,8 @@ class Stages:
             self.current = {"stage": stage, "started": time.perf_counter()}
             self.tasks[stage] = self.progress.add_task(stage, total=total, counts="", note="")
         self.current.update(done=done, total=total, note=note)
-        counts = "" if done is None else f"{done}/{total}" if total is not None else f"{done}"
         self.progress.update(self.tasks[stage], completed=done or 0, total=total,
-                             counts=counts, note=escape(note))
+                             counts=_counts(done, total), note=escape(note))
 
     def _close_current(self) -> None:
         current = self.current
@@ -102,12 +108,11 @@ class Stages:
         if current["total"] is not None and current["done"] is not None:
             self.progress.update(self.tasks[current["stage"]], completed=current["total"])
         if not self.live:
-            done, total = current["done"], current["total"]
-            counts = "" if done is None else f" {done}" + ("" if total is None else f"/{total}")
-            note = f", {current['note']}" if current["note"] else ""
             seconds = time.perf_counter() - current["started"]
-            self.console.print(f"{escape(current['stage'])}:{counts}{escape(note)} "
-                               f"({seconds:.1f} s)", highlight=False)
+            said = ", ".join(part for part in (_counts(current["done"], current["total"]),
+                                               current["note"]) if part)
+            self.console.print(f"{escape(current['stage'])}: {escape(said)} ({seconds:.1f} s)",
+                               highlight=False)
         self.current = None
 
     def close(self) -> None:
@@ -136,12 +141,23 @@ class Output:
         """A table whose cells wrap between words only: a device label or entry name stays whole
         (a word longer than the widest allowed column is folded, never cut short)."""
         table = Table(title=title, title_justify="left", header_style="bold")
-        for position, column in enumerate(columns):
-            longest = max([_longest_word(column)] + [_longest_word(row[position]) for row in rows])
-            table.add_column(column, overflow="fold", min_width=min(longest, LONGEST_UNBROKEN))
+        for column, width in zip(columns, self._unbroken_widths(columns, rows)):
+            table.add_column(column, overflow="fold", min_width=width)
         for row in rows:
             table.add_row(*row)
         self.console.print(table)
+
+    def _unbroken_widths(self, columns: list[str], rows: list[list[str]]) -> list[int]:
+        """Each column at least as wide as its longest word; where they cannot all fit the
+        console, the widest column (a value, rarely a name) gives up the difference."""
+        widths = [min(LONGEST_UNBROKEN, max([_longest_word(column)]
+                                            + [_longest_word(row[position]) for row in rows]))
+                  for position, column in enumerate(columns)]
+        excess = sum(widths) + 3 * len(widths) + 1 - self.console.width  # padding and borders
+        if excess > 0:
+            widest = widths.index(max(widths))
+            widths[widest] = max(1, widths[widest] - excess)
+        return widths
 
     def error(self, exc: SdcReplayError) -> None:
         self.console.print(f"[bold red]Error:[/] {escape(exc.message)}")
