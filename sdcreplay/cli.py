@@ -282,7 +282,7 @@ def bisect(
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
         return run_bisect(bundle, suspect=suspect, reference=reference or "cpu:0", step=step,
                           repeats=repeats, inject=inject or [], out=out, plot=plot,
-                          on_event=lambda kind, text: progress.update(kind, note=text))
+                          on_event=progress.begin)
 
 
 @command(render_diff)

@@ -58,7 +58,8 @@ PROGRESS_SECONDS = 0.2
 KEPT_OUTPUT_BYTES = 256 << 20  # outputs a device may hold while its verdicts wait for one sync
 Progress = Callable[[str, int, "int | None", int], None]
 """``on_progress(stage, done, total, failures)``; stages: suspect, reference,
-shrink (done = candidates tested, failures = candidates kept), random data, minimal."""
+shrink (done = candidates tested, failures = candidates kept; no total: the number of candidates
+is not known in advance), random data (failures = draws that still fail), minimal."""
 
 
 def wilson_interval(failures: int, trials: int, z: float = Z95) -> tuple[float, float]:
@@ -618,8 +619,8 @@ def minimize(
     expected = checker.outputs(args, kwargs)
     minimal, data_dependent = None, None
     if reproduced:
-        progress("random data", 0, RANDOM_DATA_DRAWS, 0)
-        data_dependent = depends_on_data(args, kwargs, acceptance, seed)
+        data_dependent = depends_on_data(args, kwargs, acceptance, seed,
+                                         on_draw=partial(progress, "random data"))
         minimal = suspect.measure(args, kwargs, expected, trials, progress=partial(progress, "minimal"))
 
     target = Path(out) if out else report_dir / "ticket"
@@ -700,11 +701,22 @@ def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
     }, cut
 
 
-def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int) -> bool:
-    """True when random data of the same shape, dtype and range never meets the acceptance rule."""
+def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int,
+                    on_draw: Callable[[int, int, int], None] = lambda done, total, held: None,
+                    ) -> bool:
+    """True when random data of the same shape, dtype and range never meets the acceptance rule.
+
+    ``on_draw(done, total, held)`` after each draw tested; the first that meets it ends the test.
+    """
     generator = torch.Generator().manual_seed(seed)
     draws = [random_inputs(args, kwargs, generator) for _ in range(RANDOM_DATA_DRAWS)]
-    return not any(acceptance.holds(*draw) for draw in draws)
+    on_draw(0, RANDOM_DATA_DRAWS, 0)
+    for done, draw in enumerate(draws, 1):
+        held = acceptance.holds(*draw)
+        on_draw(done, RANDOM_DATA_DRAWS, int(held))
+        if held:
+            return False
+    return True
 
 
 def _report_warnings(report: dict, specs: list[FaultSpec]) -> list[str]:

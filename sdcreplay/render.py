@@ -101,6 +101,11 @@ class Stages:
         self.progress.update(self.tasks[stage], completed=done or 0, total=total,
                              counts=_counts(done, total), note=escape(note))
 
+    def begin(self, stage: str, note: str = "") -> None:
+        """A new stage, even one named as the last (bisect replays a step on each device)."""
+        self._close_current()
+        self.update(stage, note=note)
+
     def _close_current(self) -> None:
         current = self.current
         if current is None:

@@ -74,12 +74,15 @@ def test_a_log_gets_one_line_per_stage_with_its_count_total_and_time():
             progress.update("suspect", done, 10, f"{done // 5} failed")
         for tested in range(1, 8):
             progress.update("shrink", tested, None, "2 kept")
-        progress.update("replay", note="replaying the window on cpu:0")
+        progress.begin("oplog", "operator-level replay of step 1 on cpu:0")
+        progress.begin("oplog", "operator-level replay of step 1 on cpu:1")
     lines = buffer.getvalue().splitlines()
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert re.fullmatch(r"suspect: 10/10, 2 failed \(\d+\.\d s\)", lines[0])
     assert re.fullmatch(r"shrink: 7, 2 kept \(\d+\.\d s\)", lines[1])  # no total: no "/?"
-    assert re.fullmatch(r"replay: replaying the window on cpu:0 \(\d+\.\d s\)", lines[2])
+    for line, device in zip(lines[2:], ("cpu:0", "cpu:1")):  # one line per phase, same name or not
+        assert re.fullmatch(rf"oplog: operator-level replay of step 1 on {device} \(\d+\.\d s\)",
+                            line)
 
 
 def test_a_terminal_sees_each_stage_against_its_real_total():
