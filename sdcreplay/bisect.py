@@ -45,7 +45,7 @@ from .devices import torch_device, validate_label
 from .digest import tensor_digest
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
-from .kinds import BisectVerdict
+from .kinds import BisectVerdict, Isolation
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .replay import ReplaySession, replay_devices, run_device_processes
 from .signature import SignatureLog, layer_of
@@ -594,7 +594,8 @@ def bisect(
         "bundle": str(opened.path), "case": str(out / OPERATOR_FILE), "inject": list(inject), "runs": runs}, work), suspect)
     output_index, forensics = _first_differing_output(case)
     inputs_equal = _trees_equal((case.args, case.kwargs), (case.suspect_args, case.suspect_kwargs))
-    verdict = "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream")
+    verdict: Isolation = (
+        "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream"))
     site = case.site
     result.update(
         phase=site.phase, module=site.module, op=site.op, op_index=site.index, output_index=output_index,

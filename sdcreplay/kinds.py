@@ -2,7 +2,8 @@
 
 A verdict is read by people, scripts (``--json``) and the renderer's colours;
 naming each set once lets a type checker see a misspelt one. Imports nothing,
-so the command line can use them without loading the pipeline.
+so the command line can use them without loading the pipeline. Fault kinds are
+``faults.FaultKind``, beside the table that implements them.
 """
 
 from __future__ import annotations

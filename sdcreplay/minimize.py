@@ -39,6 +39,7 @@ from .devices import torch_device, validate_label
 from .digest import tensor_digest
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
+from .kinds import ShrinkStatus
 from .operator_case import (
     OPERATOR_FILE,
     OperatorCase,
@@ -684,7 +685,8 @@ def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
     """
     axes, reason = shrink_axes(case.op, op, case.args, case.expected)
     shrinker = Shrinker(case.args, case.kwargs, axes, acceptance.holds if acceptance else None, on_test)
-    status = "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk")
+    status: ShrinkStatus = (
+        "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk"))
     if status == "shrunk":
         try:
             shrinker.run()
