@@ -12,19 +12,39 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Bundle": "bundle", "describe": "bundle",
-    "compare_logs": "compare", "vote": "compare",
-    "SdcReplayError": "errors", "WorkloadMismatchError": "errors",
-    "Recorder": "recorder", "record": "recorder",
-    "ReplaySession": "replay", "replay_devices": "replay", "replay_on_device": "replay",
-    "SignatureLog": "signature", "read_signature_log": "signature",
-    "Workload": "workload", "build_workload": "workload",
+    "Bundle": "bundle",
+    "describe": "bundle",
+    "compare_logs": "compare",
+    "vote": "compare",
+    "SdcReplayError": "errors",
+    "WorkloadMismatchError": "errors",
+    "Recorder": "recorder",
+    "record": "recorder",
+    "ReplaySession": "replay",
+    "replay_devices": "replay",
+    "replay_on_device": "replay",
+    "SignatureLog": "signature",
+    "read_signature_log": "signature",
+    "Workload": "workload",
+    "build_workload": "workload",
 }
 
 __all__ = [
-    "Bundle", "Recorder", "ReplaySession", "SdcReplayError", "SignatureLog", "Workload",
-    "WorkloadMismatchError", "build_workload", "compare_logs", "describe", "read_signature_log",
-    "record", "replay_devices", "replay_on_device", "vote",
+    "Bundle",
+    "Recorder",
+    "ReplaySession",
+    "SdcReplayError",
+    "SignatureLog",
+    "Workload",
+    "WorkloadMismatchError",
+    "build_workload",
+    "compare_logs",
+    "describe",
+    "read_signature_log",
+    "record",
+    "replay_devices",
+    "replay_on_device",
+    "vote",
 ]
 
 if TYPE_CHECKING:

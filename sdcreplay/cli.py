@@ -49,21 +49,34 @@ app = typer.Typer(
 
 BundleArg = Annotated[Path, typer.Argument(help="Bundle directory.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-InjectOpt = Annotated[list[str] | None, typer.Option(
-    "--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md.")]
-DeviceOpt = Annotated[str, typer.Option(
-    "--device", help="Device label: cpu, cpu:N (a virtual replica) or cuda:N.")]
-ReferenceOpt = Annotated[str | None, typer.Option(
-    "--reference", help="Device label you trust.")]
-OutOpt = Annotated[Path | None, typer.Option(
-    "--out", help="Directory to write (its default is in the command's description).")]
-TrustOpt = Annotated[bool, typer.Option(
-    "--trust-workload", help="Run the workload the bundle names even though it was not recorded "
-    "by you (it is code: read it first). Built-in workloads and your own bundles need no flag.")]
-TrustedWorkloadOpt = Annotated[str | None, typer.Option(
-    "--workload", help="Trust this workload reference (it must be the one the bundle names).")]
-
-
+InjectOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md."
+    ),
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="Device label: cpu, cpu:N (a virtual replica) or cuda:N.")
+]
+ReferenceOpt = Annotated[str | None, typer.Option("--reference", help="Device label you trust.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Directory to write (its default is in the command's description)."),
+]
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-workload",
+        help="Run the workload the bundle names even though it was not recorded "
+        "by you (it is code: read it first). Built-in workloads and your own bundles need no flag.",
+    ),
+]
+TrustedWorkloadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--workload", help="Trust this workload reference (it must be the one the bundle names)."
+    ),
+]
 
 
 def trusting(bundle: Path, trust_workload: bool, workload: str | None):
@@ -80,6 +93,7 @@ def trusting(bundle: Path, trust_workload: bool, workload: str | None):
 
 # --- the one error boundary ---------------------------------------------------------------
 
+
 def _exit_code(output: Output, action: Callable[[], int]) -> int:
     """Run a command; a tool failure becomes exit 3 with Error/Hint lines, never a traceback."""
     debug = os.environ.get("SDCREPLAY_DEBUG") == "1"
@@ -93,15 +107,24 @@ def _exit_code(output: Output, action: Callable[[], int]) -> int:
     except Exception as exc:
         if debug:
             raise
-        output.error(exc if isinstance(exc, SdcReplayError) else SdcReplayError(
-            f"unexpected {type(exc).__name__}: {exc}",
-            "This is a bug in sdcreplay or the workload; rerun with SDCREPLAY_DEBUG=1 and report "
-            "the traceback."))
+        output.error(
+            exc
+            if isinstance(exc, SdcReplayError)
+            else SdcReplayError(
+                f"unexpected {type(exc).__name__}: {exc}",
+                "This is a bug in sdcreplay or the workload; rerun with SDCREPLAY_DEBUG=1 and "
+                "report the traceback.",
+            )
+        )
     except SystemExit as exc:  # workload code called sys.exit(): the tool could not do its job
         if debug:
             raise
-        output.error(WorkloadError(f"the workload called sys.exit({exc.code!r})",
-                                   "Workload code must return or raise, not exit the process."))
+        output.error(
+            WorkloadError(
+                f"the workload called sys.exit({exc.code!r})",
+                "Workload code must return or raise, not exit the process.",
+            )
+        )
     return 3
 
 
@@ -111,6 +134,7 @@ def command(renderer: Callable[[Output, Any], None]):
     The result's ``to_json()`` is what ``--json`` prints and its ``exit_code``
     the exit status.
     """
+
     def register(body: Callable[..., Any]):
         @functools.wraps(body)
         def invoke(**options: Any) -> None:
@@ -127,13 +151,15 @@ def command(renderer: Callable[[Output, Any], None]):
 
         signature = inspect.signature(body, eval_str=True)
         invoke.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=list(signature.parameters.values())[1:])  # options only: not ``output``
+            parameters=list(signature.parameters.values())[1:]
+        )  # options only: not ``output``
         return app.command()(invoke)
 
     return register
 
 
 # --- option parsing -------------------------------------------------------------------------
+
 
 def parse_kwargs(pairs: list[str]) -> dict:
     kwargs = {}
@@ -158,31 +184,54 @@ def _seed_in_range(seed: int) -> int:
 
 # --- commands -------------------------------------------------------------------------------
 
+
 @command(render_record)
 def record(
     output: Output,
-    workload: Annotated[str, typer.Argument(
-        help="builtin:tiny-llama, builtin:tiny-moe, package.module:function or "
-             "path/to/file.py:function.")],
+    workload: Annotated[
+        str,
+        typer.Argument(
+            help="builtin:tiny-llama, builtin:tiny-moe, package.module:function or "
+            "path/to/file.py:function."
+        ),
+    ],
     steps: Annotated[int, typer.Option(min=1, help="Training steps to record.")] = 4,
     out: OutOpt = None,
     device: DeviceOpt = "cpu",
-    seed: Annotated[int, typer.Option(callback=_seed_in_range,
-                                      help="Seed for the workload and the RNGs.")] = 0,
-    checkpoint: Annotated[Path | None, typer.Option(
-        help="torch.save'd {'model', 'optimizer'} state to start from; referenced by "
-             "SHA-256.")] = None,
-    arg: Annotated[list[str] | None, typer.Option(
-        "--arg", "-a", help="Workload keyword argument KEY=VALUE (repeatable), "
-                            "e.g. -a layers=4.")] = None,
+    seed: Annotated[
+        int, typer.Option(callback=_seed_in_range, help="Seed for the workload and the RNGs.")
+    ] = 0,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256."
+        ),
+    ] = None,
+    arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--arg",
+            "-a",
+            help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.",
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
     inject: InjectOpt = None,
-    depth: Annotated[int | None, typer.Option(
-        min=0, help="Capture module outputs only down to this depth (root 0, layers.N 2); fewer "
-                    "activation digests, cheaper recording. Default: every module.")] = None,
-    verify: Annotated[bool, typer.Option(
-        help="Re-execute the first step through the workload's step and refuse a recording "
-             "that cannot be replayed.")] = True,
+    depth: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Capture module outputs only down to this depth (root 0, layers.N 2); fewer "
+            "activation digests, cheaper recording. Default: every module.",
+        ),
+    ] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            help="Re-execute the first step through the workload's step and refuse a recording "
+            "that cannot be replayed."
+        ),
+    ] = True,
     json_mode: JsonOpt = False,
 ):
     """Run WORKLOAD's train_step (if any) for --steps steps; write a deterministic trace bundle.
@@ -204,9 +253,19 @@ def record(
 
         progress.update(stage, 0, steps)
         return record_bundle(
-            workload, target, steps=steps, device=device, seed=seed,
-            kwargs=parse_kwargs(arg or []), checkpoint=checkpoint, overwrite=overwrite,
-            inject=inject or [], max_depth=depth, verify=verify, on_step=on_step)
+            workload,
+            target,
+            steps=steps,
+            device=device,
+            seed=seed,
+            kwargs=parse_kwargs(arg or []),
+            checkpoint=checkpoint,
+            overwrite=overwrite,
+            inject=inject or [],
+            max_depth=depth,
+            verify=verify,
+            on_step=on_step,
+        )
 
 
 @command(render_info)
@@ -221,21 +280,36 @@ def info(output: Output, bundle: BundleArg, json_mode: JsonOpt = False):
 def replay(
     output: Output,
     bundle: BundleArg,
-    device: Annotated[list[str] | None, typer.Option(
-        "--device", "-d", help="Device label (repeatable; default cpu): cpu, cuda:N, or virtual "
-        "replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas "
-        "share this machine's cores and may take turns.")] = None,
-    repeats: Annotated[int, typer.Option(
-        min=1, help="Replays per device; some diverging means intermittent.")] = 1,
+    device: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--device",
+            "-d",
+            help="Device label (repeatable; default cpu): cpu, cuda:N, or virtual "
+            "replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas "
+            "share this machine's cores and may take turns.",
+        ),
+    ] = None,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")
+    ] = 1,
     inject: InjectOpt = None,
-    logs: Annotated[Path | None, typer.Option(
-        help="Directory for the replay logs (default: BUNDLE.replay/<time>/).")] = None,
+    logs: Annotated[
+        Path | None,
+        typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/)."),
+    ] = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
-    timeout: Annotated[float | None, typer.Option(
-        min=0.1, max=7 * 24 * 3600, help="Seconds a device may go without finishing a step "
-        "before it is killed and reported (default: derived from the recorded step "
-        "times).")] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.1,
+            max=7 * 24 * 3600,
+            help="Seconds a device may go without finishing a step "
+            "before it is killed and reported (default: derived from the recorded step "
+            "times).",
+        ),
+    ] = None,
     json_mode: JsonOpt = False,
 ):
     """Replay a bundle bit for bit on one or more devices and vote on every signature."""
@@ -244,31 +318,49 @@ def replay(
     devices = device or ["cpu"]
     finished: list[str] = []
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
+
         def on_done(label: str, _: dict) -> None:
             finished.append(label)
             progress.update("replaying", len(finished), len(devices), f"{label} finished")
 
         progress.update("replaying", 0, len(devices), ", ".join(devices))
-        return replay_devices(bundle, devices, repeats=repeats, inject=inject or [],
-                              log_dir=logs, on_done=on_done, timeout=timeout)
+        return replay_devices(
+            bundle,
+            devices,
+            repeats=repeats,
+            inject=inject or [],
+            log_dir=logs,
+            on_done=on_done,
+            timeout=timeout,
+        )
 
 
 @command(render_bisect)
 def bisect(
     output: Output,
     bundle: BundleArg,
-    suspect: Annotated[str | None, typer.Option(
-        help="Device label that computes wrong (default: the recording itself).")] = None,
+    suspect: Annotated[
+        str | None,
+        typer.Option(help="Device label that computes wrong (default: the recording itself)."),
+    ] = None,
     reference: ReferenceOpt = "cpu:0",
-    step: Annotated[int | None, typer.Option(
-        help="Step to bisect (default: the first divergent step, found by a replay).")] = None,
-    repeats: Annotated[int, typer.Option(
-        min=1, help="Repeats of the step on the suspect until a divergence shows (intermittent "
-                    "faults).")] = 1,
+    step: Annotated[
+        int | None,
+        typer.Option(help="Step to bisect (default: the first divergent step, found by a replay)."),
+    ] = None,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Repeats of the step on the suspect until a divergence shows (intermittent "
+            "faults).",
+        ),
+    ] = 1,
     inject: InjectOpt = None,
     out: OutOpt = None,
-    plot: Annotated[Path | None, typer.Option(
-        help="Heatmap PNG of where in the output tensor the bits differ.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Heatmap PNG of where in the output tensor the bits differ.")
+    ] = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     json_mode: JsonOpt = False,
@@ -280,19 +372,29 @@ def bisect(
     from .bisect import bisect as run_bisect
 
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
-        return run_bisect(bundle, suspect=suspect, reference=reference or "cpu:0", step=step,
-                          repeats=repeats, inject=inject or [], out=out, plot=plot,
-                          on_event=progress.begin)
+        return run_bisect(
+            bundle,
+            suspect=suspect,
+            reference=reference or "cpu:0",
+            step=step,
+            repeats=repeats,
+            inject=inject or [],
+            out=out,
+            plot=plot,
+            on_event=progress.begin,
+        )
 
 
 @command(render_diff)
 def diff(
     output: Output,
     first: Annotated[Path, typer.Argument(help="Bundle directory or replay log (*.sig.zst).")],
-    second: Annotated[Path, typer.Argument(
-        help="Bundle directory or replay log to compare with FIRST.")],
-    plot: Annotated[Path | None, typer.Option(
-        help="Draw which layers diverge at each step into this PNG.")] = None,
+    second: Annotated[
+        Path, typer.Argument(help="Bundle directory or replay log to compare with FIRST.")
+    ],
+    plot: Annotated[
+        Path | None, typer.Option(help="Draw which layers diverge at each step into this PNG.")
+    ] = None,
     json_mode: JsonOpt = False,
 ):
     """Compare two signature logs: structure first, then the first divergent entry."""
@@ -307,30 +409,34 @@ def ops(
     bundle: BundleArg,
     step: Annotated[int, typer.Option(min=0, help="Recorded step whose operator calls to list.")],
     phase: Annotated[Phase | None, typer.Option(help="Only calls of this phase.")] = None,
-    module: Annotated[str | None, typer.Option(
-        help="Only calls under this module path (a prefix, as in a fault spec).")] = None,
-    op: Annotated[str | None, typer.Option(
-        help="Only calls of this operator: aten.mm or aten.mm.default.")] = None,
+    module: Annotated[
+        str | None,
+        typer.Option(help="Only calls under this module path (a prefix, as in a fault spec)."),
+    ] = None,
+    op: Annotated[
+        str | None, typer.Option(help="Only calls of this operator: aten.mm or aten.mm.default.")
+    ] = None,
     device: DeviceOpt = "cpu",
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     json_mode: JsonOpt = False,
 ):
-    """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth).
-    """
+    """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth)."""
     from .ops import list_calls
 
     with trusting(bundle, trust_workload, workload):
-        return list_calls(bundle, step, device=device, phase=phase.value if phase else None,
-                          module=module, op=op)
+        return list_calls(
+            bundle, step, device=device, phase=phase.value if phase else None, module=module, op=op
+        )
 
 
 @command(render_doctor)
 def doctor(
     output: Output,
     device: DeviceOpt = "cpu",
-    workload: Annotated[str, typer.Option(
-        help="Workload whose step is run twice.")] = "builtin:tiny-llama",
+    workload: Annotated[
+        str, typer.Option(help="Workload whose step is run twice.")
+    ] = "builtin:tiny-llama",
     runs: Annotated[int, typer.Option(min=2, help="Runs of the step from the same state.")] = 2,
     json_mode: JsonOpt = False,
 ):
@@ -346,19 +452,31 @@ def doctor(
 @command(render_minimize)
 def minimize(
     output: Output,
-    report: Annotated[Path, typer.Argument(
-        help="Bisect report directory (`sdcreplay bisect --out`).")],
-    device: Annotated[str | None, typer.Option(
-        help="Device label to run the trials on (default: the report's suspect).")] = None,
+    report: Annotated[
+        Path, typer.Argument(help="Bisect report directory (`sdcreplay bisect --out`).")
+    ],
+    device: Annotated[
+        str | None,
+        typer.Option(help="Device label to run the trials on (default: the report's suspect)."),
+    ] = None,
     reference: ReferenceOpt = None,
-    trials: Annotated[int, typer.Option(
-        min=1, help="Runs of the operator alone on each device.")] = 1000,
-    good_trials: Annotated[int, typer.Option(
-        min=1, help="A smaller input is kept only if the reference passes all of these "
-                    "runs...")] = 10,
-    bad_trials: Annotated[int | None, typer.Option(
-        min=1, help="...and the suspect fails within these (default: enough to see the measured "
-                    "rate fail with 99% probability).")] = None,
+    trials: Annotated[
+        int, typer.Option(min=1, help="Runs of the operator alone on each device.")
+    ] = 1000,
+    good_trials: Annotated[
+        int,
+        typer.Option(
+            min=1, help="A smaller input is kept only if the reference passes all of these runs..."
+        ),
+    ] = 10,
+    bad_trials: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="...and the suspect fails within these (default: enough to see the measured "
+            "rate fail with 99% probability).",
+        ),
+    ] = None,
     inject: InjectOpt = None,
     out: OutOpt = None,
     json_mode: JsonOpt = False,
@@ -373,21 +491,34 @@ def minimize(
     from .minimize import minimize as run_minimize
 
     with output.stages() as progress:
+
         def on_progress(stage: str, done: int, total: int | None, failures: int) -> None:
             counted = "kept" if stage == "shrink" else "failed"
             progress.update(stage, done, total, f"{failures} {counted}")
 
-        return run_minimize(report, device=device, reference=reference, trials=trials,
-                            good_trials=good_trials, bad_trials=bad_trials, inject=inject or [],
-                            out=out, on_progress=on_progress)
+        return run_minimize(
+            report,
+            device=device,
+            reference=reference,
+            trials=trials,
+            good_trials=good_trials,
+            bad_trials=bad_trials,
+            inject=inject or [],
+            out=out,
+            on_progress=on_progress,
+        )
 
 
 @command(render_demo)
 def demo(
     output: Output,
-    out: Annotated[Path, typer.Option(
-        help="Directory for everything the demo writes (an earlier demo's is replaced; any other "
-             "directory is refused).")] = Path("demo-out"),
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Directory for everything the demo writes (an earlier demo's is replaced; any "
+            "other directory is refused)."
+        ),
+    ] = Path("demo-out"),
     json_mode: JsonOpt = False,
 ):
     """The whole story on builtin:tiny-llama: record, replay, diff, bisect, minimize.

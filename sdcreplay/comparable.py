@@ -10,9 +10,22 @@ from __future__ import annotations
 # when MKL chose its kernels by CPU (no MKL_CBWR branch): MKL dispatches per
 # CPU model, while ATen's kernels follow the capability alone.
 RESULT_AFFECTING = (
-    "torch.version", "torch.git", "cpu.capability", "cpu.blas_branch", "mkl", "onednn",
-    "threads.intra_op", "gpu.name", "gpu.capability", "gpu.sm_count", "gpu.mig", "driver",
-    "cuda.runtime", "cublas", "cudnn", "nccl",
+    "torch.version",
+    "torch.git",
+    "cpu.capability",
+    "cpu.blas_branch",
+    "mkl",
+    "onednn",
+    "threads.intra_op",
+    "gpu.name",
+    "gpu.capability",
+    "gpu.sm_count",
+    "gpu.mig",
+    "driver",
+    "cuda.runtime",
+    "cublas",
+    "cudnn",
+    "nccl",
 )
 
 

@@ -38,9 +38,15 @@ if TYPE_CHECKING:
 __all__ = ["Output", "escape", "human_size", "styled"]
 
 VERDICT_STYLE = {
-    "match": "green", "correct": "green", "identical": "green",
-    "persistent": "bold red", "divergent": "bold red", "recording_suspect": "bold red",
-    "intermittent": "yellow", "transient": "yellow", "undecided": "yellow",
+    "match": "green",
+    "correct": "green",
+    "identical": "green",
+    "persistent": "bold red",
+    "divergent": "bold red",
+    "recording_suspect": "bold red",
+    "intermittent": "yellow",
+    "transient": "yellow",
+    "undecided": "yellow",
     "incomparable": "yellow",
     "error": "bold magenta",
 }
@@ -83,23 +89,35 @@ class Stages:
         self.console = console
         self.live = console.is_terminal
         self.progress = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-            TextColumn("{task.fields[counts]}"), TextColumn("{task.fields[note]}"),
-            TimeElapsedColumn(), console=console, transient=True, disable=not self.live,
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[counts]}"),
+            TextColumn("{task.fields[note]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=not self.live,
         )
         self.tasks: dict[str, TaskID] = {}
         self.current: dict[str, Any] | None = None
 
-    def update(self, stage: str, done: int | None = None, total: int | None = None,
-               note: str = "") -> None:
+    def update(
+        self, stage: str, done: int | None = None, total: int | None = None, note: str = ""
+    ) -> None:
         """``stage`` has reached ``done`` of ``total`` (None: no count, or no known total)."""
         if self.current is None or self.current["stage"] != stage:
             self._close_current()
             self.current = {"stage": stage, "started": time.perf_counter()}
             self.tasks[stage] = self.progress.add_task(stage, total=total, counts="", note="")
         self.current.update(done=done, total=total, note=note)
-        self.progress.update(self.tasks[stage], completed=done or 0, total=total,
-                             counts=_counts(done, total), note=escape(note))
+        self.progress.update(
+            self.tasks[stage],
+            completed=done or 0,
+            total=total,
+            counts=_counts(done, total),
+            note=escape(note),
+        )
 
     def begin(self, stage: str, note: str = "") -> None:
         """A new stage, even one named as the last (bisect replays a step on each device)."""
@@ -114,10 +132,14 @@ class Stages:
             self.progress.update(self.tasks[current["stage"]], completed=current["total"])
         if not self.live:
             seconds = time.perf_counter() - current["started"]
-            said = ", ".join(part for part in (_counts(current["done"], current["total"]),
-                                               current["note"]) if part)
-            self.console.print(f"{escape(current['stage'])}: {escape(said)} ({seconds:.1f} s)",
-                               highlight=False)
+            said = ", ".join(
+                part
+                for part in (_counts(current["done"], current["total"]), current["note"])
+                if part
+            )
+            self.console.print(
+                f"{escape(current['stage'])}: {escape(said)} ({seconds:.1f} s)", highlight=False
+            )
         self.current = None
 
     def close(self) -> None:
@@ -155,9 +177,13 @@ class Output:
     def _unbroken_widths(self, columns: list[str], rows: list[list[str]]) -> list[int]:
         """Each column at least as wide as its longest word; where they cannot all fit the
         console, the widest column (a value, rarely a name) gives up the difference."""
-        widths = [min(LONGEST_UNBROKEN, max([_longest_word(column)]
-                                            + [_longest_word(row[position]) for row in rows]))
-                  for position, column in enumerate(columns)]
+        widths = [
+            min(
+                LONGEST_UNBROKEN,
+                max([_longest_word(column)] + [_longest_word(row[position]) for row in rows]),
+            )
+            for position, column in enumerate(columns)
+        ]
         excess = sum(widths) + 3 * len(widths) + 1 - self.console.width  # padding and borders
         if excess > 0:
             widest = widths.index(max(widths))
@@ -182,10 +208,13 @@ class Output:
 # ---------------------------------------------------------------------------
 # One renderer per command's result.
 
+
 def render_record(output: Output, summary: RecordSummary) -> None:
-    output.say(f"Recorded {summary.steps} steps of {summary.workload} on {summary.device}: "
-               f"{summary.entries} signature entries, {human_size(summary.size_bytes)} "
-               f"in {summary.bundle}")
+    output.say(
+        f"Recorded {summary.steps} steps of {summary.workload} on {summary.device}: "
+        f"{summary.entries} signature entries, {human_size(summary.size_bytes)} "
+        f"in {summary.bundle}"
+    )
 
 
 def _verification_text(verification: dict) -> str:
@@ -194,46 +223,68 @@ def _verification_text(verification: dict) -> str:
         "failed": f"[yellow]no: {escape(verification.get('problem', ''))}[/]",
         "pending": "[yellow]no: the recording stopped before its first step was checked[/]",
         "off": "[yellow]no: recorded without verification; a record-vs-replay difference "
-               "may be the program[/]",
+        "may be the program[/]",
     }[verification["status"]]
 
 
 def render_info(output: Output, about: BundleInfo) -> None:
     env, state = about.environment, about.state
-    state_text = (f"embedded ({state['file']})" if state["kind"] == "embedded"
-                  else f"checkpoint {state['path']} (sha256 {state['sha256'][:12]}...)")
+    state_text = (
+        f"embedded ({state['file']})"
+        if state["kind"] == "embedded"
+        else f"checkpoint {state['path']} (sha256 {state['sha256'][:12]}...)"
+    )
     if about.state_objects:
         state_text += f"; state objects {', '.join(about.state_objects)}"
     kwargs = ", ".join(f"{k}={v}" for k, v in about.workload["kwargs"].items())
     steps = ", ".join(str(s["index"]) for s in about.steps)
     incomplete = "" if about.complete else " [yellow]incomplete: the recording stopped early[/]"
     switches = about.determinism
-    output.table(f"Bundle {about.bundle}", ["field", "value"], [
-        ["workload", f"{about.workload['ref']} ({kwargs})"],
-        ["recorded on", f"{about.device} ({env['device'].get('name')}) on host {env['host']}"],
-        ["software", f"torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
-                     f"Python {env['python']}"],
-        ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
-        ["signature entries", str(about.entries)],
-        ["state", state_text],
-        ["verified", _verification_text(about.verification)],
-        ["determinism", f"deterministic algorithms {switches['deterministic_algorithms']}, "
-                        f"{switches['num_threads']} threads"],
-        ["size", f"{human_size(about.size_bytes)} in {about.files} files"],
-        ["integrity", styled("match") if about.integrity == "ok" else about.integrity],
-        ["trusted", "yes" if about.trusted else "no: its workload runs only with --trust-workload"],
-    ])
-    rows = [[name, str(value), "yes" if name in about.must_match else "-"]
-            for name, value in (about.fingerprint or {}).items()]
-    output.table("Machine fingerprint (a replay is evidence where the result-affecting ones match)",
-                 ["property", "recorded", "result-affecting"],
-                 rows or [["-", "not recorded (older bundle)", "-"]])
+    output.table(
+        f"Bundle {about.bundle}",
+        ["field", "value"],
+        [
+            ["workload", f"{about.workload['ref']} ({kwargs})"],
+            ["recorded on", f"{about.device} ({env['device'].get('name')}) on host {env['host']}"],
+            [
+                "software",
+                f"torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
+                f"Python {env['python']}",
+            ],
+            ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
+            ["signature entries", str(about.entries)],
+            ["state", state_text],
+            ["verified", _verification_text(about.verification)],
+            [
+                "determinism",
+                f"deterministic algorithms {switches['deterministic_algorithms']}, "
+                f"{switches['num_threads']} threads",
+            ],
+            ["size", f"{human_size(about.size_bytes)} in {about.files} files"],
+            ["integrity", styled("match") if about.integrity == "ok" else about.integrity],
+            [
+                "trusted",
+                "yes" if about.trusted else "no: its workload runs only with --trust-workload",
+            ],
+        ],
+    )
+    rows = [
+        [name, str(value), "yes" if name in about.must_match else "-"]
+        for name, value in (about.fingerprint or {}).items()
+    ]
+    output.table(
+        "Machine fingerprint (a replay is evidence where the result-affecting ones match)",
+        ["property", "recorded", "result-affecting"],
+        rows or [["-", "not recorded (older bundle)", "-"]],
+    )
 
 
 def _step_marks(per_step: dict[str, int]) -> str:
     """One mark per step: a check for a bit-identical step, the divergent entry count otherwise."""
-    return " ".join(f"{step}:[green]ok[/]" if count == 0 else f"{step}:[red]{count}[/]"
-                    for step, count in per_step.items())
+    return " ".join(
+        f"{step}:[green]ok[/]" if count == 0 else f"{step}:[red]{count}[/]"
+        for step, count in per_step.items()
+    )
 
 
 def _device_rows(report: ReplayReport) -> list[list[str]]:
@@ -246,14 +297,30 @@ def _device_rows(report: ReplayReport) -> list[list[str]]:
         verdict = styled(run.verdict)
         if run.error and run.error.get("timed_out") is not None:
             verdict += f" (timed out after {run.error['timed_out']:g} s)"
-        rows.append([run.device, verdict, where, repeats, _step_marks(data["steps"]),
-                     escape("; ".join(run.differences)) or "-"])
+        rows.append(
+            [
+                run.device,
+                verdict,
+                where,
+                repeats,
+                _step_marks(data["steps"]),
+                escape("; ".join(run.differences)) or "-",
+            ]
+        )
     if report.consensus is not None:
         record = report.consensus.voters["record"]
         first = record.first_divergence
-        rows.insert(0, ["record", styled(record.verdict),
-                        f"step {first.step} {first.name}" if first else "-", "-",
-                        _step_marks({str(s): n for s, n in record.per_step.items()}), "-"])
+        rows.insert(
+            0,
+            [
+                "record",
+                styled(record.verdict),
+                f"step {first.step} {first.name}" if first else "-",
+                "-",
+                _step_marks({str(s): n for s, n in record.per_step.items()}),
+                "-",
+            ],
+        )
     return rows
 
 
@@ -281,21 +348,32 @@ def _consensus_explanation(report: ReplayReport) -> str:
         "persistent": f"{suspects} diverged in every repeat.",
         "transient": f"{suspects} diverged in some repeats only.",
         "recording_suspect": "every replay agrees with the others but not with the record: "
-                             "the recording device computed wrong.",
+        "the recording device computed wrong.",
         "undecided": f"{consensus.advice}.",
         "incomparable": f"{consensus.advice}.",
     }[consensus.verdict]
     if report.failed:
         total, failed = len(report.devices), len(report.failed)
-        explanation = (explanation.rstrip(".") + f" (from the {total - failed} of {total} devices "
-                       f"that finished; {failed} did not).")
+        explanation = (
+            explanation.rstrip(".") + f" (from the {total - failed} of {total} devices "
+            f"that finished; {failed} did not)."
+        )
     return explanation
 
 
 def render_replay(output: Output, report: ReplayReport) -> None:
-    output.table(f"Replay of {report.bundle}",
-                 ["device", "verdict", "first divergence", "diverged", "steps",
-                  "machine differs from record"], _device_rows(report))
+    output.table(
+        f"Replay of {report.bundle}",
+        [
+            "device",
+            "verdict",
+            "first divergence",
+            "diverged",
+            "steps",
+            "machine differs from record",
+        ],
+        _device_rows(report),
+    )
     _device_failures(output, report)
     if report.consensus is not None:
         consensus = report.consensus
@@ -303,15 +381,18 @@ def render_replay(output: Output, report: ReplayReport) -> None:
         if report.caveat:
             output.warn(f"caveat: {report.caveat}")
         for label, differences in consensus.incomparable.items():
-            output.warn(f"{label} did not vote on the record, its machine differs: "
-                        f"{'; '.join(differences)}")
+            output.warn(
+                f"{label} did not vote on the record, its machine differs: {'; '.join(differences)}"
+            )
         if consensus.first_divergence is not None:
             first = consensus.first_divergence
             output.say(f"First divergence: step {first.step}, {first.phase}, {first.name}")
         output.say(f"Logs: {report.log_dir}")
     if report.injection_missed:
-        output.warn("no injected fault fired on any device: check op=, module=, phase=, step= "
-                    "and index= against the workload")
+        output.warn(
+            "no injected fault fired on any device: check op=, module=, phase=, step= "
+            "and index= against the workload"
+        )
     failure = report.failure()
     if failure is not None:
         output.error(failure)
@@ -319,8 +400,10 @@ def render_replay(output: Output, report: ReplayReport) -> None:
 
 def render_diff(output: Output, comparison: Comparison) -> None:
     if comparison.identical:
-        output.say(f"{styled('identical')}: {comparison.entries} entries over steps "
-                   f"{comparison.steps} match bit for bit.")
+        output.say(
+            f"{styled('identical')}: {comparison.entries} entries over steps "
+            f"{comparison.steps} match bit for bit."
+        )
     else:
         _render_divergences(output, comparison)
     if comparison.plot is not None:
@@ -330,21 +413,30 @@ def render_diff(output: Output, comparison: Comparison) -> None:
 def _render_divergences(output: Output, comparison: Comparison) -> None:
     first = comparison.first
     assert first is not None
-    output.say(f"First divergence: step {first.step}, {first.phase}, {first.name} "
-               f"(expected {first.expected}, got {first.actual})")
+    output.say(
+        f"First divergence: step {first.step}, {first.phase}, {first.name} "
+        f"(expected {first.expected}, got {first.actual})"
+    )
     if comparison.program_differs:
-        output.say("It is a program entry: the second log ran another program (a hyper-parameter "
-                   "or a state object differs), not silent data corruption.")
-    output.table("Divergent entries per step", ["step", "divergent entries"], [
-        [str(step), str(count)] for step, count in comparison.per_step().items()
-    ])
+        output.say(
+            "It is a program entry: the second log ran another program (a hyper-parameter "
+            "or a state object differs), not silent data corruption."
+        )
+    output.table(
+        "Divergent entries per step",
+        ["step", "divergent entries"],
+        [[str(step), str(count)] for step, count in comparison.per_step().items()],
+    )
     layers = list(comparison.per_layer().items())
     shown = 12
-    output.table("Divergent entries per layer, in order of first divergence",
-                 ["layer", "forward", "backward", "optimizer"], [
-                     [layer] + [str(counts.get(phase, 0))
-                                for phase in ("forward", "backward", "optimizer")]
-                     for layer, counts in layers[:shown]])
+    output.table(
+        "Divergent entries per layer, in order of first divergence",
+        ["layer", "forward", "backward", "optimizer"],
+        [
+            [layer] + [str(counts.get(phase, 0)) for phase in ("forward", "backward", "optimizer")]
+            for layer, counts in layers[:shown]
+        ],
+    )
     if len(layers) > shown:
         output.say(f"(+{len(layers) - shown} more layers; --json or --plot shows them all)")
 
@@ -352,20 +444,33 @@ def _render_divergences(output: Output, comparison: Comparison) -> None:
 def _call_rows(report: dict) -> list[list[str]]:
     """The rows naming the corrupted call: operator, kernels, isolation, elements and bits."""
     isolation = report["isolation"]
-    rows = [["operator", f"{report['op']} (call {report['op_index']} of the step)"],
-            ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
-            ["isolated", f"{styled(report['isolated'])} ({isolation['failures']} of "
-                         f"{isolation['runs']} runs alone wrong)"]]
+    rows = [
+        ["operator", f"{report['op']} (call {report['op_index']} of the step)"],
+        ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
+        [
+            "isolated",
+            f"{styled(report['isolated'])} ({isolation['failures']} of "
+            f"{isolation['runs']} runs alone wrong)",
+        ],
+    ]
     elements = report.get("elements") or {}
     if elements.get("count") is not None:
         bits = ", ".join(f"bit {b} x{n}" for b, n in report["bits"]["histogram"].items())
-        rows += [["elements", f"{elements['count']} of {elements['total']} differ, "
-                              f"first at {elements['positions'][:4]}"],
-                 ["pattern", str(report.get("pattern"))],
-                 ["bits flipped", bits],
-                 ["first element", f"expected {elements['expected'][0]}, got "
-                                   f"{elements['actual'][0]} (XOR {elements['xor'][0]})"],
-                 ["max abs diff", str(elements.get("max_abs_diff"))]]
+        rows += [
+            [
+                "elements",
+                f"{elements['count']} of {elements['total']} differ, "
+                f"first at {elements['positions'][:4]}",
+            ],
+            ["pattern", str(report.get("pattern"))],
+            ["bits flipped", bits],
+            [
+                "first element",
+                f"expected {elements['expected'][0]}, got "
+                f"{elements['actual'][0]} (XOR {elements['xor'][0]})",
+            ],
+            ["max abs diff", str(elements.get("max_abs_diff"))],
+        ]
     return rows
 
 
@@ -373,11 +478,16 @@ def render_bisect(output: Output, result: BisectResult) -> None:
     report = result.to_json()
     if result.verdict == "no_divergence":
         step = f" in step {result.step}" if result.step is not None else ""
-        output.say(f"{styled('correct')}: no divergence{step} after {report.get('repeats_run')} "
-                   f"repeat(s) on {result.suspect}.")
+        output.say(
+            f"{styled('correct')}: no divergence{step} after {report.get('repeats_run')} "
+            f"repeat(s) on {result.suspect}."
+        )
         return
-    rows = [["step", str(result.step)], ["phase", str(report.get("phase"))],
-            ["module", str(report.get("module"))]]
+    rows = [
+        ["step", str(result.step)],
+        ["phase", str(report.get("phase"))],
+        ["module", str(report.get("module"))],
+    ]
     if report.get("op"):
         rows += _call_rows(report)
     elif report.get("entry"):
@@ -385,13 +495,23 @@ def render_bisect(output: Output, result: BisectResult) -> None:
     upstream = report.get("upstream")
     if upstream:
         changed = upstream["elements"]
-        rows.append(["upstream", f"{upstream['summary']}; {changed['count']} element(s) of it "
-                                 f"differ at {changed['positions'][:4]} "
-                                 f"(XOR {', '.join(changed['xor'][:4])})"])
+        rows.append(
+            [
+                "upstream",
+                f"{upstream['summary']}; {changed['count']} element(s) of it "
+                f"differ at {changed['positions'][:4]} "
+                f"(XOR {', '.join(changed['xor'][:4])})",
+            ]
+        )
     for state in report.get("state") or []:
         bits = ", ".join(f"bit {b}" for b in state["bits"]["histogram"])
-        rows.append(["state entering step", f"{state['tensor']}: {state['count']} element(s) "
-                                            f"differ at {state['positions'][:4]} ({bits})"])
+        rows.append(
+            [
+                "state entering step",
+                f"{state['tensor']}: {state['count']} element(s) "
+                f"differ at {state['positions'][:4]} ({bits})",
+            ]
+        )
     output.table(f"Bisect: {result.suspect} vs {result.reference}", ["", ""], rows)
     if report.get("next"):
         output.say(report["next"])
@@ -401,33 +521,62 @@ def render_bisect(output: Output, result: BisectResult) -> None:
 def _minimize_verdict(result: MinimizeResult) -> str:
     low, high = result.ci95
     if not result.reproduced:
-        return (f"{styled('correct')}: not reproduced in {result.trials} trials "
-                f"(rate below {high:.3%}, 95% upper bound)")
+        return (
+            f"{styled('correct')}: not reproduced in {result.trials} trials "
+            f"(rate below {high:.3%}, 95% upper bound)"
+        )
     kind = "persistent" if result.rate == 1 else "intermittent"
-    return (f"{styled(kind)}: failed {result.failures} of {result.trials} ({result.rate:.2%}, "
-            f"95% interval {low:.2%} to {high:.2%}), first at trial "
-            f"{result.trials_to_first_failure}")
+    return (
+        f"{styled(kind)}: failed {result.failures} of {result.trials} ({result.rate:.2%}, "
+        f"95% interval {low:.2%} to {high:.2%}), first at trial "
+        f"{result.trials_to_first_failure}"
+    )
 
 
 def render_minimize(output: Output, result: MinimizeResult) -> None:
     shrink, acceptance = result.shrink, result.acceptance
-    how = (f": {shrink['reason']}" if shrink.get("reason")
-           else f", {shrink['tests']} candidates tested")
-    rows = [["operator", result.op], ["suspect", f"{result.device}: {_minimize_verdict(result)}"],
-            ["reference", f"{result.reference}: failed {result.reference_failures} of "
-                          f"{result.reference_trials}"],
-            ["inputs", f"{result.input_shapes_original} -> {result.input_shapes_minimal} "
-                       f"({shrink['status']}{how})"],
-            ["acceptance", f"reference passes {acceptance['good_trials']} runs, suspect fails "
-                           f"within {acceptance['bad_trials']}"]]
+    how = (
+        f": {shrink['reason']}"
+        if shrink.get("reason")
+        else f", {shrink['tests']} candidates tested"
+    )
+    rows = [
+        ["operator", result.op],
+        ["suspect", f"{result.device}: {_minimize_verdict(result)}"],
+        [
+            "reference",
+            f"{result.reference}: failed {result.reference_failures} of {result.reference_trials}",
+        ],
+        [
+            "inputs",
+            f"{result.input_shapes_original} -> {result.input_shapes_minimal} "
+            f"({shrink['status']}{how})",
+        ],
+        [
+            "acceptance",
+            f"reference passes {acceptance['good_trials']} runs, suspect fails "
+            f"within {acceptance['bad_trials']}",
+        ],
+    ]
     if result.data_dependent is not None:
-        rows.append(["data dependent", "yes: random data of that shape passes"
-                     if result.data_dependent else "no: random data fails too"])
+        rows.append(
+            [
+                "data dependent",
+                "yes: random data of that shape passes"
+                if result.data_dependent
+                else "no: random data fails too",
+            ]
+        )
     first = result.first_mismatch or {}
     if "index" in first:
-        rows.append(["first mismatch", f"element {first['index']} {first['position']}: expected "
-                                       f"{first['expected']}, got {first['actual']} "
-                                       f"(XOR {first['xor']})"])
+        rows.append(
+            [
+                "first mismatch",
+                f"element {first['index']} {first['position']}: expected "
+                f"{first['expected']}, got {first['actual']} "
+                f"(XOR {first['xor']})",
+            ]
+        )
     output.table(f"Minimize: {result.op} on {result.device}", ["", ""], rows)
     for warning in result.warnings:
         output.warn(warning)
@@ -439,41 +588,62 @@ def _outputs_text(outputs: list[dict]) -> str:
 
 
 def render_ops(output: Output, listing: OpsListing) -> None:
-    output.table(f"Step {listing.step}: {len(listing.calls)} of {listing.total_calls} "
-                 "operator calls", ["call", "phase", "module", "op", "nth", "outputs"],
-                 [[str(c.index), c.phase, c.module, c.op, str(c.nth), _outputs_text(c.outputs)]
-                  for c in listing.calls])
+    output.table(
+        f"Step {listing.step}: {len(listing.calls)} of {listing.total_calls} operator calls",
+        ["call", "phase", "module", "op", "nth", "outputs"],
+        [
+            [str(c.index), c.phase, c.module, c.op, str(c.nth), _outputs_text(c.outputs)]
+            for c in listing.calls
+        ],
+    )
 
 
 def render_doctor(output: Output, report: DoctorReport) -> None:
     env = report.environment
-    output.say(f"{report.device}: {env['device'].get('name')}, torch {env['torch']}, "
-               f"CUDA {env['cuda']}, {report.switches['num_threads']} threads; "
-               f"{report.operators} operator calls per step")
+    output.say(
+        f"{report.device}: {env['device'].get('name')}, torch {env['torch']}, "
+        f"CUDA {env['cuda']}, {report.switches['num_threads']} threads; "
+        f"{report.operators} operator calls per step"
+    )
     for problem in report.problems:
         output.warn(problem)
-    output.table("A replay elsewhere is comparable with this device only where these match",
-                 ["property", "here"], [[name, str(value)]
-                                        for name, value in report.must_match.items()])
+    output.table(
+        "A replay elsewhere is comparable with this device only where these match",
+        ["property", "here"],
+        [[name, str(value)] for name, value in report.must_match.items()],
+    )
     if report.pinned:
-        output.say("Put in force by sdcreplay in each device process: "
-                   + ", ".join(f"{name}={value}" for name, value in report.pinned.items()))
+        output.say(
+            "Put in force by sdcreplay in each device process: "
+            + ", ".join(f"{name}={value}" for name, value in report.pinned.items())
+        )
     if report.reproducible:
-        output.say(f"{styled('correct')}: {report.runs} runs of the step were identical bit for "
-                   "bit; replays on this device are evidence.")
+        output.say(
+            f"{styled('correct')}: {report.runs} runs of the step were identical bit for "
+            "bit; replays on this device are evidence."
+        )
         return
     first = report.first_nondeterministic or {}
-    where = (f"{first.get('op')} under {first.get('module')} ({first.get('phase')}), "
-             f"call {first.get('index')}")
-    output.say(f"{styled('error')}: the step is not reproducible on {report.device}; "
-               f"first difference at {where}.")
+    where = (
+        f"{first.get('op')} under {first.get('module')} ({first.get('phase')}), "
+        f"call {first.get('index')}"
+    )
+    output.say(
+        f"{styled('error')}: the step is not reproducible on {report.device}; "
+        f"first difference at {where}."
+    )
 
 
 def render_demo_stage(output: Output, stage: DemoStage) -> None:
     """One stage of the demo as its command would print it."""
     output.say(f"\n[bold]$ {stage.command}[/]")
-    renderer = {"record": render_record, "replay": render_replay, "diff": render_diff,
-                "bisect": render_bisect, "minimize": render_minimize}[stage.name]
+    renderer = {
+        "record": render_record,
+        "replay": render_replay,
+        "diff": render_diff,
+        "bisect": render_bisect,
+        "minimize": render_minimize,
+    }[stage.name]
     renderer(output, stage.result)
 
 
@@ -482,5 +652,7 @@ def render_demo(output: Output, demo: Demo) -> None:
     for problem in problems:
         output.say(f"[bold red]Mismatch:[/] {problem}")
     if not problems:
-        output.say(f"\n[bold green]The findings match the planted defect.[/] Ticket for the "
-                   f"vendor: {demo.result('minimize').ticket}")
+        output.say(
+            f"\n[bold green]The findings match the planted defect.[/] Ticket for the "
+            f"vendor: {demo.result('minimize').ticket}"
+        )

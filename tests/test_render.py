@@ -27,8 +27,14 @@ LONG_NAMES = [
 
 def console(width: int = 80, terminal: bool = False) -> tuple[Console, io.StringIO]:
     buffer = io.StringIO()
-    return Console(file=buffer, width=width, force_terminal=terminal, color_system=None,
-                   highlight=False, soft_wrap=True), buffer
+    return Console(
+        file=buffer,
+        width=width,
+        force_terminal=terminal,
+        color_system=None,
+        highlight=False,
+        soft_wrap=True,
+    ), buffer
 
 
 def assert_whole_on_a_line(text: str, names: list[str]) -> None:
@@ -81,8 +87,9 @@ def test_a_log_gets_one_line_per_stage_with_its_count_total_and_time():
     assert re.fullmatch(r"suspect: 10/10, 2 failed \(\d+\.\d s\)", lines[0])
     assert re.fullmatch(r"shrink: 7, 2 kept \(\d+\.\d s\)", lines[1])  # no total: no "/?"
     for line, device in zip(lines[2:], ("cpu:0", "cpu:1")):  # one line per phase, same name or not
-        assert re.fullmatch(rf"oplog: operator-level replay of step 1 on {device} \(\d+\.\d s\)",
-                            line)
+        assert re.fullmatch(
+            rf"oplog: operator-level replay of step 1 on {device} \(\d+\.\d s\)", line
+        )
 
 
 def test_a_terminal_sees_each_stage_against_its_real_total():
