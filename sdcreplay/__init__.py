@@ -1,18 +1,71 @@
-"""sdcreplay: record, replay, diff, bisect and minimize silent data corruption in PyTorch training."""
+"""sdcreplay: record, replay, diff, bisect and minimize silent data corruption in PyTorch training.
+
+The package is lazy (PEP 562): ``sdcreplay --help`` and ``sdcreplay info``
+import neither torch nor the pipeline; a name below is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .bundle import Bundle, describe  # noqa: E402
-from .compare import compare_logs, vote  # noqa: E402
-from .errors import SdcReplayError, WorkloadMismatchError  # noqa: E402
-from .recorder import Recorder, record  # noqa: E402
-from .replay import ReplaySession, replay_devices, replay_on_device  # noqa: E402
-from .signature import SignatureLog, read_signature_log  # noqa: E402
-from .workload import Workload, build_workload  # noqa: E402
+_EXPORTS = {
+    "Bundle": "bundle",
+    "describe": "bundle",
+    "compare_logs": "compare",
+    "vote": "compare",
+    "SdcReplayError": "errors",
+    "WorkloadMismatchError": "errors",
+    "Recorder": "recorder",
+    "record": "recorder",
+    "ReplaySession": "replay",
+    "replay_devices": "replay",
+    "replay_on_device": "replay",
+    "SignatureLog": "signature",
+    "read_signature_log": "signature",
+    "Workload": "workload",
+    "build_workload": "workload",
+}
 
 __all__ = [
-    "Bundle", "Recorder", "ReplaySession", "SdcReplayError", "SignatureLog", "Workload",
+    "Bundle",
+    "Recorder",
+    "ReplaySession",
+    "SdcReplayError",
+    "SignatureLog",
+    "Workload",
     "WorkloadMismatchError",
-    "build_workload", "compare_logs", "describe", "read_signature_log", "record",
-    "replay_devices", "replay_on_device", "vote",
+    "build_workload",
+    "compare_logs",
+    "describe",
+    "read_signature_log",
+    "record",
+    "replay_devices",
+    "replay_on_device",
+    "vote",
 ]
+
+if TYPE_CHECKING:
+    from .bundle import Bundle, describe
+    from .compare import compare_logs, vote
+    from .errors import SdcReplayError, WorkloadMismatchError
+    from .recorder import Recorder, record
+    from .replay import ReplaySession, replay_devices, replay_on_device
+    from .signature import SignatureLog, read_signature_log
+    from .workload import Workload, build_workload
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first access (and only then)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sdcreplay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

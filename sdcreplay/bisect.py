@@ -21,9 +21,10 @@ import shlex
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import ClassVar, get_args
 
 import h5py
 import torch
@@ -46,6 +47,7 @@ from .digest import tensor_digest
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
 from .forensics import element_forensics, words
+from .kinds import BisectVerdict, Isolation
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .processes import run_device_processes
 from .replay import ReplaySession, replay_devices
@@ -331,18 +333,39 @@ def device_kernels(events) -> list[str]:
 # ---------------------------------------------------------------------------
 # Orchestration.
 
+@dataclass
 class BisectResult:
-    """The report: ``to_json()`` is what ``--json`` prints and report.json holds."""
+    """The report: ``to_json()`` is what ``--json`` prints and report.json holds.
 
-    def __init__(self, data: dict):
-        self.data = data
+    The fields every report has are typed; ``findings`` holds what the verdict
+    adds (the call, its elements and bits, upstream, state; docs/bisect.md),
+    under the report's keys and in its order.
+    """
+
+    verdict: BisectVerdict
+    step: int | None  # None: no step diverged
+    suspect: str  # a device label, or "record"
+    reference: str
+    report: str  # the report directory
+    findings: dict = field(default_factory=dict)
+
+    _TYPED: ClassVar = ("verdict", "step", "suspect", "reference", "report")
+
+    @classmethod
+    def from_json(cls, data: dict) -> BisectResult:
+        if data.get("verdict") not in get_args(BisectVerdict):
+            raise ValueError(f"not a bisect verdict: {data.get('verdict')!r}")
+        rest = {key: value for key, value in data.items() if key not in (*cls._TYPED, "schema")}
+        return cls(data["verdict"], data["step"], data["suspect"], data["reference"],
+                   data["report"], rest)
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.data["verdict"] == "divergence" else 0
+        return 1 if self.verdict == "divergence" else 0
 
     def to_json(self) -> dict:
-        return self.data
+        typed = {name: getattr(self, name) for name in self._TYPED}
+        return {"schema": SCHEMA, **typed, **self.findings}
 
 
 def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, repeats: int,
@@ -495,7 +518,8 @@ def bisect(
         "runs": runs})
     output_index, forensics = _first_differing_output(case)
     inputs_equal = _trees_equal((case.args, case.kwargs), (case.suspect_args, case.suspect_kwargs))
-    verdict = "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream")
+    verdict: Isolation = (
+        "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream"))
     site = case.site
     result.update(
         phase=site.phase, module=site.module, op=site.op, op_index=site.index, output_index=output_index,
@@ -637,7 +661,7 @@ def _state_forensics(work: Path, suspect: str, names: list[str]) -> list[dict]:
 def _finish(out: Path, data: dict, on_event) -> BisectResult:
     (out / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
     on_event("done", f"report written to {out}")
-    return BisectResult(data)
+    return BisectResult.from_json(data)
 
 
 def _command_line() -> str:

@@ -20,17 +20,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-import torch
 
-from . import tensorio, trust
-from .determinism import RngState, must_match
+from . import trust
+from .comparable import must_match
 from .errors import BundleError, CheckpointError
-from .safeio import check_json_value, read_limited, regular_file_inside
+from .safeio import check_json_value, check_self_contained, read_limited, regular_file_inside
 from .signature import SignatureLog, SignatureLogWriter, read_signature_log
+
+if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
+    from .determinism import RngState  # so that `sdcreplay info` runs without torch
 
 SCHEMA = "sdcreplay.bundle/1"
 MANIFEST = "manifest.json"
@@ -80,6 +82,7 @@ def _write_json_atomic(path: Path, obj: Any, durable: bool) -> None:
 
 
 def write_rng(group: h5py.Group, rng: RngState) -> None:
+    from . import tensorio
     group.attrs["python"] = rng.python_json()
     numpy_group = group.create_group("numpy")
     kind, keys, pos, has_gauss, cached = rng.numpy
@@ -94,6 +97,8 @@ def write_rng(group: h5py.Group, rng: RngState) -> None:
 
 
 def read_rng(group: h5py.Group) -> RngState:
+    from . import tensorio
+    from .determinism import RngState
     try:
         numpy_group = group["numpy"]
         numpy_state = (
@@ -118,6 +123,7 @@ def read_rng(group: h5py.Group) -> RngState:
 def _check_rng(state: RngState, filename: str) -> None:
     """Load the state into throwaway generators: a state of the wrong size or type is refused here,
     with the file named, instead of failing inside the step."""
+    import torch
     try:
         random.Random().setstate(state.python)
         np.random.RandomState().set_state(state.numpy)
@@ -136,6 +142,7 @@ def _check_rng(state: RngState, filename: str) -> None:
 def write_state(path: Path, model_state: dict | None, optimizer_state: dict | None,
                 objects: dict[str, Any] | None = None) -> None:
     """Model, optimizer and named state objects' state dicts (a checkpoint bundle: objects only)."""
+    from . import tensorio
     with h5py.File(path, "w") as handle:
         if model_state is not None:
             tensorio.write_tree(handle.create_group("model"), model_state)
@@ -178,6 +185,7 @@ def verify_checkpoint(reference: dict) -> Path:
 
 def load_checkpoint(reference: dict) -> tuple[dict, dict | None]:
     """Verify the checkpoint is the recorded one, then load it without pickle."""
+    import torch
     path = verify_checkpoint(reference)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -293,6 +301,7 @@ class BundleWriter:
                  optimizer_step: bool, grads: str = "none", seconds: float | None = None) -> None:
         """``grads``: what the gradients held as the step began; ``seconds``: how long the step
         took while recording (replay's timeout comes from it)."""
+        from . import tensorio
         name = f"steps/{index:06d}.h5"
         with h5py.File(self.path / name, "w") as handle:
             tensorio.write_tree(handle.create_group("batch"), batch)
@@ -666,13 +675,14 @@ class Bundle:
         except OSError as exc:
             raise BundleError(f"cannot read {name} in {self.path}: {exc}") from exc
         try:
-            tensorio.check_self_contained(handle)
+            check_self_contained(handle)
         except BaseException:
             handle.close()
             raise
         return handle
 
     def load_step(self, index: int) -> tuple[Any, RngState]:
+        from . import tensorio
         record = next((step for step in self.steps if step.index == index), None)
         if record is None:
             raise BundleError(f"the bundle has no step {index} (it has {self.step_indices})")
@@ -686,6 +696,9 @@ class Bundle:
 
     def load_state(self) -> tuple[dict, dict | None]:
         """The model and optimizer state before the first recorded step."""
+        import torch
+
+        from . import tensorio
         state = self.manifest["state"]
         if state["kind"] == "checkpoint":
             return load_checkpoint(state)
@@ -711,6 +724,7 @@ class Bundle:
 
     def load_state_objects(self) -> dict[str, Any]:
         """The named state objects' state dicts before the first recorded step."""
+        from . import tensorio
         names = self.state_object_names
         if not names:
             return {}
@@ -733,36 +747,67 @@ class Bundle:
         return sum(meta["size"] for meta in self.manifest["files"].values()) + (self.path / MANIFEST).stat().st_size
 
 
-def describe(path: str | Path) -> dict:
+@dataclass
+class BundleInfo:
+    """What ``sdcreplay info`` shows (``sdcreplay.info/1``); every file was verified first."""
+
+    bundle: str
+    bundle_schema: str
+    complete: bool
+    created: str | None
+    workload: dict
+    device: str
+    device_type: str
+    digest: dict | None
+    state: dict
+    steps: list[dict]
+    state_objects: list[str]
+    verification: dict
+    entries: int
+    files: int
+    size_bytes: int
+    integrity: str
+    environment: dict
+    determinism: dict
+    fingerprint: dict | None
+    must_match: dict
+    trusted: bool
+
+    exit_code = 0
+
+    def to_json(self) -> dict:
+        return {"schema": "sdcreplay.info/1", **vars(self)}
+
+
+def describe(path: str | Path) -> BundleInfo:
     """What ``sdcreplay info`` shows: every file is verified first."""
     bundle = Bundle.open(path, verify=True)
     manifest = bundle.manifest
     log = bundle.signature_log()
-    return {
-        "schema": "sdcreplay.info/1",
-        "bundle": str(bundle.path),
-        "bundle_schema": manifest["schema"],
-        "complete": manifest["complete"],
-        "created": manifest.get("created"),
-        "workload": manifest["workload"],
-        "device": manifest["device"],
-        "device_type": manifest["device_type"],
-        "digest": manifest.get("digest"),
-        "state": {k: v for k, v in manifest["state"].items()},
-        "steps": [
+    return BundleInfo(
+        bundle=str(bundle.path),
+        bundle_schema=manifest["schema"],
+        complete=manifest["complete"],
+        created=manifest.get("created"),
+        workload=manifest["workload"],
+        device=manifest["device"],
+        device_type=manifest["device_type"],
+        digest=manifest.get("digest"),
+        state={k: v for k, v in manifest["state"].items()},
+        steps=[
             {"index": step.index, "entries": step.entries, "optimizer_step": step.optimizer_step,
              "grads": step.grads}
             for step in bundle.steps
         ],
-        "state_objects": bundle.state_object_names,
-        "verification": bundle.verification,
-        "entries": log.entry_count(),
-        "files": len(manifest["files"]),
-        "size_bytes": bundle.size_bytes(),
-        "integrity": "ok",
-        "environment": manifest["environment"],
-        "determinism": manifest["determinism"],
-        "fingerprint": manifest.get("fingerprint"),
-        "must_match": must_match(manifest.get("fingerprint") or {}),
-        "trusted": trust.is_trusted(manifest),
-    }
+        state_objects=bundle.state_object_names,
+        verification=bundle.verification,
+        entries=log.entry_count(),
+        files=len(manifest["files"]),
+        size_bytes=bundle.size_bytes(),
+        integrity="ok",
+        environment=manifest["environment"],
+        determinism=manifest["determinism"],
+        fingerprint=manifest.get("fingerprint"),
+        must_match=must_match(manifest.get("fingerprint") or {}),
+        trusted=trust.is_trusted(manifest),
+    )

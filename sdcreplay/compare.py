@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .bundle import Bundle
 from .errors import BundleError, StructureError
+from .kinds import ConsensusVerdict, DeviceVerdictName
 from .signature import SignatureLog, is_program_entry, layer_of, phase_of, read_signature_log
 
 RECORD = "record"
@@ -45,6 +46,7 @@ class Comparison:
     steps: list[int]
     entries: int
     divergences: list[Divergence] = field(default_factory=list)
+    plot: str | None = None  # the divergence map drawn for it, if one was asked for
 
     @property
     def identical(self) -> bool:
@@ -70,6 +72,10 @@ class Comparison:
         """The first divergence is a program entry (hyper-parameters, state objects): not SDC."""
         return self.first is not None and is_program_entry(self.first.name)
 
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.identical else 1
+
     def to_json(self) -> dict:
         first = self.first
         return {
@@ -82,7 +88,7 @@ class Comparison:
             "divergent_entries": len(self.divergences),
             "per_step": {str(step): count for step, count in self.per_step().items()},
             "per_layer": self.per_layer(),
-        }
+        } | ({"plot": self.plot} if self.plot is not None else {})
 
 
 def load_log(path: str | Path) -> SignatureLog:
@@ -204,11 +210,24 @@ def compare_logs(reference: SignatureLog, candidate: SignatureLog, steps: list[i
     return comparison
 
 
+
+def diff(first: str | Path, second: str | Path, plot: str | Path | None = None) -> Comparison:
+    """What ``sdcreplay diff`` does: compare two logs (bundles or replay logs), optionally plot."""
+    reference = load_log(first)
+    comparison = compare_logs(reference, load_log(second))
+    if plot is not None:
+        from .plot import plot_divergence_map
+
+        plot_divergence_map(reference, comparison, plot)
+        comparison.plot = str(plot)
+    return comparison
+
+
 @dataclass
 class DeviceVerdict:
     """How one voter's runs compare with the majority."""
 
-    verdict: str  # match | persistent | intermittent | undecided | incomparable
+    verdict: DeviceVerdictName
     runs: int
     divergent_runs: int
     first_divergence: Divergence | None
@@ -224,7 +243,7 @@ class Consensus:
     never votes against the record.
     """
 
-    verdict: str  # correct | transient | persistent | recording_suspect | undecided | incomparable
+    verdict: ConsensusVerdict
     suspects: list[str]
     first_divergence: Divergence | None
     voters: dict[str, DeviceVerdict]

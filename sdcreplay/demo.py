@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bisect import bisect
-from .compare import compare_logs, load_log
+from .bisect import BisectResult, bisect
+from .compare import Comparison, compare_logs, load_log
 from .errors import SdcReplayError
-from .minimize import minimize
-from .recorder import record
-from .replay import replay_devices
+from .minimize import MinimizeResult, minimize
+from .recorder import RecordSummary, record
+from .replay import ReplayReport, replay_devices
 
 DEFECT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5,bit=22,device=cpu:1"
 REPLICAS = ["cpu:0", "cpu:1", "cpu:2"]
@@ -27,7 +27,7 @@ REPLICAS = ["cpu:0", "cpu:1", "cpu:2"]
 class DemoStage:
     name: str
     command: str
-    result: object
+    result: RecordSummary | ReplayReport | Comparison | BisectResult | MinimizeResult
 
 
 @dataclass
@@ -37,6 +37,19 @@ class Demo:
 
     def result(self, name: str):
         return next(stage.result for stage in self.stages if stage.name == name)
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a finding differs from the planted defect: the story does not hold."""
+        return 1 if self.mismatches() else 0
+
+    def to_json(self) -> dict:
+        return {
+            "schema": "sdcreplay.demo/1", "out": str(self.out), "defect": DEFECT,
+            "stages": [{"name": stage.name, "command": stage.command,
+                        "result": stage.result.to_json()} for stage in self.stages],
+            "mismatches": self.mismatches(),
+        }
 
     def mismatches(self) -> list[str]:
         """Where the findings differ from the planted defect (empty: the story holds)."""

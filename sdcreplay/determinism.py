@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .comparable import RESULT_AFFECTING, must_match  # noqa: F401 (torch-free, for info)
 from .errors import DeterminismError
 
 # Environment variables that change which kernels run (and so the bits they
@@ -258,14 +259,6 @@ def restore_operator_rng(state: dict | None, device: torch.device) -> None:
 # recorded values in force before its first operator (ATen reads the variable
 # once, at the first dispatch; MKL at its first call).
 PINNED_ENV = {"cpu.capability": "ATEN_CPU_CAPABILITY", "cpu.blas_branch": "MKL_CBWR"}
-# Compared between the record and a replica. The CPU model is compared only
-# when MKL chose its kernels by CPU (no MKL_CBWR branch): MKL dispatches per
-# CPU model, while ATen's kernels follow the capability alone.
-RESULT_AFFECTING = (
-    "torch.version", "torch.git", "cpu.capability", "cpu.blas_branch", "mkl", "onednn",
-    "threads.intra_op", "gpu.name", "gpu.capability", "gpu.sm_count", "gpu.mig", "driver",
-    "cuda.runtime", "cublas", "cudnn", "nccl",
-)
 _SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                "avx512_fp16", "amx_tile", "asimd", "sve")
 
@@ -354,12 +347,6 @@ def fingerprint(device: torch.device) -> dict:
     if device.type == "cuda":
         found.update(_gpu_fingerprint(device))
     return found
-
-
-def must_match(found: dict) -> dict:
-    """The properties of ``found`` that a replay elsewhere must share to be compared bit for bit."""
-    names = list(RESULT_AFFECTING) + (["cpu.model"] if found.get("cpu.blas_branch") is None else [])
-    return {name: found[name] for name in names if name in found}
 
 
 def pinned_environment(recorded: dict | None) -> dict[str, str]:

@@ -9,7 +9,7 @@ compared bit for bit with a record.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -22,7 +22,35 @@ from .workload import build_workload
 SCHEMA = "sdcreplay.doctor/1"
 
 
-def doctor(device: str = "cpu", workload: str = "builtin:tiny-llama", kwargs: dict | None = None, runs: int = 2) -> dict:
+@dataclass
+class DoctorReport:
+    """Whether a device reproduced a step bit for bit (``sdcreplay.doctor/1``)."""
+
+    device: str
+    workload: str
+    runs: int
+    operators: int  # operator calls in one run of the step
+    reproducible: bool
+    first_nondeterministic: dict | None  # the first call whose outputs differed between runs
+    problems: list[str]  # deterministic switches that are off
+    switches: dict
+    environment: dict
+    torch: str
+    fingerprint: dict
+    must_match: dict
+    pinned: dict[str, str]
+
+    @property
+    def exit_code(self) -> int:
+        """A device that cannot reproduce itself is a finding (1), as a divergence is."""
+        return 0 if self.reproducible else 1
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **vars(self)}
+
+
+def doctor(device: str = "cpu", workload: str = "builtin:tiny-llama", kwargs: dict | None = None,
+           runs: int = 2) -> DoctorReport:
     """Run one step ``runs`` times from the same state; report the first operator that differs."""
     target = torch_device(device)
     switches = determinism.enable()
@@ -60,19 +88,18 @@ def doctor(device: str = "cpu", workload: str = "builtin:tiny-llama", kwargs: di
         problems.append("torch.use_deterministic_algorithms is off")
     if target.type == "cuda" and not switches["env"].get("CUBLAS_WORKSPACE_CONFIG"):
         problems.append("CUBLAS_WORKSPACE_CONFIG is not set")
-    return {
-        "schema": SCHEMA,
-        "device": device,
-        "workload": workload,
-        "runs": runs,
-        "operators": len(logs[0]),
-        "reproducible": first is None,
-        "first_nondeterministic": first,
-        "problems": problems,
-        "switches": switches,
-        "environment": determinism.environment(target),
-        "torch": torch.__version__,
-        "fingerprint": fingerprint,
-        "must_match": determinism.must_match(fingerprint),
-        "pinned": determinism.pinned_environment(fingerprint),
-    }
+    return DoctorReport(
+        device=device,
+        workload=workload,
+        runs=runs,
+        operators=len(logs[0]),
+        reproducible=first is None,
+        first_nondeterministic=first,
+        problems=problems,
+        switches=switches,
+        environment=determinism.environment(target),
+        torch=torch.__version__,
+        fingerprint=fingerprint,
+        must_match=determinism.must_match(fingerprint),
+        pinned=determinism.pinned_environment(fingerprint),
+    )

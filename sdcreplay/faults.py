@@ -18,22 +18,25 @@ import random
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import Literal, get_args
 
 import torch
 
 from .capture import CallSite
 from .errors import FaultSpecError
+from .kinds import PhaseName
 from .tensorio import raw_bits
 
-KINDS = ("bitflip", "pairflip", "swap", "bias", "nan", "memflip")
-PHASES = ("forward", "backward", "optimizer")
+FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip"]
+KINDS: tuple[str, ...] = get_args(FaultKind)
+PHASES: tuple[str, ...] = get_args(PhaseName)
 ENV_VAR = "SDCREPLAY_INJECT"
 _MANTISSA_TOP = {torch.float64: 51, torch.float32: 22, torch.float16: 9, torch.bfloat16: 6}
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    kind: str
+    kind: FaultKind
     op: str | None = None
     param: str | None = None
     module: str | None = None

@@ -22,7 +22,7 @@ import math
 import shlex
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from .digest import tensor_digest
 from .errors import BundleError, DeterminismError, ReportError, SdcReplayError
 from .faults import FaultSpec, Injector, parse_specs
 from .forensics import element_forensics
+from .kinds import ShrinkStatus
 from .operator_case import (
     OPERATOR_FILE,
     OperatorCase,
@@ -59,7 +60,8 @@ PROGRESS_SECONDS = 0.2
 KEPT_OUTPUT_BYTES = 256 << 20  # outputs a device may hold while its verdicts wait for one sync
 Progress = Callable[[str, int, "int | None", int], None]
 """``on_progress(stage, done, total, failures)``; stages: suspect, reference,
-shrink (done = candidates tested, failures = candidates kept), random data, minimal."""
+shrink (done = candidates tested, failures = candidates kept; no total: the number of candidates
+is not known in advance), random data (failures = draws that still fail), minimal."""
 
 
 def wilson_interval(failures: int, trials: int, z: float = Z95) -> tuple[float, float]:
@@ -518,20 +520,47 @@ def deterministic_switches(report: dict, report_dir: Path, warnings: list[str]) 
 
 @dataclass
 class MinimizeResult:
-    """What ``--json`` prints (``sdcreplay.minimize/1``)."""
+    """What ``--json`` prints and the ticket records (``sdcreplay.minimize/1``)."""
 
-    data: dict = field(default_factory=dict)
-
-    @property
-    def reproduced(self) -> bool:
-        return self.data["reproduced"]
+    reproduced: bool
+    op: str
+    site: dict
+    device: str  # the suspect the trials ran on
+    reference: str
+    trials: int
+    failures: int
+    rate: float
+    ci95: list[float]  # Wilson 95% interval of the rate
+    trials_to_first_failure: int | None
+    trials_per_second: float
+    reference_trials: int
+    reference_failures: int
+    dtypes: list[str]
+    input_shapes_original: list[list[int]]
+    input_shapes_minimal: list[list[int]]
+    shrink: dict  # status (ShrinkStatus), reason, tests, axes, kept
+    acceptance: dict[str, int]  # good_trials, bad_trials
+    minimal: dict | None  # the measurement on the minimal inputs
+    data_dependent: bool | None
+    first_mismatch: dict | None
+    coordinates: dict | None
+    bits: dict | None
+    pattern: str | None
+    kernels: list[str]
+    inject: list[str]
+    report: str
+    ticket: str
+    switches: dict
+    warnings: list[str]
+    commands: list[str]
+    seconds: float = 0.0
 
     @property
     def exit_code(self) -> int:
         return 1 if self.reproduced else 0
 
     def to_json(self) -> dict:
-        return self.data
+        return {"schema": SCHEMA, **vars(self)}
 
 
 def default_bad_trials(rate: float, trials: int) -> int:
@@ -592,8 +621,8 @@ def minimize(
     expected = checker.outputs(args, kwargs)
     minimal, data_dependent = None, None
     if reproduced:
-        progress("random data", 0, RANDOM_DATA_DRAWS, 0)
-        data_dependent = depends_on_data(args, kwargs, acceptance, seed)
+        data_dependent = depends_on_data(args, kwargs, acceptance, seed,
+                                         on_draw=partial(progress, "random data"))
         minimal = suspect.measure(args, kwargs, expected, trials, progress=partial(progress, "minimal"))
 
     target = Path(out) if out else report_dir / "ticket"
@@ -601,48 +630,47 @@ def minimize(
     if suspect.device.type == "cuda":
         kernels = kernel_names(op, OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, expected), suspect.device)
     failure = (minimal.first_failure if minimal else None) or measured.first_failure
-    data = {
-        "schema": SCHEMA,
-        "reproduced": reproduced,
-        "op": case.op,
-        "site": asdict(case.site),
-        "device": suspect_label,
-        "reference": reference_label,
-        "trials": measured.trials,
-        "failures": measured.failures,
-        "rate": measured.rate,
-        "ci95": list(measured.ci95),
-        "trials_to_first_failure": measured.trials_to_first_failure,
-        "trials_per_second": measured.to_json()["trials_per_second"],
-        "reference_trials": checked.trials,
-        "reference_failures": checked.failures,
-        "dtypes": [dtype_name(t.dtype) for t in case.args if isinstance(t, torch.Tensor)],
-        "input_shapes_original": shapes_of((list(case.args), case.kwargs)),
-        "input_shapes_minimal": shapes_of((args, kwargs)),
-        "shrink": shrink,
-        "acceptance": {"good_trials": good_trials, "bad_trials": bad_trials},
-        "minimal": minimal.to_json() if minimal else None,
-        "data_dependent": data_dependent,
-        "first_mismatch": _first_element(failure),
-        "coordinates": failing_element_coordinates(
+    result = MinimizeResult(
+        reproduced=reproduced,
+        op=case.op,
+        site=asdict(case.site),
+        device=suspect_label,
+        reference=reference_label,
+        trials=measured.trials,
+        failures=measured.failures,
+        rate=measured.rate,
+        ci95=list(measured.ci95),
+        trials_to_first_failure=measured.trials_to_first_failure,
+        trials_per_second=measured.to_json()["trials_per_second"],
+        reference_trials=checked.trials,
+        reference_failures=checked.failures,
+        dtypes=[dtype_name(t.dtype) for t in case.args if isinstance(t, torch.Tensor)],
+        input_shapes_original=shapes_of((list(case.args), case.kwargs)),
+        input_shapes_minimal=shapes_of((args, kwargs)),
+        shrink=shrink,
+        acceptance={"good_trials": good_trials, "bad_trials": bad_trials},
+        minimal=minimal.to_json() if minimal else None,
+        data_dependent=data_dependent,
+        first_mismatch=_first_element(failure),
+        coordinates=failing_element_coordinates(
             _first_element(failure), _first_element(measured.first_failure), cut,
             shrunk=minimal is not None),
-        "bits": failure.get("bits") if failure else None,
-        "pattern": failure.get("pattern") if failure else None,
-        "kernels": kernels,
-        "inject": [str(spec) for spec in specs],
-        "report": str(report_dir),
-        "ticket": str(target),
-        "switches": switches,
-        "warnings": warnings,
-        "commands": [*report.get("commands", []), _command_line(report_dir, device, reference, trials, good_trials,
+        bits=failure.get("bits") if failure else None,
+        pattern=failure.get("pattern") if failure else None,
+        kernels=kernels,
+        inject=[str(spec) for spec in specs],
+        report=str(report_dir),
+        ticket=str(target),
+        switches=switches,
+        warnings=warnings,
+        commands=[*report.get("commands", []), _command_line(report_dir, device, reference, trials, good_trials,
                                                                  bad_trials, inject, out)],
-    }
+    )
     suspect_outputs = minimal.failing_outputs if minimal and minimal.failing_outputs is not None else expected
     ticket_case = OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs, rng=case.rng)
-    data["seconds"] = round(time.perf_counter() - started, 3)
-    ticket.write_ticket(target, data, report, ticket_case)
-    return MinimizeResult(data)
+    result.seconds = round(time.perf_counter() - started, 3)
+    ticket.write_ticket(target, result.to_json(), report, ticket_case)
+    return result
 
 
 Cut = list[tuple[Axis, tuple]]
@@ -658,7 +686,8 @@ def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
     """
     axes, reason = shrink_axes(case.op, op, case.args, case.expected)
     shrinker = Shrinker(case.args, case.kwargs, axes, acceptance.holds if acceptance else None, on_test)
-    status = "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk")
+    status: ShrinkStatus = (
+        "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk"))
     if status == "shrunk":
         try:
             shrinker.run()
@@ -675,11 +704,22 @@ def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
     }, cut
 
 
-def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int) -> bool:
-    """True when random data of the same shape, dtype and range never meets the acceptance rule."""
+def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int,
+                    on_draw: Callable[[int, int, int], None] = lambda done, total, held: None,
+                    ) -> bool:
+    """True when random data of the same shape, dtype and range never meets the acceptance rule.
+
+    ``on_draw(done, total, held)`` after each draw tested; the first that meets it ends the test.
+    """
     generator = torch.Generator().manual_seed(seed)
     draws = [random_inputs(args, kwargs, generator) for _ in range(RANDOM_DATA_DRAWS)]
-    return not any(acceptance.holds(*draw) for draw in draws)
+    on_draw(0, RANDOM_DATA_DRAWS, 0)
+    for done, draw in enumerate(draws, 1):
+        held = acceptance.holds(*draw)
+        on_draw(done, RANDOM_DATA_DRAWS, int(held))
+        if held:
+            return False
+    return True
 
 
 def _report_warnings(report: dict, specs: list[FaultSpec]) -> list[str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from .capture import CallSite, flatten_tensors
 from .errors import BundleError
 from .faults import FaultSpec
+from .kinds import PhaseName
 from .replay import ReplaySession
 
 SCHEMA = "sdcreplay.ops/1"
@@ -25,7 +26,7 @@ SCHEMA = "sdcreplay.ops/1"
 @dataclass
 class Call:
     index: int  # position among all calls of the step (bisect's op_index)
-    phase: str
+    phase: PhaseName
     module: str
     op: str
     nth: int  # position among the step's calls with the same op, module and phase
@@ -51,13 +52,34 @@ class _Lister:
         return out
 
 
+@dataclass
+class OpsListing:
+    """A step's operator calls, filtered (``sdcreplay.ops/1``)."""
+
+    bundle: str
+    step: int
+    device: str
+    filters: dict[str, str | None]  # phase, module, op as given
+    total_calls: int  # calls of the step before filtering
+    calls: list[Call]
+
+    exit_code = 0
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA, "bundle": self.bundle, "step": self.step, "device": self.device,
+            "filters": self.filters, "total_calls": self.total_calls,
+            "calls": [asdict(call) | {"spec": call.spec(self.step)} for call in self.calls],
+        }
+
+
 def _selected(call: Call, phase: str | None, module: str | None, op: str | None) -> bool:
     probe = FaultSpec(kind="bitflip", op=op or call.op, module=module, phase=phase)
     return probe.matches_key(call.op, call.module, call.phase)
 
 
 def list_calls(bundle: str | Path, step: int, *, device: str = "cpu", phase: str | None = None,
-               module: str | None = None, op: str | None = None) -> dict:
+               module: str | None = None, op: str | None = None) -> OpsListing:
     """The calls of ``step`` (``sdcreplay.ops/1``), filtered as a fault spec's keys would select them."""
     session = ReplaySession(bundle, device)
     try:
@@ -70,19 +92,5 @@ def list_calls(bundle: str | Path, step: int, *, device: str = "cpu", phase: str
     finally:
         session.close()
     calls = [call for call in lister.calls if _selected(call, phase, module, op)]
-    return {
-        "schema": SCHEMA,
-        "bundle": str(session.bundle.path),
-        "step": step,
-        "device": device,
-        "filters": {"phase": phase, "module": module, "op": op},
-        "total_calls": len(lister.calls),
-        "calls": [asdict(call) | {"spec": call.spec(step)} for call in calls],
-    }
-
-
-def describe_outputs(outputs: list[dict]) -> str:
-    return ", ".join(f"{o['dtype']}{o['shape']}" for o in outputs) or "-"
-
-
-
+    return OpsListing(str(session.bundle.path), step, device,
+                      {"phase": phase, "module": module, "op": op}, len(lister.calls), calls)

@@ -348,6 +348,8 @@ def _check_model_matches_checkpoint(model: torch.nn.Module, reference: dict) -> 
 
 @dataclass
 class RecordSummary:
+    """What ``sdcreplay record`` wrote (``sdcreplay.record/1``)."""
+
     bundle: Path
     workload: str
     kwargs: dict
@@ -357,6 +359,16 @@ class RecordSummary:
     size_bytes: int
     final_loss: float | None
     verification: dict
+
+    exit_code = 0  # a recording is never a finding
+
+    def to_json(self) -> dict:
+        return {
+            "schema": "sdcreplay.record/1", "bundle": str(self.bundle), "workload": self.workload,
+            "kwargs": self.kwargs, "device": self.device, "steps": self.steps,
+            "entries": self.entries, "size_bytes": self.size_bytes,
+            "final_loss": self.final_loss, "verification": self.verification,
+        }
 
 
 def record(

@@ -25,6 +25,7 @@ from .devices import torch_device, validate_label
 from .digest import algorithm_for
 from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, WorkloadError
 from .faults import Injector, parse_specs
+from .kinds import DeviceRunVerdict, DeviceVerdictName
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .signature import SignatureLog, read_signature_log, write_signature_log
 from .tensorio import map_tensors, read_tree, write_tree
@@ -265,7 +266,7 @@ class DeviceRun:
     differences: list[str] = field(default_factory=list)  # result-affecting properties unlike the record's
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> DeviceRunVerdict:
         if self.error is not None:
             return "error"
         return self.judgement.verdict if self.judgement else "match"
@@ -312,9 +313,16 @@ class ReplayReport:
     devices: list[DeviceRun]
     consensus: Consensus | None
     caveat: str | None = None
+    injected_specs: list[str] = field(default_factory=list)  # the --inject specs asked for
 
     @property
-    def record_verdict(self) -> str:
+    def injection_missed(self) -> bool:
+        """Faults were asked for and none fired on any device: the spec selects nothing."""
+        return bool(self.injected_specs) and not any(
+            fired for run in self.devices for fired in run.injected)
+
+    @property
+    def record_verdict(self) -> DeviceVerdictName:
         judgement = self.consensus.voters.get(RECORD) if self.consensus else None
         return judgement.verdict if judgement else "match"
 
@@ -471,4 +479,4 @@ def replay_devices(
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]
     return ReplayReport(str(opened.path), repeats, str(log_dir), runs, consensus,
-                        caveat_for(opened))
+                        caveat_for(opened), injected_specs=list(inject))

@@ -169,36 +169,6 @@ def _restride(tensor: torch.Tensor, stride: list[int]) -> torch.Tensor:
     return strided.expand(tensor.shape) if broadcast else strided
 
 
-def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
-    """Refuse an HDF5 file whose data lives elsewhere: external links or storage, virtual datasets.
-
-    Such a file reads other files of the machine while its own SHA-256 still
-    matches, so editing them would change a replay's verdict unseen.
-    """
-    pending = [handle]
-    seen = 0
-    while pending:
-        group = pending.pop()
-        for name in group:
-            seen += 1
-            if seen > limit:
-                raise BundleError(f"{handle.filename} holds more than {limit} objects")
-            link = group.get(name, getlink=True)
-            where = f"{handle.filename}: {group.name.rstrip('/')}/{name}"
-            if isinstance(link, h5py.ExternalLink):
-                raise BundleError(f"{where} is an external link to {link.filename[:80]!r}",
-                                  "A bundle's HDF5 files must hold all their data themselves.")
-            if isinstance(link, h5py.SoftLink):
-                continue  # points inside this file; its target is visited as itself
-            item = group[name]
-            if isinstance(item, h5py.Group):
-                pending.append(item)
-            elif isinstance(item, h5py.Dataset) and (item.external or item.is_virtual):
-                raise BundleError(f"{where} keeps its data outside the file "
-                                  "(HDF5 external storage)",
-                                  "A bundle's HDF5 files must hold all their data themselves.")
-
-
 def write_tree(group: h5py.Group, obj: Any) -> None:
     """Store a nest of dicts/lists/tuples/scalars/tensors; the skeleton is JSON."""
     tensors: list[torch.Tensor] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -229,6 +230,8 @@ def forward_cli(llama_bundle, tmp_path_factory) -> dict:
 def test_forward_bitflip_names_the_call_elements_and_bit(forward_cli, llama_bundle):
     result = forward_cli["result"]
     assert result.exit_code == 1, result.stderr
+    phases = re.findall(r"^(\w+): .* \(\d+\.\d s\)$", result.stderr, re.M)  # one line per phase
+    assert phases == ["oplog", "oplog", "fetch", "isolate", "done"], result.stderr
     report = json.loads(result.stdout)
     fired = only_fired(llama_bundle, FORWARD)
     assert (report["verdict"], report["step"], report["phase"], report["module"], report["op"]) == (

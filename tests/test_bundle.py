@@ -93,7 +93,7 @@ def canonical(value):
 def evidence(path: Path) -> dict:
     """Everything a reader can get out of a bundle: info, every step, the state, the log."""
     bundle = Bundle.open(path)
-    about = describe(path)
+    about = describe(path).to_json()
     steps = {}
     for index in bundle.step_indices:
         batch, rng = bundle.load_step(index)
@@ -192,7 +192,7 @@ def test_open_falls_back_to_the_partial_bundle(tmp_path: Path):
     assert bundle.path == tmp_path / "run.bundle.partial"
     assert bundle.complete is False
     assert bundle.step_indices == [0, 1]
-    assert describe(tmp_path / "run.bundle")["complete"] is False
+    assert describe(tmp_path / "run.bundle").complete is False
 
 
 def test_partial_bundle_with_a_half_written_step_reads_as_the_completed_steps(tmp_path: Path):
@@ -215,7 +215,7 @@ def test_a_complete_bundle_with_trailing_bytes_in_its_log_is_refused(tmp_path: P
 
 
 def test_describe(small_bundle: Path):
-    about = describe(small_bundle)
+    about = describe(small_bundle).to_json()
     assert about["schema"] == "sdcreplay.info/1"
     assert about["bundle_schema"] == SCHEMA
     assert about["integrity"] == "ok"

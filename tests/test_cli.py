@@ -8,6 +8,9 @@ and never as a traceback; ``--json`` prints one object with a ``schema`` key.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -61,6 +64,9 @@ def test_record_info_replay_json(tmp_path: Path, cli):
     assert recorded["entries"] > 0 and recorded["size_bytes"] > 0
     assert isinstance(recorded["final_loss"], float)
     assert f"Recorded 2 steps of builtin:tiny-llama on cpu: {recorded['entries']} signature entries" in result.stderr
+    # stderr is not a terminal here: the progress is one line per stage, with its count and time
+    assert re.search(r"^recording builtin:tiny-llama: 2/2, loss \d+\.\d{4} \(\d+\.\d s\)$",
+                     result.stderr, re.M), result.stderr
 
     result = cli("info", bundle, "--json")
     assert result.exit_code == 0, result.output
@@ -84,6 +90,7 @@ def test_record_info_replay_json(tmp_path: Path, cli):
     assert report["consensus"]["verdict"] == "correct"
     assert report["record"]["verdict"] == "match"
     assert all(Path(log).is_file() for log in device["logs"])
+    assert re.search(r"^replaying: 1/1, cpu finished \(\d+\.\d s\)$", result.stderr, re.M)
 
 
 def test_human_output_goes_to_stderr(small_bundle: Path, cli):
@@ -100,6 +107,28 @@ def test_version_and_help(cli):
     assert result.exit_code == 0
     for command in ("record", "replay", "info"):
         assert command in result.stdout
+
+
+STARTUP = """
+import sys
+sys.argv = ["sdcreplay", *sys.argv[1:]]
+from sdcreplay.cli import main
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+print("torch imported" if "torch" in sys.modules else "no torch", code, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["info", "BUNDLE"], ["info", "BUNDLE", "--json"]],
+                         ids=["help", "info", "info-json"])
+def test_help_and_info_do_not_import_torch(small_bundle: Path, args: list[str]):
+    """The package is lazy: asking for help or reading a bundle's facts loads no torch (1.5 s+)."""
+    argv = [str(small_bundle) if arg == "BUNDLE" else arg for arg in args]
+    done = subprocess.run([sys.executable, "-c", STARTUP, *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "no torch 0", done.stderr
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def test_info_and_doctor_show_what_a_replay_must_match(small_bundle: Path, cli):
     assert "cpu.flags" in about["fingerprint"] and "cpu.flags" not in about["must_match"]
     shown = cli("info", small_bundle)
     assert "cpu.capability" in shown.stderr + shown.stdout
-    checked = doctor("cpu", "builtin:tiny-llama", {"layers": 1, "dim": 32})
+    checked = doctor("cpu", "builtin:tiny-llama", {"layers": 1, "dim": 32}).to_json()
     assert checked["must_match"] == determinism.must_match(here)
     assert checked["pinned"] == determinism.pinned_environment(here)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -226,6 +227,11 @@ def test_cli_json_and_exit_codes(cli, report: Path, tmp_path: Path):
     assert (data["trials"], data["failures"]) == (50, 50)
     assert data["ticket"] == str(tmp_path / "t")
     assert (tmp_path / "t" / "repro.py").is_file()
+    # stderr is not a terminal here: each stage leaves one line with its count, total and time
+    for stage in (r"suspect: 50/50, 50 failed", r"reference: 50/50, 0 failed",
+                  r"shrink: [1-9]\d*, [1-9]\d* kept", r"random data: [1-3]/3, [01] failed",
+                  r"minimal: 50/50, 50 failed"):
+        assert re.search(rf"^{stage} \(\d+\.\d s\)$", result.stderr, re.M), (stage, result.stderr)
     healthy = cli("minimize", report, "--trials", "50", "--json")
     assert healthy.exit_code == 0, healthy.stderr
     assert json.loads(healthy.stdout)["failures"] == 0

@@ -32,7 +32,7 @@ def test_ops_json_names_each_call_as_a_spec_selects_it(small_bundle: Path, cli):
 
 def test_ops_filters_by_phase_and_prints_a_table(small_bundle: Path, cli):
     """AdamW's update of one parameter: every call is under that parameter, nth counts each op's calls."""
-    listing = list_calls(small_bundle, 0, phase="optimizer", module="layers.0.attn.wq.weight")
+    listing = list_calls(small_bundle, 0, phase="optimizer", module="layers.0.attn.wq.weight").to_json()
     calls = listing["calls"]
     assert calls and {(c["phase"], c["module"]) for c in calls} == {("optimizer", "layers.0.attn.wq.weight")}
     for op in {c["op"] for c in calls}:

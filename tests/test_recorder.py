@@ -233,7 +233,7 @@ def test_a_recording_killed_mid_write_reads_as_the_completed_steps(tmp_path: Pat
     assert bundle.path == tmp_path / "run.bundle.partial"
     assert bundle.complete is False
     assert bundle.step_indices == [0, 1, 2]
-    assert sdcreplay.describe(tmp_path / "run.bundle")["complete"] is False
+    assert sdcreplay.describe(tmp_path / "run.bundle").complete is False
     assert_replays_identically(tmp_path / "run.bundle", [0, 1, 2])
 
 

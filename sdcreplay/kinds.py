@@ -1,0 +1,38 @@
+"""The closed sets of words results carry: phases and verdicts, as types.
+
+A verdict is read by people, scripts (``--json``) and the renderer's colours;
+naming each set once lets a type checker see a misspelt one. Imports nothing,
+so the command line can use them without loading the pipeline. Fault kinds are
+``faults.FaultKind``, beside the table that implements them.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+PhaseName = Literal["forward", "backward", "optimizer"]
+
+
+class Phase(str, Enum):
+    """A phase of a training step, as an option value (``--phase``)."""
+
+    forward = "forward"
+    backward = "backward"
+    optimizer = "optimizer"
+
+
+# One voter's runs against the majority; a device whose process failed is ``error``.
+DeviceVerdictName = Literal["match", "persistent", "intermittent", "undecided", "incomparable"]
+DeviceRunVerdict = Literal[DeviceVerdictName, "error"]
+# The vote over every device (replay's answer).
+ConsensusVerdict = Literal[
+    "correct", "transient", "persistent", "recording_suspect", "undecided", "incomparable"
+]
+BisectVerdict = Literal["divergence", "no_divergence"]
+# Where bisect's first wrong call got its wrong output: the operator alone (kernel), the
+# inputs it was handed (upstream), or neither reproducible alone (intermittent).
+Isolation = Literal["kernel", "intermittent", "upstream"]
+ShrinkStatus = Literal[
+    "shrunk", "already minimal", "not applicable", "not reproduced", "interrupted"
+]
