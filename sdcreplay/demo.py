@@ -19,7 +19,11 @@ from .minimize import MinimizeResult, minimize
 from .recorder import RecordSummary, record
 from .replay import ReplayReport, replay_devices
 
-DEFECT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5,bit=22,device=cpu:1"
+# Element 69 is row 1 of the query projection: token 1 attends to two tokens, so the wrong query
+# reaches the loss (token 0 attends only to itself, and a wrong query there changes nothing).
+DEFECT_ELEMENT = 69
+DEFECT = ("kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,"
+          f"index={DEFECT_ELEMENT},bit=22,device=cpu:1")
 REPLICAS = ["cpu:0", "cpu:1", "cpu:2"]
 
 
@@ -62,8 +66,9 @@ class Demo:
             problems.append(f"diff's first divergence is {first}, expected step 1 forward:layers.1.attn.wq")
         found = self.result("bisect").to_json()
         named = (found.get("op"), found.get("module"), found.get("isolated"), (found.get("elements") or {}).get("indices"))
-        if named != ("aten.mm.default", "layers.1.attn.wq", "kernel", [5]):
-            problems.append(f"bisect named {named}, expected aten.mm.default under layers.1.attn.wq, kernel, element [5]")
+        if named != ("aten.mm.default", "layers.1.attn.wq", "kernel", [DEFECT_ELEMENT]):
+            problems.append(f"bisect named {named}, expected aten.mm.default under layers.1.attn.wq, "
+                            f"kernel, element [{DEFECT_ELEMENT}]")
         ticket = self.result("minimize").to_json()
         if not ticket.get("reproduced"):
             problems.append("minimize did not reproduce the failure")
