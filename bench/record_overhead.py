@@ -39,9 +39,12 @@ from pathlib import Path
 
 import torch
 
+from sdcreplay import capture as capture_module
 from sdcreplay import determinism
 from sdcreplay import recorder as recorder_module
+from sdcreplay.bundle import BundleWriter
 from sdcreplay.capture import SignatureCapture
+from sdcreplay.digest import Digester
 from sdcreplay.recorder import Recorder
 from sdcreplay.tensorio import map_tensors
 from sdcreplay.workload import build_workload
@@ -179,11 +182,20 @@ class OwnWork:
         "end_step",
     )
 
+    PARTS = {  # parts of the own work, timed apart: (owner, attribute)
+        "digests (Digester.add)": (Digester, "add"),
+        "backward edge walk (_input_edges)": (capture_module, "_input_edges"),
+        "step writing (BundleWriter.add_step)": (BundleWriter, "add_step"),
+        "state check (state_digests)": (recorder_module, "state_digests"),
+    }
+
     def __init__(self) -> None:
         self.spent = 0.0
         self._depth = 0
+        self.parts: dict[str, list[float]] = {name: [] for name in self.PARTS}
+        self._part_spent = dict.fromkeys(self.PARTS, 0.0)
 
-    def timed(self, function):
+    def timed(self, function, part: str | None = None):
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
             self._depth += 1
@@ -192,8 +204,11 @@ class OwnWork:
                 return function(*args, **kwargs)
             finally:
                 self._depth -= 1
-                if self._depth == 0:
-                    self.spent += time.process_time() - start
+                spent = time.process_time() - start
+                if part is not None:
+                    self._part_spent[part] += spent
+                elif self._depth == 0:
+                    self.spent += spent
 
         return wrapper
 
@@ -204,6 +219,9 @@ class OwnWork:
         unchanged = Recorder._check_unchanged_since_last_step
         for name, function in originals.items():
             setattr(SignatureCapture, name, self.timed(function))
+        parts = {part: getattr(owner, name) for part, (owner, name) in self.PARTS.items()}
+        for part, (owner, name) in self.PARTS.items():
+            setattr(owner, name, self.timed(parts[part], part))
         Recorder._finish_pending = self.timed(finish)
         Recorder._check_unchanged_since_last_step = self.timed(unchanged)
         recorder_module.determinism.capture_rng = self.timed(capture_rng)
@@ -227,6 +245,7 @@ class OwnWork:
                 recorder.verify()  # once, after the first step: timed apart (Bench.check_seconds)
                 batch = bench._batch()
                 self.spent = 0.0
+                self._part_spent = dict.fromkeys(self.PARTS, 0.0)
                 start = time.process_time()
                 with recorder.step(batch):
                     loss_fn(model, batch).backward()
@@ -234,11 +253,15 @@ class OwnWork:
                 optimizer.zero_grad()
                 totals.append(time.process_time() - start)
                 own.append(self.spent)
+                for part, spent in self._part_spent.items():
+                    self.parts[part].append(spent)
             recorder.close()
             shutil.rmtree(path)
         finally:
             for name, function in originals.items():
                 setattr(SignatureCapture, name, function)
+            for part, (owner, name) in self.PARTS.items():
+                setattr(owner, name, parts[part])
             Recorder._finish_pending, recorder_module.determinism.capture_rng = finish, capture_rng
             Recorder._check_unchanged_since_last_step = unchanged
         return statistics.median(totals), statistics.median(own)
@@ -265,7 +288,8 @@ def main() -> None:
             ]
             for times, run in modes if block % 2 == 0 else modes[::-1]:
                 times += run(args.block_steps)
-        step_seconds, own_seconds = OwnWork().measure(bench, args.blocks * args.block_steps // 2)
+        own_work = OwnWork()
+        step_seconds, own_seconds = own_work.measure(bench, args.blocks * args.block_steps // 2)
         profiler = cProfile.Profile() if args.profile else None
         if profiler is not None:
             bench.recorded_block(args.block_steps * 2, profiler)
@@ -313,6 +337,8 @@ def main() -> None:
         f"{step_seconds * 1e3:.1f} ms recorded step: overhead {100 * (own_ratio - 1):+.1f}%; target at most +3%: "
         f"{'met' if own_ratio <= 1.03 else 'NOT met'}"
     )
+    for part, seconds in own_work.parts.items():
+        print(f"  of which {part}: median {statistics.median(seconds) * 1e3:.1f} ms")
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)

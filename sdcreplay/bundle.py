@@ -69,10 +69,26 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _readable_json(obj: dict) -> str:
+    """One line per top-level key and per item of a top-level list (a step of the manifest).
+
+    The manifest is rewritten after every step and grows with the steps: ``json.dumps(indent=)``
+    runs json's pure-Python encoder (about 4x slower); each line here is one C-encoder call.
+    """
+
+    def field(key: str, value: Any) -> str:
+        if isinstance(value, list) and value:
+            items = ",\n".join(f"    {json.dumps(item)}" for item in value)
+            return f"  {json.dumps(key)}: [\n{items}\n  ]"
+        return f"  {json.dumps(key)}: {json.dumps(value)}"
+
+    return "{\n" + ",\n".join(field(key, value) for key, value in obj.items()) + "\n}"
+
+
 def _write_json_atomic(path: Path, obj: Any, durable: bool) -> None:
     """Replace ``path`` in one rename; ``durable`` also waits for the disk (it costs ms per call)."""
     tmp = path.with_name(path.name + ".tmp")
-    data = json.dumps(obj, indent=2).encode()  # one write, not json.dump's many small ones
+    data = _readable_json(obj).encode()  # one write, not json.dump's many small ones
     with open(tmp, "wb") as handle:
         handle.write(data)
         handle.flush()

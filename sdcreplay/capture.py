@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -79,19 +79,22 @@ def _input_edges(roots: list, first: int, end: int) -> list[tuple[object, int]]:
     in ``[first, end)``); an edge from one of them to a node created before is
     where the module's backward hands a gradient back to whoever fed it.
     Parameter leaves are not inputs (their gradients are ``grad:`` entries).
+    Breadth-first from the roots, each node queued once (the order names the edges).
     """
-    edges, seen = [], set()
-    queue = [node for node in roots if first <= node._sequence_nr() < end]
+    edges, seen, queue = [], set(), deque()
+    for node in roots:
+        if first <= node._sequence_nr() < end and id(node) not in seen:
+            seen.add(id(node))
+            queue.append(node)
     while queue:
-        node = queue.pop(0)
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+        node = queue.popleft()
         for slot, (child, _) in enumerate(node.next_functions):
             if child is None:
                 continue
             if first <= child._sequence_nr() < end:
-                queue.append(child)
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    queue.append(child)
             elif not hasattr(child, "variable"):
                 edges.append((node, slot))
     return edges
@@ -173,6 +176,9 @@ class SignatureCapture:
         self._calls: Counter[str] = Counter()
         self._starts: dict[str, list[int]] = {}
         self.optimizer_stepped = False
+        self.updated_state: dict[str, str] = {}
+        self._updated_state_positions: dict[str, int] = {}
+        self._param_names: dict[int, str] | None = None
         self._handles = []
         for path, module in model.named_modules():
             if not within_depth(path, max_depth):
@@ -193,6 +199,8 @@ class SignatureCapture:
         self._digester = Digester()
         self._calls.clear()
         self.optimizer_stepped = False
+        self._updated_state_positions = {}
+        self._param_names = None
         self._in_forward_window = True
         with _own_work():
             for name, value in rng.signature_items():
@@ -275,7 +283,9 @@ class SignatureCapture:
         self._in_forward_window = False
 
     def _named_group_params(self, optimizer) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        names = {id(p): name for name, p in self.model.named_parameters()}
+        if self._param_names is None:  # once per step: both optimizer hooks walk the groups
+            self._param_names = {id(p): name for name, p in self.model.named_parameters()}
+        names = self._param_names
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) in names:
@@ -303,16 +313,27 @@ class SignatureCapture:
                     for key, value in optimizer.state.get(param, {}).items():
                         if isinstance(value, torch.Tensor):
                             self._add(f"optim:{name}.{key}", value)
+            positions = self._updated_state_positions
             for name, param in self.model.named_parameters():
+                positions[f"param:{name}"] = len(self._digester)
                 self._add(f"param:{name}", param)
             for name, buffer in self.model.named_buffers():
+                positions[f"buffer:{name}"] = len(self._digester)
                 self._add(f"buffer:{name}", buffer)
         self.optimizer_stepped = True
 
     def end_step(self) -> list[tuple[str, str]]:
-        """Fetch the step's digests (one device sync) and close the step."""
+        """Fetch the step's digests (one device sync) and close the step.
+
+        ``updated_state`` then holds the digests of the parameters and buffers
+        as the step's last optimizer step left them, named as ``state_digests``
+        names them (empty without an optimizer step).
+        """
         with _own_work():
             entries = self._digester.entries()
+        self.updated_state = {
+            name: entries[position][1] for name, position in self._updated_state_positions.items()
+        }
         self._digester = None
         self._in_forward_window = False
         return entries

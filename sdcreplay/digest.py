@@ -221,6 +221,10 @@ class Digester:
         self._queued: dict[torch.device, list[torch.Tensor]] = {}
         self._seen: dict[int, tuple[weakref.ref, tuple, str | _Pending]] = {}
 
+    def __len__(self) -> int:
+        """How many entries were added since the last :meth:`entries`."""
+        return len(self._entries)
+
     def add(self, name: str, value: torch.Tensor | None | int | float | bool) -> None:
         if not isinstance(value, torch.Tensor):
             self._entries.append((name, tensor_digest(value)))

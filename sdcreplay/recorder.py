@@ -112,7 +112,10 @@ class Recorder:
         self._capture = SignatureCapture(
             model, optimizer, max_depth=max_depth, state=self.state_objects, program=True
         )
-        self._hook = optimizer.register_step_post_hook(lambda *_: self._finish_pending())
+        # Right after the capture's own post-hook: nothing runs between the two.
+        self._hook = optimizer.register_step_post_hook(
+            lambda *_: self._finish_pending(at_optimizer_step=True)
+        )
         self._next_index = start_step
         self._first_index = start_step
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
@@ -148,7 +151,8 @@ class Recorder:
         if self._capture.optimizer_stepped:
             self._finish_pending()
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, at_optimizer_step: bool = False) -> None:
+        """Write the step that ended; ``at_optimizer_step``: called from the optimizer's hook."""
         if self._pending is None:
             return
         index, batch, rng, grads, started = self._pending
@@ -162,7 +166,10 @@ class Recorder:
         self.entries_written += len(entries)
         self._verify_due = self.steps_written == 1 and self.verify_mode != "off"
         if self.verify_mode != "off":
-            self._end_digests = state_digests(self.model)
+            # From the optimizer's hook, the parameters and buffers are still as the capture
+            # digested them a moment ago: its entries are their digests, not hashed again.
+            updated = self._capture.updated_state if at_optimizer_step else {}
+            self._end_digests = updated or state_digests(self.model)
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()`` does)."""

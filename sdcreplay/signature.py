@@ -77,6 +77,10 @@ class SignatureLog:
         return sum(len(entries) for entries in self.steps.values())
 
 
+_json_string = json.encoder.encode_basestring_ascii
+"""A str as json.dumps quotes it (ASCII escapes)."""
+
+
 class SignatureLogWriter:
     """Appends one frame per step and keeps the file's SHA-256 as it grows."""
 
@@ -91,10 +95,17 @@ class SignatureLogWriter:
         self._append([{"schema": SCHEMA, **meta}])
 
     def append_step(self, step: int, entries: list[tuple[str, str]]) -> None:
-        self._append([{"step": step, "name": name, "digest": digest} for name, digest in entries])
+        # The bytes json.dumps(..., separators=(",", ":")) writes, a few times faster.
+        prefix, quoted = f'{{"step":{int.__repr__(step)},"name":', _json_string
+        self._append_text(
+            "".join(f'{prefix}{quoted(name)},"digest":{quoted(digest)}}}\n'
+                    for name, digest in entries)
+        )
 
     def _append(self, lines: list[dict]) -> None:
-        text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+        self._append_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+
+    def _append_text(self, text: str) -> None:
         frame = self._compressor.compress(text.encode())
         with self.path.open("ab") as handle:
             handle.write(frame)

@@ -532,3 +532,12 @@ def test_state_is_hdf5_with_plain_datasets(small_bundle: Path):
     for file in small_bundle.rglob("*"):
         if file.is_file():
             assert file.read_bytes().startswith(magic[file.suffix]), file.name
+
+
+def test_the_manifest_is_written_one_line_per_step(tmp_path: Path):
+    """Rewritten after every step, the manifest is encoded line by line (json's C encoder)."""
+    writer = write_bundle(tmp_path / "run.bundle", steps=3)
+    text = (writer.final_path / MANIFEST).read_text()
+    assert json.loads(text) == writer.manifest
+    step_lines = [line for line in text.splitlines() if line.startswith('    {"index": ')]
+    assert [json.loads(line.rstrip(","))["index"] for line in step_lines] == [0, 1, 2]

@@ -16,7 +16,8 @@ from conftest import REPO, SMALL
 import sdcreplay
 from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
 from sdcreplay.bundle import STATE
-from sdcreplay.errors import BundleError, CheckpointError
+from sdcreplay.capture import state_digests
+from sdcreplay.errors import BundleError, CheckpointError, WorkloadMismatchError
 from sdcreplay.workload import build_workload
 
 KIND_ORDER = ["rng", "forward", "loss", "backward", "grad", "hyper", "step_grad", "optim", "param",
@@ -288,3 +289,103 @@ def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path
     spec = "kind=bitflip,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,index=101"
     first = compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu", inject=[spec])).first
     assert (first.step, first.name) == (1, "forward:layers.0")
+
+
+def _tiny_llama_loop(path: Path, **recorder_kwargs):
+    kwargs = dict(SMALL, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    rec = Recorder(path, workload="builtin:tiny-llama", model=workload.model,
+                   optimizer=workload.optimizer, workload_kwargs=kwargs, **recorder_kwargs)
+    weight = dict(workload.model.named_parameters())["layers.0.attn.wq.weight"]
+    return workload, rec, weight
+
+
+def test_an_edit_after_the_optimizer_hook_is_named_though_the_step_entries_are_reused(
+    tmp_path: Path,
+):
+    """The step ends at the optimizer's hook: the between-steps check starts from the step's own
+    param: entries, and an edit after it (through .data: no version counter moves) is named."""
+    workload, rec, weight = _tiny_llama_loop(tmp_path / "run.bundle")
+    model, opt = workload.model, workload.optimizer
+    with pytest.raises(WorkloadMismatchError, match=r"param:layers\.0\.attn\.wq\.weight changed "
+                                                    r"between recorded steps 1 and 2"):
+        for index in range(3):
+            batch = workload.get_batch(index)
+            with rec.step(batch):
+                workload.loss_fn(model, batch).backward()
+            opt.step()
+            assert rec._capture.updated_state == state_digests(model)
+            opt.zero_grad()
+            if index == 1:
+                weight.data[0, 0] += 1.0
+    rec.abandon()
+
+
+def test_an_edit_inside_the_block_after_the_optimizer_step_is_part_of_the_step(tmp_path: Path):
+    """With the optimizer step inside the block the step ends at the block's exit: the state
+    after the edit (not the param: entries) is what the next step must start from."""
+    workload, rec, weight = _tiny_llama_loop(tmp_path / "run.bundle")
+    model, opt = workload.model, workload.optimizer
+    for index in range(3):
+        batch = workload.get_batch(index)
+        with rec.step(batch):
+            workload.loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            if index == 1:
+                weight.data[0, 0] += 1.0
+    rec.close()
+    assert Bundle.open(tmp_path / "run.bundle").step_indices == [0, 1, 2]
+
+
+def test_updated_state_is_the_step_entries_of_the_last_optimizer_step(tmp_path: Path):
+    workload, rec, _ = _tiny_llama_loop(tmp_path / "run.bundle", verify=False)
+    model, opt = workload.model, workload.optimizer
+    batch = workload.get_batch(0)
+    with rec.step(batch):
+        workload.loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        workload.loss_fn(model, batch).backward()
+        opt.step()
+        expected = state_digests(model)
+        opt.zero_grad()
+    capture_entries = dict(rec._capture.updated_state)
+    rec.close()
+    entries = dict(Bundle.open(tmp_path / "run.bundle").signature_log().steps[0])
+    assert capture_entries == expected
+    assert all(entries[f"{name}#1"] == digest for name, digest in expected.items())
+
+
+class _Mix(torch.nn.Module):
+    def forward(self, x, y):
+        return x * 3.0 + y * 5.0
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = _Mix()
+
+    def forward(self, a):
+        return self.mix(a.exp(), a.sin()).sum()
+
+
+def test_backward_entries_are_the_gradients_each_input_edge_hands_back():
+    """The edge walk numbers the inputs of ``mix`` breadth-first from its output (x is [0]);
+    each entry is logged when autograd hands that input its gradient (y's first)."""
+    from sdcreplay.capture import SignatureCapture
+    from sdcreplay.determinism import capture_rng
+    from sdcreplay.digest import tensor_digest
+
+    model = _TwoInputs()
+    capture = SignatureCapture(model)
+    a = torch.linspace(-1.0, 1.0, 12, requires_grad=True)
+    capture.begin_step(capture_rng(torch.device("cpu")))
+    with capture.backward_capture():
+        model(a).backward()
+    entries = capture.end_step()
+    capture.close()
+    backward = [(name, digest) for name, digest in entries if name.startswith("backward:")]
+    assert backward == [("backward:mix[1]", tensor_digest(torch.full((12,), 5.0))),
+                        ("backward:mix[0]", tensor_digest(torch.full((12,), 3.0)))]

@@ -197,3 +197,22 @@ def test_a_frame_without_checksum_is_refused(tmp_path: Path):
 def test_phase_and_layer_of_entry_names(name: str, phase: str, layer: str):
     assert phase_of(name) == phase
     assert layer_of(name) == layer
+
+
+def test_step_frames_hold_the_bytes_json_dumps_writes(tmp_path: Path):
+    """append_step formats its lines by hand (the recorder's hot path): same bytes as json."""
+    entries = [
+        ("forward:a", "0123456789abcdef"),
+        ('odd"name\\with\tcontrol\x01', "=float32:3f800000"),
+        ("grad:w\u00e9ights.\u4e2d", "none"),
+    ]
+    writer = SignatureLogWriter(tmp_path / "log.zst", {"kind": "t"})
+    header_size = writer.size
+    writer.append_step(12, entries)
+    frame = (tmp_path / "log.zst").read_bytes()[header_size:]
+    lines = zstandard.ZstdDecompressor().decompress(frame).decode().splitlines(keepends=True)
+    assert lines == [
+        json.dumps({"step": 12, "name": name, "digest": digest}, separators=(",", ":")) + "\n"
+        for name, digest in entries
+    ]
+    assert read_signature_log(tmp_path / "log.zst").steps == {12: entries}
