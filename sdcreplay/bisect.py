@@ -252,7 +252,7 @@ def _refuse_unreproduced(step: int) -> None:
 def run_isolate_task(task: dict) -> dict:
     """Suspect: run the one call alone from the reference's inputs, ``runs`` times."""
     bundle = Bundle.open(task["bundle"])
-    determinism.apply(bundle.manifest["determinism"])
+    determinism.apply(bundle.manifest.determinism.to_json())
     device = torch_device(task["device"])
     case = OperatorCase.read(Path(task["case"]))
     op = resolve_op(case.op)
@@ -497,8 +497,8 @@ def bisect(
     (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
     base = {
         "schema": SCHEMA, "bundle": str(opened.path), "suspect": suspect or RECORD, "reference": reference,
-        "inject": list(inject), "workload": opened.manifest["workload"], "report": str(out),
-        "determinism": opened.manifest["determinism"],
+        "inject": list(inject), "workload": opened.manifest.workload.to_json(), "report": str(out),
+        "determinism": opened.manifest.determinism.to_json(),
         "commands": [_command_line()],
     }
     replayed: dict = {}
@@ -510,8 +510,8 @@ def bisect(
         recorded = replayed.get("record_first_entry")
         if suspect is not None and recorded is not None:
             result["next"] = (f"{suspect} reproduces {reference}, but the recording differs from {reference} at step "
-                              f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest['device']} on "
-                              f"{opened.manifest['environment'].get('host')}) is the suspect; bisect with --suspect set to it.")
+                              f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest.device} on "
+                              f"{opened.manifest.environment.host}) is the suspect; bisect with --suspect set to it.")
         return _finish(out, result, on_event)
     if suspect is None:
         entry = replayed["first_entry"]
@@ -520,8 +520,8 @@ def bisect(
             "module": layer_of(entry["name"]), "entry": entry["name"], "op": None, "isolated": None,
             "repeats_run": 1,
             "next": f"The recording diverges from {reference} at {entry['name']}; to name the operator, "
-                    f"bisect again with --suspect set to the device that recorded ({opened.manifest['device']} on "
-                    f"{opened.manifest['environment'].get('host')}).",
+                    f"bisect again with --suspect set to the device that recorded ({opened.manifest.device} on "
+                    f"{opened.manifest.environment.host}).",
             **replayed,
         }, on_event)
 

@@ -85,15 +85,12 @@ TASKS = {
 
 def _pin_recorded_kernels(task: dict) -> None:
     """Put the recording's kernel choices in force before this process runs its first operator."""
+    from .bundle import Bundle
     from .determinism import pin_environment
 
     if "bundle" in task:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            bundle = Path(task["bundle"])
-            manifest = bundle / "manifest.json"
-            if not manifest.is_file():
-                manifest = bundle.with_name(bundle.name + ".partial") / "manifest.json"
-            pin_environment(json.loads(manifest.read_text()).get("fingerprint"))
+        with contextlib.suppress(SdcReplayError, OSError):  # the task reports a bad bundle
+            pin_environment(Bundle.open(task["bundle"], verify=False).manifest.fingerprint)
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ same data; never any other exception, never other data.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +31,9 @@ from sdcreplay.bundle import (
     STATE,
     Bundle,
     BundleWriter,
+    Environment,
+    Switches,
+    WorkloadRef,
     checkpoint_reference,
     describe,
     load_checkpoint,
@@ -39,14 +43,14 @@ from sdcreplay.errors import BundleError, CheckpointError, SdcReplayError
 
 
 def header() -> dict:
-    device = torch.device("cpu")
+    """The writer's arguments: what a recording states before its first step."""
     return {
-        "workload": {"ref": "builtin:tiny-llama", "kwargs": {"layers": 1}},
+        "workload": WorkloadRef(ref="builtin:tiny-llama", kwargs={"layers": 1}),
         "device": "cpu",
         "device_type": "cpu",
         "digest": "xxh3-64",
-        "environment": determinism.environment(device),
-        "determinism": determinism.current_switches(),
+        "environment": Environment(**determinism.environment(torch.device("cpu"))),
+        "determinism": Switches(**determinism.current_switches()),
     }
 
 
@@ -56,7 +60,7 @@ def rng_state() -> determinism.RngState:
 
 
 def write_bundle(path: Path, steps: int = 2, close: bool = True) -> BundleWriter:
-    writer = BundleWriter(path, header())
+    writer = BundleWriter(path, **header())
     model = torch.nn.Linear(3, 2)
     writer.embed_state(model.state_dict(), torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
     for index in range(steps):
@@ -102,7 +106,7 @@ def evidence(path: Path) -> dict:
     log.meta.pop("source")  # where this copy lies
     return {
         "info": {key: value for key, value in about.items() if key not in ("bundle", "size_bytes")},
-        "manifest": bundle.manifest,
+        "manifest": bundle.manifest.to_json(),
         "steps": steps,
         "state": canonical(bundle.load_state()),
         "log": (log.meta, log.steps),
@@ -145,8 +149,6 @@ def test_manifest_layout(tmp_path: Path):
     for name, meta in manifest["files"].items():
         data = (path / name).read_bytes()
         assert meta["size"] == len(data)
-        import hashlib
-
         assert meta["sha256"] == hashlib.sha256(data).hexdigest()
     assert manifest[MANIFEST_DIGEST] == manifest_digest(manifest)
 
@@ -172,8 +174,8 @@ def test_writer_refuses_an_existing_bundle_unless_overwrite(tmp_path: Path):
     path = tmp_path / "run.bundle"
     write_bundle(path)
     with pytest.raises(BundleError, match="already exists"):
-        BundleWriter(path, header())
-    writer = BundleWriter(path, header(), overwrite=True)
+        BundleWriter(path, **header())
+    writer = BundleWriter(path, **header(), overwrite=True)
     writer.embed_state({"w": torch.zeros(1)}, None)
     writer.close()
     assert Bundle.open(path).steps == []
@@ -466,9 +468,11 @@ def test_checkpoint_reference_and_load(tmp_path: Path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
     reference = checkpoint_reference(tmp_path / "ckpt.pt")
-    assert reference["kind"] == "checkpoint"
-    assert reference["path"] == str((tmp_path / "ckpt.pt").resolve())
-    assert reference["size"] == (tmp_path / "ckpt.pt").stat().st_size
+    assert reference.to_json() == {
+        "kind": "checkpoint", "path": str((tmp_path / "ckpt.pt").resolve()),
+        "size": (tmp_path / "ckpt.pt").stat().st_size,
+        "sha256": hashlib.sha256((tmp_path / "ckpt.pt").read_bytes()).hexdigest(),
+    }
     model_state, optimizer_state = load_checkpoint(reference)
     assert torch.equal(model_state["weight"], model.weight.detach())
     assert optimizer_state["param_groups"][0]["lr"] == 0.1
