@@ -8,6 +8,7 @@ same data; never any other exception, never other data.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -22,17 +23,26 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import sdcreplay
 from sdcreplay import determinism
 from sdcreplay.bundle import (
     MANIFEST,
     MANIFEST_DIGEST,
+    MANIFEST_FIELDS,
     SCHEMA,
     SIGNATURES,
     STATE,
+    STATE_KINDS,
     Bundle,
     BundleWriter,
+    CaptureSettings,
+    EmbeddedState,
     Environment,
+    FileMeta,
+    Manifest,
+    StepRecord,
     Switches,
+    Verification,
     WorkloadRef,
     checkpoint_reference,
     describe,
@@ -227,6 +237,118 @@ def test_describe(small_bundle: Path):
     assert about["entries"] == sum(step["entries"] for step in about["steps"])
     assert about["size_bytes"] == sum(f.stat().st_size for f in small_bundle.rglob("*") if f.is_file())
     json.dumps(about)
+
+
+# --- the typed manifest ------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> dict:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def test_a_recorded_manifest_survives_from_json_and_to_json(small_bundle: Path):
+    """What the recorder wrote comes back exactly, key order included, through the types."""
+    raw = _read_manifest(small_bundle)
+    manifest = Manifest.from_json(raw)
+    assert manifest.to_json() == raw and list(manifest.to_json()) == list(raw)
+    assert json.dumps(manifest.to_json(), indent=2) == (small_bundle / MANIFEST).read_text()
+    assert isinstance(manifest.state, EmbeddedState) and manifest.state.file == STATE
+    assert [type(step) for step in manifest.steps] == [StepRecord, StepRecord]
+    assert manifest.steps[1].index == 1 and manifest.steps[1].file == "steps/000001.h5"
+    assert manifest.files[STATE].size == (small_bundle / STATE).stat().st_size
+    assert manifest.workload.ref == "builtin:tiny-llama" and manifest.workload.kwargs["seed"] == 0
+    assert manifest.capture == CaptureSettings(max_depth=None, program=True)
+    assert manifest.verification.status == "passed" and manifest.verification.passed
+
+
+def test_an_old_manifest_round_trips_without_gaining_keys():
+    """traces/tiny.bundle predates grads, capture.program and verification: absent stays absent,
+    and the readers see the defaults."""
+    raw = _read_manifest(Path(__file__).parent.parent / "traces" / "tiny.bundle")
+    manifest = Manifest.from_json(raw)
+    assert manifest.to_json() == raw
+    assert "grads" not in raw["steps"][0] and manifest.steps[0].grads == "none"
+    assert "verification" not in raw and manifest.verification.status == "off"
+    assert "program" not in raw["capture"] and manifest.capture.program is False
+
+
+def test_keys_this_version_does_not_know_are_kept(small_bundle: Path):
+    """A newer writer's additions survive a read, so the digest and signature still verify."""
+    def add(m):
+        m["ranks"] = [{"rank": 0}]
+        m["steps"][0]["note"] = "added by a later version"
+        m["state"]["compression"] = None
+        m["files"][STATE]["mtime"] = 1
+    rewrite_manifest(small_bundle, add)
+    raw = _read_manifest(small_bundle)
+    manifest = Bundle.open(small_bundle).manifest
+    assert manifest.to_json() == raw
+    assert manifest.extra == {"ranks": [{"rank": 0}]}
+    assert manifest.steps[0].extra == {"note": "added by a later version"}
+
+
+def test_the_writer_and_the_reader_hold_the_same_manifest(tmp_path: Path):
+    """BundleWriter fills the very types Manifest.from_json gives back: they cannot drift."""
+    writer = write_bundle(tmp_path / "run.bundle", close=False)
+    writer.set_verification("on", "failed", "loss differs")
+    assert Manifest.from_json(_read_manifest(writer.path)) == writer.manifest
+    writer.close()
+    read = Bundle.open(tmp_path / "run.bundle").manifest
+    assert read == writer.manifest and read.verification.problem == "loss differs"
+
+
+def test_an_unknown_state_kind_is_refused_by_name(small_bundle: Path):
+    rewrite_manifest(small_bundle, _set(["state"], {"kind": "pickle", "file": STATE}))
+    with pytest.raises(BundleError) as refused:
+        Bundle.open(small_bundle)
+    assert refused.value.message == (
+        'manifest is malformed: state.kind is "pickle", expected one of "embedded", "checkpoint"')
+
+
+def test_every_typed_field_has_a_validation_rule():
+    """A field added to a type without a rule would reach readers unchecked."""
+    tables = {Manifest: "", WorkloadRef: "workload.", Environment: "environment.",
+              Switches: "determinism.", CaptureSettings: "capture.", Verification: "verification."}
+    missing = [f"{prefix}{name}" for cls, prefix in tables.items() for name in cls.names()
+               if f"{prefix}{name}" not in MANIFEST_FIELDS]
+    missing += [f"{cls.__name__}.{name}" for cls in (*STATE_KINDS.values(), FileMeta, StepRecord)
+                for name in cls.names() if name not in cls.RULES and name != "kind"]
+    assert missing == []
+
+
+def manifest_key_reads(source: str) -> list[str]:
+    """Places in ``source`` that index, or call a dict method on, something named manifest,
+    or name the manifest file itself: reading the manifest without its types."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        target = None
+        if isinstance(node, ast.Subscript):
+            target = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr in ("get", "items", "keys", "values", "pop", "setdefault")):
+            target = node.func.value
+        elif isinstance(node, ast.Constant) and node.value == MANIFEST:
+            found.append(f"{node.lineno}: {MANIFEST!r}")
+        if target is not None and "manifest" in ast.unparse(target).lower():
+            found.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_manifest_key_reads_are_found():
+    assert manifest_key_reads(
+        'a = bundle.manifest["device"]\nb = opened.manifest.get("capture") or {}\n'
+        'c = json.loads((path / "manifest.json").read_text())\nd = bundle.manifest.device\n'
+    ) == ["1: bundle.manifest['device']", "2: opened.manifest.get('capture')",
+          "3: 'manifest.json'"]
+
+
+def test_no_module_but_bundle_reads_manifest_keys():
+    """Changing the format touches bundle.py, its doc and its tests only."""
+    package = Path(sdcreplay.__file__).parent
+    offenders = [f"{path.relative_to(package)}:{place}" for path in sorted(package.rglob("*.py"))
+                 if path.name != "bundle.py"
+                 for place in manifest_key_reads(path.read_text(encoding="utf-8"))]
+    assert offenders == []
 
 
 # --- refusing -----------------------------------------------------------------
