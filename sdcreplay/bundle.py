@@ -229,7 +229,8 @@ def text(limit: int = 4096, pattern: str | None = None) -> Check:
     regex = re.compile(pattern) if pattern else None
     form = f"a string of at most {limit} characters" + (f" matching {pattern}" if pattern else "")
     def test(v: Any) -> bool:
-        return isinstance(v, str) and len(v) <= limit and (regex is None or regex.fullmatch(v))
+        return (isinstance(v, str) and len(v) <= limit
+                and (regex is None or regex.fullmatch(v) is not None))
 
     return Check(test, form)
 
@@ -243,6 +244,11 @@ def choice(*values: Any) -> Check:
 
 def optional(check: Check) -> Check:
     return Check(lambda v: v is _MISSING or v is None or check.test(v), f"null or {check.expected}")
+
+
+def absent_or(check: Check) -> Check:
+    """Absent, or ``check`` (not null: the reader's default stands in only for absence)."""
+    return Check(lambda v: v is _MISSING or check.test(v), check.expected)
 
 
 def nullable(check: Check) -> Check:
@@ -279,7 +285,8 @@ ENV_NAME = text(256, "[A-Za-z_][A-Za-z0-9_]*")
 # - Per-rank data (ranks, process groups) will be more fields of Manifest and more Records.
 
 _BOOKKEEPING = ("extra", "absent")
-R = TypeVar("R", bound="Record")
+_NAMES: dict[type, tuple[str, ...]] = {}
+_R = TypeVar("_R", bound="Record")
 
 
 @dataclass(kw_only=True)
@@ -295,10 +302,13 @@ class Record:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         """The JSON keys this type knows, in the order it writes them."""
-        return tuple(f.name for f in fields(cls) if f.name not in _BOOKKEEPING)
+        known = _NAMES.get(cls)
+        if known is None:  # fields() is slow, and the writer serializes every step's record
+            known = _NAMES[cls] = tuple(f.name for f in fields(cls) if f.name not in _BOOKKEEPING)
+        return known
 
     @classmethod
-    def _read(cls: type[R], obj: dict[str, Any], **typed: Any) -> R:
+    def _read(cls: type[_R], obj: dict[str, Any], **typed: Any) -> _R:
         """Build from a JSON object ``from_json`` validated; ``typed``: fields already converted."""
         names = cls.names()
         values = {name: typed.get(name, obj[name]) for name in names if name in obj}
@@ -306,9 +316,11 @@ class Record:
                    absent=frozenset(name for name in names if name not in obj))
 
     def to_json(self) -> dict[str, Any]:
-        body = {name: _to_json(getattr(self, name)) for name in self.names()
-                if name not in self.absent}
-        return {**body, **_to_json(self.extra)}
+        absent = self.absent
+        body = {name: _to_json(getattr(self, name)) for name in self.names() if name not in absent}
+        if self.extra:
+            body.update(_to_json(self.extra))
+        return body
 
     def present(self, name: str, value: Any) -> None:
         """Set a field the writer now knows (an optional one is written from now on)."""
@@ -318,6 +330,8 @@ class Record:
 
 def _to_json(value: Any) -> Any:
     """A fresh JSON value: a caller may change what it gets without changing the manifest."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
     if isinstance(value, Record):
         return value.to_json()
     if isinstance(value, list):
@@ -372,7 +386,7 @@ class CaptureSettings(Record):
     bundles, which captured every module and no program entries (the defaults)."""
 
     max_depth: int | None = None  # forward/backward entries of modules at most this deep
-    program: bool | None = False  # hyper:, step_grad:, optim:, state: entries
+    program: bool = False  # hyper:, step_grad:, optim:, state: entries
 
 
 @dataclass(kw_only=True)
@@ -437,13 +451,13 @@ class StepRecord(Record):
         "entries": integer(0, 10_000_000),
         "optimizer_step": BOOL,
         "seconds": optional(number(0, MAX_STEP_SECONDS)),
-        "grads": optional(choice(*GRADS_ENTERING)),
+        "grads": absent_or(choice(*GRADS_ENTERING)),
     }
     index: int
     file: str
     entries: int
     optimizer_step: bool  # the optimizer stepped in the step; replay does the same
-    grads: str | None = "none"  # what the gradients held when the step began: none | zero | kept
+    grads: str = "none"  # what the gradients held when the step began: none | zero | kept
     seconds: float | None = None  # how long it took when recorded: replay's hang timeout
 
 
@@ -535,13 +549,13 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "determinism.env": mapping(ENV_NAME, optional(text(65536))),
     "capture": OPTIONAL_OBJECT,
     "capture.max_depth": optional(integer(0, 1024)),
-    "capture.program": optional(BOOL),
+    "capture.program": absent_or(BOOL),
     "state_objects": optional(Check(
         lambda v: isinstance(v, list) and len(v) <= 4096
         and all(isinstance(n, str) and 0 < len(n) <= 256 for n in v),
         "a list of state object names")),
     "verification": OPTIONAL_OBJECT,
-    "verification.status": optional(choice(*VERIFICATION_STATUS)),
+    "verification.status": absent_or(choice(*VERIFICATION_STATUS)),
     "verification.mode": optional(choice("on", "warn", "off")),
     "verification.problem": optional(text(65536)),
     "fingerprint": optional(mapping(text(256), optional(Check(
@@ -645,7 +659,8 @@ def verify_checkpoint(reference: CheckpointState) -> Path:
     actual = sha256_file(path)
     if actual != reference.sha256:
         raise CheckpointError(
-            f"checkpoint {path} changed since the recording (SHA-256 {actual[:16]}..., recorded {reference.sha256[:16]}...)",
+            f"checkpoint {path} changed since the recording (SHA-256 {actual[:16]}..., "
+            f"recorded {reference.sha256[:16]}...)",
             "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
         )
     return path
@@ -760,7 +775,8 @@ class BundleWriter:
         self._save_manifest()
 
     def _save_manifest(self, durable: bool = False) -> None:
-        """Atomic after every step (a crashed process leaves a readable bundle); durable at close."""
+        """Atomic after every step (a crashed process leaves a readable bundle); durable at
+        close. The signature and the self-digest are made over the JSON as written."""
         body = self.manifest.to_json()
         body[trust.SIGNATURE] = self.manifest.signature = trust.sign(body)
         body[MANIFEST_DIGEST] = self.manifest.manifest_sha256 = manifest_digest(body)
@@ -834,7 +850,8 @@ class Bundle:
             size = file.stat().st_size
             growing = name in STREAMS and not self.complete
             if size < meta.size or (size > meta.size and not growing):
-                raise BundleError(f"bundle file {name} is {size} bytes, the manifest says {meta.size} (truncated or damaged)")
+                raise BundleError(f"bundle file {name} is {size} bytes, the manifest says "
+                                  f"{meta.size} (truncated or damaged)")
             try:
                 actual = sha256_file(file, meta.size)
             except OSError as exc:

@@ -76,7 +76,7 @@ class ReplaySession:
         capture = self.bundle.manifest.capture
         self.capture = SignatureCapture(
             self.workload.model, self.workload.optimizer, max_depth=capture.max_depth,
-            state=self.workload.state, program=bool(capture.program),
+            state=self.workload.state, program=capture.program,
         )
 
     def _load_state_objects(self) -> None:
@@ -387,8 +387,8 @@ def progress_timeout(bundle: Bundle) -> float:
     Generous on purpose (a replica may share cores with others, or run on a
     slower device): it exists to end a hang, not to judge speed.
     """
-    times = [step.seconds for step in bundle.steps]
-    if not times or any(t is None for t in times):
+    times = [step.seconds for step in bundle.steps if step.seconds is not None]
+    if not times or len(times) < len(bundle.steps):
         return UNKNOWN_STEP_TIMEOUT
     return round(STARTUP_SECONDS + STEP_FACTOR * max(times), 1)
 

@@ -481,6 +481,10 @@ HAND_EDITS = {
     "state-objects-a-string": (_set(["state_objects"], "sched"), "state_objects"),
     "verification-status-unknown": (_set(["verification"], {"status": "trusted"}), "verification.status"),
     "capture-program-a-string": (_set(["capture", "program"], "yes"), "capture.program"),
+    "grads-null": (_set(["steps", 0, "grads"], None), r'steps\[0\]\.grads is null, expected one'),
+    "verification-status-null": (
+        _set(["verification", "status"], None), "verification.status is null"),
+    "capture-a-list": (_set(["capture"], []), "capture is \\[\\], expected an object"),
 }
 
 
