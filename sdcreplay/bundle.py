@@ -480,9 +480,9 @@ class Manifest(Record):
     steps: list[StepRecord] = field(default_factory=list)
     files: dict[str, FileMeta] = field(default_factory=dict)
     state_objects: list[str] | None = None  # names of the state objects in state.h5
-    verification: Verification = field(
-        default_factory=lambda: Verification(mode="off", status="off"))
     signature: str | None = None  # trust.py: HMAC of the rest under the recording user's secret
+    verification: Verification = field(default_factory=lambda: Verification(
+        mode="off", status="off", absent=frozenset({"problem"})))
     manifest_sha256: str | None = None  # manifest_digest of the rest
 
     @classmethod
