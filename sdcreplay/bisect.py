@@ -274,7 +274,7 @@ def run_isolate_task(
     device: str, bundle: str, case_file: str, runs: int, inject: Sequence[str] = ()
 ) -> dict:
     """Suspect: run the one call alone from the reference's inputs, ``runs`` times."""
-    determinism.apply(Bundle.open(bundle).manifest["determinism"])
+    determinism.apply(Bundle.open(bundle).manifest.determinism.to_json())
     where = torch_device(device)
     case = OperatorCase.read(Path(case_file))
     op = resolve_op(case.op)
@@ -440,8 +440,8 @@ def bisect(
     (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
     base = {
         "schema": SCHEMA, "bundle": str(opened.path), "suspect": suspect or RECORD, "reference": reference,
-        "inject": list(inject), "workload": opened.manifest["workload"], "report": str(out),
-        "determinism": opened.manifest["determinism"],
+        "inject": list(inject), "workload": opened.manifest.workload.to_json(), "report": str(out),
+        "determinism": opened.manifest.determinism.to_json(),
         "commands": [_command_line()],
     }
     replayed: dict = {}
@@ -453,8 +453,8 @@ def bisect(
         recorded = replayed.get("record_first_entry")
         if suspect is not None and recorded is not None:
             result["next"] = (f"{suspect} reproduces {reference}, but the recording differs from {reference} at step "
-                              f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest['device']} on "
-                              f"{opened.manifest['environment'].get('host')}) is the suspect; bisect with --suspect set to it.")
+                              f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest.device} on "
+                              f"{opened.manifest.environment.host}) is the suspect; bisect with --suspect set to it.")
         return _finish(out, result, on_event)
     if suspect is None:
         entry = replayed["first_entry"]
@@ -463,14 +463,14 @@ def bisect(
             "module": layer_of(entry["name"]), "entry": entry["name"], "op": None, "isolated": None,
             "repeats_run": 1,
             "next": f"The recording diverges from {reference} at {entry['name']}; to name the operator, "
-                    f"bisect again with --suspect set to the device that recorded ({opened.manifest['device']} on "
-                    f"{opened.manifest['environment'].get('host')}).",
+                    f"bisect again with --suspect set to the device that recorded ({opened.manifest.device} on "
+                    f"{opened.manifest.environment.host}).",
             **replayed,
         }, on_event)
 
     common = {"bundle": str(opened.path), "step": step, "inject": list(inject), "work_dir": str(work)}
     entry_state = str(work / ENTRY_STATE_FILE)
-    pinned = determinism.pinned_environment(opened.manifest.get("fingerprint"))
+    pinned = determinism.pinned_environment(opened.manifest.fingerprint)
     run = partial(_run_alone, work=work, environment=pinned)
 
     on_event("oplog", f"operator-level replay of step {step} on {reference}")

@@ -17,10 +17,10 @@ import random
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import h5py
 import numpy as np
@@ -99,6 +99,7 @@ def _write_json_atomic(path: Path, obj: Any, durable: bool) -> None:
 
 def write_rng(group: h5py.Group, rng: RngState) -> None:
     from . import tensorio
+
     group.attrs["python"] = rng.python_json()
     numpy_group = group.create_group("numpy")
     kind, keys, pos, has_gauss, cached = rng.numpy
@@ -115,6 +116,7 @@ def write_rng(group: h5py.Group, rng: RngState) -> None:
 def read_rng(group: h5py.Group) -> RngState:
     from . import tensorio
     from .determinism import RngState
+
     try:
         numpy_group = group["numpy"]
         numpy_state = (
@@ -140,6 +142,7 @@ def _check_rng(state: RngState, filename: str) -> None:
     """Load the state into throwaway generators: a state of the wrong size or type is refused here,
     with the file named, instead of failing inside the step."""
     import torch
+
     try:
         random.Random().setstate(state.python)
         np.random.RandomState().set_state(state.numpy)
@@ -159,6 +162,7 @@ def write_state(path: Path, model_state: dict | None, optimizer_state: dict | No
                 objects: dict[str, Any] | None = None) -> None:
     """Model, optimizer and named state objects' state dicts (a checkpoint bundle: objects only)."""
     from . import tensorio
+
     with h5py.File(path, "w") as handle:
         if model_state is not None:
             tensorio.write_tree(handle.create_group("model"), model_state)
@@ -167,49 +171,6 @@ def write_state(path: Path, model_state: dict | None, optimizer_state: dict | No
         for name, state in (objects or {}).items():
             tensorio.write_tree(handle.require_group("objects").create_group(name), state)
 
-
-def checkpoint_reference(path: Path) -> dict:
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    return {"kind": "checkpoint", "path": str(path), "size": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-def verify_checkpoint(reference: dict) -> Path:
-    """Refuse a checkpoint that is missing or whose SHA-256 changed since the recording."""
-    path = Path(reference["path"])
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} referenced by the bundle does not exist",
-            "Restore the checkpoint at that path (the bundle holds its SHA-256 to check it).",
-        )
-    size = path.stat().st_size
-    if reference.get("size") is not None and size != reference["size"]:
-        raise CheckpointError(
-            f"checkpoint {path} changed since the recording "
-            f"({size} bytes, recorded {reference['size']})",
-            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
-        )
-    actual = sha256_file(path)
-    if actual != reference["sha256"]:
-        raise CheckpointError(
-            f"checkpoint {path} changed since the recording (SHA-256 {actual[:16]}..., recorded {reference['sha256'][:16]}...)",
-            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
-        )
-    return path
-
-
-def load_checkpoint(reference: dict) -> tuple[dict, dict | None]:
-    """Verify the checkpoint is the recorded one, then load it without pickle."""
-    import torch
-    path = verify_checkpoint(reference)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from exc
-    if isinstance(obj, dict) and "model" in obj:
-        return obj["model"], obj.get("optimizer")
-    return obj, None
 
 
 _BUNDLE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", SIGNATURES, MESSAGES, STATE, "steps"}
@@ -246,120 +207,6 @@ def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
             "Choose another --out, or move that file or directory away yourself.",
         )
 
-
-class BundleWriter:
-    """Writes a bundle step by step; see the module docstring for crash safety."""
-
-    def __init__(self, path: Path, header: dict, overwrite: bool = False):
-        self.final_path = Path(path)
-        self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
-        try:
-            _claim(self.final_path, overwrite, "",
-                   "Choose another --out, or pass --overwrite to replace the old bundle.")
-            _claim(self.path, overwrite, "a leftover partial recording",
-                   "It may be the only evidence of a crash: "
-                   f"`sdcreplay info {self.path}` shows what it holds; "
-                   "move it away, or pass --overwrite to replace it.")
-            if self.path.exists():
-                shutil.rmtree(self.path)
-            (self.path / "steps").mkdir(parents=True)
-        except OSError as exc:
-            raise BundleError(
-                f"cannot create the bundle directory {str(self.path)[:200]}: {exc.strerror}",
-                "Choose an --out in a writable directory (not under a file or /proc, "
-                "each name at most 255 bytes).",
-            ) from exc
-        self._overwrite = overwrite
-        self.manifest = {
-            "schema": SCHEMA,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "complete": False,
-            **header,
-            "state": None,
-            "steps": [],
-            "files": {},
-        }
-        self._signatures = SignatureLogWriter(self.path / SIGNATURES, {"device_type": header["device_type"]})
-        self._messages = SignatureLogWriter(self.path / MESSAGES, {"kind": "messages"})
-        self._note_stream_files()
-
-    def _note_file(self, name: str) -> None:
-        file = self.path / name
-        self.manifest["files"][name] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
-
-    def _note_stream_files(self) -> None:
-        for name, writer in ((SIGNATURES, self._signatures), (MESSAGES, self._messages)):
-            self.manifest["files"][name] = {"size": writer.size, "sha256": writer.sha256}
-
-    def embed_state(self, model_state: dict, optimizer_state: dict | None,
-                    objects: dict | None = None) -> None:
-        write_state(self.path / STATE, model_state, optimizer_state, objects)
-        self._note_file(STATE)
-        self.manifest["state"] = {"kind": "embedded", "file": STATE}
-        self.manifest["state_objects"] = list(objects or {})
-        self._save_manifest()
-
-    def reference_checkpoint(self, reference: dict, objects: dict | None = None) -> None:
-        """Model and optimizer come from a checkpoint; state objects still go in ``state.h5``."""
-        self.manifest["state"] = reference
-        self.manifest["state_objects"] = list(objects or {})
-        if objects:
-            write_state(self.path / STATE, None, None, objects)
-            self._note_file(STATE)
-        self._save_manifest()
-
-    def set_verification(self, verification: dict) -> None:
-        """Did the Recorder prove that the workload's step reproduces the loop's (recorder.py)?"""
-        self.manifest["verification"] = verification
-        self._save_manifest()
-
-    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]],
-                 optimizer_step: bool, grads: str = "none", seconds: float | None = None) -> None:
-        """``grads``: what the gradients held as the step began; ``seconds``: how long the step
-        took while recording (replay's timeout comes from it)."""
-        from . import tensorio
-        name = f"steps/{index:06d}.h5"
-        with h5py.File(self.path / name, "w") as handle:
-            tensorio.write_tree(handle.create_group("batch"), batch)
-            write_rng(handle.create_group("rng"), rng)
-        self._note_file(name)
-        self._signatures.append_step(index, entries)
-        self._note_stream_files()
-        step = {"index": index, "file": name, "entries": len(entries),
-                "optimizer_step": optimizer_step, "grads": grads}
-        if seconds is not None:
-            step["seconds"] = round(float(seconds), 6)
-        self.manifest["steps"].append(step)
-        self._save_manifest()
-
-    def _save_manifest(self, durable: bool = False) -> None:
-        """Atomic after every step (a crashed process leaves a readable bundle); durable at close."""
-        self.manifest.pop(MANIFEST_DIGEST, None)
-        self.manifest[trust.SIGNATURE] = trust.sign(self.manifest)
-        self.manifest[MANIFEST_DIGEST] = manifest_digest(self.manifest)
-        _write_json_atomic(self.path / MANIFEST, self.manifest, durable)
-
-    def close(self) -> Path:
-        """Mark the bundle complete and move it to its final name."""
-        self.manifest["complete"] = True
-        self._save_manifest(durable=True)
-        if self.final_path.exists() and self._overwrite:
-            _claim(self.final_path, True, "", "")  # still a bundle: it may have changed since
-            shutil.rmtree(self.final_path)
-        os.replace(self.path, self.final_path)
-        return self.final_path
-
-    def abort(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-
-@dataclass
-class StepRecord:
-    index: int
-    file: str
-    entries: int
-    optimizer_step: bool
-    grads: str = "none"  # what the gradients held when the step began: none | zero | kept
 
 
 STREAMS = (SIGNATURES, MESSAGES)
@@ -409,7 +256,8 @@ def text(limit: int = 4096, pattern: str | None = None) -> Check:
     regex = re.compile(pattern) if pattern else None
     form = f"a string of at most {limit} characters" + (f" matching {pattern}" if pattern else "")
     def test(v: Any) -> bool:
-        return isinstance(v, str) and len(v) <= limit and (regex is None or regex.fullmatch(v))
+        return (isinstance(v, str) and len(v) <= limit
+                and (regex is None or regex.fullmatch(v) is not None))
 
     return Check(test, form)
 
@@ -423,6 +271,11 @@ def choice(*values: Any) -> Check:
 
 def optional(check: Check) -> Check:
     return Check(lambda v: v is _MISSING or v is None or check.test(v), f"null or {check.expected}")
+
+
+def absent_or(check: Check) -> Check:
+    """Absent, or ``check`` (not null: the reader's default stands in only for absence)."""
+    return Check(lambda v: v is _MISSING or check.test(v), check.expected)
 
 
 def nullable(check: Check) -> Check:
@@ -439,12 +292,256 @@ def mapping(key: Check, value: Check) -> Check:
 
 BOOL = Check(lambda v: isinstance(v, bool), "true or false")
 OBJECT = Check(lambda v: isinstance(v, dict), "an object")
+OPTIONAL_OBJECT = Check(lambda v: v is _MISSING or isinstance(v, dict), "an object")
 SHA256 = text(64, "[0-9a-f]{64}")
 ENV_NAME = text(256, "[A-Za-z_][A-Za-z0-9_]*")
 
-# The manifest's schema: dotted path -> rule, checked in this order (a parent
-# before its fields). A new field is one line here (plus its doc in
-# docs/bundle-format.md); cross-field rules live in _validate_manifest.
+
+# --- the manifest, typed -----------------------------------------------------
+#
+# Format decisions (docs/bundle-format.md is the prose):
+# - One dataclass per JSON object, a field's name is its JSON key. Manifest.from_json is the
+#   one way in: it checks the whole document against the rules (the RULES of each class and
+#   MANIFEST_FIELDS below) before any object is built, so no constructor sees a bad value and
+#   every refusal names the field and the form expected.
+# - to_json(from_json(x)) == x: an optional key that was absent stays absent (``absent``) and
+#   a key this version does not know is kept (``extra``), so a manifest's own SHA-256 and its
+#   signature still verify whichever sdcreplay wrote it.
+# - The state is a union tagged by ``kind`` (STATE_KINDS). A kind not in it is refused by
+#   name, never skipped: a replay from another state than the recorded one is no evidence.
+# - Per-rank data (ranks, process groups) will be more fields of Manifest and more Records.
+
+_BOOKKEEPING = ("extra", "absent")
+_NAMES: dict[type, tuple[str, ...]] = {}
+_R = TypeVar("_R", bound="Record")
+
+
+@dataclass(kw_only=True)
+class Record:
+    """Base of the manifest's objects: the keys it does not know, the optional keys it lacked."""
+
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    absent: frozenset[str] = field(default=frozenset(), repr=False)
+
+    RULES: ClassVar[dict[str, Check]] = {}
+    """Rules of the object's own fields (empty: MANIFEST_FIELDS holds them, as dotted paths)."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The JSON keys this type knows, in the order it writes them."""
+        known = _NAMES.get(cls)
+        if known is None:  # fields() is slow, and the writer serializes every step's record
+            known = _NAMES[cls] = tuple(f.name for f in fields(cls) if f.name not in _BOOKKEEPING)
+        return known
+
+    @classmethod
+    def _read(cls: type[_R], obj: dict[str, Any], **typed: Any) -> _R:
+        """Build from a JSON object ``from_json`` validated; ``typed``: fields already converted."""
+        names = cls.names()
+        values = {name: typed.get(name, obj[name]) for name in names if name in obj}
+        return cls(**values, extra={key: obj[key] for key in obj if key not in names},
+                   absent=frozenset(name for name in names if name not in obj))
+
+    def to_json(self) -> dict[str, Any]:
+        absent = self.absent
+        body = {name: _to_json(getattr(self, name)) for name in self.names() if name not in absent}
+        if self.extra:
+            body.update(_to_json(self.extra))
+        return body
+
+    def present(self, name: str, value: Any) -> None:
+        """Set a field the writer now knows (an optional one is written from now on)."""
+        setattr(self, name, value)
+        self.absent = self.absent - {name}
+
+
+def _to_json(value: Any) -> Any:
+    """A fresh JSON value: a caller may change what it gets without changing the manifest."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_to_json(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _to_json(item) for key, item in value.items()}
+    return value
+
+
+@dataclass(kw_only=True)
+class WorkloadRef(Record):
+    """What replay calls to rebuild the model: ``ref`` (builtin:NAME, module:function or
+    /file.py:function) with ``kwargs``; trust.py decides whether it may be imported."""
+
+    ref: str
+    kwargs: dict[str, Any]
+
+
+@dataclass(kw_only=True)
+class Environment(Record):
+    """Where the recording ran (determinism.environment): for people and replay's warnings."""
+
+    host: str
+    platform: str
+    python: str
+    torch: str
+    cuda: str | None
+    cudnn: int | None
+    numpy: str | None = None
+    device: dict[str, Any]
+    env: dict[str, str | None] | None = None
+
+
+@dataclass(kw_only=True)
+class Switches(Record):
+    """The determinism switches replay puts in force and refuses to run without
+    (determinism.apply takes their JSON)."""
+
+    deterministic_algorithms: bool
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+    cuda_matmul_allow_tf32: bool
+    cudnn_allow_tf32: bool
+    float32_matmul_precision: str
+    num_threads: int
+    env: dict[str, str | None]
+
+
+@dataclass(kw_only=True)
+class CaptureSettings(Record):
+    """What the signature log holds, so replay captures the same. Absent in the oldest
+    bundles, which captured every module and no program entries (the defaults)."""
+
+    max_depth: int | None = None  # forward/backward entries of modules at most this deep
+    program: bool = False  # hyper:, step_grad:, optim:, state: entries
+
+
+@dataclass(kw_only=True)
+class Verification(Record):
+    """Did the Recorder prove that the workload's step reproduces the loop's (recorder.py)?
+    Absent in bundles older than the check: status "off"."""
+
+    mode: str | None = None  # on | warn | off
+    status: str  # pending | passed | failed | off
+    problem: str | None = None  # with failed: the first differing entry and its likely cause
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+@dataclass(kw_only=True)
+class EmbeddedState(Record):
+    """Model and optimizer state in the bundle's own ``state.h5``."""
+
+    RULES: ClassVar[dict[str, Check]] = {"file": choice(STATE)}
+    kind: str = "embedded"
+    file: str = STATE
+
+
+@dataclass(kw_only=True)
+class CheckpointState(Record):
+    """A ``torch.save``d checkpoint outside the bundle the recording started from, pinned by
+    its SHA-256 (checked before every load)."""
+
+    RULES: ClassVar[dict[str, Check]] = {
+        "path": text(4096), "sha256": SHA256, "size": optional(integer(0, MAX_FILE_BYTES)),
+    }
+    kind: str = "checkpoint"
+    path: str
+    size: int | None = None
+    sha256: str
+
+
+StateRef = EmbeddedState | CheckpointState
+STATE_KINDS: dict[str, type[EmbeddedState] | type[CheckpointState]] = {
+    "embedded": EmbeddedState, "checkpoint": CheckpointState,
+}
+
+
+@dataclass(kw_only=True)
+class FileMeta(Record):
+    """A data file's size and SHA-256: what ``Bundle.verify_files`` holds it to."""
+
+    RULES: ClassVar[dict[str, Check]] = {"size": integer(0, MAX_FILE_BYTES), "sha256": SHA256}
+    size: int
+    sha256: str
+
+
+@dataclass(kw_only=True)
+class StepRecord(Record):
+    """One recorded step: its batch and RNG file, and how many signature entries it has."""
+
+    RULES: ClassVar[dict[str, Check]] = {
+        "index": integer(0, 2**31 - 1),
+        "file": text(64),
+        "entries": integer(0, 10_000_000),
+        "optimizer_step": BOOL,
+        "seconds": optional(number(0, MAX_STEP_SECONDS)),
+        "grads": absent_or(choice(*GRADS_ENTERING)),
+    }
+    index: int
+    file: str
+    entries: int
+    optimizer_step: bool  # the optimizer stepped in the step; replay does the same
+    grads: str = "none"  # what the gradients held when the step began: none | zero | kept
+    seconds: float | None = None  # how long it took when recorded: replay's hang timeout
+
+
+@dataclass(kw_only=True)
+class Manifest(Record):
+    """``manifest.json``: what the bundle holds. Fields in the order the writer writes them."""
+
+    schema: str = SCHEMA
+    created: str | None = None
+    complete: bool = False
+    workload: WorkloadRef
+    device: str
+    device_type: str
+    digest: str | None = None
+    environment: Environment
+    determinism: Switches
+    fingerprint: dict[str, Any] | None = None  # determinism.fingerprint: property -> value
+    capture: CaptureSettings = field(default_factory=CaptureSettings)
+    state: StateRef
+    steps: list[StepRecord] = field(default_factory=list)
+    files: dict[str, FileMeta] = field(default_factory=dict)
+    state_objects: list[str] | None = None  # names of the state objects in state.h5
+    signature: str | None = None  # trust.py: HMAC of the rest under the recording user's secret
+    verification: Verification = field(default_factory=lambda: Verification(
+        mode="off", status="off", absent=frozenset({"problem"})))
+    manifest_sha256: str | None = None  # manifest_digest of the rest
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Manifest:
+        """The one way to read a manifest: every rule checked, then every object typed.
+
+        A violation is a BundleError naming the field and the form expected.
+        """
+        _validate_manifest(obj)
+        typed: dict[str, Any] = {
+            "workload": WorkloadRef._read(obj["workload"]),
+            "environment": Environment._read(obj["environment"]),
+            "determinism": Switches._read(obj["determinism"]),
+            "state": STATE_KINDS[obj["state"]["kind"]]._read(obj["state"]),
+            "steps": [StepRecord._read(step) for step in obj["steps"]],
+            "files": {name: FileMeta._read(meta) for name, meta in obj["files"].items()},
+        }
+        if "capture" in obj:
+            typed["capture"] = CaptureSettings._read(obj["capture"])
+        if "verification" in obj:
+            typed["verification"] = Verification._read(obj["verification"])
+        return cls._read(obj, **typed)
+
+    @property
+    def state_object_names(self) -> list[str]:
+        return list(self.state_objects or [])
+
+
+# The rules of the manifest's top level and its singular objects: dotted path -> rule, checked
+# in this order (a parent before its fields). The state, each file and each step are checked
+# against their class's RULES. A new field is a line here (or in RULES), a field of its class
+# above and a row in docs/bundle-format.md; cross-field rules live in _validate_manifest.
 MANIFEST_FIELDS: dict[str, Check] = {
     "schema": choice(SCHEMA),
     MANIFEST_DIGEST: SHA256,
@@ -477,15 +574,15 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "determinism.float32_matmul_precision": choice(*_PRECISIONS),
     "determinism.num_threads": integer(1, 4096),
     "determinism.env": mapping(ENV_NAME, optional(text(65536))),
-    "capture": optional(OBJECT),
+    "capture": OPTIONAL_OBJECT,
     "capture.max_depth": optional(integer(0, 1024)),
-    "capture.program": optional(BOOL),
+    "capture.program": absent_or(BOOL),
     "state_objects": optional(Check(
         lambda v: isinstance(v, list) and len(v) <= 4096
         and all(isinstance(n, str) and 0 < len(n) <= 256 for n in v),
         "a list of state object names")),
-    "verification": Check(lambda v: v is _MISSING or isinstance(v, dict), "an object"),
-    "verification.status": optional(choice(*VERIFICATION_STATUS)),
+    "verification": OPTIONAL_OBJECT,
+    "verification.status": absent_or(choice(*VERIFICATION_STATUS)),
     "verification.mode": optional(choice("on", "warn", "off")),
     "verification.problem": optional(text(65536)),
     "fingerprint": optional(mapping(text(256), optional(Check(
@@ -493,24 +590,10 @@ MANIFEST_FIELDS: dict[str, Check] = {
         "a string, number or bool")))),
     "signature": optional(text(64, "[0-9a-f]{64}")),
     "state": OBJECT,
-    "state.kind": choice("embedded", "checkpoint"),
+    "state.kind": choice(*STATE_KINDS),
     "files": mapping(text(256), OBJECT),
     "steps": Check(lambda v: isinstance(v, list) and len(v) <= 1_000_000, "a list of steps"),
 }
-CHECKPOINT_FIELDS: dict[str, Check] = {
-    "path": text(4096), "sha256": SHA256, "size": optional(integer(0, MAX_FILE_BYTES)),
-}
-FILE_FIELDS: dict[str, Check] = {"size": integer(0, MAX_FILE_BYTES), "sha256": SHA256}
-STEP_FIELDS: dict[str, Check] = {
-    "index": integer(0, 2**31 - 1),
-    "file": text(64),
-    "entries": integer(0, 10_000_000),
-    "optimizer_step": BOOL,
-    "seconds": optional(number(0, MAX_STEP_SECONDS)),
-    "grads": optional(choice(*GRADS_ENTERING)),
-}
-
-
 def _lookup(obj: Any, path: str) -> Any:
     for key in path.split("."):
         if not isinstance(obj, dict) or key not in obj:
@@ -553,19 +636,16 @@ def _validate_manifest(manifest: Any) -> None:
         )
     _check_fields(manifest, MANIFEST_FIELDS)
     state = manifest["state"]
-    if state["kind"] == "checkpoint":
-        _check_fields(state, CHECKPOINT_FIELDS, "state.")
-    else:
-        _check_fields(state, {"file": choice(STATE)}, "state.")
+    _check_fields(state, STATE_KINDS[state["kind"]].RULES, "state.")
     files = manifest["files"]
     for name, meta in files.items():
         _require(_SAFE_NAME.fullmatch(name) is not None and ".." not in name.split("/"), f"file name {name!r}")
-        _check_fields(meta, FILE_FIELDS, f"files[{name!r}].")
+        _check_fields(meta, FileMeta.RULES, f"files[{name!r}].")
     if state["kind"] == "embedded":
         _require(STATE in files, f"files[{STATE!r}] is missing (the state is embedded)")
     previous = None
     for position, step in enumerate(manifest["steps"]):
-        _check_fields(step, STEP_FIELDS, f"steps[{position}].")
+        _check_fields(step, StepRecord.RULES, f"steps[{position}].")
         index = step["index"]
         _require(previous is None or index > previous, f"steps in increasing order (step {index} after {previous})")
         _require(step["file"] == step_file(index),
@@ -581,18 +661,182 @@ def _validate_manifest(manifest: Any) -> None:
              "verification.status is missing (expected one of "
              + ", ".join(json.dumps(status) for status in VERIFICATION_STATUS) + ")")
 
+def checkpoint_reference(path: Path) -> CheckpointState:
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    return CheckpointState(path=str(path), size=path.stat().st_size, sha256=sha256_file(path))
+
+
+def verify_checkpoint(reference: CheckpointState) -> Path:
+    """Refuse a checkpoint that is missing or whose SHA-256 changed since the recording."""
+    path = Path(reference.path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} referenced by the bundle does not exist",
+            "Restore the checkpoint at that path (the bundle holds its SHA-256 to check it).",
+        )
+    size = path.stat().st_size
+    if reference.size is not None and size != reference.size:
+        raise CheckpointError(
+            f"checkpoint {path} changed since the recording "
+            f"({size} bytes, recorded {reference.size})",
+            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
+        )
+    actual = sha256_file(path)
+    if actual != reference.sha256:
+        raise CheckpointError(
+            f"checkpoint {path} changed since the recording (SHA-256 {actual[:16]}..., "
+            f"recorded {reference.sha256[:16]}...)",
+            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
+        )
+    return path
+
+
+def load_checkpoint(reference: CheckpointState) -> tuple[dict, dict | None]:
+    """Verify the checkpoint is the recorded one, then load it without pickle."""
+    import torch
+
+    path = verify_checkpoint(reference)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from exc
+    if isinstance(obj, dict) and "model" in obj:
+        return obj["model"], obj.get("optimizer")
+    return obj, None
+
+
+class BundleWriter:
+    """Writes a bundle step by step; see the module docstring for crash safety.
+
+    It fills a typed ``Manifest`` and writes its ``to_json``: what it writes is what
+    ``Manifest.from_json`` reads, through the same types.
+    """
+
+    def __init__(self, path: Path, *, workload: WorkloadRef, device: str, device_type: str,
+                 digest: str, environment: Environment, determinism: Switches,
+                 fingerprint: dict[str, Any] | None = None,
+                 capture: CaptureSettings | None = None, overwrite: bool = False):
+        self.final_path = Path(path)
+        self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
+        try:
+            _claim(self.final_path, overwrite, "",
+                   "Choose another --out, or pass --overwrite to replace the old bundle.")
+            _claim(self.path, overwrite, "a leftover partial recording",
+                   "It may be the only evidence of a crash: "
+                   f"`sdcreplay info {self.path}` shows what it holds; "
+                   "move it away, or pass --overwrite to replace it.")
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            (self.path / "steps").mkdir(parents=True)
+        except OSError as exc:
+            raise BundleError(
+                f"cannot create the bundle directory {str(self.path)[:200]}: {exc.strerror}",
+                "Choose an --out in a writable directory (not under a file or /proc, "
+                "each name at most 255 bytes).",
+            ) from exc
+        self._overwrite = overwrite
+        # Written only once embed_state or reference_checkpoint has set the state; the
+        # optional parts not known yet stay out of the JSON until they are.
+        unset = {"state_objects", "verification"} | {
+            name for name, value in (("fingerprint", fingerprint), ("capture", capture))
+            if value is None}
+        self.manifest = Manifest(
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            workload=workload, device=device, device_type=device_type, digest=digest,
+            environment=environment, determinism=determinism, fingerprint=fingerprint,
+            capture=capture or CaptureSettings(), state=EmbeddedState(),
+            absent=frozenset(unset),
+        )
+        self._signatures = SignatureLogWriter(self.path / SIGNATURES, {"device_type": device_type})
+        self._messages = SignatureLogWriter(self.path / MESSAGES, {"kind": "messages"})
+        self._note_stream_files()
+
+    def _note_file(self, name: str) -> None:
+        file = self.path / name
+        self.manifest.files[name] = FileMeta(size=file.stat().st_size, sha256=sha256_file(file))
+
+    def _note_stream_files(self) -> None:
+        for name, writer in ((SIGNATURES, self._signatures), (MESSAGES, self._messages)):
+            self.manifest.files[name] = FileMeta(size=writer.size, sha256=writer.sha256)
+
+    def embed_state(self, model_state: dict, optimizer_state: dict | None,
+                    objects: dict | None = None) -> None:
+        write_state(self.path / STATE, model_state, optimizer_state, objects)
+        self._note_file(STATE)
+        self.manifest.state = EmbeddedState()
+        self.manifest.present("state_objects", list(objects or {}))
+        self._save_manifest()
+
+    def reference_checkpoint(self, reference: CheckpointState, objects: dict | None = None) -> None:
+        """Model and optimizer come from a checkpoint; state objects still go in ``state.h5``."""
+        self.manifest.state = reference
+        self.manifest.present("state_objects", list(objects or {}))
+        if objects:
+            write_state(self.path / STATE, None, None, objects)
+            self._note_file(STATE)
+        self._save_manifest()
+
+    def set_verification(self, mode: str, status: str, problem: str | None = None) -> None:
+        """Did the Recorder prove that the workload's step reproduces the loop's (recorder.py)?"""
+        verification = Verification(mode=mode, status=status, problem=problem,
+                                     absent=frozenset() if problem else frozenset({"problem"}))
+        self.manifest.present("verification", verification)
+        self._save_manifest()
+
+    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]],
+                 optimizer_step: bool, grads: str = "none", seconds: float | None = None) -> None:
+        """``grads``: what the gradients held as the step began; ``seconds``: how long the step
+        took while recording (replay's timeout comes from it)."""
+        from . import tensorio
+
+        name = step_file(index)
+        with h5py.File(self.path / name, "w") as handle:
+            tensorio.write_tree(handle.create_group("batch"), batch)
+            write_rng(handle.create_group("rng"), rng)
+        self._note_file(name)
+        self._signatures.append_step(index, entries)
+        self._note_stream_files()
+        self.manifest.steps.append(StepRecord(
+            index=index, file=name, entries=len(entries), optimizer_step=optimizer_step,
+            grads=grads, seconds=None if seconds is None else round(float(seconds), 6),
+            absent=frozenset({"seconds"}) if seconds is None else frozenset(),
+        ))
+        self._save_manifest()
+
+    def _save_manifest(self, durable: bool = False) -> None:
+        """Atomic after every step (a crashed process leaves a readable bundle); durable at
+        close. The signature and the self-digest are made over the JSON as written."""
+        body = self.manifest.to_json()
+        body[trust.SIGNATURE] = self.manifest.signature = trust.sign(body)
+        body[MANIFEST_DIGEST] = self.manifest.manifest_sha256 = manifest_digest(body)
+        _write_json_atomic(self.path / MANIFEST, body, durable)
+
+    def close(self) -> Path:
+        """Mark the bundle complete and move it to its final name."""
+        self.manifest.complete = True
+        self._save_manifest(durable=True)
+        if self.final_path.exists() and self._overwrite:
+            _claim(self.final_path, True, "", "")  # still a bundle: it may have changed since
+            shutil.rmtree(self.final_path)
+        os.replace(self.path, self.final_path)
+        return self.final_path
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
 
 class Bundle:
     """A validated bundle; every file is checked against its SHA-256 on open."""
 
-    def __init__(self, path: Path, manifest: dict):
+    def __init__(self, path: Path, manifest: Manifest):
         self.path = path
         self.manifest = manifest
-        self.steps = [
-            StepRecord(step["index"], step["file"], step["entries"], step["optimizer_step"],
-                       step.get("grads", "none"))
-            for step in manifest["steps"]
-        ]
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        return self.manifest.steps
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
@@ -616,15 +860,14 @@ class Bundle:
             raise BundleError(f"{manifest_path} nests deeper than {MAX_JSON_DEPTH} levels") from exc
         except ValueError as exc:
             raise BundleError(f"{manifest_path} is not valid JSON: {str(exc)[:200]}") from exc
-        _validate_manifest(manifest)
-        bundle = cls(path, manifest)
+        bundle = cls(path, Manifest.from_json(manifest))
         if verify:
             bundle.verify_files()
         return bundle
 
     @property
     def complete(self) -> bool:
-        return self.manifest["complete"]
+        return self.manifest.complete
 
     def verify_files(self) -> None:
         """Check every listed file's size and SHA-256, and that HDF5 files hold all their data.
@@ -633,28 +876,29 @@ class Bundle:
         (the recording died between appending a step and rewriting the
         manifest): only the bytes the manifest vouches for are checked and read.
         """
-        for name, meta in self.manifest["files"].items():
+        for name, meta in self.manifest.files.items():
             file = regular_file_inside(self.path, name)
             size = file.stat().st_size
             growing = name in STREAMS and not self.complete
-            if size < meta["size"] or (size > meta["size"] and not growing):
-                raise BundleError(f"bundle file {name} is {size} bytes, the manifest says {meta['size']} (truncated or damaged)")
+            if size < meta.size or (size > meta.size and not growing):
+                raise BundleError(f"bundle file {name} is {size} bytes, the manifest says "
+                                  f"{meta.size} (truncated or damaged)")
             try:
-                actual = sha256_file(file, meta["size"])
+                actual = sha256_file(file, meta.size)
             except OSError as exc:
                 raise BundleError(f"cannot read bundle file {name}: {exc}") from exc
-            if actual != meta["sha256"]:
+            if actual != meta.sha256:
                 raise BundleError(f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)")
             if name.endswith(".h5"):
                 self._open_h5(name).close()  # refuses data kept outside the file
 
     @property
     def workload_ref(self) -> str:
-        return self.manifest["workload"]["ref"]
+        return self.manifest.workload.ref
 
     @property
     def workload_kwargs(self) -> dict:
-        return self.manifest["workload"]["kwargs"]
+        return self.manifest.workload.kwargs
 
     @property
     def step_indices(self) -> list[int]:
@@ -663,14 +907,14 @@ class Bundle:
     def signature_log(self) -> SignatureLog:
         """The recorded log; it must hold exactly the manifest's steps and entry counts."""
         log = read_signature_log(regular_file_inside(self.path, SIGNATURES),
-                                 size=self.manifest["files"][SIGNATURES]["size"])
-        if log.meta.get("device_type") != self.manifest["device_type"]:
+                                 size=self.manifest.files[SIGNATURES].size)
+        if log.meta.get("device_type") != self.manifest.device_type:
             raise BundleError(
                 "the signature log was made on device type "
                 f"{str(log.meta.get('device_type'))[:32]!r}, "
-                f"the manifest says {self.manifest['device_type']!r}"
+                f"the manifest says {self.manifest.device_type!r}"
             )
-        log.meta.update(source=str(self.path), device=self.manifest["device"], role="record")
+        log.meta.update(source=str(self.path), device=self.manifest.device, role="record")
         if list(log.steps) != self.step_indices:
             raise BundleError(
                 f"the signature log holds steps {list(log.steps)}, the manifest lists {self.step_indices}"
@@ -699,6 +943,7 @@ class Bundle:
 
     def load_step(self, index: int) -> tuple[Any, RngState]:
         from . import tensorio
+
         record = next((step for step in self.steps if step.index == index), None)
         if record is None:
             raise BundleError(f"the bundle has no step {index} (it has {self.step_indices})")
@@ -715,8 +960,9 @@ class Bundle:
         import torch
 
         from . import tensorio
-        state = self.manifest["state"]
-        if state["kind"] == "checkpoint":
+
+        state = self.manifest.state
+        if isinstance(state, CheckpointState):
             return load_checkpoint(state)
         with self._open_h5(STATE) as handle:
             try:
@@ -736,11 +982,12 @@ class Bundle:
 
     @property
     def state_object_names(self) -> list[str]:
-        return list(self.manifest.get("state_objects", []))
+        return self.manifest.state_object_names
 
     def load_state_objects(self) -> dict[str, Any]:
         """The named state objects' state dicts before the first recorded step."""
         from . import tensorio
+
         names = self.state_object_names
         if not names:
             return {}
@@ -751,16 +998,26 @@ class Bundle:
                 raise BundleError(f"{STATE} is damaged: {exc}") from exc
 
     @property
-    def verification(self) -> dict:
-        """``status``: passed (the workload's step reproduced the loop's), failed, pending, off."""
-        return self.manifest.get("verification", {"status": "off", "mode": "off"})
+    def verification(self) -> Verification:
+        """Whether the workload's step was proved to reproduce the loop's (status "off": never)."""
+        return self.manifest.verification
 
     @property
     def verified(self) -> bool:
-        return self.verification["status"] == "passed"
+        return self.manifest.verification.passed
+
+    @property
+    def trusted(self) -> bool:
+        """May this bundle's workload be imported (trust.py)?"""
+        return trust.is_trusted(self.manifest.workload.ref, self.manifest.to_json())
+
+    def require_trusted(self) -> None:
+        """Refuse, before anything is imported, to run a workload the person has not trusted."""
+        trust.require_trusted(self.manifest.workload.ref, self.manifest.to_json())
 
     def size_bytes(self) -> int:
-        return sum(meta["size"] for meta in self.manifest["files"].values()) + (self.path / MANIFEST).stat().st_size
+        return (sum(meta.size for meta in self.manifest.files.values())
+                + (self.path / MANIFEST).stat().st_size)
 
 
 @dataclass
@@ -774,7 +1031,7 @@ class BundleInfo:
     workload: dict
     device: str
     device_type: str
-    digest: dict | None
+    digest: str | None
     state: dict
     steps: list[dict]
     state_objects: list[str]
@@ -802,28 +1059,28 @@ def describe(path: str | Path) -> BundleInfo:
     log = bundle.signature_log()
     return BundleInfo(
         bundle=str(bundle.path),
-        bundle_schema=manifest["schema"],
-        complete=manifest["complete"],
-        created=manifest.get("created"),
-        workload=manifest["workload"],
-        device=manifest["device"],
-        device_type=manifest["device_type"],
-        digest=manifest.get("digest"),
-        state={k: v for k, v in manifest["state"].items()},
+        bundle_schema=manifest.schema,
+        complete=manifest.complete,
+        created=manifest.created,
+        workload=manifest.workload.to_json(),
+        device=manifest.device,
+        device_type=manifest.device_type,
+        digest=manifest.digest,
+        state=manifest.state.to_json(),
         steps=[
             {"index": step.index, "entries": step.entries, "optimizer_step": step.optimizer_step,
              "grads": step.grads}
             for step in bundle.steps
         ],
         state_objects=bundle.state_object_names,
-        verification=bundle.verification,
+        verification=manifest.verification.to_json(),
         entries=log.entry_count(),
-        files=len(manifest["files"]),
+        files=len(manifest.files),
         size_bytes=bundle.size_bytes(),
         integrity="ok",
-        environment=manifest["environment"],
-        determinism=manifest["determinism"],
-        fingerprint=manifest.get("fingerprint"),
-        must_match=must_match(manifest.get("fingerprint") or {}),
-        trusted=trust.is_trusted(manifest),
+        environment=manifest.environment.to_json(),
+        determinism=manifest.determinism.to_json(),
+        fingerprint=manifest.fingerprint,
+        must_match=must_match(manifest.fingerprint or {}),
+        trusted=bundle.trusted,
     )

@@ -514,7 +514,7 @@ def deterministic_switches(report: dict, report_dir: Path, warnings: list[str]) 
     if found is None:
         warnings.append(f"bundle {report.get('bundle')} not found: running with the default deterministic switches")
         return determinism.enable()
-    determinism.apply(Bundle.open(found, verify=False).manifest["determinism"])
+    determinism.apply(Bundle.open(found, verify=False).manifest.determinism.to_json())
     return determinism.current_switches()
 
 

@@ -33,7 +33,17 @@ from typing import Any
 import torch
 
 from . import determinism
-from .bundle import Bundle, BundleWriter, checkpoint_reference, load_checkpoint
+from .bundle import (
+    Bundle,
+    BundleWriter,
+    CaptureSettings,
+    CheckpointState,
+    Environment,
+    Switches,
+    WorkloadRef,
+    checkpoint_reference,
+    load_checkpoint,
+)
 from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
 from .devices import torch_device
 from .digest import algorithm_for
@@ -89,17 +99,18 @@ class Recorder:
         self.verify_mode = VERIFY_MODES[verify]
         self._inject = list(inject)
         switches = determinism.enable() if deterministic else determinism.current_switches()
-        header = {
-            "workload": {"ref": canonical_ref(workload), "kwargs": dict(workload_kwargs or {})},
-            "device": self.label,
-            "device_type": self.device.type,
-            "digest": algorithm_for(self.device.type),
-            "environment": determinism.environment(self.device),
-            "determinism": switches,
-            "fingerprint": determinism.fingerprint(self.device),
-            "capture": {"max_depth": max_depth, "program": True},
-        }
-        self._writer = BundleWriter(Path(path), header, overwrite=overwrite)
+        self._writer = BundleWriter(
+            Path(path),
+            workload=WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {})),
+            device=self.label,
+            device_type=self.device.type,
+            digest=algorithm_for(self.device.type),
+            environment=Environment(**determinism.environment(self.device)),
+            determinism=Switches(**switches),
+            fingerprint=determinism.fingerprint(self.device),
+            capture=CaptureSettings(max_depth=max_depth, program=True),
+            overwrite=overwrite,
+        )
         objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
         if checkpoint is not None:
             reference = checkpoint_reference(Path(checkpoint))
@@ -108,7 +119,7 @@ class Recorder:
         else:
             self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
         status = "pending" if self.verify_mode != "off" else "off"
-        self._writer.set_verification({"mode": self.verify_mode, "status": status})
+        self._writer.set_verification(self.verify_mode, status)
         self._capture = SignatureCapture(
             model, optimizer, max_depth=max_depth, state=self.state_objects, program=True
         )
@@ -183,7 +194,7 @@ class Recorder:
         finally:
             determinism.restore_rng(saved, self.device)
         if problem is None:
-            self._writer.set_verification({"mode": self.verify_mode, "status": "passed"})
+            self._writer.set_verification(self.verify_mode, "passed")
         else:
             self._mismatch(problem)
 
@@ -247,9 +258,7 @@ class Recorder:
             )
 
     def _mismatch(self, problem: str) -> None:
-        self._writer.set_verification(
-            {"mode": self.verify_mode, "status": "failed", "problem": problem}
-        )
+        self._writer.set_verification(self.verify_mode, "failed", problem)
         message = f"the workload cannot replay this recording: {problem}"
         if self.verify_mode == "warn":
             warnings.warn(message, stacklevel=3)
@@ -342,13 +351,13 @@ def describe_first_difference(
     return f"{first} differs: {cause}"
 
 
-def _check_model_matches_checkpoint(model: torch.nn.Module, reference: dict) -> None:
+def _check_model_matches_checkpoint(model: torch.nn.Module, reference: CheckpointState) -> None:
     model_state, _ = load_checkpoint(reference)
     for name, tensor in model.state_dict().items():
         saved = model_state.get(name)
         if saved is None or not torch.equal(saved, tensor.detach().cpu()):
             raise CheckpointError(
-                f"the model's {name} differs from checkpoint {reference['path']}",
+                f"the model's {name} differs from checkpoint {reference.path}",
                 "Load the checkpoint into the model (and optimizer) before creating the Recorder.",
             )
 
@@ -461,5 +470,5 @@ def record(
         entries=recorder.entries_written,
         size_bytes=opened.size_bytes(),
         final_loss=loss_value,
-        verification=opened.verification,
+        verification=opened.verification.to_json(),
     )

@@ -17,8 +17,8 @@ from pathlib import Path
 import h5py
 import torch
 
-from . import determinism, trust
-from .bundle import Bundle, StepRecord, verify_checkpoint, write_state
+from . import determinism
+from .bundle import Bundle, CheckpointState, StepRecord, verify_checkpoint, write_state
 from .capture import OperatorMode, OperatorObserver, SignatureCapture
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
@@ -50,14 +50,14 @@ class ReplaySession:
         self.injector = Injector(parse_specs(inject), device, salt=repeat)
         self.label = device
         self.device = torch_device(device)
-        recorded = self.bundle.manifest["determinism"]
+        recorded = self.bundle.manifest.determinism.to_json()
         if apply_switches:
             determinism.apply(recorded)
         determinism.verify(recorded)
         self.warnings = determinism.environment_warnings(
-            self.bundle.manifest["environment"], determinism.environment(self.device)
+            self.bundle.manifest.environment.to_json(), determinism.environment(self.device)
         )
-        trust.require_trusted(self.bundle.manifest)
+        self.bundle.require_trusted()
         self.workload: Workload = build_workload(self.bundle.workload_ref, self.bundle.workload_kwargs)
         self.workload.model.to(self.device)
         model_state, optimizer_state = self.bundle.load_state()
@@ -73,10 +73,10 @@ class ReplaySession:
             ) from exc
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
-        capture = self.bundle.manifest.get("capture") or {}
+        capture = self.bundle.manifest.capture
         self.capture = SignatureCapture(
-            self.workload.model, self.workload.optimizer, max_depth=capture.get("max_depth"),
-            state=self.workload.state, program=capture.get("program", False),
+            self.workload.model, self.workload.optimizer, max_depth=capture.max_depth,
+            state=self.workload.state, program=capture.program,
         )
 
     def _load_state_objects(self) -> None:
@@ -301,7 +301,7 @@ def caveat_for(bundle: Bundle) -> str | None:
     """What a reader of a replay of this bundle must know before blaming the recording device."""
     if bundle.verified:
         return None
-    problem = bundle.verification.get("problem")
+    problem = bundle.verification.problem
     return UNVERIFIED_CAVEAT + (f" (the check found: {problem})" if problem else "")
 
 
@@ -377,8 +377,8 @@ def progress_timeout(bundle: Bundle) -> float:
     Generous on purpose (a replica may share cores with others, or run on a
     slower device): it exists to end a hang, not to judge speed.
     """
-    times = [step.get("seconds") for step in bundle.manifest["steps"]]
-    if not times or any(t is None for t in times):
+    times = [step.seconds for step in bundle.steps if step.seconds is not None]
+    if not times or len(times) < len(bundle.steps):
         return UNKNOWN_STEP_TIMEOUT
     return round(STARTUP_SECONDS + STEP_FACTOR * max(times), 1)
 
@@ -437,15 +437,15 @@ def replay_devices(
             f"{opened.path} holds no steps (the recording ended before its first step finished)",
             "There is nothing to replay: record again, and let at least one step complete.",
         )
-    trust.require_trusted(opened.manifest)
+    opened.require_trusted()
     parse_specs(inject)
-    determinism.check_environment(opened.manifest["determinism"])
-    if opened.manifest["state"]["kind"] == "checkpoint":
-        verify_checkpoint(opened.manifest["state"])
+    determinism.check_environment(opened.manifest.determinism.to_json())
+    if isinstance(opened.manifest.state, CheckpointState):
+        verify_checkpoint(opened.manifest.state)
     if len(set(labels)) != len(labels):
         raise DeviceError(f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ...")
     log_dir = Path(log_dir) if log_dir else default_log_dir(opened.path)
-    recorded_fingerprint = opened.manifest.get("fingerprint")
+    recorded_fingerprint = opened.manifest.fingerprint
     results = run_device_processes(
         "replay", run_replay_task, labels,
         lambda label: {"bundle": str(opened.path), "repeats": repeats, "inject": list(inject),

@@ -49,21 +49,22 @@ def _secret(create: bool) -> bytes | None:
         return None
 
 
-def _mac(manifest: dict, key: bytes) -> str:
-    body = {name: value for name, value in manifest.items() if name not in _UNSIGNED}
+def _mac(document: dict, key: bytes) -> str:
+    body = {name: value for name, value in document.items() if name not in _UNSIGNED}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hmac.new(key, canonical.encode(), hashlib.sha256).hexdigest()
 
 
-def sign(manifest: dict) -> str | None:
-    """The manifest's signature with this user's secret (None when no secret can be made)."""
+def sign(document: dict) -> str | None:
+    """The signature of a manifest's JSON with this user's secret (None when none can be made)."""
     key = _secret(create=True)
-    return None if key is None else _mac(manifest, key)
+    return None if key is None else _mac(document, key)
 
 
-def signed_here(manifest: dict) -> bool:
-    key, signature = _secret(create=False), manifest.get(SIGNATURE)
-    return key is not None and isinstance(signature, str) and hmac.compare_digest(_mac(manifest, key), signature)
+def signed_here(document: dict) -> bool:
+    key, signature = _secret(create=False), document.get(SIGNATURE)
+    return (key is not None and isinstance(signature, str)
+            and hmac.compare_digest(_mac(document, key), signature))
 
 
 def granted() -> set[str]:
@@ -94,16 +95,15 @@ def child_environment() -> dict[str, str]:
     return {GRANTED_ENV: json.dumps(trusted)} if trusted else {}
 
 
-def is_trusted(manifest: dict) -> bool:
-    ref = manifest["workload"]["ref"]
-    return ref.startswith("builtin:") or ref in granted() or signed_here(manifest)
+def is_trusted(ref: str, document: dict) -> bool:
+    """``ref``: the workload the manifest names; ``document``: the manifest's JSON (signed)."""
+    return ref.startswith("builtin:") or ref in granted() or signed_here(document)
 
 
-def require_trusted(manifest: dict) -> None:
+def require_trusted(ref: str, document: dict) -> None:
     """Refuse, before anything is imported, to run a workload the person has not trusted."""
-    if is_trusted(manifest):
+    if is_trusted(ref, document):
         return
-    ref = manifest["workload"]["ref"]
     raise UntrustedWorkloadError(
         f"the bundle names workload {ref!r}, which is code, and it was not recorded by this user "
         "(no valid signature): nothing was imported or run",

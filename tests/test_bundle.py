@@ -8,6 +8,8 @@ same data; never any other exception, never other data.
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import os
 import shutil
@@ -21,15 +23,27 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import sdcreplay
 from sdcreplay import determinism
 from sdcreplay.bundle import (
     MANIFEST,
     MANIFEST_DIGEST,
+    MANIFEST_FIELDS,
     SCHEMA,
     SIGNATURES,
     STATE,
+    STATE_KINDS,
     Bundle,
     BundleWriter,
+    CaptureSettings,
+    EmbeddedState,
+    Environment,
+    FileMeta,
+    Manifest,
+    StepRecord,
+    Switches,
+    Verification,
+    WorkloadRef,
     checkpoint_reference,
     describe,
     load_checkpoint,
@@ -39,14 +53,14 @@ from sdcreplay.errors import BundleError, CheckpointError, SdcReplayError
 
 
 def header() -> dict:
-    device = torch.device("cpu")
+    """The writer's arguments: what a recording states before its first step."""
     return {
-        "workload": {"ref": "builtin:tiny-llama", "kwargs": {"layers": 1}},
+        "workload": WorkloadRef(ref="builtin:tiny-llama", kwargs={"layers": 1}),
         "device": "cpu",
         "device_type": "cpu",
         "digest": "xxh3-64",
-        "environment": determinism.environment(device),
-        "determinism": determinism.current_switches(),
+        "environment": Environment(**determinism.environment(torch.device("cpu"))),
+        "determinism": Switches(**determinism.current_switches()),
     }
 
 
@@ -56,7 +70,7 @@ def rng_state() -> determinism.RngState:
 
 
 def write_bundle(path: Path, steps: int = 2, close: bool = True) -> BundleWriter:
-    writer = BundleWriter(path, header())
+    writer = BundleWriter(path, **header())
     model = torch.nn.Linear(3, 2)
     writer.embed_state(model.state_dict(), torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
     for index in range(steps):
@@ -102,7 +116,7 @@ def evidence(path: Path) -> dict:
     log.meta.pop("source")  # where this copy lies
     return {
         "info": {key: value for key, value in about.items() if key not in ("bundle", "size_bytes")},
-        "manifest": bundle.manifest,
+        "manifest": bundle.manifest.to_json(),
         "steps": steps,
         "state": canonical(bundle.load_state()),
         "log": (log.meta, log.steps),
@@ -145,8 +159,6 @@ def test_manifest_layout(tmp_path: Path):
     for name, meta in manifest["files"].items():
         data = (path / name).read_bytes()
         assert meta["size"] == len(data)
-        import hashlib
-
         assert meta["sha256"] == hashlib.sha256(data).hexdigest()
     assert manifest[MANIFEST_DIGEST] == manifest_digest(manifest)
 
@@ -172,8 +184,8 @@ def test_writer_refuses_an_existing_bundle_unless_overwrite(tmp_path: Path):
     path = tmp_path / "run.bundle"
     write_bundle(path)
     with pytest.raises(BundleError, match="already exists"):
-        BundleWriter(path, header())
-    writer = BundleWriter(path, header(), overwrite=True)
+        BundleWriter(path, **header())
+    writer = BundleWriter(path, **header(), overwrite=True)
     writer.embed_state({"w": torch.zeros(1)}, None)
     writer.close()
     assert Bundle.open(path).steps == []
@@ -225,6 +237,119 @@ def test_describe(small_bundle: Path):
     assert about["entries"] == sum(step["entries"] for step in about["steps"])
     assert about["size_bytes"] == sum(f.stat().st_size for f in small_bundle.rglob("*") if f.is_file())
     json.dumps(about)
+
+
+# --- the typed manifest ------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> dict:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def test_a_recorded_manifest_survives_from_json_and_to_json(small_bundle: Path):
+    """What the recorder wrote comes back exactly, key order included, through the types."""
+    raw = _read_manifest(small_bundle)
+    manifest = Manifest.from_json(raw)
+    assert manifest.to_json() == raw and list(manifest.to_json()) == list(raw)
+    assert json.dumps(manifest.to_json(), indent=2) == (small_bundle / MANIFEST).read_text()
+    assert isinstance(manifest.state, EmbeddedState) and manifest.state.file == STATE
+    assert [type(step) for step in manifest.steps] == [StepRecord, StepRecord]
+    assert manifest.steps[1].index == 1 and manifest.steps[1].file == "steps/000001.h5"
+    assert manifest.files[STATE].size == (small_bundle / STATE).stat().st_size
+    assert manifest.workload.ref == "builtin:tiny-llama" and manifest.workload.kwargs["seed"] == 0
+    assert manifest.capture == CaptureSettings(max_depth=None, program=True)
+    assert manifest.verification.status == "passed" and manifest.verification.passed
+
+
+def test_an_old_manifest_round_trips_without_gaining_keys():
+    """traces/tiny.bundle predates grads, capture.program and verification: absent stays absent,
+    and the readers see the defaults."""
+    raw = _read_manifest(Path(__file__).parent.parent / "traces" / "tiny.bundle")
+    manifest = Manifest.from_json(raw)
+    assert manifest.to_json() == raw
+    assert "grads" not in raw["steps"][0] and manifest.steps[0].grads == "none"
+    assert "verification" not in raw
+    assert manifest.verification.to_json() == {"mode": "off", "status": "off"}
+    assert "program" not in raw["capture"] and manifest.capture.program is False
+
+
+def test_keys_this_version_does_not_know_are_kept(small_bundle: Path):
+    """A newer writer's additions survive a read, so the digest and signature still verify."""
+    def add(m):
+        m["ranks"] = [{"rank": 0}]
+        m["steps"][0]["note"] = "added by a later version"
+        m["state"]["compression"] = None
+        m["files"][STATE]["mtime"] = 1
+    rewrite_manifest(small_bundle, add)
+    raw = _read_manifest(small_bundle)
+    manifest = Bundle.open(small_bundle).manifest
+    assert manifest.to_json() == raw
+    assert manifest.extra == {"ranks": [{"rank": 0}]}
+    assert manifest.steps[0].extra == {"note": "added by a later version"}
+
+
+def test_the_writer_and_the_reader_hold_the_same_manifest(tmp_path: Path):
+    """BundleWriter fills the very types Manifest.from_json gives back: they cannot drift."""
+    writer = write_bundle(tmp_path / "run.bundle", close=False)
+    writer.set_verification("on", "failed", "loss differs")
+    assert Manifest.from_json(_read_manifest(writer.path)) == writer.manifest
+    writer.close()
+    read = Bundle.open(tmp_path / "run.bundle").manifest
+    assert read == writer.manifest and read.verification.problem == "loss differs"
+
+
+def test_an_unknown_state_kind_is_refused_by_name(small_bundle: Path):
+    rewrite_manifest(small_bundle, _set(["state"], {"kind": "pickle", "file": STATE}))
+    with pytest.raises(BundleError) as refused:
+        Bundle.open(small_bundle)
+    assert refused.value.message == (
+        'manifest is malformed: state.kind is "pickle", expected one of "embedded", "checkpoint"')
+
+
+def test_every_typed_field_has_a_validation_rule():
+    """A field added to a type without a rule would reach readers unchecked."""
+    tables = {Manifest: "", WorkloadRef: "workload.", Environment: "environment.",
+              Switches: "determinism.", CaptureSettings: "capture.", Verification: "verification."}
+    missing = [f"{prefix}{name}" for cls, prefix in tables.items() for name in cls.names()
+               if f"{prefix}{name}" not in MANIFEST_FIELDS]
+    missing += [f"{cls.__name__}.{name}" for cls in (*STATE_KINDS.values(), FileMeta, StepRecord)
+                for name in cls.names() if name not in cls.RULES and name != "kind"]
+    assert missing == []
+
+
+def manifest_key_reads(source: str) -> list[str]:
+    """Places in ``source`` that index, or call a dict method on, something named manifest,
+    or name the manifest file itself: reading the manifest without its types."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        target = None
+        if isinstance(node, ast.Subscript):
+            target = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr in ("get", "items", "keys", "values", "pop", "setdefault")):
+            target = node.func.value
+        elif isinstance(node, ast.Constant) and node.value == MANIFEST:
+            found.append(f"{node.lineno}: {MANIFEST!r}")
+        if target is not None and "manifest" in ast.unparse(target).lower():
+            found.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_manifest_key_reads_are_found():
+    assert manifest_key_reads(
+        'a = bundle.manifest["device"]\nb = opened.manifest.get("capture") or {}\n'
+        'c = json.loads((path / "manifest.json").read_text())\nd = bundle.manifest.device\n'
+    ) == ["1: bundle.manifest['device']", "2: opened.manifest.get('capture')",
+          "3: 'manifest.json'"]
+
+
+def test_no_module_but_bundle_reads_manifest_keys():
+    """Changing the format touches bundle.py, its doc and its tests only."""
+    package = Path(sdcreplay.__file__).parent
+    offenders = [f"{path.relative_to(package)}:{place}" for path in sorted(package.rglob("*.py"))
+                 if path.name != "bundle.py"
+                 for place in manifest_key_reads(path.read_text(encoding="utf-8"))]
+    assert offenders == []
 
 
 # --- refusing -----------------------------------------------------------------
@@ -357,6 +482,10 @@ HAND_EDITS = {
     "state-objects-a-string": (_set(["state_objects"], "sched"), "state_objects"),
     "verification-status-unknown": (_set(["verification"], {"status": "trusted"}), "verification.status"),
     "capture-program-a-string": (_set(["capture", "program"], "yes"), "capture.program"),
+    "grads-null": (_set(["steps", 0, "grads"], None), r'steps\[0\]\.grads is null, expected one'),
+    "verification-status-null": (
+        _set(["verification", "status"], None), "verification.status is null"),
+    "capture-a-list": (_set(["capture"], []), "capture is \\[\\], expected an object"),
 }
 
 
@@ -466,9 +595,11 @@ def test_checkpoint_reference_and_load(tmp_path: Path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
     reference = checkpoint_reference(tmp_path / "ckpt.pt")
-    assert reference["kind"] == "checkpoint"
-    assert reference["path"] == str((tmp_path / "ckpt.pt").resolve())
-    assert reference["size"] == (tmp_path / "ckpt.pt").stat().st_size
+    assert reference.to_json() == {
+        "kind": "checkpoint", "path": str((tmp_path / "ckpt.pt").resolve()),
+        "size": (tmp_path / "ckpt.pt").stat().st_size,
+        "sha256": hashlib.sha256((tmp_path / "ckpt.pt").read_bytes()).hexdigest(),
+    }
     model_state, optimizer_state = load_checkpoint(reference)
     assert torch.equal(model_state["weight"], model.weight.detach())
     assert optimizer_state["param_groups"][0]["lr"] == 0.1

@@ -67,7 +67,7 @@ def loop_bundles(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("feature", loops.FEATURES)
 def test_hand_written_loop_replays_and_a_backward_bitflip_names_cpu1(loop_bundles, feature):
     bundle = Bundle.open(loop_bundles[feature])
-    assert bundle.verification == {"mode": "on", "status": "passed"}
+    assert bundle.verification.to_json() == {"mode": "on", "status": "passed"}
     assert [s.optimizer_step for s in bundle.steps] == OPTIMIZER_STEPS.get(feature, [True] * 4)
     report = replay_devices(bundle.path, REPLICAS, inject=[FAULT])
     verdicts = {run.device: run.verdict for run in report.devices}
@@ -127,8 +127,8 @@ def test_feature_outside_the_workloads_step_is_refused_at_the_first_step(tmp_pat
     assert "train_step" in caught.value.hint
     partial = Bundle.open(path)  # the steps before stay, as an incomplete bundle that says why
     assert not partial.complete and partial.step_indices == [0]
-    assert partial.verification["status"] == "failed"
-    assert OUTSIDE[feature] in partial.verification["problem"]
+    assert partial.verification.status == "failed"
+    assert OUTSIDE[feature] in partial.verification.problem
 
 
 def test_state_objects_the_recorder_was_not_given_are_named(tmp_path):
@@ -179,7 +179,7 @@ def test_an_unverified_recording_never_blames_the_recorder_without_a_caveat(
     """verify="warn" keeps the recording; its replay says the program may be why it differs."""
     with pytest.warns(UserWarning, match="the workload cannot replay this recording"):
         rec = loops.train(tmp_path / "run.bundle", feature, feature_in_step=False, verify="warn")
-    assert Bundle.open(rec.path).verification["status"] == "failed"
+    assert Bundle.open(rec.path).verification.status == "failed"
     if verdict is None:  # the scheduler differs first: the program, and no device, is named
         program = r"the replayed program differs .* record first differs at step 1 in state:sched\.last_epoch"
         with pytest.raises(StructureError, match=program):
@@ -276,7 +276,7 @@ def test_state_objects_travel_beside_a_checkpoint(tmp_path):
             with rec.step(loops.get_batch(index)):
                 step(loops.get_batch(index))
     bundle = Bundle.open(rec.path)
-    assert bundle.manifest["state"]["kind"] == "checkpoint" and bundle.verified
+    assert bundle.manifest.state.kind == "checkpoint" and bundle.verified
     assert bundle.load_state_objects()["sched"]["last_epoch"] == 0
     assert sdcreplay.compare_logs(
         bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")
@@ -433,8 +433,9 @@ def test_record_refuses_a_step_that_depends_on_state_it_does_not_save(run_exe, c
     assert "Error: the workload cannot replay this recording: loss differs" in done.stderr
     assert "Hint: Put everything the loop does in a step" in " ".join(done.stderr.split())
     assert "Traceback" not in done.stderr
-    assert Bundle.open(tmp_path / "run.bundle").verification["status"] == "failed"
+    assert Bundle.open(tmp_path / "run.bundle").verification.status == "failed"
     result = cli("record", f"{source}:make_workload", "--steps", "3", "--out", tmp_path / "off.bundle",
                  "--no-verify")
     assert result.exit_code == 0, result.output
-    assert Bundle.open(tmp_path / "off.bundle").verification == {"mode": "off", "status": "off"}
+    assert Bundle.open(tmp_path / "off.bundle").verification.to_json() == {
+        "mode": "off", "status": "off"}

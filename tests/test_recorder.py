@@ -71,7 +71,7 @@ def test_user_loop_records_a_bundle_that_replays_identically(tmp_path: Path):
     assert bundle.complete
     assert bundle.workload_ref == "builtin:tiny-llama"
     assert bundle.workload_kwargs == dict(SMALL, seed=0)
-    assert bundle.manifest["state"] == {"kind": "embedded", "file": STATE}
+    assert bundle.manifest.state.to_json() == {"kind": "embedded", "file": STATE}
     assert [s.optimizer_step for s in bundle.steps] == [True, True, True]
     log = bundle.signature_log()
     assert rec.entries_written == log.entry_count()
@@ -156,9 +156,9 @@ def test_recorder_with_a_checkpoint_references_it(tmp_path: Path):
     workload.optimizer.zero_grad()
     rec.close()
     bundle = Bundle.open(tmp_path / "run.bundle")
-    assert bundle.manifest["state"]["kind"] == "checkpoint"
-    assert bundle.manifest["state"]["path"] == str(checkpoint.resolve())
-    assert STATE not in bundle.manifest["files"]
+    assert bundle.manifest.state.kind == "checkpoint"
+    assert bundle.manifest.state.path == str(checkpoint.resolve())
+    assert STATE not in bundle.manifest.files
     assert_replays_identically(tmp_path / "run.bundle", [0])
 
 
@@ -280,7 +280,7 @@ def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path
     summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "shallow.bundle", steps=2,
                                kwargs=dict(SMALL), max_depth=2)
     bundle = Bundle.open(summary.bundle)
-    assert bundle.manifest["capture"] == {"max_depth": 2, "program": True}
+    assert bundle.manifest.capture.to_json() == {"max_depth": 2, "program": True}
     names = {name for entries in bundle.signature_log().steps.values() for name, _ in entries}
     modules = {name.split(":", 1)[1].split("[")[0] for name in names if name.startswith(("forward:", "backward:"))}
     assert "layers.0" in modules and "layers.0.attn" not in modules and "layers.0.attn.wq" not in modules

@@ -94,8 +94,7 @@ def test_a_hung_device_is_killed_and_the_verdict_comes_from_the_others(tmp_path:
 
 
 def test_the_timeout_is_derived_from_the_recorded_step_times(small_bundle: Path):
-    steps = Bundle.open(small_bundle).manifest["steps"]
-    seconds = [step["seconds"] for step in steps]
+    seconds = [step.seconds for step in Bundle.open(small_bundle).steps]
     assert len(seconds) == 2 and all(0 < s < 60 for s in seconds)
     assert progress_timeout(Bundle.open(small_bundle)) == round(
         STARTUP_SECONDS + STEP_FACTOR * max(seconds), 1

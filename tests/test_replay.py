@@ -132,7 +132,7 @@ def test_checkpoint_bundle_replays_and_a_changed_checkpoint_is_refused(tmp_path:
     torch.save({"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()}, checkpoint)
     summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "run.bundle", steps=2, kwargs=SMALL, checkpoint=checkpoint)
     bundle = Bundle.open(summary.bundle)
-    assert bundle.manifest["state"]["kind"] == "checkpoint"
+    assert bundle.manifest.state.kind == "checkpoint"
     assert compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu")).identical
     with torch.no_grad():
         workload.model.output.weight[0, 0] += 1

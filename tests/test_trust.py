@@ -139,14 +139,14 @@ def test_only_builtins_and_the_signed_workload_are_trusted(signed, swapped):
     """A signature vouches for the workload it was made over and no other; nothing is imported to decide."""
     manifest = {"schema": "sdcreplay.bundle/1", "workload": signed}
     manifest[trust.SIGNATURE] = trust.sign(manifest)
-    assert trust.is_trusted(manifest)
+    assert trust.is_trusted(signed["ref"], manifest)
     edited = {**manifest, "workload": swapped}
     modules = set(sys.modules)
     if swapped == signed or swapped["ref"].startswith("builtin:"):
-        assert trust.is_trusted(edited)
+        assert trust.is_trusted(swapped["ref"], edited)
     else:
         with pytest.raises(UntrustedWorkloadError) as refused:
-            trust.require_trusted(edited)
+            trust.require_trusted(swapped["ref"], edited)
         assert repr(swapped["ref"]) in refused.value.message
         assert "--trust-workload" in refused.value.hint
     assert set(sys.modules) == modules
