@@ -52,7 +52,8 @@ def preserved_global_state() -> Iterator[None]:
         "precision": torch.get_float32_matmul_precision(),
         "threads": torch.get_num_threads(),
     }
-    env = {name: os.environ.get(name) for name in determinism.SWITCH_ENV_VARS}
+    env = {name: os.environ.get(name)
+           for name in (*determinism.SWITCH_ENV_VARS, *determinism.PINNED_ENV.values())}
     try:
         yield
     finally:
