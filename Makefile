@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m ruff check sdcreplay tests bench examples
+test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
@@ -40,6 +39,7 @@ gpu-check: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check sdcreplay tests bench examples
+	$(PY) -m ruff format --check sdcreplay tests bench examples
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache gpu-check

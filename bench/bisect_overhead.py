@@ -55,14 +55,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=9, help="timed steps of each kind; the median counts")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed steps of each kind; the median counts"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
     parser.add_argument("--skip-end-to-end", action="store_true", help="time only the step")
     parser.add_argument("--window-steps", type=int, default=24, help="bundle steps in part 3")
     parser.add_argument("--skip-position", action="store_true", help="leave out part 3")
-    parser.add_argument("--baseline",
-                        help="part 3 also with the sdcreplay of this source tree (e.g. /work/main)")
-    parser.add_argument("--profile", action="store_true", help="cProfile one captured step (suspect mode)")
+    parser.add_argument(
+        "--baseline", help="part 3 also with the sdcreplay of this source tree (e.g. /work/main)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile one captured step (suspect mode)"
+    )
     return parser.parse_args()
 
 
@@ -84,7 +91,11 @@ class Step:
         torch.set_rng_state(self.rng)
 
     def run(self, observer) -> None:
-        mode = OperatorMode(self.model, self.optimizer, [observer], 0) if observer is not None else None
+        mode = (
+            OperatorMode(self.model, self.optimizer, [observer], 0)
+            if observer is not None
+            else None
+        )
         if mode is not None:
             mode.__enter__()
         try:
@@ -122,7 +133,9 @@ def time_step(step: Step, repeats: int) -> dict:
             cpu[kind].append(time.process_time() - start_cpu)
             last[kind] = observer
     suspect = last["suspect"]
-    assert suspect.divergent is None and suspect.structure_error is None, "the timed steps must be the same step"
+    assert suspect.divergent is None and suspect.structure_error is None, (
+        "the timed steps must be the same step"
+    )
     return {
         "operators": len(reference.records),
         "wall_ms": {kind: statistics.median(values) * 1e3 for kind, values in wall.items()},
@@ -151,19 +164,48 @@ def _console_script() -> str:
 
 def _record(bundle: Path, steps: int, size: dict) -> None:
     arguments = [part for key, value in size.items() for part in ("-a", f"{key}={value}")]
-    subprocess.run([_console_script(), "record", "builtin:tiny-llama", "--steps", str(steps),
-                    "--out", str(bundle), *arguments], check=True, capture_output=True)
+    subprocess.run(
+        [
+            _console_script(),
+            "record",
+            "builtin:tiny-llama",
+            "--steps",
+            str(steps),
+            "--out",
+            str(bundle),
+            *arguments,
+        ],
+        check=True,
+        capture_output=True,
+    )
 
 
-def _bisect(bundle: Path, fault: str, out: Path, extra: list[str],
-            source: str | None = None) -> tuple[dict, float]:
+def _bisect(
+    bundle: Path, fault: str, out: Path, extra: list[str], source: str | None = None
+) -> tuple[dict, float]:
     """``sdcreplay bisect --json`` as a person runs it (``source``'s code): report, wall time."""
     env = {**os.environ, "PYTHONPATH": source} if source else None
     start = time.perf_counter()
-    done = subprocess.run([_console_script(), "bisect", str(bundle), "--suspect", "cpu:1",
-                           "--reference", "cpu:0", "--inject", fault, "--out", str(out), "--json",
-                           *extra],
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [
+            _console_script(),
+            "bisect",
+            str(bundle),
+            "--suspect",
+            "cpu:1",
+            "--reference",
+            "cpu:0",
+            "--inject",
+            fault,
+            "--out",
+            str(out),
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     wall = time.perf_counter() - start
     if done.returncode != 1:
         raise SystemExit(f"bisect exited {done.returncode}:\n{done.stderr}")
@@ -179,8 +221,14 @@ def end_to_end(folder: Path) -> list[dict]:
         out = folder / f"report-{len(rows)}"
         report, wall = _bisect(bundle, FAULT, out, extra)
         workers = len(list((out / "work").rglob("*.task.json")))
-        rows.append({"run": label, "wall_s": wall, "workers": workers,
-                     "found": f"{report['op']} under {report['module']}, call {report['op_index']}"})
+        rows.append(
+            {
+                "run": label,
+                "wall_s": wall,
+                "workers": workers,
+                "found": f"{report['op']} under {report['module']}, call {report['op_index']}",
+            }
+        )
     return rows
 
 
@@ -215,43 +263,63 @@ def print_position_cost(rows: list[dict], steps: int) -> None:
     print()
     print(f"tiny-llama {POSITION_SIZE}, {steps} steps: divergence at the first and the last step")
     baseline = "baseline_wall_s" in rows[0]
-    print("| bisect | divergent step | step executions | wall s |"
-          + (" baseline wall s |" if baseline else ""))
+    print(
+        "| bisect | divergent step | step executions | wall s |"
+        + (" baseline wall s |" if baseline else "")
+    )
     print("| --- | ---: | ---: | ---: |" + (" ---: |" if baseline else ""))
     for row in rows:
         detail = ", ".join(f"{k} {v}" for k, v in row["steps_run"].items() if k != "total" and v)
-        print(f"| {'with' if row['given'] else 'without'} --step | {row['step']} "
-              f"| {row['steps_run']['total']} ({detail}) | {row['wall_s']:.1f} |"
-              + (f" {row['baseline_wall_s']:.1f} |" if baseline else ""))
+        print(
+            f"| {'with' if row['given'] else 'without'} --step | {row['step']} "
+            f"| {row['steps_run']['total']} ({detail}) | {row['wall_s']:.1f} |"
+            + (f" {row['baseline_wall_s']:.1f} |" if baseline else "")
+        )
     for given in (True, False):
         first, last = (row for row in rows if row["given"] is given)
-        print(f"{'with' if given else 'without'} --step: last/first = "
-              f"{last['steps_run']['total'] / first['steps_run']['total']:.2f}x step executions "
-              f"(+{last['steps_run']['total'] - first['steps_run']['total']}), "
-              f"{last['wall_s'] / first['wall_s']:.2f}x wall "
-              f"(+{last['wall_s'] - first['wall_s']:.1f} s)"
-              + (f"; baseline +{last['baseline_wall_s'] - first['baseline_wall_s']:.1f} s"
-                 if baseline else ""))
+        print(
+            f"{'with' if given else 'without'} --step: last/first = "
+            f"{last['steps_run']['total'] / first['steps_run']['total']:.2f}x step executions "
+            f"(+{last['steps_run']['total'] - first['steps_run']['total']}), "
+            f"{last['wall_s'] / first['wall_s']:.2f}x wall "
+            f"(+{last['wall_s'] - first['wall_s']:.1f} s)"
+            + (
+                f"; baseline +{last['baseline_wall_s'] - first['baseline_wall_s']:.1f} s"
+                if baseline
+                else ""
+            )
+        )
 
 
 def main() -> None:
     args = parse_args()
     determinism.enable(num_threads=args.threads)
-    kwargs = {"layers": args.layers, "dim": args.dim, "seq_len": args.seq_len, "batch_size": args.batch_size}
+    kwargs = {
+        "layers": args.layers,
+        "dim": args.dim,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+    }
     step = Step(kwargs)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu count {os.cpu_count()}; "
-          f"tiny-llama {kwargs}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu count {os.cpu_count()}; "
+        f"tiny-llama {kwargs}"
+    )
     if args.profile:
         profile_step(step)
         return
     result = time_step(step, args.repeats)
     wall, cpu = result["wall_ms"], result["cpu_ms"]
-    print(f"operator calls per step: {result['operators']}; median of {args.repeats} after a warm-up")
+    print(
+        f"operator calls per step: {result['operators']}; median of {args.repeats} after a warm-up"
+    )
     print("| step | wall ms | ratio | CPU ms | ratio |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for kind in ("plain", "reference", "suspect"):
-        print(f"| {kind} | {wall[kind]:.1f} | {wall[kind] / wall['plain']:.2f}x "
-              f"| {cpu[kind]:.1f} | {cpu[kind] / cpu['plain']:.2f}x |")
+        print(
+            f"| {kind} | {wall[kind]:.1f} | {wall[kind] / wall['plain']:.2f}x "
+            f"| {cpu[kind]:.1f} | {cpu[kind] / cpu['plain']:.2f}x |"
+        )
     if not args.skip_end_to_end:
         with tempfile.TemporaryDirectory() as folder:
             rows = end_to_end(Path(folder))

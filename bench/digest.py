@@ -33,8 +33,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timings of each; the best counts")
     parser.add_argument("--device", default="cpu", choices=devices, help="where the tensors live")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
-    parser.add_argument("--digest", default="auto", choices=["auto", *DIGESTS],
-                        help="auto: what a recording on --device uses")
+    parser.add_argument(
+        "--digest",
+        default="auto",
+        choices=["auto", *DIGESTS],
+        help="auto: what a recording on --device uses",
+    )
     return parser.parse_args()
 
 
@@ -71,8 +75,10 @@ def main() -> None:
     started = time.perf_counter()
     digest(torch.ones(1024, device=device))
     sync()
-    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
-          f"first call {time.perf_counter() - started:.1f} s ({one_pass_status()})")
+    print(
+        f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
+        f"first call {time.perf_counter() - started:.1f} s ({one_pass_status()})"
+    )
     print(
         f"| dtype | MiB | {ours_name} ms | hash_tensor ms | ratio ours/hash_tensor "
         f"| {ours_name} GB/s | hash_tensor GB/s |"

@@ -31,31 +31,62 @@ from sdcreplay.operator_case import place, resolve_op
 
 # name -> (operator, input maker, trials per round on a CPU, on a GPU)
 CASES: dict[str, tuple[str, Callable[[], list], int, int]] = {
-    "mm 256x256 float32": ("aten.mm.default", lambda: [torch.randn(256, 256), torch.randn(256, 256)], 100, 20000),
-    "mm 4096x4096 float32": ("aten.mm.default", lambda: [torch.randn(4096, 4096), torch.randn(4096, 4096)], 1, 100),
-    "rms_norm 4096x4096 bfloat16": ("aten._fused_rms_norm.default", lambda: [
-        torch.randn(4096, 4096).to(torch.bfloat16), [4096], torch.randn(4096).to(torch.bfloat16), 1e-6], 6, 2000),
+    "mm 256x256 float32": (
+        "aten.mm.default",
+        lambda: [torch.randn(256, 256), torch.randn(256, 256)],
+        100,
+        20000,
+    ),
+    "mm 4096x4096 float32": (
+        "aten.mm.default",
+        lambda: [torch.randn(4096, 4096), torch.randn(4096, 4096)],
+        1,
+        100,
+    ),
+    "rms_norm 4096x4096 bfloat16": (
+        "aten._fused_rms_norm.default",
+        lambda: [
+            torch.randn(4096, 4096).to(torch.bfloat16),
+            [4096],
+            torch.randn(4096).to(torch.bfloat16),
+            1e-6,
+        ],
+        6,
+        2000,
+    ),
 }
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--repeats", type=int, default=9, help="rounds of each loop; the best counts")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply every case's trials per round")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="rounds of each loop; the best counts"
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every case's trials per round"
+    )
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     return parser.parse_args()
 
 
-def best_rates(runner: TrialRunner, args: list, expected: list, trials: int, repeats: int,
-               sync: Callable[[], None]) -> tuple[float, float]:
+def best_rates(
+    runner: TrialRunner,
+    args: list,
+    expected: list,
+    trials: int,
+    repeats: int,
+    sync: Callable[[], None],
+) -> tuple[float, float]:
     """Trials per second of (ours, bare), alternating the two each round."""
     op = runner.op
     placed = place(args, runner.device)
 
     def ours() -> None:
         measured = runner.measure(args, {}, expected, trials)
-        assert measured.failures == 0, "a healthy device failed: the benchmark's expected output is wrong"
+        assert measured.failures == 0, (
+            "a healthy device failed: the benchmark's expected output is wrong"
+        )
 
     def bare() -> None:
         for _ in range(trials):
@@ -82,7 +113,11 @@ def main() -> None:
     label = options.device if options.device != "cuda" else "cuda:0"
     gpu = label.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
-    name = torch.cuda.get_device_name(torch.device(label)) if gpu else determinism.device_description(torch.device("cpu"))["name"]
+    name = (
+        torch.cuda.get_device_name(torch.device(label))
+        if gpu
+        else determinism.device_description(torch.device("cpu"))["name"]
+    )
     print(f"device={label} ({name}) threads={torch.get_num_threads()} torch={torch.__version__}")
     print("| case | trials per round | ours trials/s | bare trials/s | ours/bare |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -90,8 +90,9 @@ class Bench:
         self.workload.model.to(device)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.depth = args.depth
-        self.batches = [map_tensors(self.workload.get_batch(i), lambda t: t.to(device))
-                        for i in range(8)]
+        self.batches = [
+            map_tensors(self.workload.get_batch(i), lambda t: t.to(device)) for i in range(8)
+        ]
         self.scratch = scratch
         self.recordings = 0
         self.step_index = 0

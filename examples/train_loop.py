@@ -127,7 +127,9 @@ def main() -> None:
                 loss = workload.train_step(batch)
             lr = workload.state["scheduler"].get_last_lr()[0]
             print(f"step {step}: loss {loss.item():.4f}, lr {lr:.5f}")
-    print(f"Recorded {rec.steps_written} steps in {rec.path} (verified: replay runs the loop's step)")
+    print(
+        f"Recorded {rec.steps_written} steps in {rec.path} (verified: replay runs the loop's step)"
+    )
     print(f"Replay them: sdcreplay replay {rec.path}")
 
 

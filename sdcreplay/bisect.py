@@ -64,6 +64,7 @@ SCHEMA = "sdcreplay.bisect/1"
 # ---------------------------------------------------------------------------
 # Worker side: each device_task runs in a device process (see worker.py).
 
+
 @dataclass
 class StepEntry:
     """A session in the state entering the bisected step, that state, and the step's record."""
@@ -76,8 +77,16 @@ class StepEntry:
     continuation: list[tuple[str, str]] | None = None  # the step run on from the window itself
 
 
-def _enter_step(bundle: str, device: str, inject: Sequence[str], step: int, repeat: int, *,
-                entry_state: str | None = None, save_entry: str | None = None) -> StepEntry:
+def _enter_step(
+    bundle: str,
+    device: str,
+    inject: Sequence[str],
+    step: int,
+    repeat: int,
+    *,
+    entry_state: str | None = None,
+    save_entry: str | None = None,
+) -> StepEntry:
     """Bring a session to the state entering the bisected step.
 
     Only the reference replays the window, once, and writes that state
@@ -88,6 +97,7 @@ def _enter_step(bundle: str, device: str, inject: Sequence[str], step: int, repe
     and its state is digested here and compared with the reference's, so
     memory corrupted at rest entering the step is still seen.
     """
+
     def new_session() -> ReplaySession:
         return ReplaySession(bundle, device, inject=inject, repeat=repeat)
 
@@ -96,8 +106,9 @@ def _enter_step(bundle: str, device: str, inject: Sequence[str], step: int, repe
     try:
         target = next((r for r in session.bundle.steps if r.index == step), None)
         if target is None:
-            raise SdcReplayError(f"the bundle has no step {step}",
-                                 f"Steps: {session.bundle.step_indices}.")
+            raise SdcReplayError(
+                f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}."
+            )
         if entry_state:
             session.load_state(Path(entry_state))
         else:
@@ -117,7 +128,9 @@ def _enter_step(bundle: str, device: str, inject: Sequence[str], step: int, repe
     except BaseException:
         session.close()
         raise
-    session.injector.before_step(step, session.model)  # memory corrupted before the step belongs to its state
+    session.injector.before_step(
+        step, session.model
+    )  # memory corrupted before the step belongs to its state
     state = state_tensors(session.model, session.optimizer)
     digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
     return StepEntry(session, digests, state, target, window_steps, continuation)
@@ -128,15 +141,24 @@ def _records_to_json(records: list[OperatorRecord]) -> list:
 
 
 def _records_from_json(rows: list, step: int) -> list[OperatorRecord]:
-    return [OperatorRecord(CallSite(step, phase, module, op, index), digests)
-            for index, (phase, module, op, digests) in enumerate(rows)]
+    return [
+        OperatorRecord(CallSite(step, phase, module, op, index), digests)
+        for index, (phase, module, op, digests) in enumerate(rows)
+    ]
 
 
 @device_task
 def run_oplog_task(
-    device: str, bundle: str, step: int, work_dir: str, inject: Sequence[str] = (), *,
-    save_entry: str | None = None, entry_state: str | None = None,
-    expected_log: str | None = None, repeats: int = 1,
+    device: str,
+    bundle: str,
+    step: int,
+    work_dir: str,
+    inject: Sequence[str] = (),
+    *,
+    save_entry: str | None = None,
+    entry_state: str | None = None,
+    expected_log: str | None = None,
+    repeats: int = 1,
 ) -> dict:
     """Reference: write the step's operator log. Suspect: compare and keep the first divergence.
 
@@ -148,15 +170,19 @@ def run_oplog_task(
     repeats = repeats if expected else 1
     steps_run = 0
     for repeat in range(repeats):
-        entry = _enter_step(bundle, device, inject, step, repeat, entry_state=entry_state,
-                            save_entry=save_entry)
+        entry = _enter_step(
+            bundle, device, inject, step, repeat, entry_state=entry_state, save_entry=save_entry
+        )
         session, digests, state, target = entry.session, entry.digests, entry.state, entry.target
         steps_run += entry.window_steps + 1
         reference = _records_from_json(expected["operators"], step) if expected else None
-        oplog = OperatorLog(expected=reference,
-                            state_memory={memory_address(t): name for name, t in state.items()})
+        oplog = OperatorLog(
+            expected=reference, state_memory={memory_address(t): name for name, t in state.items()}
+        )
         try:
-            differing = [n for n, d in digests.items() if expected and expected["state"].get(n) != d]
+            differing = [
+                n for n, d in digests.items() if expected and expected["state"].get(n) != d
+            ]
             _save_state(work / f"state-{device.replace(':', '-')}.h5", state, differing)
             entries = session.run_step(target, observers=[oplog])
         finally:
@@ -166,9 +192,15 @@ def run_oplog_task(
         environment = determinism.environment(session.device)
         if expected is None:
             path = work / "oplog-reference.json"
-            path.write_text(json.dumps({"state": digests, "operators": _records_to_json(oplog.records)}))
-            return {"oplog": str(path), "operators": len(oplog.records), "environment": environment,
-                    "steps_run": steps_run}
+            path.write_text(
+                json.dumps({"state": digests, "operators": _records_to_json(oplog.records)})
+            )
+            return {
+                "oplog": str(path),
+                "operators": len(oplog.records),
+                "environment": environment,
+                "steps_run": steps_run,
+            }
         structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
         if structure_error:
             return {"structure_error": structure_error, "repeat": repeat, "steps_run": steps_run}
@@ -176,12 +208,18 @@ def run_oplog_task(
             case_path = work / "suspect-call.h5"
             if oplog.kept is not None:
                 args, kwargs, outputs = oplog.kept
-                OperatorCase(oplog.divergent.site, Counter(), args, kwargs, outputs, outputs).write(case_path)
+                OperatorCase(oplog.divergent.site, Counter(), args, kwargs, outputs, outputs).write(
+                    case_path
+                )
             return {
-                "divergent": True, "repeat": repeat, "repeats_run": repeat + 1, "environment": environment,
+                "divergent": True,
+                "repeat": repeat,
+                "repeats_run": repeat + 1,
+                "environment": environment,
                 "steps_run": steps_run,
                 "op_index": oplog.divergent.site.index if oplog.divergent else None,
-                "state_differs": differing, "case": str(case_path) if oplog.kept is not None else None,
+                "state_differs": differing,
+                "case": str(case_path) if oplog.kept is not None else None,
                 "origins": [_origin_to_json(o, expected["operators"]) for o in oplog.origins],
             }
     return {"divergent": False, "repeats_run": repeats, "steps_run": steps_run}
@@ -192,10 +230,20 @@ def _origin_to_json(origin: InputOrigin, expected: list) -> dict:
     producer = None
     if origin.producer is not None:
         site = origin.producer.site
-        producer = {"index": site.index, "op": site.op, "module": site.module, "phase": site.phase,
-                    "matched_reference": origin.producer.digests == expected[site.index][3]}
-    return {"position": origin.position, "element": origin.element, "name": origin.name,
-            "producer": producer, "state": origin.state}
+        producer = {
+            "index": site.index,
+            "op": site.op,
+            "module": site.module,
+            "phase": site.phase,
+            "matched_reference": origin.producer.digests == expected[site.index][3],
+        }
+    return {
+        "position": origin.position,
+        "element": origin.element,
+        "name": origin.name,
+        "producer": producer,
+        "state": origin.state,
+    }
 
 
 def _missing_calls(oplog: OperatorLog, expected: list) -> str | None:
@@ -222,9 +270,16 @@ def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]
 
 @device_task
 def run_fetch_task(
-    device: str, bundle: str, step: int, work_dir: str, op_index: int | None,
-    inject: Sequence[str] = (), *, state_names: Sequence[str] = (),
-    entry_state: str | None = None, expected_log: str | None = None,
+    device: str,
+    bundle: str,
+    step: int,
+    work_dir: str,
+    op_index: int | None,
+    inject: Sequence[str] = (),
+    *,
+    state_names: Sequence[str] = (),
+    entry_state: str | None = None,
+    expected_log: str | None = None,
 ) -> dict:
     """Reference: keep the inputs and outputs of one call, and named state tensors.
 
@@ -266,7 +321,8 @@ def _refuse_unreproduced(step: int) -> None:
         f"the reference does not reproduce its own step {step} from the state saved entering it",
         "The step depends on state outside the model, optimizer and the workload's state "
         "objects (a Python counter?); give it to the workload as a state object "
-        "(docs/recording.md), since bisect starts the step from what the saved state holds.")
+        "(docs/recording.md), since bisect starts the step from what the saved state holds.",
+    )
 
 
 @device_task
@@ -289,8 +345,12 @@ def run_isolate_task(
         if [tensor_digest(v) for v in operator_results(op, args, out)] != expected:
             failures += 1
             first_failure = run if first_failure is None else first_failure
-    return {"runs": runs, "failures": failures, "first_failure": first_failure,
-            "kernels": kernel_names(op, case, where)}
+    return {
+        "runs": runs,
+        "failures": failures,
+        "first_failure": first_failure,
+        "kernels": kernel_names(op, case, where),
+    }
 
 
 def _cuda_profile(device: torch.device):
@@ -333,6 +393,7 @@ def device_kernels(events) -> list[str]:
 # ---------------------------------------------------------------------------
 # Orchestration.
 
+
 @dataclass
 class BisectResult:
     """The report: ``to_json()`` is what ``--json`` prints and report.json holds.
@@ -356,8 +417,9 @@ class BisectResult:
         if data.get("verdict") not in get_args(BisectVerdict):
             raise ValueError(f"not a bisect verdict: {data.get('verdict')!r}")
         rest = {key: value for key, value in data.items() if key not in (*cls._TYPED, "schema")}
-        return cls(data["verdict"], data["step"], data["suspect"], data["reference"],
-                   data["report"], rest)
+        return cls(
+            data["verdict"], data["step"], data["suspect"], data["reference"], data["report"], rest
+        )
 
     @property
     def exit_code(self) -> int:
@@ -368,8 +430,15 @@ class BisectResult:
         return {"schema": SCHEMA, **typed, **self.findings}
 
 
-def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, repeats: int,
-                          inject: Sequence[str], work: Path, on_event) -> tuple[int | None, dict]:
+def _first_divergent_step(
+    bundle: Bundle,
+    suspect: str | None,
+    reference: str,
+    repeats: int,
+    inject: Sequence[str],
+    work: Path,
+    on_event,
+) -> tuple[int | None, dict]:
     """Replay the bundle; the first entry where the suspect (or the recording) leaves the reference.
 
     The reference is trusted by definition, so the suspect is compared with it
@@ -378,21 +447,29 @@ def _first_divergent_step(bundle: Bundle, suspect: str | None, reference: str, r
     the reference.
     """
     labels = [reference] + ([suspect] if suspect else [])
-    on_event("replay", f"replaying the window on {', '.join(labels)} to find the first divergent step")
-    report = replay_devices(bundle.path, labels, repeats=repeats, inject=inject, log_dir=work / "replay")
+    on_event(
+        "replay", f"replaying the window on {', '.join(labels)} to find the first divergent step"
+    )
+    report = replay_devices(
+        bundle.path, labels, repeats=repeats, inject=inject, log_dir=work / "replay"
+    )
     for run in report.devices:
         if run.error:
-            raise SdcReplayError(f"the {run.device} replay failed: {run.error['message']}",
-                                 run.error.get("hint") or "See the device's stderr in the work directory.")
+            raise SdcReplayError(
+                f"the {run.device} replay failed: {run.error['message']}",
+                run.error.get("hint") or "See the device's stderr in the work directory.",
+            )
     runs = {run.device: run for run in report.devices}
     trusted = runs[reference].logs[0]
     record_first = _first_divergence(trusted, [bundle.signature_log()])
     first = record_first if suspect is None else _first_divergence(trusted, runs[suspect].logs)
     return (first.step if first else None), {
-        "replay": report.to_json(), "first_entry": first.brief() if first else None,
+        "replay": report.to_json(),
+        "first_entry": first.brief() if first else None,
         "record_first_entry": record_first.brief() if record_first else None,
-        "steps_run": _total({"replay": sum(len(log.steps) for r in report.devices
-                                           for log in r.logs)}),
+        "steps_run": _total(
+            {"replay": sum(len(log.steps) for r in report.devices for log in r.logs)}
+        ),
     }
 
 
@@ -424,14 +501,17 @@ def bisect(
     on_event = on_event or (lambda kind, text: None)
     opened = Bundle.open(bundle)
     if step is not None and step not in opened.step_indices:
-        raise SdcReplayError(f"the bundle has no step {step} (it has steps {opened.step_indices})",
-                             "Give --step one of the recorded steps "
-                             "(`sdcreplay info BUNDLE` lists them).")
+        raise SdcReplayError(
+            f"the bundle has no step {step} (it has steps {opened.step_indices})",
+            "Give --step one of the recorded steps (`sdcreplay info BUNDLE` lists them).",
+        )
     reference = validate_label(reference)
     suspect = validate_label(suspect) if suspect else None
     if suspect == reference:
-        raise SdcReplayError("--suspect and --reference are the same device",
-                             "Compare the suspect with a device you trust, e.g. --reference cpu:0.")
+        raise SdcReplayError(
+            "--suspect and --reference are the same device",
+            "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
+        )
     if plot is not None:
         _plotter()
     out = Path(out) if out else opened.path.with_name(opened.path.name + ".bisect")
@@ -439,36 +519,66 @@ def bisect(
     work.mkdir(parents=True, exist_ok=True)
     (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
     base = {
-        "schema": SCHEMA, "bundle": str(opened.path), "suspect": suspect or RECORD, "reference": reference,
-        "inject": list(inject), "workload": opened.manifest.workload.to_json(), "report": str(out),
+        "schema": SCHEMA,
+        "bundle": str(opened.path),
+        "suspect": suspect or RECORD,
+        "reference": reference,
+        "inject": list(inject),
+        "workload": opened.manifest.workload.to_json(),
+        "report": str(out),
         "determinism": opened.manifest.determinism.to_json(),
         "commands": [_command_line()],
     }
     replayed: dict = {}
     if step is None or suspect is None:
-        found, replayed = _first_divergent_step(opened, suspect, reference, repeats, inject, work, on_event)
+        found, replayed = _first_divergent_step(
+            opened, suspect, reference, repeats, inject, work, on_event
+        )
         step = found if step is None else step
     if step is None or (suspect is None and replayed["first_entry"] is None):
-        result = {**base, "verdict": "no_divergence", "step": step, "repeats_run": repeats, **replayed}
+        result = {
+            **base,
+            "verdict": "no_divergence",
+            "step": step,
+            "repeats_run": repeats,
+            **replayed,
+        }
         recorded = replayed.get("record_first_entry")
         if suspect is not None and recorded is not None:
-            result["next"] = (f"{suspect} reproduces {reference}, but the recording differs from {reference} at step "
-                              f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest.device} on "
-                              f"{opened.manifest.environment.host}) is the suspect; bisect with --suspect set to it.")
+            result["next"] = (
+                f"{suspect} reproduces {reference}, but the recording differs from {reference} at step "
+                f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest.device} on "
+                f"{opened.manifest.environment.host}) is the suspect; bisect with --suspect set to it."
+            )
         return _finish(out, result, on_event)
     if suspect is None:
         entry = replayed["first_entry"]
-        return _finish(out, {
-            **base, "verdict": "divergence", "step": entry["step"], "phase": entry["phase"],
-            "module": layer_of(entry["name"]), "entry": entry["name"], "op": None, "isolated": None,
-            "repeats_run": 1,
-            "next": f"The recording diverges from {reference} at {entry['name']}; to name the operator, "
-                    f"bisect again with --suspect set to the device that recorded ({opened.manifest.device} on "
-                    f"{opened.manifest.environment.host}).",
-            **replayed,
-        }, on_event)
+        return _finish(
+            out,
+            {
+                **base,
+                "verdict": "divergence",
+                "step": entry["step"],
+                "phase": entry["phase"],
+                "module": layer_of(entry["name"]),
+                "entry": entry["name"],
+                "op": None,
+                "isolated": None,
+                "repeats_run": 1,
+                "next": f"The recording diverges from {reference} at {entry['name']}; to name the operator, "
+                f"bisect again with --suspect set to the device that recorded ({opened.manifest.device} on "
+                f"{opened.manifest.environment.host}).",
+                **replayed,
+            },
+            on_event,
+        )
 
-    common = {"bundle": str(opened.path), "step": step, "inject": list(inject), "work_dir": str(work)}
+    common = {
+        "bundle": str(opened.path),
+        "step": step,
+        "inject": list(inject),
+        "work_dir": str(work),
+    }
     entry_state = str(work / ENTRY_STATE_FILE)
     pinned = determinism.pinned_environment(opened.manifest.fingerprint)
     run = partial(_run_alone, work=work, environment=pinned)
@@ -476,60 +586,143 @@ def bisect(
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
     ref_log = run("oplog", run_oplog_task, reference, {**common, "save_entry": entry_state})
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
-    on_event("oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)")
-    sus = run("oplog", run_oplog_task, suspect,
-              {**common, "expected_log": ref_log["oplog"], "repeats": repeats})
-    steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0),
-             "oplog_reference": ref_log["steps_run"], "oplog_suspect": sus["steps_run"]}
+    on_event(
+        "oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)"
+    )
+    sus = run(
+        "oplog",
+        run_oplog_task,
+        suspect,
+        {**common, "expected_log": ref_log["oplog"], "repeats": repeats},
+    )
+    steps = {
+        "replay": replayed.pop("steps_run", {}).get("replay", 0),
+        "oplog_reference": ref_log["steps_run"],
+        "oplog_suspect": sus["steps_run"],
+    }
     if "structure_error" in sus:
         raise StructureError(
             f"{suspect} runs a different sequence of operators than {reference} in step {step}: {sus['structure_error']}",
             "The devices run different code or configuration (different kernels chosen?); this is not silent data corruption.",
         )
     if not sus["divergent"]:
-        return _finish(out, {**base, "verdict": "no_divergence", "step": step,
-                             "repeats_run": sus["repeats_run"], "steps_run": _total(steps),
-                             **replayed},
-                       on_event)
+        return _finish(
+            out,
+            {
+                **base,
+                "verdict": "no_divergence",
+                "step": step,
+                "repeats_run": sus["repeats_run"],
+                "steps_run": _total(steps),
+                **replayed,
+            },
+            on_event,
+        )
 
     on_event("fetch", f"fetching the reference's inputs of the divergent call from {reference}")
-    fetched = run("fetch", run_fetch_task, reference, {
-        **common, "op_index": sus["op_index"], "state_names": sus["state_differs"],
-        "expected_log": ref_log["oplog"]})
+    fetched = run(
+        "fetch",
+        run_fetch_task,
+        reference,
+        {
+            **common,
+            "op_index": sus["op_index"],
+            "state_names": sus["state_differs"],
+            "expected_log": ref_log["oplog"],
+        },
+    )
     steps["fetch"] = fetched["steps_run"]
     state_report = _state_forensics(work, suspect, sus["state_differs"])
-    result = {**base, "verdict": "divergence", "step": step, "repeats_run": sus["repeats_run"],
-              "steps_run": _total(steps), "state": state_report, **replayed}
+    result = {
+        **base,
+        "verdict": "divergence",
+        "step": step,
+        "repeats_run": sus["repeats_run"],
+        "steps_run": _total(steps),
+        "state": state_report,
+        **replayed,
+    }
     if fetched["case"] is None:
-        result.update(phase="state", module=state_report[0]["tensor"] if state_report else None, op=None,
-                      op_index=None, isolated="upstream", kernels=[])
+        result.update(
+            phase="state",
+            module=state_report[0]["tensor"] if state_report else None,
+            op=None,
+            op_index=None,
+            isolated="upstream",
+            kernels=[],
+        )
         return _finish(out, result, on_event)
 
     reference_case = OperatorCase.read(Path(fetched["case"]))
     suspect_case = OperatorCase.read(Path(sus["case"]))
-    case = OperatorCase(reference_case.site, reference_case.prior, reference_case.args, reference_case.kwargs,
-                        reference_case.expected, suspect_case.actual, suspect_case.args, suspect_case.kwargs,
-                        rng=reference_case.rng)
+    case = OperatorCase(
+        reference_case.site,
+        reference_case.prior,
+        reference_case.args,
+        reference_case.kwargs,
+        reference_case.expected,
+        suspect_case.actual,
+        suspect_case.args,
+        suspect_case.kwargs,
+        rng=reference_case.rng,
+    )
     case.write(out / OPERATOR_FILE)
     runs = isolation_runs or max(repeats, 3)
-    on_event("isolate", f"re-running {case.op} alone on {suspect} from {reference}'s inputs ({runs} runs)")
-    isolated = run("isolate", run_isolate_task, suspect, {
-        "bundle": str(opened.path), "case_file": str(out / OPERATOR_FILE), "inject": list(inject),
-        "runs": runs})
+    on_event(
+        "isolate",
+        f"re-running {case.op} alone on {suspect} from {reference}'s inputs ({runs} runs)",
+    )
+    isolated = run(
+        "isolate",
+        run_isolate_task,
+        suspect,
+        {
+            "bundle": str(opened.path),
+            "case_file": str(out / OPERATOR_FILE),
+            "inject": list(inject),
+            "runs": runs,
+        },
+    )
     output_index, forensics = _first_differing_output(case)
     inputs_equal = _trees_equal((case.args, case.kwargs), (case.suspect_args, case.suspect_kwargs))
     verdict: Isolation = (
-        "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream"))
+        "kernel" if isolated["failures"] else ("intermittent" if inputs_equal else "upstream")
+    )
     site = case.site
     result.update(
-        phase=site.phase, module=site.module, op=site.op, op_index=site.index, output_index=output_index,
-        kernels=isolated["kernels"], isolated=verdict,
-        isolation={"runs": isolated["runs"], "failures": isolated["failures"], "first_failure": isolated["first_failure"]},
+        phase=site.phase,
+        module=site.module,
+        op=site.op,
+        op_index=site.index,
+        output_index=output_index,
+        kernels=isolated["kernels"],
+        isolated=verdict,
+        isolation={
+            "runs": isolated["runs"],
+            "failures": isolated["failures"],
+            "first_failure": isolated["first_failure"],
+        },
         inputs_match_reference=inputs_equal,
-        elements={k: forensics.get(k) for k in ("count", "total", "indices", "positions", "xor", "expected", "actual",
-                                                 "max_abs_diff", "max_rel_diff", "dtype", "shape")},
-        bits=forensics.get("bits"), pattern=forensics.get("pattern"),
-        site=asdict(site), prior_calls=[[*key, n] for key, n in case.prior.items()],
+        elements={
+            k: forensics.get(k)
+            for k in (
+                "count",
+                "total",
+                "indices",
+                "positions",
+                "xor",
+                "expected",
+                "actual",
+                "max_abs_diff",
+                "max_rel_diff",
+                "dtype",
+                "shape",
+            )
+        },
+        bits=forensics.get("bits"),
+        pattern=forensics.get("pattern"),
+        site=asdict(site),
+        prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
     )
     if verdict == "upstream":
@@ -542,7 +735,14 @@ def bisect(
         plot_element_heatmap = _plotter()
         expected = [v for v in case.expected if isinstance(v, torch.Tensor)][output_index]
         actual = [v for v in case.actual if isinstance(v, torch.Tensor)][output_index]
-        result["plot"] = str(plot_element_heatmap(expected, actual, Path(plot), f"{site.op} under {site.module} ({site.phase}), step {step}"))
+        result["plot"] = str(
+            plot_element_heatmap(
+                expected,
+                actual,
+                Path(plot),
+                f"{site.op} under {site.module} ({site.phase}), step {step}",
+            )
+        )
     return _finish(out, result, on_event)
 
 
@@ -563,23 +763,38 @@ def _plotter():
     return plot_element_heatmap
 
 
-def _run_alone(kind: str, task: Callable[..., dict], label: str, arguments: dict, *, work: Path,
-               environment: dict[str, str]) -> dict:
+def _run_alone(
+    kind: str,
+    task: Callable[..., dict],
+    label: str,
+    arguments: dict,
+    *,
+    work: Path,
+    environment: dict[str, str],
+) -> dict:
     """``task`` in one device process: its value, or the error that stops the bisect."""
-    results = run_device_processes(kind, task, [label], lambda _: arguments, work,
-                                   environment=environment)
+    results = run_device_processes(
+        kind, task, [label], lambda _: arguments, work, environment=environment
+    )
     result, error = results[label], results[label].error
     if error is not None:
         detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
-        raise SdcReplayError(f"the {label} process failed: {error.message}{detail}",
-                             error.hint or "See the stderr file in the report's work directory.")
+        raise SdcReplayError(
+            f"the {label} process failed: {error.message}{detail}",
+            error.hint or "See the stderr file in the report's work directory.",
+        )
     return result.value or {}
 
 
 def _trees_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(words(a), words(b)))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(words(a), words(b))
+        )
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_trees_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -601,8 +816,12 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
     the write and this read. An input that was state which already differed
     entering the step is the ``state`` evidence instead.
     """
-    differing = [o for o in origins if case.suspect_args is not None
-                 and not _trees_equal(_input_at(case.args, o), _input_at(case.suspect_args, o))]
+    differing = [
+        o
+        for o in origins
+        if case.suspect_args is not None
+        and not _trees_equal(_input_at(case.args, o), _input_at(case.suspect_args, o))
+    ]
     if not differing:
         return None
     first, site = differing[0], case.site
@@ -613,26 +832,39 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
     else:
         at_rest = state is not None and state not in state_differs
     element = "" if first["element"] is None else f"[{first['element']}]"
-    read = (f"call {site.index} ({site.op} under {site.module}, {site.phase}) read it wrong "
-            f"as input {first['position']}{element} ({first['name']})")
+    read = (
+        f"call {site.index} ({site.op} under {site.module}, {site.phase}) read it wrong "
+        f"as input {first['position']}{element} ({first['name']})"
+    )
     if producer:
         how = "right" if producer["matched_reference"] else "wrong"
-        made = (f"call {producer['index']} ({producer['op']} under {producer['module']}, "
-                f"{producer['phase']}) produced it {how}")
+        made = (
+            f"call {producer['index']} ({producer['op']} under {producer['module']}, "
+            f"{producer['phase']}) produced it {how}"
+        )
     else:
         how = "right" if at_rest else "already wrong"
-        made = (f"it entered the step as {state}, {how}" if state
-                else "no operator call of the step wrote it (an input of the step?)")
+        made = (
+            f"it entered the step as {state}, {how}"
+            if state
+            else "no operator call of the step wrote it (an input of the step?)"
+        )
     summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
     forensics = element_forensics(_input_at(case.args, first), _input_at(case.suspect_args, first))
     return {
-        "at_rest": at_rest, "summary": summary,
+        "at_rest": at_rest,
+        "summary": summary,
         "input": {key: first[key] for key in ("position", "element", "name")},
-        "producer": producer, "state": state, "reader": reader,
-        "inputs_differ": [o["name"] + ("" if o["element"] is None else f"[{o['element']}]")
-                          for o in differing],
-        "elements": {k: forensics.get(k)
-                     for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")},
+        "producer": producer,
+        "state": state,
+        "reader": reader,
+        "inputs_differ": [
+            o["name"] + ("" if o["element"] is None else f"[{o['element']}]") for o in differing
+        ],
+        "elements": {
+            k: forensics.get(k)
+            for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")
+        },
     }
 
 
@@ -650,11 +882,31 @@ def _state_forensics(work: Path, suspect: str, names: list[str]) -> list[dict]:
     if not names:
         return []
     found = []
-    with h5py.File(work / f"state-{suspect.replace(':', '-')}.h5") as mine, h5py.File(work / "state-reference.h5") as theirs:
+    with (
+        h5py.File(work / f"state-{suspect.replace(':', '-')}.h5") as mine,
+        h5py.File(work / "state-reference.h5") as theirs,
+    ):
         for name in names:
             key = name.replace("/", "|")
             report = element_forensics(read_tensor(theirs[key]), read_tensor(mine[key]))
-            found.append({"tensor": name, **{k: report.get(k) for k in ("count", "indices", "positions", "xor", "expected", "actual", "bits", "pattern")}})
+            found.append(
+                {
+                    "tensor": name,
+                    **{
+                        k: report.get(k)
+                        for k in (
+                            "count",
+                            "indices",
+                            "positions",
+                            "xor",
+                            "expected",
+                            "actual",
+                            "bits",
+                            "pattern",
+                        )
+                    },
+                }
+            )
     return found
 
 

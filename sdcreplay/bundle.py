@@ -130,7 +130,9 @@ def read_rng(group: h5py.Group) -> RngState:
             python=RngState.python_from_json(group.attrs["python"]),
             numpy=numpy_state,
             cpu=tensorio.read_tensor(group["cpu"]),
-            accelerator=tensorio.read_tensor(group["accelerator"]) if "accelerator" in group else None,
+            accelerator=tensorio.read_tensor(group["accelerator"])
+            if "accelerator" in group
+            else None,
         )
     except (KeyError, ValueError, TypeError, OverflowError) as exc:
         raise BundleError(f"RNG state in {group.file.filename} is damaged: {exc}") from exc
@@ -149,8 +151,10 @@ def _check_rng(state: RngState, filename: str) -> None:
         torch.Generator().set_state(state.cpu)
         accelerator = state.accelerator
         if accelerator is not None and (accelerator.dtype != torch.uint8 or accelerator.dim() != 1):
-            raise ValueError(f"the accelerator state is {accelerator.dtype} of shape "
-                             f"{list(accelerator.shape)}, expected a 1-D uint8 tensor")
+            raise ValueError(
+                f"the accelerator state is {accelerator.dtype} of shape "
+                f"{list(accelerator.shape)}, expected a 1-D uint8 tensor"
+            )
     except (ValueError, TypeError, RuntimeError, OverflowError, IndexError) as exc:
         raise BundleError(
             f"RNG state in {filename} is invalid: {str(exc).splitlines()[0][:200]}",
@@ -158,8 +162,12 @@ def _check_rng(state: RngState, filename: str) -> None:
         ) from exc
 
 
-def write_state(path: Path, model_state: dict | None, optimizer_state: dict | None,
-                objects: dict[str, Any] | None = None) -> None:
+def write_state(
+    path: Path,
+    model_state: dict | None,
+    optimizer_state: dict | None,
+    objects: dict[str, Any] | None = None,
+) -> None:
     """Model, optimizer and named state objects' state dicts (a checkpoint bundle: objects only)."""
     from . import tensorio
 
@@ -170,7 +178,6 @@ def write_state(path: Path, model_state: dict | None, optimizer_state: dict | No
             tensorio.write_tree(handle.create_group("optimizer"), optimizer_state)
         for name, state in (objects or {}).items():
             tensorio.write_tree(handle.require_group("objects").create_group(name), state)
-
 
 
 _BUNDLE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", SIGNATURES, MESSAGES, STATE, "steps"}
@@ -206,7 +213,6 @@ def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
             "--overwrite replaces only a bundle sdcreplay wrote",
             "Choose another --out, or move that file or directory away yourself.",
         )
-
 
 
 STREAMS = (SIGNATURES, MESSAGES)
@@ -255,9 +261,13 @@ def number(low: float, high: float) -> Check:
 def text(limit: int = 4096, pattern: str | None = None) -> Check:
     regex = re.compile(pattern) if pattern else None
     form = f"a string of at most {limit} characters" + (f" matching {pattern}" if pattern else "")
+
     def test(v: Any) -> bool:
-        return (isinstance(v, str) and len(v) <= limit
-                and (regex is None or regex.fullmatch(v) is not None))
+        return (
+            isinstance(v, str)
+            and len(v) <= limit
+            and (regex is None or regex.fullmatch(v) is not None)
+        )
 
     return Check(test, form)
 
@@ -339,8 +349,11 @@ class Record:
         """Build from a JSON object ``from_json`` validated; ``typed``: fields already converted."""
         names = cls.names()
         values = {name: typed.get(name, obj[name]) for name in names if name in obj}
-        return cls(**values, extra={key: obj[key] for key in obj if key not in names},
-                   absent=frozenset(name for name in names if name not in obj))
+        return cls(
+            **values,
+            extra={key: obj[key] for key in obj if key not in names},
+            absent=frozenset(name for name in names if name not in obj),
+        )
 
     def to_json(self) -> dict[str, Any]:
         absent = self.absent
@@ -445,7 +458,9 @@ class CheckpointState(Record):
     its SHA-256 (checked before every load)."""
 
     RULES: ClassVar[dict[str, Check]] = {
-        "path": text(4096), "sha256": SHA256, "size": optional(integer(0, MAX_FILE_BYTES)),
+        "path": text(4096),
+        "sha256": SHA256,
+        "size": optional(integer(0, MAX_FILE_BYTES)),
     }
     kind: str = "checkpoint"
     path: str
@@ -455,7 +470,8 @@ class CheckpointState(Record):
 
 StateRef = EmbeddedState | CheckpointState
 STATE_KINDS: dict[str, type[EmbeddedState] | type[CheckpointState]] = {
-    "embedded": EmbeddedState, "checkpoint": CheckpointState,
+    "embedded": EmbeddedState,
+    "checkpoint": CheckpointState,
 }
 
 
@@ -508,8 +524,11 @@ class Manifest(Record):
     files: dict[str, FileMeta] = field(default_factory=dict)
     state_objects: list[str] | None = None  # names of the state objects in state.h5
     signature: str | None = None  # trust.py: HMAC of the rest under the recording user's secret
-    verification: Verification = field(default_factory=lambda: Verification(
-        mode="off", status="off", absent=frozenset({"problem"})))
+    verification: Verification = field(
+        default_factory=lambda: Verification(
+            mode="off", status="off", absent=frozenset({"problem"})
+        )
+    )
     manifest_sha256: str | None = None  # manifest_digest of the rest
 
     @classmethod
@@ -577,23 +596,42 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "capture": OPTIONAL_OBJECT,
     "capture.max_depth": optional(integer(0, 1024)),
     "capture.program": absent_or(BOOL),
-    "state_objects": optional(Check(
-        lambda v: isinstance(v, list) and len(v) <= 4096
-        and all(isinstance(n, str) and 0 < len(n) <= 256 for n in v),
-        "a list of state object names")),
+    "state_objects": optional(
+        Check(
+            lambda v: (
+                isinstance(v, list)
+                and len(v) <= 4096
+                and all(isinstance(n, str) and 0 < len(n) <= 256 for n in v)
+            ),
+            "a list of state object names",
+        )
+    ),
     "verification": OPTIONAL_OBJECT,
     "verification.status": absent_or(choice(*VERIFICATION_STATUS)),
     "verification.mode": optional(choice("on", "warn", "off")),
     "verification.problem": optional(text(65536)),
-    "fingerprint": optional(mapping(text(256), optional(Check(
-        lambda v: isinstance(v, (str, int, float, bool)) and (not isinstance(v, str) or len(v) <= 4096),
-        "a string, number or bool")))),
+    "fingerprint": optional(
+        mapping(
+            text(256),
+            optional(
+                Check(
+                    lambda v: (
+                        isinstance(v, (str, int, float, bool))
+                        and (not isinstance(v, str) or len(v) <= 4096)
+                    ),
+                    "a string, number or bool",
+                )
+            ),
+        )
+    ),
     "signature": optional(text(64, "[0-9a-f]{64}")),
     "state": OBJECT,
     "state.kind": choice(*STATE_KINDS),
     "files": mapping(text(256), OBJECT),
     "steps": Check(lambda v: isinstance(v, list) and len(v) <= 1_000_000, "a list of steps"),
 }
+
+
 def _lookup(obj: Any, path: str) -> Any:
     for key in path.split("."):
         if not isinstance(obj, dict) or key not in obj:
@@ -610,8 +648,10 @@ def _check_fields(obj: Any, rules: dict[str, Check], where: str = "") -> None:
     for path, check in rules.items():
         value = _lookup(obj, path)
         if not check.test(value):
-            raise BundleError(f"manifest is malformed: {where}{path} is {_shown(value)}, "
-                              f"expected {check.expected}")
+            raise BundleError(
+                f"manifest is malformed: {where}{path} is {_shown(value)}, "
+                f"expected {check.expected}"
+            )
 
 
 def _require(condition: bool, what: str) -> None:
@@ -639,7 +679,10 @@ def _validate_manifest(manifest: Any) -> None:
     _check_fields(state, STATE_KINDS[state["kind"]].RULES, "state.")
     files = manifest["files"]
     for name, meta in files.items():
-        _require(_SAFE_NAME.fullmatch(name) is not None and ".." not in name.split("/"), f"file name {name!r}")
+        _require(
+            _SAFE_NAME.fullmatch(name) is not None and ".." not in name.split("/"),
+            f"file name {name!r}",
+        )
         _check_fields(meta, FileMeta.RULES, f"files[{name!r}].")
     if state["kind"] == "embedded":
         _require(STATE in files, f"files[{STATE!r}] is missing (the state is embedded)")
@@ -647,19 +690,31 @@ def _validate_manifest(manifest: Any) -> None:
     for position, step in enumerate(manifest["steps"]):
         _check_fields(step, StepRecord.RULES, f"steps[{position}].")
         index = step["index"]
-        _require(previous is None or index > previous, f"steps in increasing order (step {index} after {previous})")
-        _require(step["file"] == step_file(index),
-                 f"steps[{position}].file is {step['file']!r}, expected {step_file(index)!r}")
-        _require(step["file"] in files,
-                 f"steps[{position}].file {step['file']!r} is not listed in files")
+        _require(
+            previous is None or index > previous,
+            f"steps in increasing order (step {index} after {previous})",
+        )
+        _require(
+            step["file"] == step_file(index),
+            f"steps[{position}].file is {step['file']!r}, expected {step_file(index)!r}",
+        )
+        _require(
+            step["file"] in files, f"steps[{position}].file {step['file']!r} is not listed in files"
+        )
         previous = index
     for name in STREAMS:
         _require(name in files, f"files[{name!r}] is missing")
-    _require(not manifest.get("state_objects") or STATE in files,
-             f"files[{STATE!r}] is missing (the bundle has state objects)")
-    _require("verification" not in manifest or "status" in manifest["verification"],
-             "verification.status is missing (expected one of "
-             + ", ".join(json.dumps(status) for status in VERIFICATION_STATUS) + ")")
+    _require(
+        not manifest.get("state_objects") or STATE in files,
+        f"files[{STATE!r}] is missing (the bundle has state objects)",
+    )
+    _require(
+        "verification" not in manifest or "status" in manifest["verification"],
+        "verification.status is missing (expected one of "
+        + ", ".join(json.dumps(status) for status in VERIFICATION_STATUS)
+        + ")",
+    )
+
 
 def checkpoint_reference(path: Path) -> CheckpointState:
     path = Path(path).resolve()
@@ -714,19 +769,37 @@ class BundleWriter:
     ``Manifest.from_json`` reads, through the same types.
     """
 
-    def __init__(self, path: Path, *, workload: WorkloadRef, device: str, device_type: str,
-                 digest: str, environment: Environment, determinism: Switches,
-                 fingerprint: dict[str, Any] | None = None,
-                 capture: CaptureSettings | None = None, overwrite: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        workload: WorkloadRef,
+        device: str,
+        device_type: str,
+        digest: str,
+        environment: Environment,
+        determinism: Switches,
+        fingerprint: dict[str, Any] | None = None,
+        capture: CaptureSettings | None = None,
+        overwrite: bool = False,
+    ):
         self.final_path = Path(path)
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
         try:
-            _claim(self.final_path, overwrite, "",
-                   "Choose another --out, or pass --overwrite to replace the old bundle.")
-            _claim(self.path, overwrite, "a leftover partial recording",
-                   "It may be the only evidence of a crash: "
-                   f"`sdcreplay info {self.path}` shows what it holds; "
-                   "move it away, or pass --overwrite to replace it.")
+            _claim(
+                self.final_path,
+                overwrite,
+                "",
+                "Choose another --out, or pass --overwrite to replace the old bundle.",
+            )
+            _claim(
+                self.path,
+                overwrite,
+                "a leftover partial recording",
+                "It may be the only evidence of a crash: "
+                f"`sdcreplay info {self.path}` shows what it holds; "
+                "move it away, or pass --overwrite to replace it.",
+            )
             if self.path.exists():
                 shutil.rmtree(self.path)
             (self.path / "steps").mkdir(parents=True)
@@ -740,13 +813,21 @@ class BundleWriter:
         # Written only once embed_state or reference_checkpoint has set the state; the
         # optional parts not known yet stay out of the JSON until they are.
         unset = {"state_objects", "verification"} | {
-            name for name, value in (("fingerprint", fingerprint), ("capture", capture))
-            if value is None}
+            name
+            for name, value in (("fingerprint", fingerprint), ("capture", capture))
+            if value is None
+        }
         self.manifest = Manifest(
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            workload=workload, device=device, device_type=device_type, digest=digest,
-            environment=environment, determinism=determinism, fingerprint=fingerprint,
-            capture=capture or CaptureSettings(), state=EmbeddedState(),
+            workload=workload,
+            device=device,
+            device_type=device_type,
+            digest=digest,
+            environment=environment,
+            determinism=determinism,
+            fingerprint=fingerprint,
+            capture=capture or CaptureSettings(),
+            state=EmbeddedState(),
             absent=frozenset(unset),
         )
         self._signatures = SignatureLogWriter(self.path / SIGNATURES, {"device_type": device_type})
@@ -761,8 +842,9 @@ class BundleWriter:
         for name, writer in ((SIGNATURES, self._signatures), (MESSAGES, self._messages)):
             self.manifest.files[name] = FileMeta(size=writer.size, sha256=writer.sha256)
 
-    def embed_state(self, model_state: dict, optimizer_state: dict | None,
-                    objects: dict | None = None) -> None:
+    def embed_state(
+        self, model_state: dict, optimizer_state: dict | None, objects: dict | None = None
+    ) -> None:
         write_state(self.path / STATE, model_state, optimizer_state, objects)
         self._note_file(STATE)
         self.manifest.state = EmbeddedState()
@@ -780,13 +862,25 @@ class BundleWriter:
 
     def set_verification(self, mode: str, status: str, problem: str | None = None) -> None:
         """Did the Recorder prove that the workload's step reproduces the loop's (recorder.py)?"""
-        verification = Verification(mode=mode, status=status, problem=problem,
-                                     absent=frozenset() if problem else frozenset({"problem"}))
+        verification = Verification(
+            mode=mode,
+            status=status,
+            problem=problem,
+            absent=frozenset() if problem else frozenset({"problem"}),
+        )
         self.manifest.present("verification", verification)
         self._save_manifest()
 
-    def add_step(self, index: int, batch: Any, rng: RngState, entries: list[tuple[str, str]],
-                 optimizer_step: bool, grads: str = "none", seconds: float | None = None) -> None:
+    def add_step(
+        self,
+        index: int,
+        batch: Any,
+        rng: RngState,
+        entries: list[tuple[str, str]],
+        optimizer_step: bool,
+        grads: str = "none",
+        seconds: float | None = None,
+    ) -> None:
         """``grads``: what the gradients held as the step began; ``seconds``: how long the step
         took while recording (replay's timeout comes from it)."""
         from . import tensorio
@@ -798,11 +892,17 @@ class BundleWriter:
         self._note_file(name)
         self._signatures.append_step(index, entries)
         self._note_stream_files()
-        self.manifest.steps.append(StepRecord(
-            index=index, file=name, entries=len(entries), optimizer_step=optimizer_step,
-            grads=grads, seconds=None if seconds is None else round(float(seconds), 6),
-            absent=frozenset({"seconds"}) if seconds is None else frozenset(),
-        ))
+        self.manifest.steps.append(
+            StepRecord(
+                index=index,
+                file=name,
+                entries=len(entries),
+                optimizer_step=optimizer_step,
+                grads=grads,
+                seconds=None if seconds is None else round(float(seconds), 6),
+                absent=frozenset({"seconds"}) if seconds is None else frozenset(),
+            )
+        )
         self._save_manifest()
 
     def _save_manifest(self, durable: bool = False) -> None:
@@ -881,14 +981,18 @@ class Bundle:
             size = file.stat().st_size
             growing = name in STREAMS and not self.complete
             if size < meta.size or (size > meta.size and not growing):
-                raise BundleError(f"bundle file {name} is {size} bytes, the manifest says "
-                                  f"{meta.size} (truncated or damaged)")
+                raise BundleError(
+                    f"bundle file {name} is {size} bytes, the manifest says "
+                    f"{meta.size} (truncated or damaged)"
+                )
             try:
                 actual = sha256_file(file, meta.size)
             except OSError as exc:
                 raise BundleError(f"cannot read bundle file {name}: {exc}") from exc
             if actual != meta.sha256:
-                raise BundleError(f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)")
+                raise BundleError(
+                    f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)"
+                )
             if name.endswith(".h5"):
                 self._open_h5(name).close()  # refuses data kept outside the file
 
@@ -906,8 +1010,9 @@ class Bundle:
 
     def signature_log(self) -> SignatureLog:
         """The recorded log; it must hold exactly the manifest's steps and entry counts."""
-        log = read_signature_log(regular_file_inside(self.path, SIGNATURES),
-                                 size=self.manifest.files[SIGNATURES].size)
+        log = read_signature_log(
+            regular_file_inside(self.path, SIGNATURES), size=self.manifest.files[SIGNATURES].size
+        )
         if log.meta.get("device_type") != self.manifest.device_type:
             raise BundleError(
                 "the signature log was made on device type "
@@ -967,17 +1072,24 @@ class Bundle:
         with self._open_h5(STATE) as handle:
             try:
                 model = tensorio.read_tree(handle["model"])
-                optimizer = tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
+                optimizer = (
+                    tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
+                )
             except KeyError as exc:
                 raise BundleError(f"{STATE} is damaged: {exc}") from exc
-        if not (isinstance(model, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                for k, v in model.items())):
+        if not (
+            isinstance(model, dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())
+        ):
             raise BundleError(f"{STATE}: the model state is not a mapping of names to tensors")
-        if optimizer is not None and not (isinstance(optimizer, dict)
-                                          and set(optimizer) == {"state", "param_groups"}
-                                          and isinstance(optimizer["param_groups"], list)):
-            raise BundleError(f"{STATE}: the optimizer state is not an optimizer state_dict "
-                              "(state, param_groups)")
+        if optimizer is not None and not (
+            isinstance(optimizer, dict)
+            and set(optimizer) == {"state", "param_groups"}
+            and isinstance(optimizer["param_groups"], list)
+        ):
+            raise BundleError(
+                f"{STATE}: the optimizer state is not an optimizer state_dict (state, param_groups)"
+            )
         return model, optimizer
 
     @property
@@ -1016,8 +1128,10 @@ class Bundle:
         trust.require_trusted(self.manifest.workload.ref, self.manifest.to_json())
 
     def size_bytes(self) -> int:
-        return (sum(meta.size for meta in self.manifest.files.values())
-                + (self.path / MANIFEST).stat().st_size)
+        return (
+            sum(meta.size for meta in self.manifest.files.values())
+            + (self.path / MANIFEST).stat().st_size
+        )
 
 
 @dataclass
@@ -1068,8 +1182,12 @@ def describe(path: str | Path) -> BundleInfo:
         digest=manifest.digest,
         state=manifest.state.to_json(),
         steps=[
-            {"index": step.index, "entries": step.entries, "optimizer_step": step.optimizer_step,
-             "grads": step.grads}
+            {
+                "index": step.index,
+                "entries": step.entries,
+                "optimizer_step": step.optimizer_step,
+                "grads": step.grads,
+            }
             for step in bundle.steps
         ],
         state_objects=bundle.state_object_names,

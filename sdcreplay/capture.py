@@ -166,8 +166,15 @@ class SignatureCapture:
     replay without them.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 max_depth: int | None = None, *, state: dict | None = None, program: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        max_depth: int | None = None,
+        *,
+        state: dict | None = None,
+        program: bool = False,
+    ):
         self.model = model
         self.state_objects = dict(state or {})
         self.program = program
@@ -183,8 +190,12 @@ class SignatureCapture:
         for path, module in model.named_modules():
             if not within_depth(path, max_depth):
                 continue
-            self._handles.append(module.register_forward_pre_hook(partial(self._on_forward_begin, path or ROOT)))
-            self._handles.append(module.register_forward_hook(partial(self._on_forward, path or ROOT)))
+            self._handles.append(
+                module.register_forward_pre_hook(partial(self._on_forward_begin, path or ROOT))
+            )
+            self._handles.append(
+                module.register_forward_hook(partial(self._on_forward, path or ROOT))
+            )
         if optimizer is not None:
             if program:
                 self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_begin))
@@ -344,8 +355,11 @@ class SignatureCapture:
         self._handles = []
 
 
-def state_digests(model: torch.nn.Module, objects: dict | None = None,
-                  optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+def state_digests(
+    model: torch.nn.Module,
+    objects: dict | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, str]:
     """Digests of the parameters, buffers, state objects and hyper-parameters, by signature name."""
     digester = Digester()
     with _own_work():
@@ -388,7 +402,11 @@ class OperatorObserver(Protocol):
 
 @functools.cache
 def op_name(func) -> str:
-    return f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname or 'default'}" if hasattr(func, "_schema") else str(func)
+    return (
+        f"aten.{func._schema.name.split('::')[-1]}.{func._overloadname or 'default'}"
+        if hasattr(func, "_schema")
+        else str(func)
+    )
 
 
 class OperatorMode(TorchDispatchMode):
@@ -402,8 +420,13 @@ class OperatorMode(TorchDispatchMode):
     the injector left.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 observers: list[OperatorObserver], step: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        observers: list[OperatorObserver],
+        step: int,
+    ):
         super().__init__()
         self.observers = observers
         self._before = [o for o in observers if hasattr(o, "before_call")]
@@ -417,7 +440,9 @@ class OperatorMode(TorchDispatchMode):
         self._model, self._optimizer = model, optimizer
         self._param_names = {id(p): name for name, p in model.named_parameters()}
         self._module_of_param = {
-            id(p): path or ROOT for path, m in model.named_modules() for p in m.parameters(recurse=False)
+            id(p): path or ROOT
+            for path, m in model.named_modules()
+            for p in m.parameters(recurse=False)
         }
         self._handles = []
 
@@ -425,7 +450,9 @@ class OperatorMode(TorchDispatchMode):
         for path, module in self._model.named_modules():
             name = path or ROOT
             self._handles.append(module.register_forward_pre_hook(partial(self._push, name)))
-            self._handles.append(module.register_forward_hook(partial(self._pop, name), always_call=True))
+            self._handles.append(
+                module.register_forward_hook(partial(self._pop, name), always_call=True)
+            )
         if self._optimizer is not None:
             self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_begins))
             self._handles.append(self._optimizer.register_step_post_hook(self._optimizer_ends))
@@ -451,7 +478,13 @@ class OperatorMode(TorchDispatchMode):
             for param in group["params"]:
                 name = self._param_names.get(id(param), "optimizer")
                 tensors = [param, param.grad, *optimizer.state.get(param, {}).values()]
-                owner.update({t.data_ptr(): name for t in tensors if isinstance(t, torch.Tensor) and t.numel() > 1})
+                owner.update(
+                    {
+                        t.data_ptr(): name
+                        for t in tensors
+                        if isinstance(t, torch.Tensor) and t.numel() > 1
+                    }
+                )
         self._tensor_owner = owner
 
     def _optimizer_ends(self, optimizer, args, kwargs) -> None:
@@ -514,14 +547,17 @@ class OperatorRecord:
 def _written_positions(func) -> tuple[int, ...]:
     """Argument positions an in-place/out= operator writes to (from its schema, once per operator)."""
     return tuple(
-        position for position, argument in enumerate(func._schema.arguments)
+        position
+        for position, argument in enumerate(func._schema.arguments)
         if argument.alias_info is not None and argument.alias_info.is_write
     )
 
 
 def _mutated_inputs(func, args) -> dict[int, object]:
     """Positions and values (tensors or lists of them) an in-place/out= operator writes to."""
-    return {position: args[position] for position in _written_positions(func) if position < len(args)}
+    return {
+        position: args[position] for position in _written_positions(func) if position < len(args)
+    }
 
 
 @dataclass
@@ -546,8 +582,12 @@ class OperatorLog:
     address -> name map); given ``watch``, it keeps those of that call index.
     """
 
-    def __init__(self, expected: list[OperatorRecord] | None = None, watch: int | None = None,
-                 state_memory: dict[int, str] | None = None):
+    def __init__(
+        self,
+        expected: list[OperatorRecord] | None = None,
+        watch: int | None = None,
+        state_memory: dict[int, str] | None = None,
+    ):
         self.records: list[OperatorRecord] = []
         self.expected = expected
         self.watch = watch
@@ -569,7 +609,9 @@ class OperatorLog:
             self.rng_before = determinism.capture_operator_rng(device)
         if self.expected is not None or site.index == self.watch:
             # Only what the call overwrites must be copied before it runs.
-            self._written_before = {i: _cpu_copy(value) for i, value in _mutated_inputs(func, args).items()}
+            self._written_before = {
+                i: _cpu_copy(value) for i, value in _mutated_inputs(func, args).items()
+            }
 
     def on_call(self, site: CallSite, func, args, kwargs, out):
         results = [] if func.is_view else operator_results(func, args, out)
@@ -598,8 +640,11 @@ class OperatorLog:
         names = [argument.name for argument in schema.arguments] if schema is not None else []
         origins = []
         for position, value in enumerate(args):
-            tensors = [(None, value)] if isinstance(value, torch.Tensor) else (
-                list(enumerate(value)) if isinstance(value, (list, tuple)) else [])
+            tensors = (
+                [(None, value)]
+                if isinstance(value, torch.Tensor)
+                else (list(enumerate(value)) if isinstance(value, (list, tuple)) else [])
+            )
             for element, tensor in tensors:
                 if not isinstance(tensor, torch.Tensor) or not tensor.numel():
                     continue
@@ -614,8 +659,14 @@ class OperatorLog:
         index = record.site.index
         if index >= len(self.expected) or self.expected[index].site.key != record.site.key:
             theirs = self.expected[index].site if index < len(self.expected) else None
-            self.structure_error = f"operator call {index}: {record.site.op} under {record.site.module} ({record.site.phase}) here, " + (
-                f"{theirs.op} under {theirs.module} ({theirs.phase}) on the reference" if theirs else "nothing on the reference")
+            self.structure_error = (
+                f"operator call {index}: {record.site.op} under {record.site.module} ({record.site.phase}) here, "
+                + (
+                    f"{theirs.op} under {theirs.module} ({theirs.phase}) on the reference"
+                    if theirs
+                    else "nothing on the reference"
+                )
+            )
             return
         if record.digests != self.expected[index].digests:
             self.divergent = record
@@ -624,9 +675,15 @@ class OperatorLog:
 
     def _keep(self, func, args, kwargs, out) -> None:
         with _own_work():
-            inputs = [self._written_before[i] if i in self._written_before else _cpu_copy(value)
-                      for i, value in enumerate(args)]
-            self.kept = (tuple(inputs), _cpu_copy(kwargs), _cpu_copy(operator_results(func, args, out)))
+            inputs = [
+                self._written_before[i] if i in self._written_before else _cpu_copy(value)
+                for i, value in enumerate(args)
+            ]
+            self.kept = (
+                tuple(inputs),
+                _cpu_copy(kwargs),
+                _cpu_copy(operator_results(func, args, out)),
+            )
 
 
 def memory_address(tensor: torch.Tensor) -> int:
@@ -645,7 +702,11 @@ def operator_results(func, args, out) -> list:
 def _outputs(out) -> list:
     """Outputs that can be digested (tensors, numbers, None), in order."""
     values = out if isinstance(out, (list, tuple)) else [out]
-    return [value for value in values if value is None or isinstance(value, (torch.Tensor, int, float, bool))]
+    return [
+        value
+        for value in values
+        if value is None or isinstance(value, (torch.Tensor, int, float, bool))
+    ]
 
 
 def _cpu_copy(tree):
@@ -653,7 +714,9 @@ def _cpu_copy(tree):
         return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+def state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, torch.Tensor]:
     """Everything a step starts from, by name: parameters, buffers, optimizer state."""
     tensors = {f"param:{name}": p for name, p in model.named_parameters()}
     tensors.update({f"buffer:{name}": b for name, b in model.named_buffers()})

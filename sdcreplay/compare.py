@@ -84,7 +84,9 @@ class Comparison:
             "program_differs": self.program_differs,
             "steps": self.steps,
             "entries": self.entries,
-            "first_divergence": None if first is None else {**first.brief(), "expected": first.expected, "actual": first.actual},
+            "first_divergence": None
+            if first is None
+            else {**first.brief(), "expected": first.expected, "actual": first.actual},
             "divergent_entries": len(self.divergences),
             "per_step": {str(step): count for step, count in self.per_step().items()},
             "per_layer": self.per_layer(),
@@ -97,10 +99,14 @@ def load_log(path: str | Path) -> SignatureLog:
     if path.is_dir() or path.with_name(path.name + ".partial").is_dir():
         bundle = Bundle.open(path)
         log = bundle.signature_log()
-        log.meta.setdefault("workload", {"ref": bundle.workload_ref, "kwargs": bundle.workload_kwargs})
+        log.meta.setdefault(
+            "workload", {"ref": bundle.workload_ref, "kwargs": bundle.workload_kwargs}
+        )
         return log
     if not path.exists():
-        raise BundleError(f"{path} does not exist", "Give a bundle directory or a replay log (*.sig.zst).")
+        raise BundleError(
+            f"{path} does not exist", "Give a bundle directory or a replay log (*.sig.zst)."
+        )
     log = read_signature_log(path)
     if "workload" not in log.meta and log.meta.get("source"):
         # A replay log names the bundle it replayed; its workload is the replay's program.
@@ -153,7 +159,11 @@ def check_comparable(a: SignatureLog, b: SignatureLog) -> None:
                 "Floating-point results differ between device types by design; replay on the device type the record was made on.",
             )
     left, right = a.meta.get("workload"), b.meta.get("workload")
-    difference = _workload_difference(left, right) if isinstance(left, dict) and isinstance(right, dict) else None
+    difference = (
+        _workload_difference(left, right)
+        if isinstance(left, dict) and isinstance(right, dict)
+        else None
+    )
     if difference:
         # Same entry names, other sizes or settings: every digest differs, and none of it is SDC.
         raise StructureError(
@@ -175,7 +185,9 @@ def check_structure(reference: SignatureLog, candidate: SignatureLog, steps: lis
         right = [name for name, _ in candidate.steps[step]]
         if left == right:
             continue
-        position = next((i for i, (x, y) in enumerate(zip(left, right)) if x != y), min(len(left), len(right)))
+        position = next(
+            (i for i, (x, y) in enumerate(zip(left, right)) if x != y), min(len(left), len(right))
+        )
         raise StructureError(
             f"the logs describe different programs: step {step}, entry {position}: "
             f"{_entry_at(left, position)!r} vs {_entry_at(right, position)!r} ({len(left)} vs {len(right)} entries)",
@@ -188,7 +200,9 @@ def _entry_at(names: list[str], position: int) -> str:
     return names[position] if position < len(names) else "(end of step)"
 
 
-def compare_logs(reference: SignatureLog, candidate: SignatureLog, steps: list[int] | None = None) -> Comparison:
+def compare_logs(
+    reference: SignatureLog, candidate: SignatureLog, steps: list[int] | None = None
+) -> Comparison:
     """Every divergent entry of ``candidate`` against ``reference``, in execution order.
 
     ``steps`` limits the comparison (a replay may stop early); by default both
@@ -208,7 +222,6 @@ def compare_logs(reference: SignatureLog, candidate: SignatureLog, steps: list[i
             if expected != actual:
                 comparison.divergences.append(Divergence(step, name, expected, actual))
     return comparison
-
 
 
 def diff(first: str | Path, second: str | Path, plot: str | Path | None = None) -> Comparison:
@@ -255,14 +268,22 @@ class Consensus:
         """What would turn this answer into a decision, or None when it is one."""
         if self.verdict == "undecided":
             tied = ", ".join(label for label, v in self.voters.items() if v.verdict == "undecided")
-            entries = f"{self.undecided_entries} entr{'y' if self.undecided_entries == 1 else 'ies'}"
-            return (f"{tied} are tied at {entries} (as many voters on each side): "
-                    "replay on at least 1 more device of the recording's kind (same model, driver and "
-                    "software, see `sdcreplay info`); the side it joins decides")
+            entries = (
+                f"{self.undecided_entries} entr{'y' if self.undecided_entries == 1 else 'ies'}"
+            )
+            return (
+                f"{tied} are tied at {entries} (as many voters on each side): "
+                "replay on at least 1 more device of the recording's kind (same model, driver and "
+                "software, see `sdcreplay info`); the side it joins decides"
+            )
         if self.verdict == "incomparable":
-            properties = sorted({d.split(":", 1)[0] for diffs in self.incomparable.values() for d in diffs})
-            return (f"no replica ran on a machine comparable with the recording ({', '.join(properties)} "
-                    "differ): replay on a device that matches the recording's fingerprint")
+            properties = sorted(
+                {d.split(":", 1)[0] for diffs in self.incomparable.values() for d in diffs}
+            )
+            return (
+                f"no replica ran on a machine comparable with the recording ({', '.join(properties)} "
+                "differ): replay on a device that matches the recording's fingerprint"
+            )
         return None
 
     def to_json(self) -> dict:
@@ -297,7 +318,9 @@ def _tally(voters: dict[str, list[SignatureLog]], steps: list[int]) -> tuple[Sig
     for step in steps:
         entries = []
         for position, (name, _) in enumerate(first_voter.steps[step]):
-            ballots = [_modal([log.steps[step][position][1] for log in logs]) for logs in voters.values()]
+            ballots = [
+                _modal([log.steps[step][position][1] for log in logs]) for logs in voters.values()
+            ]
             ranked = Counter(ballots).most_common(2)
             value = ranked[0][0]
             if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
@@ -308,7 +331,9 @@ def _tally(voters: dict[str, list[SignatureLog]], steps: list[int]) -> tuple[Sig
     return reference, ties
 
 
-def _judge(reference: SignatureLog, logs: list[SignatureLog], steps: list[int], ties: set) -> DeviceVerdict:
+def _judge(
+    reference: SignatureLog, logs: list[SignatureLog], steps: list[int], ties: set
+) -> DeviceVerdict:
     """A voter's verdict against the majority; a voter that differs only at ties is ``undecided``."""
     comparisons = [compare_logs(reference, log, steps) for log in logs]
     divergent = [c for c in comparisons if not c.identical]
@@ -325,8 +350,11 @@ def _judge(reference: SignatureLog, logs: list[SignatureLog], steps: list[int], 
     return DeviceVerdict(kind, len(logs), len(divergent), first, per_step)
 
 
-def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]],
-         incomparable: dict[str, list[str]] | None = None) -> Consensus:
+def vote(
+    record: SignatureLog,
+    replicas: dict[str, list[SignatureLog]],
+    incomparable: dict[str, list[str]] | None = None,
+) -> Consensus:
     """Judge every replica run, and the record, against the majority.
 
     A voter whose runs all diverge is ``persistent``, one whose runs diverge
@@ -339,7 +367,9 @@ def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]],
     the same differences: they can show one of them is odd, never that the
     record is.
     """
-    incomparable = {label: diffs for label, diffs in (incomparable or {}).items() if label in replicas}
+    incomparable = {
+        label: diffs for label, diffs in (incomparable or {}).items() if label in replicas
+    }
     steps = sorted(record.steps)
     for logs in replicas.values():
         for log in logs:
@@ -355,10 +385,15 @@ def vote(record: SignatureLog, replicas: dict[str, list[SignatureLog]],
         own_reference, own_ties = _tally(others, steps)
         for label, logs in others.items():
             judged = _judge(own_reference, logs, steps, own_ties)
-            verdicts[label] = judged if judged.verdict in ("persistent", "intermittent") else DeviceVerdict(
-                "incomparable", judged.runs, 0, None, {})
+            verdicts[label] = (
+                judged
+                if judged.verdict in ("persistent", "intermittent")
+                else DeviceVerdict("incomparable", judged.runs, 0, None, {})
+            )
     refuse_program_difference(verdicts)
-    suspects = [voter for voter, v in verdicts.items() if v.verdict in ("persistent", "intermittent")]
+    suspects = [
+        voter for voter, v in verdicts.items() if v.verdict in ("persistent", "intermittent")
+    ]
     replica_kinds = {v.verdict for voter, v in verdicts.items() if voter != RECORD}
     if len(voters) == 1 and incomparable:
         verdict = "incomparable"

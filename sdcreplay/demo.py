@@ -22,8 +22,10 @@ from .replay import ReplayReport, replay_devices
 # Element 69 is row 1 of the query projection: token 1 attends to two tokens, so the wrong query
 # reaches the loss (token 0 attends only to itself, and a wrong query there changes nothing).
 DEFECT_ELEMENT = 69
-DEFECT = ("kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,"
-          f"index={DEFECT_ELEMENT},bit=22,device=cpu:1")
+DEFECT = (
+    "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,"
+    f"index={DEFECT_ELEMENT},bit=22,device=cpu:1"
+)
 REPLICAS = ["cpu:0", "cpu:1", "cpu:2"]
 
 
@@ -49,9 +51,13 @@ class Demo:
 
     def to_json(self) -> dict:
         return {
-            "schema": "sdcreplay.demo/1", "out": str(self.out), "defect": DEFECT,
-            "stages": [{"name": stage.name, "command": stage.command,
-                        "result": stage.result.to_json()} for stage in self.stages],
+            "schema": "sdcreplay.demo/1",
+            "out": str(self.out),
+            "defect": DEFECT,
+            "stages": [
+                {"name": stage.name, "command": stage.command, "result": stage.result.to_json()}
+                for stage in self.stages
+            ],
             "mismatches": self.mismatches(),
         }
 
@@ -60,15 +66,26 @@ class Demo:
         problems = []
         consensus = self.result("replay").consensus
         if consensus.verdict != "persistent" or consensus.suspects != ["cpu:1"]:
-            problems.append(f"replay said {consensus.verdict} with suspects {consensus.suspects}, expected persistent [cpu:1]")
+            problems.append(
+                f"replay said {consensus.verdict} with suspects {consensus.suspects}, expected persistent [cpu:1]"
+            )
         first = self.result("diff").first
         if first is None or (first.step, first.name) != (1, "forward:layers.1.attn.wq"):
-            problems.append(f"diff's first divergence is {first}, expected step 1 forward:layers.1.attn.wq")
+            problems.append(
+                f"diff's first divergence is {first}, expected step 1 forward:layers.1.attn.wq"
+            )
         found = self.result("bisect").to_json()
-        named = (found.get("op"), found.get("module"), found.get("isolated"), (found.get("elements") or {}).get("indices"))
+        named = (
+            found.get("op"),
+            found.get("module"),
+            found.get("isolated"),
+            (found.get("elements") or {}).get("indices"),
+        )
         if named != ("aten.mm.default", "layers.1.attn.wq", "kernel", [DEFECT_ELEMENT]):
-            problems.append(f"bisect named {named}, expected aten.mm.default under layers.1.attn.wq, "
-                            f"kernel, element [{DEFECT_ELEMENT}]")
+            problems.append(
+                f"bisect named {named}, expected aten.mm.default under layers.1.attn.wq, "
+                f"kernel, element [{DEFECT_ELEMENT}]"
+            )
         ticket = self.result("minimize").to_json()
         if not ticket.get("reproduced"):
             problems.append("minimize did not reproduce the failure")
@@ -78,15 +95,17 @@ class Demo:
 DEMO_MARKER = ".sdcreplay-demo"
 
 
-def run_demo(out: str | Path, on_stage: Callable[[DemoStage], None] = lambda stage: None,
-             steps: int = 3) -> Demo:
+def run_demo(
+    out: str | Path, on_stage: Callable[[DemoStage], None] = lambda stage: None, steps: int = 3
+) -> Demo:
     """Record, replay on three replicas, diff, bisect, minimize; call ``on_stage`` after each."""
     out = Path(out)
     ours = (out / DEMO_MARKER).is_file() or (out.is_dir() and not any(out.iterdir()))
     if out.exists() and not ours:
-        raise SdcReplayError(f"{out} exists and was not written by `sdcreplay demo`; "
-                             "it is not replaced",
-                             "Give --out a new directory (or an earlier demo's).")
+        raise SdcReplayError(
+            f"{out} exists and was not written by `sdcreplay demo`; it is not replaced",
+            "Give --out a new directory (or an earlier demo's).",
+        )
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -99,19 +118,35 @@ def run_demo(out: str | Path, on_stage: Callable[[DemoStage], None] = lambda sta
         on_stage(demo.stages[-1])
         return result
 
-    stage("record", f"sdcreplay record builtin:tiny-llama --steps {steps} --out {bundle}",
-          record("builtin:tiny-llama", bundle, steps=steps))
+    stage(
+        "record",
+        f"sdcreplay record builtin:tiny-llama --steps {steps} --out {bundle}",
+        record("builtin:tiny-llama", bundle, steps=steps),
+    )
     logs = out / "replay"
-    report = stage("replay", f"sdcreplay replay {bundle} " + " ".join(f"--device {d}" for d in REPLICAS)
-                   + f" --inject {DEFECT} --logs {logs}",
-                   replay_devices(bundle, REPLICAS, inject=[DEFECT], log_dir=logs))
+    report = stage(
+        "replay",
+        f"sdcreplay replay {bundle} "
+        + " ".join(f"--device {d}" for d in REPLICAS)
+        + f" --inject {DEFECT} --logs {logs}",
+        replay_devices(bundle, REPLICAS, inject=[DEFECT], log_dir=logs),
+    )
     suspect_log = next(run.log_paths[0] for run in report.devices if run.device == "cpu:1")
-    stage("diff", f"sdcreplay diff {bundle} {suspect_log}",
-          compare_logs(load_log(bundle), load_log(suspect_log)))
+    stage(
+        "diff",
+        f"sdcreplay diff {bundle} {suspect_log}",
+        compare_logs(load_log(bundle), load_log(suspect_log)),
+    )
     bisect_dir = out / "bisect"
-    stage("bisect", f"sdcreplay bisect {bundle} --suspect cpu:1 --reference cpu:0 --inject {DEFECT} --out {bisect_dir}",
-                   bisect(bundle, suspect="cpu:1", reference="cpu:0", inject=[DEFECT], out=bisect_dir))
+    stage(
+        "bisect",
+        f"sdcreplay bisect {bundle} --suspect cpu:1 --reference cpu:0 --inject {DEFECT} --out {bisect_dir}",
+        bisect(bundle, suspect="cpu:1", reference="cpu:0", inject=[DEFECT], out=bisect_dir),
+    )
     ticket = out / "ticket"
-    stage("minimize", f"sdcreplay minimize {bisect_dir} --inject {DEFECT} --out {ticket}",
-          minimize(bisect_dir, inject=[DEFECT], out=ticket, trials=200))
+    stage(
+        "minimize",
+        f"sdcreplay minimize {bisect_dir} --inject {DEFECT} --out {ticket}",
+        minimize(bisect_dir, inject=[DEFECT], out=ticket, trials=200),
+    )
     return demo

@@ -168,10 +168,14 @@ def environment_warnings(recorded: dict, now: dict) -> list[str]:
     """Differences that do not stop a replay but weaken it as evidence."""
     warnings = []
     if recorded.get("torch") != now.get("torch"):
-        warnings.append(f"torch {now.get('torch')} replays a recording made with torch {recorded.get('torch')}")
+        warnings.append(
+            f"torch {now.get('torch')} replays a recording made with torch {recorded.get('torch')}"
+        )
     old, new = recorded.get("device", {}), now.get("device", {})
     if old.get("type") == new.get("type") and old.get("name") != new.get("name"):
-        warnings.append(f"device model {new.get('name')!r} replays a recording made on {old.get('name')!r}")
+        warnings.append(
+            f"device model {new.get('name')!r} replays a recording made on {old.get('name')!r}"
+        )
     return warnings
 
 
@@ -259,8 +263,20 @@ def restore_operator_rng(state: dict | None, device: torch.device) -> None:
 # recorded values in force before its first operator (ATen reads the variable
 # once, at the first dispatch; MKL at its first call).
 PINNED_ENV = {"cpu.capability": "ATEN_CPU_CAPABILITY", "cpu.blas_branch": "MKL_CBWR"}
-_SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-               "avx512_fp16", "amx_tile", "asimd", "sve")
+_SIMD_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 
 
 def _cpu_flags() -> str:
@@ -297,7 +313,9 @@ def _gpu_fingerprint(device: torch.device) -> dict:
         "gpu.name": props.name,
         "gpu.capability": f"{props.major}.{props.minor}",
         "gpu.sm_count": props.multi_processor_count,
-        "gpu.mig": "MIG" in props.name or uuid.startswith("MIG") or "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "gpu.mig": "MIG" in props.name
+        or uuid.startswith("MIG")
+        or "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         "driver": _driver_version(),
         "cuda.runtime": torch.version.cuda,
         "cublas": _loaded_library_version("libcublas.so"),

@@ -31,7 +31,9 @@ def torch_device(label: str) -> torch.device:
         )
     index = int(index or 0)
     if index >= torch.cuda.device_count():
-        raise DeviceError(f"device {label} does not exist (this machine has {torch.cuda.device_count()} GPUs)")
+        raise DeviceError(
+            f"device {label} does not exist (this machine has {torch.cuda.device_count()} GPUs)"
+        )
     return torch.device("cuda", index)
 
 

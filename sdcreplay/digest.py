@@ -124,8 +124,9 @@ def one_pass_status() -> str:
     return "compiled" if _one_pass.compiled is not None else "not compiled yet"
 
 
-def _word_sum(data: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS,
-              one_pass: bool | None = None) -> torch.Tensor:
+def _word_sum(
+    data: torch.Tensor, *, chunk_words: int = DEFAULT_CHUNK_WORDS, one_pass: bool | None = None
+) -> torch.Tensor:
     """mix64 without the header: the sum over the words of ``data`` (flat uint8), on its device."""
     multiplier = _position_multiplier(data.device)
     if one_pass is None:
@@ -315,8 +316,10 @@ def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
 
 def _plain_in_memory(tensor: torch.Tensor) -> bool:
     """Its memory holds the logical values in row-major order (a real tensor is never conj)."""
-    return tensor.is_contiguous() and not tensor.is_neg() and not (
-        tensor.dtype.is_complex and tensor.is_conj()
+    return (
+        tensor.is_contiguous()
+        and not tensor.is_neg()
+        and not (tensor.dtype.is_complex and tensor.is_conj())
     )
 
 

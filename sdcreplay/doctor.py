@@ -49,8 +49,12 @@ class DoctorReport:
         return {"schema": SCHEMA, **vars(self)}
 
 
-def doctor(device: str = "cpu", workload: str = "builtin:tiny-llama", kwargs: dict | None = None,
-           runs: int = 2) -> DoctorReport:
+def doctor(
+    device: str = "cpu",
+    workload: str = "builtin:tiny-llama",
+    kwargs: dict | None = None,
+    runs: int = 2,
+) -> DoctorReport:
     """Run one step ``runs`` times from the same state; report the first operator that differs."""
     target = torch_device(device)
     switches = determinism.enable()

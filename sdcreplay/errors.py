@@ -27,11 +27,15 @@ class CheckpointError(SdcReplayError):
 
 
 class WorkloadError(SdcReplayError):
-    default_hint = "Name a workload as builtin:NAME, package.module:function or path/to/file.py:function."
+    default_hint = (
+        "Name a workload as builtin:NAME, package.module:function or path/to/file.py:function."
+    )
 
 
 class DeterminismError(SdcReplayError):
-    default_hint = "Run the replay with the recorded determinism settings (see `sdcreplay info BUNDLE`)."
+    default_hint = (
+        "Run the replay with the recorded determinism settings (see `sdcreplay info BUNDLE`)."
+    )
 
 
 class StructureError(SdcReplayError):

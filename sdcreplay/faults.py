@@ -66,9 +66,13 @@ class FaultSpec:
             try:
                 values[key] = _convert(types[key], value)
             except ValueError:
-                raise FaultSpecError(f"fault spec {text!r}: {key}={value!r} is not a valid {types[key].split('|')[0].strip()}") from None
+                raise FaultSpecError(
+                    f"fault spec {text!r}: {key}={value!r} is not a valid {types[key].split('|')[0].strip()}"
+                ) from None
         if "kind" not in values:
-            raise FaultSpecError(f"fault spec {text!r} has no kind", f"kind is one of {', '.join(KINDS)}.")
+            raise FaultSpecError(
+                f"fault spec {text!r} has no kind", f"kind is one of {', '.join(KINDS)}."
+            )
         spec = cls(**values)
         spec._validate(text)
         return spec
@@ -163,10 +167,15 @@ class Injector:
 
     def __post_init__(self) -> None:
         self.specs = [spec for spec in self.specs if spec.applies_to(self.device_label)]
-        self._draws = [random.Random(f"{spec.seed}:{self.salt}:{position}") for position, spec in enumerate(self.specs)]
+        self._draws = [
+            random.Random(f"{spec.seed}:{self.salt}:{position}")
+            for position, spec in enumerate(self.specs)
+        ]
         self._seen: Counter[tuple[int, int]] = Counter()
         self._memory_flipped: set[int] = set()
-        self._calls: Counter[tuple[int, str, str, str]] = Counter()  # (step, op, module, phase) seen
+        self._calls: Counter[tuple[int, str, str, str]] = (
+            Counter()
+        )  # (step, op, module, phase) seen
 
     def unmatched(self) -> list[dict]:
         """Operator specs that selected no call of the steps run, each with the closest calls that ran."""
@@ -204,7 +213,9 @@ class Injector:
     def _selects(self, spec: FaultSpec, site: CallSite) -> bool:
         return (spec.step is None or spec.step == site.step) and spec.matches_key(*site.key)
 
-    def _maybe_fire(self, position: int, spec: FaultSpec, site: CallSite, ordinal: int, out) -> None:
+    def _maybe_fire(
+        self, position: int, spec: FaultSpec, site: CallSite, ordinal: int, out
+    ) -> None:
         if spec.nth is not None and ordinal != spec.nth:
             return
         if spec.p < 1.0 and self._draws[position].random() >= spec.p:
@@ -216,7 +227,11 @@ class Injector:
         if changed is None:
             return
         elements, bit = changed
-        self.fired.append(Injection(str(spec), site.step, site.phase, site.module, site.op, site.index, elements, bit))
+        self.fired.append(
+            Injection(
+                str(spec), site.step, site.phase, site.module, site.op, site.index, elements, bit
+            )
+        )
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         """Flip the memory of parameters/buffers that ``memflip`` names for this step (once)."""
@@ -235,12 +250,18 @@ class Injector:
                 )
             changed = corrupt(spec, tensors[spec.param].data)
             if changed is None:
-                raise FaultSpecError(f"memflip index {spec.index} is outside {spec.param} ({tensors[spec.param].numel()} elements)")
+                raise FaultSpecError(
+                    f"memflip index {spec.index} is outside {spec.param} ({tensors[spec.param].numel()} elements)"
+                )
             elements, bit = changed
-            self.fired.append(Injection(str(spec), step, "state", spec.param, "memory", -1, elements, bit))
+            self.fired.append(
+                Injection(str(spec), step, "state", spec.param, "memory", -1, elements, bit)
+            )
 
 
-def closest_calls(spec: FaultSpec, calls: Iterable[tuple[int, str, str, str]], shown: int = 3) -> list[str]:
+def closest_calls(
+    spec: FaultSpec, calls: Iterable[tuple[int, str, str, str]], shown: int = 3
+) -> list[str]:
     """The call sites (``op under module (phase), step N``) most like what ``spec`` asks for."""
 
     def likeness(call: tuple[int, str, str, str]) -> float:
@@ -250,7 +271,9 @@ def closest_calls(spec: FaultSpec, calls: Iterable[tuple[int, str, str, str]], s
         return 4 * same_op + 2 * near + (spec.phase in (None, phase)) + (spec.step in (None, step))
 
     ranked = sorted(set(calls), key=lambda call: (-likeness(call), call))
-    return [f"{op} under {module} ({phase}), step {step}" for step, op, module, phase in ranked[:shown]]
+    return [
+        f"{op} under {module} ({phase}), step {step}" for step, op, module, phase in ranked[:shown]
+    ]
 
 
 def default_bit(dtype: torch.dtype) -> int:
@@ -306,7 +329,9 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
     numel = tensor.numel()
     tensor = bits_only_alias(tensor)
     first, second = spec.index, spec.index + spec.count
-    needed = {"pairflip": second, "swap": second, "bias": spec.index + spec.count - 1}.get(spec.kind, first)
+    needed = {"pairflip": second, "swap": second, "bias": spec.index + spec.count - 1}.get(
+        spec.kind, first
+    )
     if needed >= numel:
         return None
     bit = spec.bit if spec.bit is not None else default_bit(tensor.dtype)
@@ -323,7 +348,9 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
         tensor[b] = held
         return [first, second], None
     if not tensor.is_floating_point():
-        raise FaultSpecError(f"{spec.kind} needs a floating-point output; {spec.op} gave {tensor.dtype}")
+        raise FaultSpecError(
+            f"{spec.kind} needs a floating-point output; {spec.op} gave {tensor.dtype}"
+        )
     if spec.kind == "nan":
         tensor[_unravel(first, tensor.shape)] = math.nan
         return [first], None

@@ -54,7 +54,9 @@ SCHEMA = "sdcreplay.minimize/1"
 Z95 = 1.959963984540054  # two-sided 95% quantile of the normal distribution
 DEFAULT_TRIALS = 1000
 DEFAULT_GOOD_TRIALS = 10
-MISS_PROBABILITY = 0.01  # the default --bad-trials misses a failure at the measured rate this rarely
+MISS_PROBABILITY = (
+    0.01  # the default --bad-trials misses a failure at the measured rate this rarely
+)
 RANDOM_DATA_DRAWS = 3
 PROGRESS_SECONDS = 0.2
 KEPT_OUTPUT_BYTES = 256 << 20  # outputs a device may hold while its verdicts wait for one sync
@@ -92,9 +94,15 @@ def ddmin(units: Sequence, test: Callable[[tuple], bool]) -> tuple:
         if subset is not None:
             current, granularity = subset, 2
             continue
-        complements = [] if granularity == 2 else (
-            tuple(unit for other, chunk in enumerate(chunks) if other != skipped for unit in chunk)
-            for skipped in range(len(chunks))
+        complements = (
+            []
+            if granularity == 2
+            else (
+                tuple(
+                    unit for other, chunk in enumerate(chunks) if other != skipped for unit in chunk
+                )
+                for skipped in range(len(chunks))
+            )
         )
         subset = next((complement for complement in complements if test(complement)), None)
         if subset is not None:
@@ -141,8 +149,12 @@ class Measurement:
 
     def to_json(self) -> dict:
         return {
-            "device": self.device, "trials": self.trials, "failures": self.failures, "rate": self.rate,
-            "ci95": list(self.ci95), "trials_to_first_failure": self.trials_to_first_failure,
+            "device": self.device,
+            "trials": self.trials,
+            "failures": self.failures,
+            "rate": self.rate,
+            "ci95": list(self.ci95),
+            "trials_to_first_failure": self.trials_to_first_failure,
             "seconds": round(self.seconds, 3),
             "trials_per_second": round(self.trials / self.seconds, 1) if self.seconds else None,
         }
@@ -162,7 +174,15 @@ class TrialRunner:
     Only a failing trial's outputs are copied back.
     """
 
-    def __init__(self, op, site: CallSite, prior, label: str, specs: Sequence[FaultSpec], rng: dict | None = None):
+    def __init__(
+        self,
+        op,
+        site: CallSite,
+        prior,
+        label: str,
+        specs: Sequence[FaultSpec],
+        rng: dict | None = None,
+    ):
         self.op, self.site, self.prior, self.label = op, site, prior, label
         self.rng = rng  # a random operator draws the numbers it drew in the step, every trial
         self.device = torch_device(label)
@@ -170,7 +190,8 @@ class TrialRunner:
         # Inputs the call can write (in place, out=, or through an output that views them, which
         # an injected flip writes) are cloned for every trial, so each trial starts from the case.
         self.writes_inputs = op._schema.is_mutable or any(
-            value.alias_info is not None for value in op._schema.returns)
+            value.alias_info is not None for value in op._schema.returns
+        )
         self._salts = itertools.count()  # a fresh random stream for each block of trials
 
     def _injector(self) -> Injector | None:
@@ -198,9 +219,16 @@ class TrialRunner:
         placed_args, placed_kwargs = self._placed(args, kwargs)
         return to_cpu(self._call(placed_args, placed_kwargs, self._injector()))
 
-    def measure(self, args: Sequence, kwargs: dict, expected: Sequence, trials: int, *,
-                stop_at_first_failure: bool = False,
-                progress: Callable[[int, int, int], None] | None = None) -> Measurement:
+    def measure(
+        self,
+        args: Sequence,
+        kwargs: dict,
+        expected: Sequence,
+        trials: int,
+        *,
+        stop_at_first_failure: bool = False,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> Measurement:
         placed_args, placed_kwargs = self._placed(args, kwargs)
         wanted = self._expectation(expected)
         injector = self._injector()
@@ -210,7 +238,10 @@ class TrialRunner:
         reported = started
         done = 0
         while done < trials and not (stop_at_first_failure and failures):
-            pending = [self._call(placed_args, placed_kwargs, injector) for _ in range(min(block, trials - done))]
+            pending = [
+                self._call(placed_args, placed_kwargs, injector)
+                for _ in range(min(block, trials - done))
+            ]
             for offset, failed in enumerate(self._verdicts(pending, wanted)):
                 if failed:
                     failures += 1
@@ -221,18 +252,27 @@ class TrialRunner:
             # then hands that call the same, cache-warm memory, as in a bare loop (two outputs
             # alive at once made glibc give a 256 KiB matmul output back and fault it in again).
             del pending
-            if progress is not None and (time.perf_counter() - reported >= PROGRESS_SECONDS or done == trials):
+            if progress is not None and (
+                time.perf_counter() - reported >= PROGRESS_SECONDS or done == trials
+            ):
                 progress(done, trials, failures)
                 reported = time.perf_counter()
         seconds = time.perf_counter() - started
-        described = describe_failure(list(expected), first_outputs) if first_outputs is not None else None
-        return Measurement(self.label, done, failures, first_trial, described, first_outputs, seconds)
+        described = (
+            describe_failure(list(expected), first_outputs) if first_outputs is not None else None
+        )
+        return Measurement(
+            self.label, done, failures, first_trial, described, first_outputs, seconds
+        )
 
     def _expectation(self, expected: Sequence) -> list:
         """What each trial's outputs are compared with: digests on a CPU, raw words elsewhere."""
         if self.device.type == "cpu":
             return [tensor_digest(value) for value in expected]
-        return [raw_bits(e) if isinstance(e, torch.Tensor) else e for e in place(list(expected), self.device)]
+        return [
+            raw_bits(e) if isinstance(e, torch.Tensor) else e
+            for e in place(list(expected), self.device)
+        ]
 
     def _verdicts(self, pending: list, wanted: list) -> list[bool]:
         """Which trials of a block failed; an accelerator's flags come back in one copy (one sync)."""
@@ -250,8 +290,11 @@ def _device_flag(results: list, wanted: list) -> bool | torch.Tensor:
         if not isinstance(expected, torch.Tensor):
             if result != expected:
                 return True
-        elif not isinstance(result, torch.Tensor) or result.dtype.itemsize != expected.dtype.itemsize \
-                or result.shape != expected.shape:
+        elif (
+            not isinstance(result, torch.Tensor)
+            or result.dtype.itemsize != expected.dtype.itemsize
+            or result.shape != expected.shape
+        ):
             return True
         else:
             differs = torch.ne(raw_bits(result), expected).any()
@@ -293,18 +336,26 @@ class Acceptance:
     not compute reproducibly is never kept).
     """
 
-    def __init__(self, suspect: TrialRunner, reference: TrialRunner, good_trials: int, bad_trials: int):
+    def __init__(
+        self, suspect: TrialRunner, reference: TrialRunner, good_trials: int, bad_trials: int
+    ):
         self.suspect, self.reference = suspect, reference
         self.good_trials, self.bad_trials = good_trials, bad_trials
 
     def holds(self, args: Sequence, kwargs: dict) -> bool:
         expected = self.reference.outputs(args, kwargs)
-        failing = self.suspect.measure(args, kwargs, expected, self.bad_trials, stop_at_first_failure=True)
-        return failing.failures > 0 and self.reference.measure(args, kwargs, expected, self.good_trials).failures == 0
+        failing = self.suspect.measure(
+            args, kwargs, expected, self.bad_trials, stop_at_first_failure=True
+        )
+        return (
+            failing.failures > 0
+            and self.reference.measure(args, kwargs, expected, self.good_trials).failures == 0
+        )
 
 
 # ---------------------------------------------------------------------------
 # What can be cut: the dimensions of an operator call's inputs.
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -318,15 +369,26 @@ class Axis:
 
 # packet -> (left operand, right operand, bias or None, right operand stored as [N, K])
 _MATRIX_PRODUCTS = {
-    "aten.mm": (0, 1, None, False), "aten.addmm": (1, 2, 0, False), "aten.bmm": (0, 1, None, False),
-    "aten.baddbmm": (1, 2, 0, False), "aten.matmul": (0, 1, None, False), "aten.linear": (0, 1, 2, True),
+    "aten.mm": (0, 1, None, False),
+    "aten.addmm": (1, 2, 0, False),
+    "aten.bmm": (0, 1, None, False),
+    "aten.baddbmm": (1, 2, 0, False),
+    "aten.matmul": (0, 1, None, False),
+    "aten.linear": (0, 1, 2, True),
 }
 # packet -> argument holding the normalized (trailing) shape, or the reduced dim
-_NORMALIZED_SHAPE = {"aten.native_layer_norm": 1, "aten.layer_norm": 1, "aten.rms_norm": 1, "aten._fused_rms_norm": 1}
+_NORMALIZED_SHAPE = {
+    "aten.native_layer_norm": 1,
+    "aten.layer_norm": 1,
+    "aten.rms_norm": 1,
+    "aten._fused_rms_norm": 1,
+}
 _REDUCED_DIM = {"aten._softmax": 1, "aten._log_softmax": 1, "aten._safe_softmax": 1}
 
 
-def shrink_axes(op_name: str, op, args: Sequence, expected: Sequence) -> tuple[list[Axis], str | None]:
+def shrink_axes(
+    op_name: str, op, args: Sequence, expected: Sequence
+) -> tuple[list[Axis], str | None]:
     """The axes delta debugging may cut for this call, or why there are none."""
     packet = op_name.rsplit(".", 1)[0]
     if packet in _MATRIX_PRODUCTS:
@@ -341,7 +403,10 @@ def shrink_axes(op_name: str, op, args: Sequence, expected: Sequence) -> tuple[l
     elif torch.Tag.pointwise in op.tags:
         leading = out.dim()
     else:
-        return [], f"shrinking does not apply to {op_name} (only matrix products, element-wise and normalization operators)"
+        return (
+            [],
+            f"shrinking does not apply to {op_name} (only matrix products, element-wise and normalization operators)",
+        )
     axes = [axis for dim in range(leading) if (axis := _aligned_axis(f"dim {dim}", args, out, dim))]
     return axes, None if axes else "every input dimension has size 1"
 
@@ -352,16 +417,23 @@ def _aligned_axis(name: str, args: Sequence, out: torch.Tensor, dim: int) -> Axi
     members = tuple(
         (position, dim - (out.dim() - arg.dim()))
         for position, arg in enumerate(args)
-        if isinstance(arg, torch.Tensor) and dim - (out.dim() - arg.dim()) >= 0
+        if isinstance(arg, torch.Tensor)
+        and dim - (out.dim() - arg.dim()) >= 0
         and arg.shape[dim - (out.dim() - arg.dim())] == size
     )
     return Axis(name, size, members, dim) if size > 1 and members else None
 
 
-def _matrix_axes(args: Sequence, left: int, right: int, bias: int | None, right_is_nk: bool) -> tuple[list[Axis], str | None]:
+def _matrix_axes(
+    args: Sequence, left: int, right: int, bias: int | None, right_is_nk: bool
+) -> tuple[list[Axis], str | None]:
     """Batch, rows of the left operand, columns of the right, then the inner dimension."""
     a, b = args[left], args[right]
-    c = args[bias] if bias is not None and bias < len(args) and isinstance(args[bias], torch.Tensor) else None
+    c = (
+        args[bias]
+        if bias is not None and bias < len(args) and isinstance(args[bias], torch.Tensor)
+        else None
+    )
     if a.dim() < 2 or b.dim() < 2:
         return [], "a matrix-vector product (shrinking needs two matrices)"
     rows, cols = a.shape[-2], (b.shape[0] if right_is_nk else b.shape[-1])
@@ -377,7 +449,9 @@ def _matrix_axes(args: Sequence, left: int, right: int, bias: int | None, right_
     axes = []
     for dim in range(a.dim() - 2):
         right_dim = dim - (a.dim() - b.dim())
-        members = [(left, dim)] + ([(right, right_dim)] if right_dim >= 0 and b.shape[right_dim] == a.shape[dim] else [])
+        members = [(left, dim)] + (
+            [(right, right_dim)] if right_dim >= 0 and b.shape[right_dim] == a.shape[dim] else []
+        )
         axes.append(Axis(f"batch {dim}", a.shape[dim], with_bias(members, dim, a.shape[dim]), dim))
     row_members = with_bias([(left, a.dim() - 2)], out_dims - 2, rows)
     axes.append(Axis("rows", rows, row_members, out_dims - 2))
@@ -404,8 +478,14 @@ class Shrinker:
     shrink still has a result.
     """
 
-    def __init__(self, args: Sequence, kwargs: dict, axes: list[Axis], accepts: Callable[[list, dict], bool] | None,
-                 on_test: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        args: Sequence,
+        kwargs: dict,
+        axes: list[Axis],
+        accepts: Callable[[list, dict], bool] | None,
+        on_test: Callable[[int, int], None] | None = None,
+    ):
         self.args, self.kwargs, self.axes = list(args), kwargs, axes
         self.accepts, self.on_test = accepts, on_test
         self.best = tuple(tuple(range(axis.size)) for axis in axes)
@@ -421,11 +501,18 @@ class Shrinker:
             index = torch.tensor(kept, dtype=torch.long)
             for position, dim in axis.members:
                 cut[position] = cut[position].index_select(dim, index)
-        return [dense_like(c, a) if isinstance(c, torch.Tensor) else c for c, a in zip(cut, self.args, strict=True)], self.kwargs
+        return [
+            dense_like(c, a) if isinstance(c, torch.Tensor) else c
+            for c, a in zip(cut, self.args, strict=True)
+        ], self.kwargs
 
     def size(self, candidate: tuple) -> int:
         """Elements in the cut inputs (from the shapes alone: nothing is copied)."""
-        shapes = {position: list(arg.shape) for position, arg in enumerate(self.args) if isinstance(arg, torch.Tensor)}
+        shapes = {
+            position: list(arg.shape)
+            for position, arg in enumerate(self.args)
+            if isinstance(arg, torch.Tensor)
+        }
         for axis, kept in zip(self.axes, candidate, strict=True):
             for position, dim in axis.members:
                 shapes[position][dim] = len(kept)
@@ -448,7 +535,10 @@ class Shrinker:
                 if position not in stale:
                     continue
                 base = self.best
-                kept = ddmin(base[position], lambda subset, p=position, b=base: self.test(b[:p] + (subset,) + b[p + 1:]))
+                kept = ddmin(
+                    base[position],
+                    lambda subset, p=position, b=base: self.test(b[:p] + (subset,) + b[p + 1 :]),
+                )
                 stale.discard(position)
                 if len(kept) < len(base[position]):
                     stale = set(range(len(self.axes))) - {position}
@@ -457,6 +547,7 @@ class Shrinker:
 
 def random_inputs(args: Sequence, kwargs: dict, generator: torch.Generator) -> tuple[list, dict]:
     """The same shapes, dtypes and layouts with random values in each input's range."""
+
     def draw(t: torch.Tensor) -> torch.Tensor:
         if t.numel() == 0:
             return t.clone()
@@ -467,9 +558,13 @@ def random_inputs(args: Sequence, kwargs: dict, generator: torch.Generator) -> t
         elif t.is_floating_point():
             finite = t[torch.isfinite(t)].double()
             low, high = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 1.0)
-            values = (torch.rand(t.shape, generator=generator, dtype=torch.float64) * (high - low) + low).to(t.dtype)
+            values = (
+                torch.rand(t.shape, generator=generator, dtype=torch.float64) * (high - low) + low
+            ).to(t.dtype)
         else:
-            values = torch.randint(int(t.min()), int(t.max()) + 1, t.shape, generator=generator, dtype=t.dtype)
+            values = torch.randint(
+                int(t.min()), int(t.max()) + 1, t.shape, generator=generator, dtype=t.dtype
+            )
         return dense_like(values, t)
 
     return map_tensors((list(args), kwargs), draw)
@@ -477,6 +572,7 @@ def random_inputs(args: Sequence, kwargs: dict, generator: torch.Generator) -> t
 
 # ---------------------------------------------------------------------------
 # The report and the whole procedure.
+
 
 def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
     """``report.json`` and ``operator.h5`` of a bisect report that names an operator call."""
@@ -509,10 +605,18 @@ def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
 def deterministic_switches(report: dict, report_dir: Path, warnings: list[str]) -> dict:
     """Put in force the switches the bundle was recorded with (TF32, threads... change the bits)."""
     recorded = Path(report.get("bundle") or "")
-    found = next((path for path in (recorded, report_dir.parent / recorded.name)
-                  if report.get("bundle") and path.is_dir()), None)
+    found = next(
+        (
+            path
+            for path in (recorded, report_dir.parent / recorded.name)
+            if report.get("bundle") and path.is_dir()
+        ),
+        None,
+    )
     if found is None:
-        warnings.append(f"bundle {report.get('bundle')} not found: running with the default deterministic switches")
+        warnings.append(
+            f"bundle {report.get('bundle')} not found: running with the default deterministic switches"
+        )
         return determinism.enable()
     determinism.apply(Bundle.open(found, verify=False).manifest.determinism.to_json())
     return determinism.current_switches()
@@ -591,8 +695,10 @@ def minimize(
     suspect_label = validate_label(device or report["suspect"])
     reference_label = validate_label(reference or report["reference"])
     if suspect_label == reference_label:
-        raise SdcReplayError(f"--device and --reference are both {suspect_label}",
-                             "Compare the suspect with a device you trust, e.g. --reference cpu:0.")
+        raise SdcReplayError(
+            f"--device and --reference are both {suspect_label}",
+            "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
+        )
     if min(trials, good_trials, bad_trials or 1) < 1:
         raise SdcReplayError("--trials, --good-trials and --bad-trials must be at least 1")
     progress = on_progress or (lambda stage, done, total, failures: None)
@@ -604,8 +710,12 @@ def minimize(
     checker = TrialRunner(op, case.site, case.prior, reference_label, specs, rng=case.rng)
     started = time.perf_counter()
 
-    measured = suspect.measure(case.args, case.kwargs, case.expected, trials, progress=partial(progress, "suspect"))
-    checked = checker.measure(case.args, case.kwargs, case.expected, trials, progress=partial(progress, "reference"))
+    measured = suspect.measure(
+        case.args, case.kwargs, case.expected, trials, progress=partial(progress, "suspect")
+    )
+    checked = checker.measure(
+        case.args, case.kwargs, case.expected, trials, progress=partial(progress, "reference")
+    )
     if checked.failures:
         raise DeterminismError(
             f"the reference {reference_label} does not reproduce the recorded output of {case.op} "
@@ -616,19 +726,30 @@ def minimize(
     reproduced = measured.failures > 0
     bad_trials = bad_trials or default_bad_trials(measured.rate, trials)
     acceptance = Acceptance(suspect, checker, good_trials, bad_trials)
-    args, kwargs, shrink, cut = shrink_inputs(case, op, acceptance if reproduced else None,
-                                         on_test=lambda tested, kept: progress("shrink", tested, None, kept))
+    args, kwargs, shrink, cut = shrink_inputs(
+        case,
+        op,
+        acceptance if reproduced else None,
+        on_test=lambda tested, kept: progress("shrink", tested, None, kept),
+    )
     expected = checker.outputs(args, kwargs)
     minimal, data_dependent = None, None
     if reproduced:
-        data_dependent = depends_on_data(args, kwargs, acceptance, seed,
-                                         on_draw=partial(progress, "random data"))
-        minimal = suspect.measure(args, kwargs, expected, trials, progress=partial(progress, "minimal"))
+        data_dependent = depends_on_data(
+            args, kwargs, acceptance, seed, on_draw=partial(progress, "random data")
+        )
+        minimal = suspect.measure(
+            args, kwargs, expected, trials, progress=partial(progress, "minimal")
+        )
 
     target = Path(out) if out else report_dir / "ticket"
     kernels = report.get("kernels") or []
     if suspect.device.type == "cuda":
-        kernels = kernel_names(op, OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, expected), suspect.device)
+        kernels = kernel_names(
+            op,
+            OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, expected),
+            suspect.device,
+        )
     failure = (minimal.first_failure if minimal else None) or measured.first_failure
     result = MinimizeResult(
         reproduced=reproduced,
@@ -653,8 +774,11 @@ def minimize(
         data_dependent=data_dependent,
         first_mismatch=_first_element(failure),
         coordinates=failing_element_coordinates(
-            _first_element(failure), _first_element(measured.first_failure), cut,
-            shrunk=minimal is not None),
+            _first_element(failure),
+            _first_element(measured.first_failure),
+            cut,
+            shrunk=minimal is not None,
+        ),
         bits=failure.get("bits") if failure else None,
         pattern=failure.get("pattern") if failure else None,
         kernels=kernels,
@@ -663,11 +787,19 @@ def minimize(
         ticket=str(target),
         switches=switches,
         warnings=warnings,
-        commands=[*report.get("commands", []), _command_line(report_dir, device, reference, trials, good_trials,
-                                                                 bad_trials, inject, out)],
+        commands=[
+            *report.get("commands", []),
+            _command_line(
+                report_dir, device, reference, trials, good_trials, bad_trials, inject, out
+            ),
+        ],
     )
-    suspect_outputs = minimal.failing_outputs if minimal and minimal.failing_outputs is not None else expected
-    ticket_case = OperatorCase(case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs, rng=case.rng)
+    suspect_outputs = (
+        minimal.failing_outputs if minimal and minimal.failing_outputs is not None else expected
+    )
+    ticket_case = OperatorCase(
+        case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs, rng=case.rng
+    )
     result.seconds = round(time.perf_counter() - started, 3)
     ticket.write_ticket(target, result.to_json(), report, ticket_case)
     return result
@@ -677,17 +809,21 @@ Cut = list[tuple[Axis, tuple]]
 """Each shrink axis with the original indices it kept."""
 
 
-def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
-                  on_test: Callable[[int, int], None]) -> tuple[list, dict, dict, Cut]:
+def shrink_inputs(
+    case: OperatorCase, op, acceptance: Acceptance | None, on_test: Callable[[int, int], None]
+) -> tuple[list, dict, dict, Cut]:
     """The smallest inputs that still meet the acceptance rule, how the shrink went, the cut.
 
     Without an acceptance rule (nothing reproduced) the inputs stay whole. The
     inputs are always fresh copies in the originals' layout: what repro.py rebuilds.
     """
     axes, reason = shrink_axes(case.op, op, case.args, case.expected)
-    shrinker = Shrinker(case.args, case.kwargs, axes, acceptance.holds if acceptance else None, on_test)
+    shrinker = Shrinker(
+        case.args, case.kwargs, axes, acceptance.holds if acceptance else None, on_test
+    )
     status: ShrinkStatus = (
-        "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk"))
+        "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk")
+    )
     if status == "shrunk":
         try:
             shrinker.run()
@@ -697,16 +833,27 @@ def shrink_inputs(case: OperatorCase, op, acceptance: Acceptance | None,
             status = "already minimal"
     args, kwargs = shrinker.inputs(shrinker.best)
     cut = list(zip(axes, shrinker.best, strict=True))
-    return args, kwargs, {
-        "status": status, "reason": reason, "tests": shrinker.tests,
-        "axes": {axis.name: [axis.size, len(kept)] for axis, kept in cut},
-        "kept": {axis.name: list(kept) for axis, kept in cut if len(kept) < axis.size},
-    }, cut
+    return (
+        args,
+        kwargs,
+        {
+            "status": status,
+            "reason": reason,
+            "tests": shrinker.tests,
+            "axes": {axis.name: [axis.size, len(kept)] for axis, kept in cut},
+            "kept": {axis.name: list(kept) for axis, kept in cut if len(kept) < axis.size},
+        },
+        cut,
+    )
 
 
-def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int,
-                    on_draw: Callable[[int, int, int], None] = lambda done, total, held: None,
-                    ) -> bool:
+def depends_on_data(
+    args: list,
+    kwargs: dict,
+    acceptance: Acceptance,
+    seed: int,
+    on_draw: Callable[[int, int, int], None] = lambda done, total, held: None,
+) -> bool:
     """True when random data of the same shape, dtype and range never meets the acceptance rule.
 
     ``on_draw(done, total, held)`` after each draw tested; the first that meets it ends the test.
@@ -725,11 +872,16 @@ def depends_on_data(args: list, kwargs: dict, acceptance: Acceptance, seed: int,
 def _report_warnings(report: dict, specs: list[FaultSpec]) -> list[str]:
     warnings = []
     if report.get("inject") and not specs:
-        warnings.append("the report was made with injected faults (" + "; ".join(report["inject"])
-                        + "); pass the same --inject to reproduce them here")
+        warnings.append(
+            "the report was made with injected faults ("
+            + "; ".join(report["inject"])
+            + "); pass the same --inject to reproduce them here"
+        )
     if report.get("isolated") not in (None, "kernel"):
-        warnings.append(f"bisect found the operator alone computes right (isolated: {report.get('isolated')}); "
-                        "it may not reproduce here")
+        warnings.append(
+            f"bisect found the operator alone computes right (isolated: {report.get('isolated')}); "
+            "it may not reproduce here"
+        )
     return warnings
 
 
@@ -738,14 +890,21 @@ def _first_element(failure: dict | None) -> dict | None:
     if not failure or not failure.get("indices"):
         return failure
     return {
-        "output": failure["output"], "index": failure["indices"][0], "position": failure["positions"][0],
-        "expected": failure["expected"][0], "actual": failure["actual"][0], "xor": failure["xor"][0],
-        "count": failure["count"], "total": failure["total"], "dtype": failure["dtype"],
+        "output": failure["output"],
+        "index": failure["indices"][0],
+        "position": failure["positions"][0],
+        "expected": failure["expected"][0],
+        "actual": failure["actual"][0],
+        "xor": failure["xor"][0],
+        "count": failure["count"],
+        "total": failure["total"],
+        "dtype": failure["dtype"],
     }
 
 
-def failing_element_coordinates(minimal: dict | None, original: dict | None, cut: Cut,
-                                shrunk: bool) -> dict | None:
+def failing_element_coordinates(
+    minimal: dict | None, original: dict | None, cut: Cut, shrunk: bool
+) -> dict | None:
     """The failing element in the minimal inputs' coordinates, in the original's, how they relate.
 
     ``minimal`` is the first mismatch of a failing trial on the minimal inputs,
@@ -759,29 +918,42 @@ def failing_element_coordinates(minimal: dict | None, original: dict | None, cut
     first = None
     if original and "position" in original:
         first = {key: original[key] for key in ("output", "index", "position")}
-    result = {"minimal": {key: minimal[key] for key in ("output", "index", "position")},
-              "original": None, "original_first_mismatch": first}
+    result = {
+        "minimal": {key: minimal[key] for key in ("output", "index", "position")},
+        "original": None,
+        "original_first_mismatch": first,
+    }
     by_dim = {axis.output_dim: kept for axis, kept in cut if axis.output_dim is not None}
     position = minimal["position"]
     if len(position) <= max(by_dim, default=-1):
-        result["why"] = ("the failing output does not have the dimensions the shrink cut, "
-                         "so its element has no place in the original output")
+        result["why"] = (
+            "the failing output does not have the dimensions the shrink cut, "
+            "so its element has no place in the original output"
+        )
         return result
     mapped = [by_dim[dim][index] if dim in by_dim else index for dim, index in enumerate(position)]
     result["original"] = {"output": minimal["output"], "position": mapped}
     cuts = [(axis, kept) for axis, kept in cut if len(kept) < axis.size]
     kept = "; ".join(f"{axis.name} {_indices(kept)} of {axis.size}" for axis, kept in cuts)
-    said = [f"the minimal inputs keep {kept or 'every index'}, so element {position} of the "
-            f"minimal output is element {mapped} of the original output"]
-    inner = [f"{len(kept)} of {axis.size} {axis.name} terms" for axis, kept in cuts
-             if axis.output_dim is None]
+    said = [
+        f"the minimal inputs keep {kept or 'every index'}, so element {position} of the "
+        f"minimal output is element {mapped} of the original output"
+    ]
+    inner = [
+        f"{len(kept)} of {axis.size} {axis.name} terms"
+        for axis, kept in cuts
+        if axis.output_dim is None
+    ]
     if inner:
         said.append(f"computed from {', '.join(inner)}, so its value differs from the original's")
     if first is not None:
         same = first["position"] == mapped and first["output"] == minimal["output"]
-        said.append("the same element the original inputs fail at first" if same else
-                    f"the original inputs fail first at element {first['position']}: "
-                    + _why_elsewhere(minimal, first))
+        said.append(
+            "the same element the original inputs fail at first"
+            if same
+            else f"the original inputs fail first at element {first['position']}: "
+            + _why_elsewhere(minimal, first)
+        )
     result["why"] = "; ".join(said)
     return result
 
@@ -789,10 +961,13 @@ def failing_element_coordinates(minimal: dict | None, original: dict | None, cut
 def _why_elsewhere(minimal: dict, original: dict) -> str:
     """Why a shrunk call fails at another element than the original call did."""
     same_index = minimal["index"] == original["index"] and minimal["output"] == original["output"]
-    where = (f"both are flat index {minimal['index']} of their output, so the corruption follows "
-             "the position in the output's memory, not the data" if same_index else
-             "the corruption is tied to where an element is computed (a lane, a tile, an address), "
-             "and a smaller shape puts other elements there")
+    where = (
+        f"both are flat index {minimal['index']} of their output, so the corruption follows "
+        "the position in the output's memory, not the data"
+        if same_index
+        else "the corruption is tied to where an element is computed (a lane, a tile, an address), "
+        "and a smaller shape puts other elements there"
+    )
     return f"{where}; the minimal inputs still fail, which is what the reproducer needs"
 
 
@@ -801,11 +976,19 @@ def _indices(kept: tuple) -> str:
     return f"[{shown}{', ...' if len(kept) > 8 else ''}]"
 
 
-def _command_line(report_dir: Path, device, reference, trials, good_trials, bad_trials, inject, out) -> str:
+def _command_line(
+    report_dir: Path, device, reference, trials, good_trials, bad_trials, inject, out
+) -> str:
     """The ``sdcreplay minimize`` command that does what this call did."""
     words = ["sdcreplay", "minimize", str(report_dir)]
-    options = {"--device": device, "--reference": reference, "--trials": trials,
-               "--good-trials": good_trials, "--bad-trials": bad_trials, "--out": out}
+    options = {
+        "--device": device,
+        "--reference": reference,
+        "--trials": trials,
+        "--good-trials": good_trials,
+        "--bad-trials": bad_trials,
+        "--out": out,
+    }
     for name, value in options.items():
         if value is not None:
             words += [name, str(value)]

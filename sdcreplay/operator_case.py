@@ -36,7 +36,9 @@ class OperatorCase:
     actual: Any  # the suspect device's outputs in the step
     suspect_args: tuple | None = None
     suspect_kwargs: dict | None = None
-    rng: dict | None = None  # generator states just before the call (random operators, e.g. dropout)
+    rng: dict | None = (
+        None  # generator states just before the call (random operators, e.g. dropout)
+    )
 
     @property
     def op(self) -> str:
@@ -46,7 +48,10 @@ class OperatorCase:
         with h5py.File(path, "w") as handle:
             handle.attrs["site"] = json.dumps(asdict(self.site))
             handle.attrs["prior"] = json.dumps([[*key, count] for key, count in self.prior.items()])
-            tensorio.write_tree(handle.create_group("reference_inputs"), {"args": list(self.args), "kwargs": self.kwargs})
+            tensorio.write_tree(
+                handle.create_group("reference_inputs"),
+                {"args": list(self.args), "kwargs": self.kwargs},
+            )
             tensorio.write_tree(handle.create_group("reference_outputs"), self.expected)
             tensorio.write_tree(handle.create_group("suspect_outputs"), self.actual)
             if self.rng is not None:
@@ -62,11 +67,23 @@ class OperatorCase:
         try:
             with h5py.File(path, "r") as handle:
                 site = CallSite(**json.loads(handle.attrs["site"]))
-                prior = Counter({(op, module, phase): count for op, module, phase, count in json.loads(handle.attrs["prior"])})
+                prior = Counter(
+                    {
+                        (op, module, phase): count
+                        for op, module, phase, count in json.loads(handle.attrs["prior"])
+                    }
+                )
                 inputs = tensorio.read_tree(handle["reference_inputs"], keep_strides=True)
-                suspect = tensorio.read_tree(handle["suspect_inputs"], keep_strides=True) if "suspect_inputs" in handle else None
+                suspect = (
+                    tensorio.read_tree(handle["suspect_inputs"], keep_strides=True)
+                    if "suspect_inputs" in handle
+                    else None
+                )
                 return cls(
-                    site=site, prior=prior, args=tuple(inputs["args"]), kwargs=inputs["kwargs"],
+                    site=site,
+                    prior=prior,
+                    args=tuple(inputs["args"]),
+                    kwargs=inputs["kwargs"],
                     expected=tensorio.read_tree(handle["reference_outputs"]),
                     actual=tensorio.read_tree(handle["suspect_outputs"]),
                     suspect_args=tuple(suspect["args"]) if suspect else None,
@@ -84,12 +101,15 @@ def resolve_op(name: str):
     try:
         return getattr(getattr(getattr(torch.ops, namespace), packet_name), overload)
     except (AttributeError, RuntimeError) as exc:
-        raise ReportError(f"this torch has no operator {name!r}",
-                          "Run minimize with the torch version the report was made with.") from exc
+        raise ReportError(
+            f"this torch has no operator {name!r}",
+            "Run minimize with the torch version the report was made with.",
+        ) from exc
 
 
 def place(tree: Any, device: torch.device) -> Any:
     """Fresh copies of the inputs on ``device`` (devices named in arguments follow)."""
+
     def move(value):
         if isinstance(value, torch.Tensor):
             return value.to(device, copy=True)

@@ -47,7 +47,10 @@ class _Lister:
     def on_call(self, site: CallSite, func, args, kwargs, out):
         nth = self._counts[site.key]
         self._counts[site.key] += 1
-        outputs = [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for t in flatten_tensors(out)]
+        outputs = [
+            {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for t in flatten_tensors(out)
+        ]
         self.calls.append(Call(site.index, site.phase, site.module, site.op, nth, outputs))
         return out
 
@@ -67,8 +70,12 @@ class OpsListing:
 
     def to_json(self) -> dict:
         return {
-            "schema": SCHEMA, "bundle": self.bundle, "step": self.step, "device": self.device,
-            "filters": self.filters, "total_calls": self.total_calls,
+            "schema": SCHEMA,
+            "bundle": self.bundle,
+            "step": self.step,
+            "device": self.device,
+            "filters": self.filters,
+            "total_calls": self.total_calls,
             "calls": [asdict(call) | {"spec": call.spec(self.step)} for call in self.calls],
         }
 
@@ -78,19 +85,34 @@ def _selected(call: Call, phase: str | None, module: str | None, op: str | None)
     return probe.matches_key(call.op, call.module, call.phase)
 
 
-def list_calls(bundle: str | Path, step: int, *, device: str = "cpu", phase: str | None = None,
-               module: str | None = None, op: str | None = None) -> OpsListing:
+def list_calls(
+    bundle: str | Path,
+    step: int,
+    *,
+    device: str = "cpu",
+    phase: str | None = None,
+    module: str | None = None,
+    op: str | None = None,
+) -> OpsListing:
     """The calls of ``step`` (``sdcreplay.ops/1``), filtered as a fault spec's keys would select them."""
     session = ReplaySession(bundle, device)
     try:
         if step not in session.bundle.step_indices:
-            raise BundleError(f"the bundle has no step {step} (it has {session.bundle.step_indices})",
-                              "Pick one of the recorded steps (`sdcreplay info BUNDLE`).")
+            raise BundleError(
+                f"the bundle has no step {step} (it has {session.bundle.step_indices})",
+                "Pick one of the recorded steps (`sdcreplay info BUNDLE`).",
+            )
         lister = _Lister()
         for record in session.steps_until(step):
             session.run_step(record, observers=[lister] if record.index == step else ())
     finally:
         session.close()
     calls = [call for call in lister.calls if _selected(call, phase, module, op)]
-    return OpsListing(str(session.bundle.path), step, device,
-                      {"phase": phase, "module": module, "op": op}, len(lister.calls), calls)
+    return OpsListing(
+        str(session.bundle.path),
+        step,
+        device,
+        {"phase": phase, "module": module, "op": op},
+        len(lister.calls),
+        calls,
+    )

@@ -110,8 +110,10 @@ def plot_divergence_map(reference: SignatureLog, comparison, path: str | Path) -
     axes = []
     for index, phase in enumerate(PANELS):
         left = label_w + index * (panel_w + gap)
-        ax = fig.add_axes([left / width, bottom / height, panel_w / width, n_rows * row_h / height],
-                          sharey=axes[0] if axes else None)
+        ax = fig.add_axes(
+            [left / width, bottom / height, panel_w / width, n_rows * row_h / height],
+            sharey=axes[0] if axes else None,
+        )
         axes.append(ax)
         grid = np.full((n_rows, n_cols), np.nan)
         for (where, layer, step), count in counts.items():
@@ -119,8 +121,12 @@ def plot_divergence_map(reference: SignatureLog, comparison, path: str | Path) -
                 grid[row_of[layer], col_of[step]] = count
         ax.set_facecolor(_EMPTY)
         image = ax.pcolormesh(
-            np.arange(n_cols + 1) - 0.5, np.arange(n_rows + 1) - 0.5, np.ma.masked_invalid(grid),
-            cmap=cmap, norm=norm, edgecolors="white",
+            np.arange(n_cols + 1) - 0.5,
+            np.arange(n_rows + 1) - 0.5,
+            np.ma.masked_invalid(grid),
+            cmap=cmap,
+            norm=norm,
+            edgecolors="white",
             linewidth=0 if n_cols > 100 or n_rows > 200 else 0.6 if n_rows <= 60 else 0.3,
         )
         ax.set_xlim(-0.5, n_cols - 0.5)
@@ -128,8 +134,15 @@ def plot_divergence_map(reference: SignatureLog, comparison, path: str | Path) -
         ax.set_title(phase, fontsize=10, fontweight="bold", pad=4)
         ax.set_xlabel("step", fontsize=9, labelpad=2)
         ax.xaxis.set_major_locator(MaxNLocator(nbins=min(n_cols, 8), integer=True))
-        ax.xaxis.set_major_formatter(FuncFormatter(
-            lambda value, _, steps=steps: str(steps[int(value)]) if value == int(value) and 0 <= int(value) < len(steps) else ""))
+        ax.xaxis.set_major_formatter(
+            FuncFormatter(
+                lambda value, _, steps=steps: (
+                    str(steps[int(value)])
+                    if value == int(value) and 0 <= int(value) < len(steps)
+                    else ""
+                )
+            )
+        )
         ax.tick_params(axis="x", labelsize=8, length=2)
         ax.tick_params(axis="y", length=0)
         if index:
@@ -137,10 +150,18 @@ def plot_divergence_map(reference: SignatureLog, comparison, path: str | Path) -
         for spine in ax.spines.values():
             spine.set_color("#bbbbbb")
         if first is not None and first.phase == phase and first.layer in row_of:
-            ax.add_patch(Rectangle(
-                (col_of[first.step] - 0.5, row_of[first.layer] - 0.5), 1, 1,
-                fill=False, edgecolor=_FIRST, linewidth=2.2, zorder=5, clip_on=False,
-            ))
+            ax.add_patch(
+                Rectangle(
+                    (col_of[first.step] - 0.5, row_of[first.layer] - 0.5),
+                    1,
+                    1,
+                    fill=False,
+                    edgecolor=_FIRST,
+                    linewidth=2.2,
+                    zorder=5,
+                    clip_on=False,
+                )
+            )
     axes[0].set_yticks(range(len(rows)))
     axes[0].set_yticklabels(rows, fontsize=fontsize, family="monospace")
     if first is not None and first.layer in row_of:
@@ -150,32 +171,69 @@ def plot_divergence_map(reference: SignatureLog, comparison, path: str | Path) -
 
     total = comparison.entries
     if first is None:
-        headline, colour = f"identical: all {total} entries of steps {_span(steps)} match bit for bit", "#1a7f37"
+        headline, colour = (
+            f"identical: all {total} entries of steps {_span(steps)} match bit for bit",
+            "#1a7f37",
+        )
         detail = "no layer diverges"
     else:
-        headline, colour = f"first divergence: step {first.step}, {first.phase}, {first.name}", "#8a1f11"
+        headline, colour = (
+            f"first divergence: step {first.step}, {first.phase}, {first.name}",
+            "#8a1f11",
+        )
         per_step = ", ".join(f"{step}: {n}" for step, n in comparison.per_step().items() if n)
         detail = f"{len(comparison.divergences)} of {total} entries diverge (per step: {per_step})"
         if len(detail) > 150:
             detail = detail[:147] + "...)"
-    fig.text(0.12 / width, 1 - 0.12 / height, headline, fontsize=11, fontweight="bold", color=colour, ha="left", va="top")
-    fig.text(0.12 / width, 1 - 0.42 / height, detail, fontsize=9, color="#444444", ha="left", va="top")
+    fig.text(
+        0.12 / width,
+        1 - 0.12 / height,
+        headline,
+        fontsize=11,
+        fontweight="bold",
+        color=colour,
+        ha="left",
+        va="top",
+    )
+    fig.text(
+        0.12 / width, 1 - 0.42 / height, detail, fontsize=9, color="#444444", ha="left", va="top"
+    )
     if elsewhere:
         names = ", ".join(f"{name} ({n} steps)" for name, n in list(elsewhere.items())[:4])
         more = f" and {len(elsewhere) - 4} more" if len(elsewhere) > 4 else ""
-        fig.text(0.12 / width, 0.1 / height, f"also diverged, not drawn: {names}{more}",
-                 fontsize=8, color="#8a1f11", ha="left", va="bottom")
+        fig.text(
+            0.12 / width,
+            0.1 / height,
+            f"also diverged, not drawn: {names}{more}",
+            fontsize=8,
+            color="#8a1f11",
+            ha="left",
+            va="bottom",
+        )
     if counts:
         bar_h = min(1.8, max(0.6, 0.35 * top), n_rows * row_h)
-        bar = fig.add_axes([(width - right + 0.2) / width, (bottom + n_rows * row_h - bar_h) / height,
-                            0.16 / width, bar_h / height])
+        bar = fig.add_axes(
+            [
+                (width - right + 0.2) / width,
+                (bottom + n_rows * row_h - bar_h) / height,
+                0.16 / width,
+                bar_h / height,
+            ]
+        )
         colorbar = fig.colorbar(image, cax=bar, ticks=_integer_ticks(top))
         colorbar.set_label("divergent\nentries", fontsize=8)
         colorbar.ax.tick_params(labelsize=7, length=2)
         colorbar.outline.set_edgecolor("#bbbbbb")
     if first is not None and first.phase in PANELS:
-        fig.text((width - right + 0.2) / width, (bottom - 0.05) / height, "outline:\nfirst\ndivergence",
-                 fontsize=7, color=_FIRST, ha="left", va="top")
+        fig.text(
+            (width - right + 0.2) / width,
+            (bottom - 0.05) / height,
+            "outline:\nfirst\ndivergence",
+            fontsize=7,
+            color=_FIRST,
+            ha="left",
+            va="top",
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -224,7 +282,9 @@ def _position(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
 
 
-def plot_element_heatmap(expected: torch.Tensor, actual: torch.Tensor, path: str | Path, title: str) -> Path:
+def plot_element_heatmap(
+    expected: torch.Tensor, actual: torch.Tensor, path: str | Path, title: str
+) -> Path:
     """Draw where in a tensor the bits of ``actual`` differ from ``expected`` into a PNG.
 
     A 2-D tensor is drawn as is, a 1-D one folded into a near-square, one with
@@ -251,7 +311,7 @@ def plot_element_heatmap(expected: torch.Tensor, actual: torch.Tensor, path: str
     grid[: len(bits)] = np.where(bits > 0, bits, np.nan)
     grid = grid.reshape(rows, cols)
     outside = np.zeros(rows * cols, dtype=bool)
-    outside[len(bits):] = True
+    outside[len(bits) :] = True
 
     top = int(bits.max()) if len(differing) else 1
     cmap, norm = _discrete_colormap(plt, top)
@@ -264,17 +324,32 @@ def plot_element_heatmap(expected: torch.Tensor, actual: torch.Tensor, path: str
     fig, ax = plt.subplots(figsize=(fig_w, fig_h))
     # inside the tensor: light grey; padding of a folded 1-D tensor: darker
     background = outside.reshape(rows, cols).astype(float)
-    ax.imshow(background, cmap=ListedColormap([_EMPTY, "#bdbdbd"]), vmin=0, vmax=1,
-              interpolation="nearest", aspect="equal" if square else "auto")
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, interpolation="nearest",
-                      aspect="equal" if square else "auto")
+    ax.imshow(
+        background,
+        cmap=ListedColormap([_EMPTY, "#bdbdbd"]),
+        vmin=0,
+        vmax=1,
+        interpolation="nearest",
+        aspect="equal" if square else "auto",
+    )
+    image = ax.imshow(
+        np.ma.masked_invalid(grid),
+        cmap=cmap,
+        norm=norm,
+        interpolation="nearest",
+        aspect="equal" if square else "auto",
+    )
     shown = differing[:2000]
     if len(shown):
         ys, xs = np.divmod(shown, cols)
         if len(shown) <= 3:  # guide the eye to a lone cell in a large tensor
             for y, x in zip(ys, xs):
-                ax.axhline(y, color=_FIRST, linewidth=0.6, linestyle=(0, (3, 3)), alpha=0.6, zorder=3)
-                ax.axvline(x, color=_FIRST, linewidth=0.6, linestyle=(0, (3, 3)), alpha=0.6, zorder=3)
+                ax.axhline(
+                    y, color=_FIRST, linewidth=0.6, linestyle=(0, (3, 3)), alpha=0.6, zorder=3
+                )
+                ax.axvline(
+                    x, color=_FIRST, linewidth=0.6, linestyle=(0, (3, 3)), alpha=0.6, zorder=3
+                )
         ring = max(40.0, min(160.0, 9000.0 / max(rows, cols)))
         ax.scatter(xs, ys, s=ring, facecolors="none", edgecolors=_FIRST, linewidths=1.4, zorder=4)
     ax.set_xlim(-0.5, cols - 0.5)
@@ -305,8 +380,12 @@ def plot_element_heatmap(expected: torch.Tensor, actual: torch.Tensor, path: str
     if len(differing) > 6:
         lines.append(f"... and {len(differing) - 6} more")
     if lines:
-        fig.text(0.02, 0.01, "\n".join(lines), fontsize=7.5, family="monospace", ha="left", va="bottom")
-    fig.subplots_adjust(left=0.12, right=0.86, bottom=(0.65 + 0.13 * len(lines)) / fig_h, top=1 - 0.75 / fig_h)
+        fig.text(
+            0.02, 0.01, "\n".join(lines), fontsize=7.5, family="monospace", ha="left", va="bottom"
+        )
+    fig.subplots_adjust(
+        left=0.12, right=0.86, bottom=(0.65 + 0.13 * len(lines)) / fig_h, top=1 - 0.75 / fig_h
+    )
     box = ax.get_position()
     bar_h = min(box.height, max(0.6, 0.3 * top) / fig_h)
     bar = fig.add_axes([0.885, box.y1 - bar_h, 0.022, bar_h])

@@ -171,8 +171,9 @@ class Recorder:
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
         seconds = time.perf_counter() - started  # replay derives its hang timeout from it
-        self._writer.add_step(index, batch, rng, entries, optimizer_step=stepped, grads=grads,
-                              seconds=seconds)
+        self._writer.add_step(
+            index, batch, rng, entries, optimizer_step=stepped, grads=grads, seconds=seconds
+        )
         self.steps_written += 1
         self.entries_written += len(entries)
         self._verify_due = self.steps_written == 1 and self.verify_mode != "off"
@@ -380,10 +381,16 @@ class RecordSummary:
 
     def to_json(self) -> dict:
         return {
-            "schema": "sdcreplay.record/1", "bundle": str(self.bundle), "workload": self.workload,
-            "kwargs": self.kwargs, "device": self.device, "steps": self.steps,
-            "entries": self.entries, "size_bytes": self.size_bytes,
-            "final_loss": self.final_loss, "verification": self.verification,
+            "schema": "sdcreplay.record/1",
+            "bundle": str(self.bundle),
+            "workload": self.workload,
+            "kwargs": self.kwargs,
+            "device": self.device,
+            "steps": self.steps,
+            "entries": self.entries,
+            "size_bytes": self.size_bytes,
+            "final_loss": self.final_loss,
+            "verification": self.verification,
         }
 
 
@@ -457,7 +464,8 @@ def record(
         raise FaultSpecError(
             f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
             f"({bundle_path} was recorded without it)",
-            "Closest calls: " + "; ".join(miss["closest"])
+            "Closest calls: "
+            + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
     opened = Bundle.open(bundle_path, verify=False)

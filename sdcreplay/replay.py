@@ -58,7 +58,9 @@ class ReplaySession:
             self.bundle.manifest.environment.to_json(), determinism.environment(self.device)
         )
         self.bundle.require_trusted()
-        self.workload: Workload = build_workload(self.bundle.workload_ref, self.bundle.workload_kwargs)
+        self.workload: Workload = build_workload(
+            self.bundle.workload_ref, self.bundle.workload_kwargs
+        )
         self.workload.model.to(self.device)
         model_state, optimizer_state = self.bundle.load_state()
         try:
@@ -75,8 +77,11 @@ class ReplaySession:
             after_load(self.workload.model, self.workload.optimizer)
         capture = self.bundle.manifest.capture
         self.capture = SignatureCapture(
-            self.workload.model, self.workload.optimizer, max_depth=capture.max_depth,
-            state=self.workload.state, program=capture.program,
+            self.workload.model,
+            self.workload.optimizer,
+            max_depth=capture.max_depth,
+            state=self.workload.state,
+            program=capture.program,
         )
 
     def _load_state_objects(self) -> None:
@@ -106,13 +111,18 @@ class ReplaySession:
                 "device": self.label,
                 "digest": algorithm_for(self.device.type),
                 "source": str(self.bundle.path),
-                "workload": {"ref": self.bundle.workload_ref, "kwargs": self.bundle.workload_kwargs},
+                "workload": {
+                    "ref": self.bundle.workload_ref,
+                    "kwargs": self.bundle.workload_kwargs,
+                },
                 "role": "replay",
                 **meta,
             }
         )
 
-    def run_step(self, record: StepRecord, observers: Sequence[OperatorObserver] = ()) -> list[tuple[str, str]]:
+    def run_step(
+        self, record: StepRecord, observers: Sequence[OperatorObserver] = ()
+    ) -> list[tuple[str, str]]:
         """Run one recorded step from its recorded batch and RNG state; return its entries.
 
         ``observers`` see every operator call (through an OperatorMode, after
@@ -123,7 +133,11 @@ class ReplaySession:
         determinism.restore_rng(rng, self.device)
         self.injector.before_step(record.index, self.model)
         chain = ([self.injector] if self.injector.has_operator_faults else []) + list(observers)
-        mode = OperatorMode(self.model, self.optimizer, chain, record.index) if chain else contextlib.nullcontext()
+        mode = (
+            OperatorMode(self.model, self.optimizer, chain, record.index)
+            if chain
+            else contextlib.nullcontext()
+        )
         if self.workload.train_step is None:
             self._set_gradients(record.grads)
         self.capture.begin_step(determinism.capture_rng(self.device))
@@ -197,8 +211,14 @@ def replay_on_device(
     varies the draws of intermittent faults between repeats; ``on_step(index)``
     is called as each step starts (the device process's liveness signal).
     """
-    session = ReplaySession(bundle, device, apply_switches=apply_switches, after_load=after_load,
-                            inject=inject, repeat=repeat)
+    session = ReplaySession(
+        bundle,
+        device,
+        apply_switches=apply_switches,
+        after_load=after_load,
+        inject=inject,
+        repeat=repeat,
+    )
     try:
         log = session.new_log(warnings=session.warnings, repeat=repeat)
         for record in session.steps_until(last_step):
@@ -214,14 +234,22 @@ def replay_on_device(
 
 @device_task
 def run_replay_task(
-    device: str, bundle: str, repeats: int, log_dir: str, inject: Sequence[str] = (),
+    device: str,
+    bundle: str,
+    repeats: int,
+    log_dir: str,
+    inject: Sequence[str] = (),
     last_step: int | None = None,
 ) -> dict:
     """In a device process: replay ``repeats`` times, one signature log each, in ``log_dir``."""
     logs, warnings, injected, unmatched = [], [], [], None
     for repeat in range(repeats):
         log = replay_on_device(
-            bundle, device, last_step=last_step, inject=inject, repeat=repeat,
+            bundle,
+            device,
+            last_step=last_step,
+            inject=inject,
+            repeat=repeat,
             on_step=lambda index, repeat=repeat: HEARTBEAT.beat(f"step {index} (repeat {repeat})"),
         )
         path = Path(log_dir) / f"{device.replace(':', '-')}.r{repeat}.sig.zst"
@@ -230,8 +258,13 @@ def run_replay_task(
         warnings = log.meta.get("warnings", [])
         injected.append(log.meta.get("injected", []))
         unmatched = log.meta["unmatched"] if unmatched is None else unmatched
-    return {"logs": logs, "warnings": warnings, "injected": injected, "unmatched": unmatched or [],
-            "fingerprint": determinism.fingerprint(torch_device(device))}
+    return {
+        "logs": logs,
+        "warnings": warnings,
+        "injected": injected,
+        "unmatched": unmatched or [],
+        "fingerprint": determinism.fingerprint(torch_device(device)),
+    }
 
 
 def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple[str, str]]:
@@ -263,7 +296,9 @@ class DeviceRun:
     injected: list[list[dict]] = field(default_factory=list)  # faults that fired, per repeat
     judgement: DeviceVerdict | None = None
     fingerprint: dict | None = None  # the process's own, after its run
-    differences: list[str] = field(default_factory=list)  # result-affecting properties unlike the record's
+    differences: list[str] = field(
+        default_factory=list
+    )  # result-affecting properties unlike the record's
 
     @property
     def verdict(self) -> DeviceRunVerdict:
@@ -280,7 +315,9 @@ class DeviceRun:
             "repeats": judgement.runs if judgement else 0,
             "divergent_repeats": judgement.divergent_runs if judgement else 0,
             "first_divergence": None if first is None else first.brief(),
-            "steps": {str(step): count for step, count in judgement.per_step.items()} if judgement else {},
+            "steps": {str(step): count for step, count in judgement.per_step.items()}
+            if judgement
+            else {},
             "logs": self.log_paths,
             "warnings": self.warnings,
             "injected": self.injected,
@@ -319,7 +356,8 @@ class ReplayReport:
     def injection_missed(self) -> bool:
         """Faults were asked for and none fired on any device: the spec selects nothing."""
         return bool(self.injected_specs) and not any(
-            fired for run in self.devices for fired in run.injected)
+            fired for run in self.devices for fired in run.injected
+        )
 
     @property
     def record_verdict(self) -> DeviceVerdictName:
@@ -347,8 +385,10 @@ class ReplayReport:
         logs = ", ".join(run.error["log"] for run in self.failed if run.error.get("log"))
         where = f" (logs: {logs})" if logs else ""
         if self.consensus is None:
-            return SdcReplayError(f"no verdict: no device finished ({names})",
-                                  f"Fix what stopped the devices and replay again{where}.")
+            return SdcReplayError(
+                f"no verdict: no device finished ({names})",
+                f"Fix what stopped the devices and replay again{where}.",
+            )
         return SdcReplayError(
             f"{len(self.failed)} of {len(self.devices)} devices did not finish ({names}); "
             "the verdict covers only the others",
@@ -385,8 +425,9 @@ def progress_timeout(bundle: Bundle) -> float:
 
 def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
     """A fault spec that selected no call on any device it applies to is a mistake in the spec, not a finding."""
-    finished = {label: result.value for label, result in results.items()
-                if result.value is not None}
+    finished = {
+        label: result.value for label, result in results.items() if result.value is not None
+    }
     reports = [value.get("unmatched") for value in finished.values()]
     if not reports or any(report is None for report in reports):
         return
@@ -395,14 +436,22 @@ def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
         for miss in report:
             by_spec.setdefault(miss["spec"], miss["closest"])
     for spec, closest in by_spec.items():
-        applies = [label for label in finished
-                   if any(f.applies_to(label) for f in parse_specs([spec], False))]
-        missed = [label for label in applies
-                  if any(m["spec"] == spec for m in finished[label]["unmatched"])]
+        applies = [
+            label
+            for label in finished
+            if any(f.applies_to(label) for f in parse_specs([spec], False))
+        ]
+        missed = [
+            label
+            for label in applies
+            if any(m["spec"] == spec for m in finished[label]["unmatched"])
+        ]
         if applies and missed == applies:
             raise FaultSpecError(
                 f"fault spec {spec!r} matches no operator call of the replayed steps",
-                "Closest calls: " + "; ".join(closest) + ". `sdcreplay ops BUNDLE --step N` lists them all.",
+                "Closest calls: "
+                + "; ".join(closest)
+                + ". `sdcreplay ops BUNDLE --step N` lists them all.",
             )
 
 
@@ -443,14 +492,25 @@ def replay_devices(
     if isinstance(opened.manifest.state, CheckpointState):
         verify_checkpoint(opened.manifest.state)
     if len(set(labels)) != len(labels):
-        raise DeviceError(f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ...")
+        raise DeviceError(
+            f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ..."
+        )
     log_dir = Path(log_dir) if log_dir else default_log_dir(opened.path)
     recorded_fingerprint = opened.manifest.fingerprint
     results = run_device_processes(
-        "replay", run_replay_task, labels,
-        lambda label: {"bundle": str(opened.path), "repeats": repeats, "inject": list(inject),
-                       "last_step": last_step, "log_dir": str(log_dir)},
-        log_dir, environment=determinism.pinned_environment(recorded_fingerprint), on_done=on_done,
+        "replay",
+        run_replay_task,
+        labels,
+        lambda label: {
+            "bundle": str(opened.path),
+            "repeats": repeats,
+            "inject": list(inject),
+            "last_step": last_step,
+            "log_dir": str(log_dir),
+        },
+        log_dir,
+        environment=determinism.pinned_environment(recorded_fingerprint),
+        on_done=on_done,
         timeout=progress_timeout(opened) if timeout is None else timeout,
     )
     errors = [result.error for result in results.values() if result.error is not None]
@@ -461,13 +521,19 @@ def replay_devices(
     runs = []
     for label in labels:
         error, value = results[label].error, results[label].value or {}
-        run = DeviceRun(label, error=error.to_json() if error else None,
-                        warnings=value.get("warnings", []), injected=value.get("injected", []),
-                        fingerprint=value.get("fingerprint"))
+        run = DeviceRun(
+            label,
+            error=error.to_json() if error else None,
+            warnings=value.get("warnings", []),
+            injected=value.get("injected", []),
+            fingerprint=value.get("fingerprint"),
+        )
         if run.error is None:
             run.log_paths = value["logs"]
             run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
-            run.differences = determinism.fingerprint_differences(recorded_fingerprint, run.fingerprint)
+            run.differences = determinism.fingerprint_differences(
+                recorded_fingerprint, run.fingerprint
+            )
         runs.append(run)
     record = opened.signature_log()
     if last_step is not None:
@@ -478,5 +544,12 @@ def replay_devices(
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]
-    return ReplayReport(str(opened.path), repeats, str(log_dir), runs, consensus,
-                        caveat_for(opened), injected_specs=list(inject))
+    return ReplayReport(
+        str(opened.path),
+        repeats,
+        str(log_dir),
+        runs,
+        consensus,
+        caveat_for(opened),
+        injected_specs=list(inject),
+    )

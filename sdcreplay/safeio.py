@@ -138,14 +138,17 @@ def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
             link = group.get(name, getlink=True)
             where = f"{handle.filename}: {group.name.rstrip('/')}/{name}"
             if isinstance(link, h5py.ExternalLink):
-                raise BundleError(f"{where} is an external link to {link.filename[:80]!r}",
-                                  "A bundle's HDF5 files must hold all their data themselves.")
+                raise BundleError(
+                    f"{where} is an external link to {link.filename[:80]!r}",
+                    "A bundle's HDF5 files must hold all their data themselves.",
+                )
             if isinstance(link, h5py.SoftLink):
                 continue  # points inside this file; its target is visited as itself
             item = group[name]
             if isinstance(item, h5py.Group):
                 pending.append(item)
             elif isinstance(item, h5py.Dataset) and (item.external or item.is_virtual):
-                raise BundleError(f"{where} keeps its data outside the file "
-                                  "(HDF5 external storage)",
-                                  "A bundle's HDF5 files must hold all their data themselves.")
+                raise BundleError(
+                    f"{where} keeps its data outside the file (HDF5 external storage)",
+                    "A bundle's HDF5 files must hold all their data themselves.",
+                )

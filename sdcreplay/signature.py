@@ -98,8 +98,9 @@ class SignatureLogWriter:
         # The bytes json.dumps(..., separators=(",", ":")) writes, a few times faster.
         prefix, quoted = f'{{"step":{int.__repr__(step)},"name":', _json_string
         self._append_text(
-            "".join(f'{prefix}{quoted(name)},"digest":{quoted(digest)}}}\n'
-                    for name, digest in entries)
+            "".join(
+                f'{prefix}{quoted(name)},"digest":{quoted(digest)}}}\n' for name, digest in entries
+            )
         )
 
     def _append(self, lines: list[dict]) -> None:
@@ -134,8 +135,9 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
     limit = MAX_LOG_BYTES if size is None else size
     raw = read_limited(path, limit, "signature log", prefix=size is not None)
     if size is not None and len(raw) < size:
-        raise BundleError(f"signature log {path} is {len(raw)} bytes, "
-                          f"expected at least {size} (truncated)")
+        raise BundleError(
+            f"signature log {path} is {len(raw)} bytes, expected at least {size} (truncated)"
+        )
     text = _decompress_frames(path, raw)
     lines = text.split("\n")[:-1] if text else []
     if len(lines) > MAX_ENTRIES:
@@ -176,22 +178,31 @@ def _decompress_frames(path: Path, raw: bytes) -> str:
         while raw:
             header = zstandard.get_frame_parameters(raw)
             if not header.has_checksum:
-                raise BundleError(f"signature log {path} is damaged: "
-                                  f"frame {len(parts)} has no checksum")
+                raise BundleError(
+                    f"signature log {path} is damaged: frame {len(parts)} has no checksum"
+                )
             total += header.content_size
             if total > MAX_TEXT_BYTES:
-                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} declares "
-                                  f"no size or more than {MAX_TEXT_BYTES} bytes of text in all")
+                raise BundleError(
+                    f"signature log {path} is damaged: frame {len(parts)} declares "
+                    f"no size or more than {MAX_TEXT_BYTES} bytes of text in all"
+                )
             frame = decompressor.decompressobj()
             chunk = frame.decompress(raw)
             if not frame.eof:
-                raise BundleError(f"signature log {path} is damaged: it ends in the middle of a frame (truncated)")
+                raise BundleError(
+                    f"signature log {path} is damaged: it ends in the middle of a frame (truncated)"
+                )
             if len(chunk) != header.content_size:
-                raise BundleError(f"signature log {path} is damaged: frame {len(parts)} holds "
-                                  f"{len(chunk)} bytes, its header says {header.content_size}")
+                raise BundleError(
+                    f"signature log {path} is damaged: frame {len(parts)} holds "
+                    f"{len(chunk)} bytes, its header says {header.content_size}"
+                )
             text = chunk.decode("utf-8")
             if not text.endswith("\n"):
-                raise BundleError(f"signature log {path} is damaged: a frame does not end with a complete line")
+                raise BundleError(
+                    f"signature log {path} is damaged: a frame does not end with a complete line"
+                )
             parts.append(text)
             raw = frame.unused_data
     except (zstandard.ZstdError, UnicodeDecodeError) as exc:

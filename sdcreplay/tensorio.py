@@ -33,7 +33,12 @@ _NATIVE = {
 }
 # Other dtypes are stored as unsigned words of their width (readable as bits),
 # and read back through the signed numpy type torch can wrap without a copy.
-_WORDS = {1: (np.uint8, np.uint8), 2: (np.uint16, np.int16), 4: (np.uint32, np.int32), 8: (np.uint64, np.int64)}
+_WORDS = {
+    1: (np.uint8, np.uint8),
+    2: (np.uint16, np.int16),
+    4: (np.uint32, np.int32),
+    8: (np.uint64, np.int64),
+}
 
 
 _INTEGER_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -73,9 +78,21 @@ def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> h5py.Dat
 
 
 _STORABLE = tuple(_NATIVE) + tuple(
-    dtype for dtype in (getattr(torch, name, None) for name in (
-        "bfloat16", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-        "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"))
+    dtype
+    for dtype in (
+        getattr(torch, name, None)
+        for name in (
+            "bfloat16",
+            "uint16",
+            "uint32",
+            "uint64",
+            "float8_e4m3fn",
+            "float8_e5m2",
+            "float8_e4m3fnuz",
+            "float8_e5m2fnuz",
+            "float8_e8m0fnu",
+        )
+    )
     if isinstance(dtype, torch.dtype)
 )
 MAX_DIMS = 64
@@ -93,24 +110,30 @@ def _tensor_layout(dataset: h5py.Dataset) -> tuple[torch.dtype, list[int]]:
     name = str(dataset.attrs["dtype"])
     dtype = dtype_from_name(name)
     if dtype not in _STORABLE:
-        raise BundleError(f"tensor {dataset.name} has dtype {name[:40]!r}, "
-                          "which sdcreplay never stores")
+        raise BundleError(
+            f"tensor {dataset.name} has dtype {name[:40]!r}, which sdcreplay never stores"
+        )
     stored = dataset.dtype
     expected = _storage_dtype(dtype)
     if stored.kind != expected.kind or stored.itemsize != expected.itemsize:
-        raise BundleError(f"tensor {dataset.name} is stored as HDF5 type {stored}, "
-                          f"expected {expected} for a {name} tensor")
+        raise BundleError(
+            f"tensor {dataset.name} is stored as HDF5 type {stored}, "
+            f"expected {expected} for a {name} tensor"
+        )
     shape_attr = np.asarray(dataset.attrs["shape"])
     integers = shape_attr.size == 0 or shape_attr.dtype.kind in "iu"
     if shape_attr.ndim != 1 or shape_attr.size > MAX_DIMS or not integers:
-        raise BundleError(f"tensor {dataset.name} has a malformed shape attribute "
-                          f"{str(shape_attr)[:60]}")
+        raise BundleError(
+            f"tensor {dataset.name} has a malformed shape attribute {str(shape_attr)[:60]}"
+        )
     shape = [int(n) for n in shape_attr]
     if any(n < 0 for n in shape):
         raise BundleError(f"tensor {dataset.name} has a negative dimension in its shape {shape}")
     if dataset.size * stored.itemsize > dataset.file.id.get_filesize():
-        raise BundleError(f"tensor {dataset.name} declares {dataset.size * stored.itemsize} bytes, "
-                          "more than its file holds")
+        raise BundleError(
+            f"tensor {dataset.name} declares {dataset.size * stored.itemsize} bytes, "
+            "more than its file holds"
+        )
     return dtype, shape
 
 
@@ -159,7 +182,9 @@ def _strides_fit(shape: list[int], stride: list[int]) -> bool:
 
 def _restride(tensor: torch.Tensor, stride: list[int]) -> torch.Tensor:
     """The same values laid out with ``stride``; stride-0 dimensions become a broadcast (expand)."""
-    broadcast = [i for i, (n, s) in enumerate(zip(tensor.shape, stride, strict=True)) if s == 0 and n > 1]
+    broadcast = [
+        i for i, (n, s) in enumerate(zip(tensor.shape, stride, strict=True)) if s == 0 and n > 1
+    ]
     base = tensor
     for dim in broadcast:
         base = base.narrow(dim, 0, 1)
@@ -221,7 +246,7 @@ def _encode(obj: Any, tensors: list[torch.Tensor]) -> dict:
 def _decode(node: Any, group: h5py.Group, keep_strides: bool = False) -> Any:
     if not isinstance(node, dict) or len(node) != 1:
         raise BundleError(f"{group.name}: malformed structure entry {str(node)[:80]!r}")
-    (kind, payload), = node.items()
+    ((kind, payload),) = node.items()
     if kind == "tensor":
         if not isinstance(payload, str) or payload not in group:
             raise BundleError(f"{group.name}: missing tensor {payload!r}")
@@ -240,7 +265,9 @@ def _decode(node: Any, group: h5py.Group, keep_strides: bool = False) -> Any:
             return torch.device(payload)
         except (RuntimeError, ValueError) as exc:
             raise BundleError(f"{group.name}: unknown device {payload[:40]!r}") from exc
-    if kind in ("layout", "memory_format") and isinstance(getattr(torch, str(payload), None), (torch.layout, torch.memory_format)):
+    if kind in ("layout", "memory_format") and isinstance(
+        getattr(torch, str(payload), None), (torch.layout, torch.memory_format)
+    ):
         return getattr(torch, payload)
     raise BundleError(f"{group.name}: malformed structure entry of kind {kind!r}")
 

@@ -68,8 +68,11 @@ def nvml_identity(uuid: str) -> dict:
     try:
         import pynvml
     except ImportError:
-        return {"available": False, "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
-                                            "for serial, VBIOS and ECC counters"}
+        return {
+            "available": False,
+            "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
+            "for serial, VBIOS and ECC counters",
+        }
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
@@ -84,10 +87,15 @@ def nvml_identity(uuid: str) -> dict:
             except pynvml.NVMLError as exc:  # not supported on this board, or no permission
                 return f"unavailable ({exc})"
 
-        identity = {key: ask(partial(query, handle))
-                    for key, query in _identity_queries(pynvml).items()}
-        return {"available": True, "driver": ask(pynvml.nvmlSystemGetDriverVersion),
-                "identity": identity, "health": _health(pynvml, handle, ask)}
+        identity = {
+            key: ask(partial(query, handle)) for key, query in _identity_queries(pynvml).items()
+        }
+        return {
+            "available": True,
+            "driver": ask(pynvml.nvmlSystemGetDriverVersion),
+            "identity": identity,
+            "health": _health(pynvml, handle, ask),
+        }
     except pynvml.NVMLError as exc:
         return {"available": False, "note": f"NVML: {exc}"}
     finally:
@@ -109,25 +117,50 @@ def _identity_queries(nvml) -> dict[str, Callable]:
 def _health(nvml, handle, ask: Callable[[Callable[[], Any]], Any]) -> dict:
     """ECC, retired pages, remapped rows, clocks, temperature and power of one GPU, now."""
     counters = (("volatile", nvml.NVML_VOLATILE_ECC), ("aggregate", nvml.NVML_AGGREGATE_ECC))
-    errors = (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-              ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
-    ecc = {f"{when}_{kind}": ask(partial(nvml.nvmlDeviceGetTotalEccErrors, handle, error, counter))
-           for when, counter in counters for kind, error in errors}
-    causes = (("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-              ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
-    retired = {cause: ask(lambda c=code: len(nvml.nvmlDeviceGetRetiredPages(handle, c)))
-               for cause, code in causes}
+    errors = (
+        ("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+        ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+    )
+    ecc = {
+        f"{when}_{kind}": ask(partial(nvml.nvmlDeviceGetTotalEccErrors, handle, error, counter))
+        for when, counter in counters
+        for kind, error in errors
+    }
+    causes = (
+        ("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+        ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
+    )
+    retired = {
+        cause: ask(lambda c=code: len(nvml.nvmlDeviceGetRetiredPages(handle, c)))
+        for cause, code in causes
+    }
     retired["pending"] = ask(lambda: bool(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)))
-    rows = ask(lambda: dict(zip(("correctable", "uncorrectable", "pending", "failure"),
-                                nvml.nvmlDeviceGetRemappedRows(handle), strict=True)))
-    clock_codes = (("graphics", nvml.NVML_CLOCK_GRAPHICS), ("sm", nvml.NVML_CLOCK_SM),
-                   ("memory", nvml.NVML_CLOCK_MEM))
-    clocks = {clock: ask(partial(nvml.nvmlDeviceGetClockInfo, handle, code))
-              for clock, code in clock_codes}
+    rows = ask(
+        lambda: dict(
+            zip(
+                ("correctable", "uncorrectable", "pending", "failure"),
+                nvml.nvmlDeviceGetRemappedRows(handle),
+                strict=True,
+            )
+        )
+    )
+    clock_codes = (
+        ("graphics", nvml.NVML_CLOCK_GRAPHICS),
+        ("sm", nvml.NVML_CLOCK_SM),
+        ("memory", nvml.NVML_CLOCK_MEM),
+    )
+    clocks = {
+        clock: ask(partial(nvml.nvmlDeviceGetClockInfo, handle, code))
+        for clock, code in clock_codes
+    }
     return {
-        "ecc": ecc, "retired_pages": retired, "remapped_rows": rows, "clocks_mhz": clocks,
+        "ecc": ecc,
+        "retired_pages": retired,
+        "remapped_rows": rows,
+        "clocks_mhz": clocks,
         "temperature_c": ask(
-            partial(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)),
+            partial(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+        ),
         "power_w": ask(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
         "power_limit_w": ask(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000),
     }
@@ -142,7 +175,10 @@ def ticket_document(result: dict, report: dict) -> dict:
     environment = determinism.environment(torch_device(result["device"]))
     reproduced = result["reproduced"]
     injected = result["inject"] or report.get("inject") or []  # here, or when bisect found the call
-    measured = {key: result[key] for key in ("trials", "failures", "rate", "ci95", "trials_to_first_failure")}
+    measured = {
+        key: result[key]
+        for key in ("trials", "failures", "rate", "ci95", "trials_to_first_failure")
+    }
     return {
         "schema": SCHEMA,
         "status": "reproduced" if reproduced else "not reproduced",
@@ -152,22 +188,39 @@ def ticket_document(result: dict, report: dict) -> dict:
         "device": device_identity(result["device"]),
         "reference": device_identity(result["reference"]),
         "observed_on": (report.get("environment") or {}).get("suspect"),
-        "software": {key: environment[key] for key in ("torch", "cuda", "cudnn", "python", "numpy", "platform", "host")},
+        "software": {
+            key: environment[key]
+            for key in ("torch", "cuda", "cudnn", "python", "numpy", "platform", "host")
+        },
         "switches": result["switches"],
-        "operator": {"op": result["op"], "kernels": result["kernels"], "dtypes": result["dtypes"], "site": result["site"]},
-        "shapes": {"original": result["input_shapes_original"], "minimal": result["input_shapes_minimal"],
-                   "shrink": result["shrink"]},
+        "operator": {
+            "op": result["op"],
+            "kernels": result["kernels"],
+            "dtypes": result["dtypes"],
+            "site": result["site"],
+        },
+        "shapes": {
+            "original": result["input_shapes_original"],
+            "minimal": result["input_shapes_minimal"],
+            "shrink": result["shrink"],
+        },
         "rate": measured,
         "minimal_rate": result["minimal"],
-        "reference_check": {"device": result["reference"], "trials": result["reference_trials"],
-                            "failures": result["reference_failures"]},
+        "reference_check": {
+            "device": result["reference"],
+            "trials": result["reference_trials"],
+            "failures": result["reference_failures"],
+        },
         "acceptance": result["acceptance"],
         "data_dependent": result["data_dependent"],
         "first_mismatch": result["first_mismatch"],
         "coordinates": result.get("coordinates"),
         "bits": result["bits"],
         "pattern": result["pattern"],
-        "bisect": {key: report.get(key) for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")},
+        "bisect": {
+            key: report.get(key)
+            for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")
+        },
         "commands": result["commands"],
         "reproduce": f"python {REPRO_FILE} --device {result['device']} --trials {max(result['trials'], 1000)}",
         "files": {"reproducer": REPRO_FILE, "inputs": INPUTS_FILE},
@@ -183,8 +236,10 @@ def _title(result: dict) -> str:
     if not result["reproduced"]:
         return f"{where}: not reproduced in {result['trials']} trials (rate below {_percent(result['ci95'][1])}, 95% upper bound)"
     low, high = result["ci95"]
-    return (f"{where} computes wrong: failed {result['failures']} of {result['trials']} trials "
-            f"({_percent(result['rate'])}, 95% interval {_percent(low)} to {_percent(high)})")
+    return (
+        f"{where} computes wrong: failed {result['failures']} of {result['trials']} trials "
+        f"({_percent(result['rate'])}, 95% interval {_percent(low)} to {_percent(high)})"
+    )
 
 
 def render_markdown(doc: dict) -> str:
@@ -193,56 +248,101 @@ def render_markdown(doc: dict) -> str:
     nvml = device.get("nvml") or {}
     lines = [f"# {doc['title']}", ""]
     if doc["drill"]:
-        lines += ["> **Drill:** the corruption was injected by sdcreplay (" + "; ".join(doc["injected_faults"])
-                  + "). This ticket tests the tooling; it says nothing about the hardware.", ""]
-    lines += ["## Reproduce", "", "```", doc["reproduce"], "```", "",
-              f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. It prints `failed F of N` and "
-              "the first mismatching element, and exits 1 if any trial failed.", "",
-              "## Device", "", "| | |", "| --- | --- |",
-              f"| label | {device['label']} |", f"| name | {device.get('name')} |"]
-    lines += [f"| {key.replace('_', ' ')} | {value} |"
-              for key, value in {**nvml.get("identity", {}), "driver": nvml.get("driver")}.items()
-              if key != "name" and value is not None]
+        lines += [
+            "> **Drill:** the corruption was injected by sdcreplay ("
+            + "; ".join(doc["injected_faults"])
+            + "). This ticket tests the tooling; it says nothing about the hardware.",
+            "",
+        ]
+    lines += [
+        "## Reproduce",
+        "",
+        "```",
+        doc["reproduce"],
+        "```",
+        "",
+        f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. It prints `failed F of N` and "
+        "the first mismatching element, and exits 1 if any trial failed.",
+        "",
+        "## Device",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| label | {device['label']} |",
+        f"| name | {device.get('name')} |",
+    ]
+    lines += [
+        f"| {key.replace('_', ' ')} | {value} |"
+        for key, value in {**nvml.get("identity", {}), "driver": nvml.get("driver")}.items()
+        if key != "name" and value is not None
+    ]
     if "cpu_affinity" in device:
-        lines.append(f"| cores | {device.get('cores')} (this process may run on {device['cpu_affinity']}) |")
+        lines.append(
+            f"| cores | {device.get('cores')} (this process may run on {device['cpu_affinity']}) |"
+        )
     if nvml and not nvml.get("available"):
         lines.append(f"| NVML | {nvml.get('note')} |")
     software = doc["software"]
-    lines += [f"| software | torch {software['torch']}, CUDA {software['cuda']}, cuDNN {software['cudnn']}, "
-              f"Python {software['python']} on {software['platform']} |", "",
-              "## Operator", "", "| | |", "| --- | --- |",
-              f"| operator | `{operator['op']}` |",
-              f"| kernels | {', '.join(f'`{k}`' for k in operator['kernels']) or '- (none recorded: CPU)'} |",
-              f"| dtypes | {', '.join(operator['dtypes'])} |",
-              f"| in training | step {operator['site']['step']}, {operator['site']['phase']}, "
-              f"module `{operator['site']['module']}`, call {operator['site']['index']} |",
-              f"| original input shapes | {shapes['original']} |",
-              f"| minimal input shapes | {shapes['minimal']} (shrink: {shapes['shrink']['status']}"
-              + (f", {shapes['shrink']['reason']}" if shapes["shrink"].get("reason") else "") + ") |", "",
-              "## Measurement", "", "| | |", "| --- | --- |"]
+    lines += [
+        f"| software | torch {software['torch']}, CUDA {software['cuda']}, cuDNN {software['cudnn']}, "
+        f"Python {software['python']} on {software['platform']} |",
+        "",
+        "## Operator",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| operator | `{operator['op']}` |",
+        f"| kernels | {', '.join(f'`{k}`' for k in operator['kernels']) or '- (none recorded: CPU)'} |",
+        f"| dtypes | {', '.join(operator['dtypes'])} |",
+        f"| in training | step {operator['site']['step']}, {operator['site']['phase']}, "
+        f"module `{operator['site']['module']}`, call {operator['site']['index']} |",
+        f"| original input shapes | {shapes['original']} |",
+        f"| minimal input shapes | {shapes['minimal']} (shrink: {shapes['shrink']['status']}"
+        + (f", {shapes['shrink']['reason']}" if shapes["shrink"].get("reason") else "")
+        + ") |",
+        "",
+        "## Measurement",
+        "",
+        "| | |",
+        "| --- | --- |",
+    ]
     rate = doc["rate"]
-    lines.append(f"| original inputs | failed {rate['failures']} of {rate['trials']} "
-                 f"({_percent(rate['rate'])}, 95% Wilson interval {_percent(rate['ci95'][0])} to {_percent(rate['ci95'][1])})"
-                 + (f", first at trial {rate['trials_to_first_failure']}" if rate["trials_to_first_failure"] else "") + " |")
+    lines.append(
+        f"| original inputs | failed {rate['failures']} of {rate['trials']} "
+        f"({_percent(rate['rate'])}, 95% Wilson interval {_percent(rate['ci95'][0])} to {_percent(rate['ci95'][1])})"
+        + (
+            f", first at trial {rate['trials_to_first_failure']}"
+            if rate["trials_to_first_failure"]
+            else ""
+        )
+        + " |"
+    )
     if doc["minimal_rate"]:
         minimal = doc["minimal_rate"]
-        lines.append(f"| minimal inputs | failed {minimal['failures']} of {minimal['trials']} "
-                     f"({_percent(minimal['rate'])}, 95% interval {_percent(minimal['ci95'][0])} to {_percent(minimal['ci95'][1])}) |")
+        lines.append(
+            f"| minimal inputs | failed {minimal['failures']} of {minimal['trials']} "
+            f"({_percent(minimal['rate'])}, 95% interval {_percent(minimal['ci95'][0])} to {_percent(minimal['ci95'][1])}) |"
+        )
     check = doc["reference_check"]
     acceptance = doc["acceptance"]
-    lines += [f"| reference {check['device']} | failed {check['failures']} of {check['trials']} |",
-              f"| acceptance rule | reference passes all {acceptance['good_trials']} good trials, "
-              f"suspect fails within {acceptance['bad_trials']} bad trials |",
-              f"| depends on the data | {_dependence(doc['data_dependent'])} |"]
+    lines += [
+        f"| reference {check['device']} | failed {check['failures']} of {check['trials']} |",
+        f"| acceptance rule | reference passes all {acceptance['good_trials']} good trials, "
+        f"suspect fails within {acceptance['bad_trials']} bad trials |",
+        f"| depends on the data | {_dependence(doc['data_dependent'])} |",
+    ]
     first = doc["first_mismatch"]
     if first and "index" in first:
-        lines += [f"| first mismatch | output {first['output']}, element {first['index']} at {first['position']} "
-                  f"of {first['count']} wrong in {first['total']}: expected {first['expected']}, actual {first['actual']}, "
-                  f"XOR mask 0x{first['xor']}"
-                  + (" (in the minimal inputs)" if doc.get("coordinates") else "") + " |",
-                  *_coordinate_lines(doc.get("coordinates")),
-                  f"| pattern | {doc['pattern']} |",
-                  f"| flipped bits | {', '.join(f'bit {b}: {n}' for b, n in (doc['bits'] or {}).get('histogram', {}).items())} |"]
+        lines += [
+            f"| first mismatch | output {first['output']}, element {first['index']} at {first['position']} "
+            f"of {first['count']} wrong in {first['total']}: expected {first['expected']}, actual {first['actual']}, "
+            f"XOR mask 0x{first['xor']}"
+            + (" (in the minimal inputs)" if doc.get("coordinates") else "")
+            + " |",
+            *_coordinate_lines(doc.get("coordinates")),
+            f"| pattern | {doc['pattern']} |",
+            f"| flipped bits | {', '.join(f'bit {b}: {n}' for b, n in (doc['bits'] or {}).get('histogram', {}).items())} |",
+        ]
     lines += _health_lines(nvml.get("health"))
     lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
     lines += _return_process_lines(device)
@@ -258,8 +358,10 @@ def _coordinate_lines(coordinates: dict | None) -> list[str]:
     where = f"element {original['position']}" if original else "no place"
     lines = [f"| in the original output | {where}: {coordinates['why']} |"]
     if first:
-        lines.append(f"| original inputs' first mismatch | output {first['output']}, "
-                     f"element {first['index']} at {first['position']} |")
+        lines.append(
+            f"| original inputs' first mismatch | output {first['output']}, "
+            f"element {first['index']} at {first['position']} |"
+        )
     return lines
 
 
@@ -270,36 +372,51 @@ def _health_lines(health: dict | None) -> list[str]:
     lines = ["", "## Device health when this ticket was written", "", "| | |", "| --- | --- |"]
     for group in ("ecc", "retired_pages", "remapped_rows", "clocks_mhz"):
         values = health[group]
-        shown = ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in values.items()) \
-            if isinstance(values, dict) else values
+        shown = (
+            ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in values.items())
+            if isinstance(values, dict)
+            else values
+        )
         lines.append(f"| {group.replace('_', ' ')} | {shown} |")
-    lines += [f"| {key.replace('_', ' ')} | {health[key]} |"
-              for key in ("temperature_c", "power_w", "power_limit_w")]
+    lines += [
+        f"| {key.replace('_', ' ')} | {health[key]} |"
+        for key in ("temperature_c", "power_w", "power_limit_w")
+    ]
     return lines
 
 
 def _return_process_lines(device: dict) -> list[str]:
     """What a vendor's return (RMA) process asks for besides this directory."""
     if device.get("type") != "cuda":
-        return ["## For the vendor", "",
-                "Attach this directory, the CPU's model, stepping and microcode (`lscpu`, "
-                "`grep microcode /proc/cpuinfo`) and the machine's serial (`dmidecode -t system`), "
-                "and the output of the vendor's own CPU diagnostic.", ""]
-    identity = (device.get("nvml") or {}).get("identity") or {}
-    board = ", ".join(f"{key.replace('_', ' ')} {identity[key]}"
-                      for key in ("serial", "board_part_number") if key in identity)
-    return ["## For the vendor's return process", "",
-            "A GPU return (RMA) asks for the board's identity "
-            f"({board or 'serial and part number from NVML'}) and evidence besides this directory:",
+        return [
+            "## For the vendor",
             "",
-            "- the output of `sudo nvidia-bug-report.sh` run on this host "
-            "(`nvidia-bug-report.log.gz`);",
-            "- the log of NVIDIA's field diagnostic (`fieldiag`, from the vendor's enterprise "
-            "support) for this serial, or where it is not at hand `dcgmi diag -r 3`;",
-            "- `nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER,CLOCK,TEMPERATURE,POWER` "
-            "(the health above, as the vendor's tools print it);",
-            "- this directory: `repro.py` and `inputs.h5` reproduce the failure on the board "
-            "alone.", ""]
+            "Attach this directory, the CPU's model, stepping and microcode (`lscpu`, "
+            "`grep microcode /proc/cpuinfo`) and the machine's serial (`dmidecode -t system`), "
+            "and the output of the vendor's own CPU diagnostic.",
+            "",
+        ]
+    identity = (device.get("nvml") or {}).get("identity") or {}
+    board = ", ".join(
+        f"{key.replace('_', ' ')} {identity[key]}"
+        for key in ("serial", "board_part_number")
+        if key in identity
+    )
+    return [
+        "## For the vendor's return process",
+        "",
+        "A GPU return (RMA) asks for the board's identity "
+        f"({board or 'serial and part number from NVML'}) and evidence besides this directory:",
+        "",
+        "- the output of `sudo nvidia-bug-report.sh` run on this host "
+        "(`nvidia-bug-report.log.gz`);",
+        "- the log of NVIDIA's field diagnostic (`fieldiag`, from the vendor's enterprise "
+        "support) for this serial, or where it is not at hand `dcgmi diag -r 3`;",
+        "- `nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER,CLOCK,TEMPERATURE,POWER` "
+        "(the health above, as the vendor's tools print it);",
+        "- this directory: `repro.py` and `inputs.h5` reproduce the failure on the board alone.",
+        "",
+    ]
 
 
 def _dependence(data_dependent: bool | None) -> str:
@@ -314,8 +431,10 @@ def write_ticket(target: Path, result: dict, report: dict, case: OperatorCase) -
     """Write the ticket directory for ``result`` (replacing one already there)."""
     target = Path(target)
     if target.exists() and not (target / JSON_FILE).is_file():
-        raise SdcReplayError(f"{target} exists and is not a ticket directory",
-                             "Name a new --out directory, or remove that one.")
+        raise SdcReplayError(
+            f"{target} exists and is not a ticket directory",
+            "Name a new --out directory, or remove that one.",
+        )
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

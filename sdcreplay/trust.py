@@ -63,8 +63,11 @@ def sign(document: dict) -> str | None:
 
 def signed_here(document: dict) -> bool:
     key, signature = _secret(create=False), document.get(SIGNATURE)
-    return (key is not None and isinstance(signature, str)
-            and hmac.compare_digest(_mac(document, key), signature))
+    return (
+        key is not None
+        and isinstance(signature, str)
+        and hmac.compare_digest(_mac(document, key), signature)
+    )
 
 
 def granted() -> set[str]:

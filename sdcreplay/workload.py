@@ -56,7 +56,6 @@ class Workload:
         self.optimizer.zero_grad()
         return loss
 
-
     def loss(self, batch: Any) -> torch.Tensor:
         """``loss_fn``'s value, refused by name when it is not one number (backward needs one)."""
         loss = self.loss_fn(self.model, batch)

@@ -52,8 +52,10 @@ def preserved_global_state() -> Iterator[None]:
         "precision": torch.get_float32_matmul_precision(),
         "threads": torch.get_num_threads(),
     }
-    env = {name: os.environ.get(name)
-           for name in (*determinism.SWITCH_ENV_VARS, *determinism.PINNED_ENV.values())}
+    env = {
+        name: os.environ.get(name)
+        for name in (*determinism.SWITCH_ENV_VARS, *determinism.PINNED_ENV.values())
+    }
     try:
         yield
     finally:
@@ -105,7 +107,9 @@ def cli():
     runner = CliRunner()
 
     def invoke(*args: str, env: dict | None = None):
-        return runner.invoke(app, [str(arg) for arg in args], env={"SDCREPLAY_DEBUG": None, **(env or {})})
+        return runner.invoke(
+            app, [str(arg) for arg in args], env={"SDCREPLAY_DEBUG": None, **(env or {})}
+        )
 
     return invoke
 
@@ -130,13 +134,19 @@ def run_exe(tmp_path: Path):
     """Run the installed ``sdcreplay`` console script in a real process (cwd: tmp_path)."""
     exe = _console_script()
 
-    def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    def run(
+        *args: str, env: dict | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
         full_env = {**os.environ, **(env or {})}  # a None value removes the variable
         full_env = {name: value for name, value in full_env.items() if value is not None}
         full_env.pop("SDCREPLAY_DEBUG", None)
         return subprocess.run(
-            [exe, *[str(arg) for arg in args]], cwd=tmp_path, env=full_env,
-            capture_output=True, text=True, timeout=timeout,
+            [exe, *[str(arg) for arg in args]],
+            cwd=tmp_path,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
 
     return run

@@ -51,14 +51,34 @@ MEMFLIP = "kind=memflip,param=layers.0.mlp.w1.weight,step=1,index=7,bit=20,devic
 INTERMITTENT = "kind=bitflip,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,nth=0,index=2,bit=19,p=0.2,seed=13,device=cpu:1"
 # Memory corrupted at rest (a fault on a view corrupts the memory it aliases): the gradient of
 # layers.0.mlp.w2.weight after the backward mm made it, and RMSNorm's rsqrt before the mul reads it.
-AT_REST_BACKWARD = ("kind=bitflip,op=aten.detach,module=layers.0.mlp.w2,phase=backward,step=1,"
-                    "nth=0,index=3,bit=30,device=cpu:1")
-AT_REST_FORWARD = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,"
-                   "step=1,nth=0,index=5,bit=31,device=cpu:1")
+AT_REST_BACKWARD = (
+    "kind=bitflip,op=aten.detach,module=layers.0.mlp.w2,phase=backward,step=1,"
+    "nth=0,index=3,bit=30,device=cpu:1"
+)
+AT_REST_FORWARD = (
+    "kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,"
+    "step=1,nth=0,index=5,bit=31,device=cpu:1"
+)
 RECORDED = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"
 
-JSON_KEYS = {"schema", "verdict", "step", "phase", "module", "op", "op_index", "kernels", "isolated",
-             "elements", "bits", "pattern", "suspect", "reference", "repeats_run", "report"}
+JSON_KEYS = {
+    "schema",
+    "verdict",
+    "step",
+    "phase",
+    "module",
+    "op",
+    "op_index",
+    "kernels",
+    "isolated",
+    "elements",
+    "bits",
+    "pattern",
+    "suspect",
+    "reference",
+    "repeats_run",
+    "report",
+}
 
 
 def _has_plot() -> bool:
@@ -67,6 +87,7 @@ def _has_plot() -> bool:
 
 # ---------------------------------------------------------------------------
 # Bundles (one of each per module) and the bisect runs of this module.
+
 
 @pytest.fixture(scope="module")
 def llama_bundle(tmp_path_factory) -> Path:
@@ -86,7 +107,9 @@ def moe_bundle(tmp_path_factory) -> Path:
 def faulty_bundle(tmp_path_factory) -> Path:
     """Recorded on a 'defective' device: the fault fired during the recording itself."""
     out = tmp_path_factory.mktemp("faulty") / "faulty.bundle"
-    sdcreplay.record("builtin:tiny-llama", out, steps=STEPS, seed=0, kwargs=dict(LLAMA), inject=[RECORDED])
+    sdcreplay.record(
+        "builtin:tiny-llama", out, steps=STEPS, seed=0, kwargs=dict(LLAMA), inject=[RECORDED]
+    )
     return out
 
 
@@ -155,11 +178,16 @@ RUNS: dict[str, tuple[str, dict]] = {
     "moe_scatter": ("moe_bundle", {"suspect": "cpu:1", "step": 1, "inject": [MOE_SCATTER]}),
     "moe_gather": ("moe_bundle", {"suspect": "cpu:1", "step": 1, "inject": [MOE_GATHER]}),
     "memflip": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "inject": [MEMFLIP]}),
-    "intermittent": ("llama_bundle", {"suspect": "cpu:1", "step": 1, "repeats": 20, "inject": [INTERMITTENT]}),
+    "intermittent": (
+        "llama_bundle",
+        {"suspect": "cpu:1", "step": 1, "repeats": 20, "inject": [INTERMITTENT]},
+    ),
     # No --step: the report's phase must agree with the first divergent signature entry.
     "at_rest_backward": ("llama_bundle", {"suspect": "cpu:1", "inject": [AT_REST_BACKWARD]}),
-    "at_rest_forward": ("llama_bundle",
-                        {"suspect": "cpu:1", "step": 1, "inject": [AT_REST_FORWARD]}),
+    "at_rest_forward": (
+        "llama_bundle",
+        {"suspect": "cpu:1", "step": 1, "inject": [AT_REST_FORWARD]},
+    ),
     "clean": ("llama_bundle", {"suspect": "cpu:1"}),
     "clean_recording_at_step": ("llama_bundle", {"step": 1}),
     "faulty_record_clean_suspect": ("faulty_bundle", {"suspect": "cpu:1"}),
@@ -187,7 +215,11 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(llama_bundle, moe_bundle, faulty_bundle, tmp_path_factory) -> Runs:
-    bundles = {"llama_bundle": llama_bundle, "moe_bundle": moe_bundle, "faulty_bundle": faulty_bundle}
+    bundles = {
+        "llama_bundle": llama_bundle,
+        "moe_bundle": moe_bundle,
+        "faulty_bundle": faulty_bundle,
+    }
     return Runs(bundles, tmp_path_factory.mktemp("reports"))
 
 
@@ -210,6 +242,7 @@ def only_fired_at(bundle: Path, spec: str, repeat: int) -> dict:
 # ---------------------------------------------------------------------------
 # Command-line runs.
 
+
 @pytest.fixture(scope="module")
 def forward_cli(llama_bundle, tmp_path_factory) -> dict:
     """``sdcreplay bisect --json`` on a forward bitflip (and --plot when plot.py is there)."""
@@ -218,8 +251,21 @@ def forward_cli(llama_bundle, tmp_path_factory) -> dict:
     from sdcreplay.cli import app
 
     out = tmp_path_factory.mktemp("forward") / "report"
-    args = ["bisect", str(llama_bundle), "--suspect", "cpu:1", "--reference", "cpu:0", "--step", "1",
-            "--inject", FORWARD, "--out", str(out), "--json"]
+    args = [
+        "bisect",
+        str(llama_bundle),
+        "--suspect",
+        "cpu:1",
+        "--reference",
+        "cpu:0",
+        "--step",
+        "1",
+        "--inject",
+        FORWARD,
+        "--out",
+        str(out),
+        "--json",
+    ]
     plot = out.parent / "heatmap.png"
     if _has_plot():
         args += ["--plot", str(plot)]
@@ -235,7 +281,12 @@ def test_forward_bitflip_names_the_call_elements_and_bit(forward_cli, llama_bund
     report = json.loads(result.stdout)
     fired = only_fired(llama_bundle, FORWARD)
     assert (report["verdict"], report["step"], report["phase"], report["module"], report["op"]) == (
-        "divergence", 1, "forward", "layers.1.attn.wq", "aten.mm.default")
+        "divergence",
+        1,
+        "forward",
+        "layers.1.attn.wq",
+        "aten.mm.default",
+    )
     assert report["op_index"] == fired["op_index"]
     assert report["isolated"] == "kernel"
     assert report["isolation"] == {"runs": 3, "failures": 3, "first_failure": 0}
@@ -263,7 +314,12 @@ def test_json_has_the_contract_keys_and_equals_report_json(forward_cli):
 
 def test_operator_file_reproduces_the_reference_output(forward_cli):
     case = OperatorCase.read(forward_cli["out"] / OPERATOR_FILE)
-    assert (case.site.step, case.site.phase, case.site.module, case.op) == (1, "forward", "layers.1.attn.wq", "aten.mm.default")
+    assert (case.site.step, case.site.phase, case.site.module, case.op) == (
+        1,
+        "forward",
+        "layers.1.attn.wq",
+        "aten.mm.default",
+    )
     op = resolve_op(case.op)
     args, kwargs = place((list(case.args), case.kwargs), torch.device("cpu"))
     out = op(*args, **kwargs)
@@ -272,12 +328,16 @@ def test_operator_file_reproduces_the_reference_output(forward_cli):
     xor = (expected.view(torch.int32) ^ actual.view(torch.int32)).flatten()
     assert torch.nonzero(xor).flatten().tolist() == [5]
     assert int(xor[5]) == 1 << 13
-    assert case.suspect_args is not None and all(torch.equal(a, b) for a, b in zip(case.args, case.suspect_args))
+    assert case.suspect_args is not None and all(
+        torch.equal(a, b) for a, b in zip(case.args, case.suspect_args)
+    )
 
 
 def test_plot_heatmap_is_written(forward_cli):
     if not _has_plot():
-        pytest.skip("sdcreplay/plot.py is not in this tree yet (another change adds it); --plot was not passed")
+        pytest.skip(
+            "sdcreplay/plot.py is not in this tree yet (another change adds it); --plot was not passed"
+        )
     result = forward_cli["result"]
     assert result.exit_code == 1, result.stderr
     plot = forward_cli["plot"]
@@ -287,10 +347,30 @@ def test_plot_heatmap_is_written(forward_cli):
 
 OPERATOR_CASES = {
     # case: (bundle fixture, spec, (phase, module, op), pattern, bits flipped per element)
-    "backward": ("llama_bundle", BACKWARD, ("backward", "layers.0.mlp.w2", "aten.mm.default"), "two elements, same bit"),
-    "optimizer": ("llama_bundle", OPTIMIZER, ("optimizer", "layers.1.attn.wk.weight", "aten.addcdiv_.default"), "single element"),
-    "moe_scatter": ("moe_bundle", MOE_SCATTER, ("forward", "layers.0.moe", "aten.index_add_.default"), "single element"),
-    "moe_gather": ("moe_bundle", MOE_GATHER, ("forward", "layers.1.moe", "aten.index_select.default"), "single element"),
+    "backward": (
+        "llama_bundle",
+        BACKWARD,
+        ("backward", "layers.0.mlp.w2", "aten.mm.default"),
+        "two elements, same bit",
+    ),
+    "optimizer": (
+        "llama_bundle",
+        OPTIMIZER,
+        ("optimizer", "layers.1.attn.wk.weight", "aten.addcdiv_.default"),
+        "single element",
+    ),
+    "moe_scatter": (
+        "moe_bundle",
+        MOE_SCATTER,
+        ("forward", "layers.0.moe", "aten.index_add_.default"),
+        "single element",
+    ),
+    "moe_gather": (
+        "moe_bundle",
+        MOE_GATHER,
+        ("forward", "layers.1.moe", "aten.index_select.default"),
+        "single element",
+    ),
 }
 
 
@@ -301,7 +381,12 @@ def test_fault_on_a_named_call_is_named_exactly(case, runs, request):
     fired = only_fired(bundle, spec)
     report = runs.get(case).to_json()
     assert report["verdict"] == "divergence"
-    assert (report["step"], report["phase"], report["module"], report["op"]) == (1, phase, module, op)
+    assert (report["step"], report["phase"], report["module"], report["op"]) == (
+        1,
+        phase,
+        module,
+        op,
+    )
     assert (fired["phase"], fired["module"], fired["op"]) == (phase, module, op)
     assert report["op_index"] == fired["op_index"]
     assert report["isolated"] == "kernel"
@@ -326,21 +411,31 @@ def test_pairflip_in_backward_reports_both_elements_and_the_bit(runs, llama_bund
 def test_without_step_the_first_divergent_step_is_found(runs):
     report = runs.get("optimizer").to_json()
     assert report["step"] == 1
-    assert report["first_entry"] == {"step": 1, "phase": "optimizer", "name": "param:layers.1.attn.wk.weight"}
+    assert report["first_entry"] == {
+        "step": 1,
+        "phase": "optimizer",
+        "name": "param:layers.1.attn.wk.weight",
+    }
     assert report["replay"]["consensus"]["suspects"] == ["cpu:1"]
 
 
 def test_memflip_is_state_entering_the_step_and_upstream(runs, llama_bundle):
     # The first call that reads the weight: the first mm under layers.0.mlp.w1 in the forward
     # (its transpose is a view and computes nothing); a marker fault finds its index.
-    reader = only_fired(llama_bundle, "kind=bitflip,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,nth=0")
+    reader = only_fired(
+        llama_bundle, "kind=bitflip,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,nth=0"
+    )
     report = runs.get("memflip").to_json()
     assert report["verdict"] == "divergence" and report["step"] == 1
     [state] = report["state"]
     assert state["tensor"] == "param:layers.0.mlp.w1.weight"
     assert (state["count"], state["indices"], state["bits"]["histogram"]) == (1, [7], {"20": 1})
     assert state["pattern"] == "single element"
-    assert (report["phase"], report["module"], report["op"]) == ("forward", "layers.0.mlp.w1", "aten.mm.default")
+    assert (report["phase"], report["module"], report["op"]) == (
+        "forward",
+        "layers.0.mlp.w1",
+        "aten.mm.default",
+    )
     assert report["op_index"] == reader["op_index"]
     assert report["isolated"] == "upstream"
     assert report["isolation"]["failures"] == 0
@@ -351,25 +446,42 @@ def test_memflip_is_state_entering_the_step_and_upstream(runs, llama_bundle):
     assert (upstream["input"]["name"], upstream["elements"]["count"]) == ("mat2", 1)
 
 
-@pytest.mark.parametrize("case, producer_spec, producer, reader, first_input, element_bit", [
-    ("at_rest_backward",
-     "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0",
-     ("aten.mm.default", "layers.0.mlp.w2", "backward"),
-     ("aten.lerp_.Scalar", "layers.0.mlp.w2.weight", "optimizer"), (1, "end"), (3, 30)),
-    ("at_rest_forward", "kind=bitflip,op=aten.rsqrt,module=layers.1.ffn_norm,phase=forward,step=1",
-     ("aten.rsqrt.default", "layers.1.ffn_norm", "forward"),
-     ("aten.mul.Tensor", "layers.1.ffn_norm", "forward"), (1, "other"), (5, 31)),
-])
+@pytest.mark.parametrize(
+    "case, producer_spec, producer, reader, first_input, element_bit",
+    [
+        (
+            "at_rest_backward",
+            "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0",
+            ("aten.mm.default", "layers.0.mlp.w2", "backward"),
+            ("aten.lerp_.Scalar", "layers.0.mlp.w2.weight", "optimizer"),
+            (1, "end"),
+            (3, 30),
+        ),
+        (
+            "at_rest_forward",
+            "kind=bitflip,op=aten.rsqrt,module=layers.1.ffn_norm,phase=forward,step=1",
+            ("aten.rsqrt.default", "layers.1.ffn_norm", "forward"),
+            ("aten.mul.Tensor", "layers.1.ffn_norm", "forward"),
+            (1, "other"),
+            (5, 31),
+        ),
+    ],
+)
 def test_memory_corrupted_at_rest_names_the_producer_and_the_reader(
-        case, producer_spec, producer, reader, first_input, element_bit, runs, llama_bundle):
+    case, producer_spec, producer, reader, first_input, element_bit, runs, llama_bundle
+):
     made = only_fired(llama_bundle, producer_spec)  # where the producing call runs, by the injector
     fault = only_fired(llama_bundle, RUNS[case][1]["inject"][0])  # the view call that corrupted it
     report = runs.get(case).to_json()  # no replay process died: bisect raises if one does
     upstream = report["upstream"]
     assert report["isolated"] == "upstream" and upstream["at_rest"] is True
-    assert upstream["producer"] == {"index": made["op_index"], "op": producer[0],
-                                    "module": producer[1], "phase": producer[2],
-                                    "matched_reference": True}
+    assert upstream["producer"] == {
+        "index": made["op_index"],
+        "op": producer[0],
+        "module": producer[1],
+        "phase": producer[2],
+        "matched_reference": True,
+    }
     assert made["op_index"] < fault["op_index"] < report["op_index"]
     seen_reader = upstream["reader"]
     assert (seen_reader["op"], seen_reader["module"], seen_reader["phase"]) == reader
@@ -386,8 +498,11 @@ def test_memory_corrupted_at_rest_names_the_producer_and_the_reader(
 
 def test_at_rest_in_the_backward_agrees_with_the_first_divergent_entry(runs):
     report = runs.get("at_rest_backward").to_json()
-    assert report["first_entry"] == {"step": 1, "phase": "backward",
-                                     "name": "grad:layers.0.mlp.w2.weight"}
+    assert report["first_entry"] == {
+        "step": 1,
+        "phase": "backward",
+        "name": "grad:layers.0.mlp.w2.weight",
+    }
     assert report["phase"] == report["first_entry"]["phase"] == "backward"
     assert report["site"]["phase"] == "optimizer"  # the reader, kept in the JSON
 
@@ -400,7 +515,11 @@ def test_intermittent_fault_found_within_repeats(runs, llama_bundle):
     assert report["verdict"] == "divergence"
     assert 1 < report["repeats_run"] <= 20
     assert report["repeats_run"] == first_hit + 1
-    assert (report["phase"], report["module"], report["op"]) == ("forward", "layers.1.mlp.w3", "aten.mm.default")
+    assert (report["phase"], report["module"], report["op"]) == (
+        "forward",
+        "layers.1.mlp.w3",
+        "aten.mm.default",
+    )
     assert report["op_index"] == fired["op_index"]
     assert report["elements"]["indices"] == [2] and report["bits"]["histogram"] == {"19": 1}
     # Alone, the call is re-run 20 times; a p=0.2 fault may or may not fire there.
@@ -413,7 +532,9 @@ def test_clean_bundle_has_no_divergence(runs):
     result = runs.get("clean")
     report = result.to_json()
     assert (report["verdict"], report["step"], result.exit_code) == ("no_divergence", None, 0)
-    assert json.loads((Path(report["report"]) / REPORT_FILE).read_text()) == json.loads(json.dumps(report, default=str))
+    assert json.loads((Path(report["report"]) / REPORT_FILE).read_text()) == json.loads(
+        json.dumps(report, default=str)
+    )
 
 
 def test_clean_recording_with_step_and_no_suspect_has_no_divergence(runs):
@@ -426,12 +547,31 @@ def test_no_suspect_names_the_first_divergent_entry_and_what_to_run_next(faulty_
 
     from sdcreplay.cli import app
 
-    result = CliRunner().invoke(app, ["bisect", str(faulty_bundle), "--reference", "cpu:0",
-                                      "--out", str(tmp_path / "report"), "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bisect",
+            str(faulty_bundle),
+            "--reference",
+            "cpu:0",
+            "--out",
+            str(tmp_path / "report"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 1, result.stderr
     report = json.loads(result.stdout)
-    assert (report["verdict"], report["suspect"], report["step"], report["phase"]) == ("divergence", "record", 1, "forward")
-    assert (report["entry"], report["module"], report["op"]) == ("forward:layers.1.attn.wq", "layers.1.attn.wq", None)
+    assert (report["verdict"], report["suspect"], report["step"], report["phase"]) == (
+        "divergence",
+        "record",
+        1,
+        "forward",
+    )
+    assert (report["entry"], report["module"], report["op"]) == (
+        "forward:layers.1.attn.wq",
+        "layers.1.attn.wq",
+        None,
+    )
     assert "--suspect" in report["next"] and "cpu" in report["next"]
     assert "--suspect" in result.stderr
 
@@ -441,8 +581,19 @@ def test_structural_difference_stops_with_exit_3(structural_bundle, tmp_path):
 
     from sdcreplay.cli import app
 
-    result = CliRunner().invoke(app, ["bisect", str(structural_bundle), "--suspect", "cpu:1", "--step", "0",
-                                      "--out", str(tmp_path / "report")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bisect",
+            str(structural_bundle),
+            "--suspect",
+            "cpu:1",
+            "--step",
+            "0",
+            "--out",
+            str(tmp_path / "report"),
+        ],
+    )
     assert result.exit_code == 3
     assert "Error:" in result.stderr and "Hint:" in result.stderr
     assert "different sequence of operators" in result.stderr
@@ -450,7 +601,9 @@ def test_structural_difference_stops_with_exit_3(structural_bundle, tmp_path):
     assert "Traceback" not in result.output + result.stderr
 
 
-def test_suspect_running_fewer_operators_is_a_structural_difference(structural_bundle, tmp_path, monkeypatch):
+def test_suspect_running_fewer_operators_is_a_structural_difference(
+    structural_bundle, tmp_path, monkeypatch
+):
     """cpu:2 skips the step's last call: its calls are a strict prefix of the reference's.
 
     The two operator-level replays run here, in this process (the device
@@ -462,15 +615,23 @@ def test_suspect_running_fewer_operators_is_a_structural_difference(structural_b
     monkeypatch.setenv("SDCREPLAY_DEVICE", "cpu:2")
     suspect = run_oplog_task(**task, device="cpu:2", expected_log=reference["oplog"], repeats=1)
     made = reference["operators"] - 1
-    assert suspect == {"structure_error": f"operator call {made}: nothing here, aten.mul_.Tensor under <outside> "
-                                          "(forward) on the reference", "repeat": 0, "steps_run": 1}
+    assert suspect == {
+        "structure_error": f"operator call {made}: nothing here, aten.mul_.Tensor under <outside> "
+        "(forward) on the reference",
+        "repeat": 0,
+        "steps_run": 1,
+    }
 
 
 def test_suspect_that_reproduces_the_reference_points_at_the_recording(runs):
     result = runs.get("faulty_record_clean_suspect")
     report = result.to_json()
     assert (report["verdict"], report["step"], result.exit_code) == ("no_divergence", None, 0)
-    assert report["record_first_entry"] == {"step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+    assert report["record_first_entry"] == {
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.1.attn.wq",
+    }
     assert "the device that recorded (cpu on" in report["next"] and "--suspect" in report["next"]
 
 
@@ -478,14 +639,18 @@ def test_suspect_that_reproduces_the_reference_points_at_the_recording(runs):
 def test_bisect_from_a_plain_python_script(llama_bundle, tmp_path):
     """The library is callable from Python: a script calling bisect() at top level works."""
     script = tmp_path / "plain_script.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         from sdcreplay.bisect import bisect
 
         print("script body ran")
         result = bisect({str(llama_bundle)!r}, suspect="cpu:1", step=1, out={str(tmp_path / "report")!r})
         print("verdict", result.to_json()["verdict"])
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("script body ran") == 1
     assert "verdict no_divergence" in done.stdout
@@ -495,18 +660,33 @@ def test_first_divergence_is_against_the_trusted_reference(faulty_bundle):
     """The recording and one replay have no majority; the reference is trusted, not outvoted."""
     trusted = sdcreplay.replay_on_device(faulty_bundle, "cpu:0")
     recording = sdcreplay.Bundle.open(faulty_bundle).signature_log()
-    later = sdcreplay.replay_on_device(faulty_bundle, "cpu:1", inject=[OPTIMIZER])  # step 1, optimizer
-    earlier = sdcreplay.replay_on_device(faulty_bundle, "cpu:1", inject=[OPTIMIZER.replace("step=1", "step=0")])
+    later = sdcreplay.replay_on_device(
+        faulty_bundle, "cpu:1", inject=[OPTIMIZER]
+    )  # step 1, optimizer
+    earlier = sdcreplay.replay_on_device(
+        faulty_bundle, "cpu:1", inject=[OPTIMIZER.replace("step=1", "step=0")]
+    )
     assert _first_divergence(trusted, [trusted]) is None
-    assert _first_divergence(trusted, [recording]).brief() == {"step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
-    for logs in ([later, recording], [recording, later]):  # earliest in execution order, whichever log
+    assert _first_divergence(trusted, [recording]).brief() == {
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.1.attn.wq",
+    }
+    for logs in (
+        [later, recording],
+        [recording, later],
+    ):  # earliest in execution order, whichever log
         assert _first_divergence(trusted, logs).name == "forward:layers.1.attn.wq"
     assert _first_divergence(trusted, [recording, later, earlier]).brief() == {
-        "step": 0, "phase": "optimizer", "name": "param:layers.1.attn.wk.weight"}
+        "step": 0,
+        "phase": "optimizer",
+        "name": "param:layers.1.attn.wk.weight",
+    }
 
 
 # ---------------------------------------------------------------------------
 # element_forensics: what the damage looks like.
+
 
 def _flip(tensor: torch.Tensor, indices: list[int], bit: int) -> torch.Tensor:
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
@@ -522,18 +702,32 @@ def test_forensics_single_element():
     expected = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     actual = _flip(expected, [5], 22)  # 5.0 -> 7.0
     report = element_forensics(expected, actual)
-    assert (report["count"], report["total"], report["indices"], report["positions"]) == (1, 12, [5], [[1, 1]])
+    assert (report["count"], report["total"], report["indices"], report["positions"]) == (
+        1,
+        12,
+        [5],
+        [[1, 1]],
+    )
     assert report["xor"] == ["00400000"]
     assert (report["expected"], report["actual"]) == ([5.0], [7.0])
     assert report["bits"] == {"width": 32, "histogram": {"22": 1}}
     assert report["max_abs_diff"] == 2.0 and report["max_rel_diff"] == 0.4
-    assert (report["pattern"], report["dtype"], report["shape"]) == ("single element", "float32", [3, 4])
+    assert (report["pattern"], report["dtype"], report["shape"]) == (
+        "single element",
+        "float32",
+        [3, 4],
+    )
 
 
 def test_forensics_identical_tensors():
     tensor = torch.randn(4, 4)
     report = element_forensics(tensor, tensor.clone())
-    assert (report["count"], report["indices"], report["pattern"], report["max_abs_diff"]) == (0, [], "none", 0.0)
+    assert (report["count"], report["indices"], report["pattern"], report["max_abs_diff"]) == (
+        0,
+        [],
+        "none",
+        0.0,
+    )
 
 
 def test_forensics_pair_with_the_same_bit():
@@ -549,20 +743,27 @@ def test_forensics_swap():
     actual = expected.clone()
     actual[0, 1], actual[2, 3] = expected[2, 3], expected[0, 1]
     report = element_forensics(expected, actual)
-    assert (report["count"], report["indices"], report["pattern"]) == (2, [1, 11], "two elements swapped")
+    assert (report["count"], report["indices"], report["pattern"]) == (
+        2,
+        [1, 11],
+        "two elements swapped",
+    )
     assert (report["expected"], report["actual"]) == ([2.0, 12.0], [12.0, 2.0])
 
 
-@pytest.mark.parametrize(("shape", "region", "pattern"), [
-    ((4, 8), (1, slice(2, 6)), "row segment"),
-    ((4, 8), (slice(0, 4), 5), "column segment"),
-    ((4, 8), (slice(1, 3), slice(2, 5)), "block 2x3"),
-    ((4, 8), ([1, 1], [0, 6]), "scattered in one row"),
-    ((4, 8), ([0, 3], [2, 2]), "scattered in one column"),
-    ((4, 8), ([0, 1, 3], [1, 6, 2]), "scattered"),
-    ((32,), slice(3, 32, 7), "strided (every 7 elements)"),
-    ((4, 8), None, "strided (every 3 elements)"),
-])
+@pytest.mark.parametrize(
+    ("shape", "region", "pattern"),
+    [
+        ((4, 8), (1, slice(2, 6)), "row segment"),
+        ((4, 8), (slice(0, 4), 5), "column segment"),
+        ((4, 8), (slice(1, 3), slice(2, 5)), "block 2x3"),
+        ((4, 8), ([1, 1], [0, 6]), "scattered in one row"),
+        ((4, 8), ([0, 3], [2, 2]), "scattered in one column"),
+        ((4, 8), ([0, 1, 3], [1, 6, 2]), "scattered"),
+        ((32,), slice(3, 32, 7), "strided (every 7 elements)"),
+        ((4, 8), None, "strided (every 3 elements)"),
+    ],
+)
 def test_forensics_pattern_shapes(shape, region, pattern):
     expected = torch.arange(1, 33, dtype=torch.float32).reshape(shape)
     actual = expected.clone()
@@ -580,7 +781,12 @@ def test_forensics_nan_is_compared_bitwise():
     actual = expected.clone()
     actual[2] = float("nan")
     report = element_forensics(expected, actual)
-    assert (report["count"], report["indices"], report["expected"], report["actual"]) == (1, [2], [3.0], ["nan"])
+    assert (report["count"], report["indices"], report["expected"], report["actual"]) == (
+        1,
+        [2],
+        [3.0],
+        ["nan"],
+    )
     assert report["max_abs_diff"] == "nan"
     other_payload = _flip(expected, [1], 0)  # still a NaN, other bits
     assert torch.isnan(other_payload[1])
@@ -590,26 +796,41 @@ def test_forensics_nan_is_compared_bitwise():
 def test_forensics_sign_bit_of_a_negative_float32():
     expected = torch.tensor([-1.5, 2.0])
     report = element_forensics(expected, _flip(expected, [0], 31))
-    assert (report["xor"], report["bits"]["histogram"], report["actual"]) == (["80000000"], {"31": 1}, [1.5])
+    assert (report["xor"], report["bits"]["histogram"], report["actual"]) == (
+        ["80000000"],
+        {"31": 1},
+        [1.5],
+    )
     assert report["max_abs_diff"] == 3.0
 
 
 def test_forensics_bfloat16():
     expected = torch.tensor([[1.0, -2.0], [3.0, 0.5]], dtype=torch.bfloat16)
     report = element_forensics(expected, _flip(expected, [1, 2], 15))
-    assert (report["dtype"], report["bits"]["width"], report["xor"]) == ("bfloat16", 16, ["8000", "8000"])
+    assert (report["dtype"], report["bits"]["width"], report["xor"]) == (
+        "bfloat16",
+        16,
+        ["8000", "8000"],
+    )
     assert report["bits"]["histogram"] == {"15": 2}
     assert (report["expected"], report["actual"]) == ([-2.0, 3.0], [2.0, -3.0])
     report = element_forensics(expected, _flip(expected, [3], 6))
-    assert (report["xor"], report["bits"]["histogram"], report["max_abs_diff"]) == (["0040"], {"6": 1}, 0.25)
+    assert (report["xor"], report["bits"]["histogram"], report["max_abs_diff"]) == (
+        ["0040"],
+        {"6": 1},
+        0.25,
+    )
 
 
-@pytest.mark.parametrize(("dtype", "bit", "xor"), [
-    (torch.int64, 63, "8000000000000000"),
-    (torch.int32, 31, "80000000"),
-    (torch.int8, 7, "80"),
-    (torch.uint8, 4, "10"),
-])
+@pytest.mark.parametrize(
+    ("dtype", "bit", "xor"),
+    [
+        (torch.int64, 63, "8000000000000000"),
+        (torch.int32, 31, "80000000"),
+        (torch.int8, 7, "80"),
+        (torch.uint8, 4, "10"),
+    ],
+)
 def test_forensics_integer_dtypes(dtype, bit, xor):
     expected = torch.tensor([5, 6, 7, 8], dtype=dtype)
     report = element_forensics(expected, _flip(expected, [2], bit))
@@ -632,7 +853,12 @@ def test_forensics_shows_the_first_elements_and_counts_all():
     expected = torch.zeros(100)
     actual = expected + 1
     report = element_forensics(expected, actual, shown=4)
-    assert (report["count"], report["indices"], len(report["xor"]), report["pattern"]) == (100, [0, 1, 2, 3], 4, "row segment")
+    assert (report["count"], report["indices"], len(report["xor"]), report["pattern"]) == (
+        100,
+        [0, 1, 2, 3],
+        4,
+        "row segment",
+    )
 
 
 def test_forensics_shape_or_dtype_mismatch_is_a_note():
@@ -648,9 +874,20 @@ def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundl
 
     spec = "kind=bitflip,op=aten.bernoulli_,module=layers.0.attn_dropout,phase=forward,step=1,index=3,bit=20,device=cpu:1"
     fired = only_fired(llama_bundle, spec)
-    report = bisect(llama_bundle, suspect="cpu:1", reference="cpu:0", step=1, inject=[spec], out=tmp_path / "rep")
+    report = bisect(
+        llama_bundle,
+        suspect="cpu:1",
+        reference="cpu:0",
+        step=1,
+        inject=[spec],
+        out=tmp_path / "rep",
+    )
     found = report.to_json()
-    assert (found["op"], found["module"], found["op_index"]) == ("aten.bernoulli_.float", "layers.0.attn_dropout", fired["op_index"])
+    assert (found["op"], found["module"], found["op_index"]) == (
+        "aten.bernoulli_.float",
+        "layers.0.attn_dropout",
+        fired["op_index"],
+    )
     assert found["isolated"] == "kernel"
     assert found["elements"]["indices"] == [3]
     assert OperatorCase.read(tmp_path / "rep" / "operator.h5").rng is not None
@@ -661,18 +898,25 @@ def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundl
 def test_a_fault_on_a_view_the_backward_reads_never_kills_a_replay(tmp_path):
     """The campaign's crash: the bitflip bumped the version counter of rsqrt's output, which
     autograd saved, and killed cpu:1 ("output 0 of Rsqrt is at version 1"). Default size."""
-    spec = ("kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,"
-            "nth=0,index=38,bit=31,device=cpu:1")
+    spec = (
+        "kind=bitflip,op=aten.detach.default,module=layers.1.ffn_norm,phase=forward,step=1,"
+        "nth=0,index=38,bit=31,device=cpu:1"
+    )
     bundle = tmp_path / "default.bundle"
     sdcreplay.record("builtin:tiny-llama", bundle, steps=2, seed=0)
-    report = sdcreplay.replay_devices(bundle, ["cpu:0", "cpu:1"], inject=[spec],
-                                      log_dir=tmp_path / "logs")
+    report = sdcreplay.replay_devices(
+        bundle, ["cpu:0", "cpu:1"], inject=[spec], log_dir=tmp_path / "logs"
+    )
     runs = {run.device: run for run in report.devices}
     assert [run.error for run in report.devices] == [None, None]
     assert (runs["cpu:0"].verdict, runs["cpu:1"].verdict) == ("match", "persistent")
     [[fired]] = runs["cpu:1"].injected[0:1]
     assert (fired["op"], fired["module"], fired["elements"], fired["bit"]) == (
-        "aten.detach.default", "layers.1.ffn_norm", [38], 31)
+        "aten.detach.default",
+        "layers.1.ffn_norm",
+        [38],
+        31,
+    )
     first = runs["cpu:1"].judgement.first_divergence
     assert (first.step, first.name) == (1, "forward:layers.1.ffn_norm")
 
@@ -685,18 +929,28 @@ def test_a_step_started_from_the_saved_entry_state_matches_the_window(llama_bund
     entry = tmp_path / "entry.h5"
     reference = run_oplog_task(**task, device="cpu:0", save_entry=str(entry))
     assert reference["steps_run"] == 4 and entry.is_file()
-    loaded = run_oplog_task(**task, device="cpu:1", entry_state=str(entry),
-                            expected_log=reference["oplog"], repeats=2)
+    loaded = run_oplog_task(
+        **task, device="cpu:1", entry_state=str(entry), expected_log=reference["oplog"], repeats=2
+    )
     assert loaded == {"divergent": False, "repeats_run": 2, "steps_run": 2}
 
 
-@pytest.mark.parametrize("case, steps", [
-    # --step 1 of 3: the reference replays step 0, runs step 1 on from it (the continuation the
-    # saved state must reproduce) and again from the saved state; the suspect and fetch run 1 only
-    ("backward", {"replay": 0, "oplog_reference": 3, "oplog_suspect": 1, "fetch": 1, "total": 5}),
-    # no --step: first both devices replay all 3 steps
-    ("optimizer", {"replay": 6, "oplog_reference": 3, "oplog_suspect": 1, "fetch": 1, "total": 11}),
-])
+@pytest.mark.parametrize(
+    "case, steps",
+    [
+        # --step 1 of 3: the reference replays step 0, runs step 1 on from it (the continuation the
+        # saved state must reproduce) and again from the saved state; the suspect and fetch run 1 only
+        (
+            "backward",
+            {"replay": 0, "oplog_reference": 3, "oplog_suspect": 1, "fetch": 1, "total": 5},
+        ),
+        # no --step: first both devices replay all 3 steps
+        (
+            "optimizer",
+            {"replay": 6, "oplog_reference": 3, "oplog_suspect": 1, "fetch": 1, "total": 11},
+        ),
+    ],
+)
 def test_only_the_reference_replays_the_window(case, steps, runs):
     report = runs.get(case).to_json()
     assert report["steps_run"] == steps
@@ -735,8 +989,15 @@ class FakeKernelProfile:
         def event(name, kind):
             return SimpleNamespace(name=name, device_type=SimpleNamespace(name=kind))
 
-        return [e for op in self.ops for e in (event(op, "CPU"), event(f"sm90_gemm<{op}>", "CUDA"),
-                                               event(f"sm90_gemm<{op}>", "CUDA"))]
+        return [
+            e
+            for op in self.ops
+            for e in (
+                event(op, "CPU"),
+                event(f"sm90_gemm<{op}>", "CUDA"),
+                event(f"sm90_gemm<{op}>", "CUDA"),
+            )
+        ]
 
 
 def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bundle, monkeypatch):
@@ -744,8 +1005,11 @@ def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bu
 
     monkeypatch.setattr(bisect_module, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
     result = bisect_module.run_isolate_task(
-        device="cpu:1", bundle=str(llama_bundle), case_file=str(forward_cli["out"] / OPERATOR_FILE),
-        runs=1)
+        device="cpu:1",
+        bundle=str(llama_bundle),
+        case_file=str(forward_cli["out"] / OPERATOR_FILE),
+        runs=1,
+    )
     assert result["kernels"] == ["sm90_gemm<aten.mm.default>"]
     assert (result["runs"], result["failures"]) == (1, 0)  # no fault here: alone, the call is right
 

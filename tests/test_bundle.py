@@ -76,7 +76,11 @@ def write_bundle(path: Path, steps: int = 2, close: bool = True) -> BundleWriter
     writer.embed_state(model.state_dict(), torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
     for index in range(steps):
         batch = {"x": torch.full((2, 3), float(index)), "meta": (index, "text")}
-        entries = [("rng:cpu", f"=uint8:{index:02x}"), ("forward:<root>", f"{index:016x}"), ("loss", "=float32:3f800000")]
+        entries = [
+            ("rng:cpu", f"=uint8:{index:02x}"),
+            ("forward:<root>", f"{index:016x}"),
+            ("loss", "=float32:3f800000"),
+        ]
         writer.add_step(index, batch, rng_state(), entries, optimizer_step=True)
     if close:
         writer.close()
@@ -95,7 +99,12 @@ def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
 def canonical(value):
     """Tensors and arrays as (dtype, shape, bytes), so == compares bits."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), tuple(value.shape), value.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return (
+            "tensor",
+            str(value.dtype),
+            tuple(value.shape),
+            value.contiguous().view(-1).view(torch.uint8).numpy().tobytes(),
+        )
     if isinstance(value, np.ndarray):
         return ("array", str(value.dtype), value.shape, value.tobytes())
     if isinstance(value, dict):
@@ -138,7 +147,9 @@ def test_writer_builds_in_partial_and_renames_on_close(tmp_path: Path):
     assert not writer.path.exists()
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["complete"] is True
-    assert sorted(os.listdir(path)) == sorted([MANIFEST, SIGNATURES, "messages.jsonl.zst", STATE, "steps"])
+    assert sorted(os.listdir(path)) == sorted(
+        [MANIFEST, SIGNATURES, "messages.jsonl.zst", STATE, "steps"]
+    )
     assert sorted(os.listdir(path / "steps")) == ["000000.h5", "000001.h5"]
     assert not list(path.rglob("*.tmp"))
 
@@ -151,12 +162,28 @@ def test_manifest_layout(tmp_path: Path):
     assert manifest["workload"] == {"ref": "builtin:tiny-llama", "kwargs": {"layers": 1}}
     assert manifest["state"] == {"kind": "embedded", "file": STATE}
     assert manifest["steps"] == [
-        {"index": 0, "file": "steps/000000.h5", "entries": 3, "optimizer_step": True,
-         "grads": "none"},
-        {"index": 1, "file": "steps/000001.h5", "entries": 3, "optimizer_step": True,
-         "grads": "none"},
+        {
+            "index": 0,
+            "file": "steps/000000.h5",
+            "entries": 3,
+            "optimizer_step": True,
+            "grads": "none",
+        },
+        {
+            "index": 1,
+            "file": "steps/000001.h5",
+            "entries": 3,
+            "optimizer_step": True,
+            "grads": "none",
+        },
     ]
-    assert set(manifest["files"]) == {SIGNATURES, "messages.jsonl.zst", STATE, "steps/000000.h5", "steps/000001.h5"}
+    assert set(manifest["files"]) == {
+        SIGNATURES,
+        "messages.jsonl.zst",
+        STATE,
+        "steps/000000.h5",
+        "steps/000001.h5",
+    }
     for name, meta in manifest["files"].items():
         data = (path / name).read_bytes()
         assert meta["size"] == len(data)
@@ -236,7 +263,9 @@ def test_describe(small_bundle: Path):
     assert about["workload"]["ref"] == "builtin:tiny-llama"
     assert [step["index"] for step in about["steps"]] == [0, 1]
     assert about["entries"] == sum(step["entries"] for step in about["steps"])
-    assert about["size_bytes"] == sum(f.stat().st_size for f in small_bundle.rglob("*") if f.is_file())
+    assert about["size_bytes"] == sum(
+        f.stat().st_size for f in small_bundle.rglob("*") if f.is_file()
+    )
     json.dumps(about)
 
 
@@ -276,11 +305,13 @@ def test_an_old_manifest_round_trips_without_gaining_keys():
 
 def test_keys_this_version_does_not_know_are_kept(small_bundle: Path):
     """A newer writer's additions survive a read, so the digest and signature still verify."""
+
     def add(m):
         m["ranks"] = [{"rank": 0}]
         m["steps"][0]["note"] = "added by a later version"
         m["state"]["compression"] = None
         m["files"][STATE]["mtime"] = 1
+
     rewrite_manifest(small_bundle, add)
     raw = _read_manifest(small_bundle)
     manifest = Bundle.open(small_bundle).manifest
@@ -304,17 +335,32 @@ def test_an_unknown_state_kind_is_refused_by_name(small_bundle: Path):
     with pytest.raises(BundleError) as refused:
         Bundle.open(small_bundle)
     assert refused.value.message == (
-        'manifest is malformed: state.kind is "pickle", expected one of "embedded", "checkpoint"')
+        'manifest is malformed: state.kind is "pickle", expected one of "embedded", "checkpoint"'
+    )
 
 
 def test_every_typed_field_has_a_validation_rule():
     """A field added to a type without a rule would reach readers unchecked."""
-    tables = {Manifest: "", WorkloadRef: "workload.", Environment: "environment.",
-              Switches: "determinism.", CaptureSettings: "capture.", Verification: "verification."}
-    missing = [f"{prefix}{name}" for cls, prefix in tables.items() for name in cls.names()
-               if f"{prefix}{name}" not in MANIFEST_FIELDS]
-    missing += [f"{cls.__name__}.{name}" for cls in (*STATE_KINDS.values(), FileMeta, StepRecord)
-                for name in cls.names() if name not in cls.RULES and name != "kind"]
+    tables = {
+        Manifest: "",
+        WorkloadRef: "workload.",
+        Environment: "environment.",
+        Switches: "determinism.",
+        CaptureSettings: "capture.",
+        Verification: "verification.",
+    }
+    missing = [
+        f"{prefix}{name}"
+        for cls, prefix in tables.items()
+        for name in cls.names()
+        if f"{prefix}{name}" not in MANIFEST_FIELDS
+    ]
+    missing += [
+        f"{cls.__name__}.{name}"
+        for cls in (*STATE_KINDS.values(), FileMeta, StepRecord)
+        for name in cls.names()
+        if name not in cls.RULES and name != "kind"
+    ]
     assert missing == []
 
 
@@ -326,8 +372,11 @@ def manifest_key_reads(source: str) -> list[str]:
         target = None
         if isinstance(node, ast.Subscript):
             target = node.value
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
-                node.func.attr in ("get", "items", "keys", "values", "pop", "setdefault")):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and (node.func.attr in ("get", "items", "keys", "values", "pop", "setdefault"))
+        ):
             target = node.func.value
         elif isinstance(node, ast.Constant) and node.value == MANIFEST:
             found.append(f"{node.lineno}: {MANIFEST!r}")
@@ -340,16 +389,18 @@ def test_manifest_key_reads_are_found():
     assert manifest_key_reads(
         'a = bundle.manifest["device"]\nb = opened.manifest.get("capture") or {}\n'
         'c = json.loads((path / "manifest.json").read_text())\nd = bundle.manifest.device\n'
-    ) == ["1: bundle.manifest['device']", "2: opened.manifest.get('capture')",
-          "3: 'manifest.json'"]
+    ) == ["1: bundle.manifest['device']", "2: opened.manifest.get('capture')", "3: 'manifest.json'"]
 
 
 def test_no_module_but_bundle_reads_manifest_keys():
     """Changing the format touches bundle.py, its doc and its tests only."""
     package = Path(sdcreplay.__file__).parent
-    offenders = [f"{path.relative_to(package)}:{place}" for path in sorted(package.rglob("*.py"))
-                 if path.name != "bundle.py"
-                 for place in manifest_key_reads(path.read_text(encoding="utf-8"))]
+    offenders = [
+        f"{path.relative_to(package)}:{place}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "bundle.py"
+        for place in manifest_key_reads(path.read_text(encoding="utf-8"))
+    ]
     assert offenders == []
 
 
@@ -402,7 +453,10 @@ def test_wrong_schema_version(small_bundle: Path):
     rewrite_manifest(small_bundle, lambda m: m.update(schema="sdcreplay.bundle/99"))
     with pytest.raises(BundleError) as info:
         Bundle.open(small_bundle)
-    assert info.value.message == "unsupported bundle schema 'sdcreplay.bundle/99' (this sdcreplay reads sdcreplay.bundle/1)"
+    assert (
+        info.value.message
+        == "unsupported bundle schema 'sdcreplay.bundle/99' (this sdcreplay reads sdcreplay.bundle/1)"
+    )
     assert "sdcreplay version that wrote the bundle" in info.value.hint
 
 
@@ -437,6 +491,7 @@ def _set(path: list, value):
         for key in path[:-1]:
             target = target[key]
         target[path[-1]] = value
+
     return edit
 
 
@@ -446,6 +501,7 @@ def _delete(path: list):
         for key in path[:-1]:
             target = target[key]
         del target[path[-1]]
+
     return edit
 
 
@@ -456,7 +512,10 @@ HAND_EDITS = {
     "index-a-bool": (_set(["steps", 0, "index"], False), "steps\\[0\\].index"),
     "index-negative": (_set(["steps", 0, "index"], -1), "steps\\[0\\].index"),
     "entries-a-float": (_set(["steps", 0, "entries"], 3.0), "steps\\[0\\].entries"),
-    "optimizer-step-an-int": (_set(["steps", 0, "optimizer_step"], 1), "steps\\[0\\].optimizer_step"),
+    "optimizer-step-an-int": (
+        _set(["steps", 0, "optimizer_step"], 1),
+        "steps\\[0\\].optimizer_step",
+    ),
     "steps-out-of-order": (lambda m: m["steps"].reverse(), "increasing order"),
     "step-duplicated": (lambda m: m["steps"].append(m["steps"][0]), "increasing order"),
     "step-file-elsewhere": (_set(["steps", 1, "file"], "steps/000000.h5"), "steps\\[1\\].file"),
@@ -466,26 +525,49 @@ HAND_EDITS = {
     "files-not-a-dict": (_set(["files"], []), "files"),
     "size-a-string": (_set(["files", STATE, "size"], "100"), "files\\['state.h5'\\]"),
     "sha-missing": (_delete(["files", STATE, "sha256"]), "files\\['state.h5'\\]"),
-    "path-traversal": (lambda m: m["files"].update({"../outside": {"size": 1, "sha256": "0"}}), "file name"),
-    "absolute-path": (lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0"}}), "file name"),
+    "path-traversal": (
+        lambda m: m["files"].update({"../outside": {"size": 1, "sha256": "0"}}),
+        "file name",
+    ),
+    "absolute-path": (
+        lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0"}}),
+        "file name",
+    ),
     "state-kind": (_set(["state", "kind"], "pickle"), "state.kind"),
     "state-file": (_set(["state", "file"], "other.h5"), "state.file"),
-    "checkpoint-without-sha": (_set(["state"], {"kind": "checkpoint", "path": "/x.pt"}), "state.sha256 is missing"),
+    "checkpoint-without-sha": (
+        _set(["state"], {"kind": "checkpoint", "path": "/x.pt"}),
+        "state.sha256 is missing",
+    ),
     "workload-missing": (_delete(["workload"]), "workload is missing"),
     "kwargs-a-list": (_set(["workload", "kwargs"], []), "workload.kwargs"),
-    "switch-a-string": (_set(["determinism", "deterministic_algorithms"], "true"), "determinism.deterministic_algorithms"),
+    "switch-a-string": (
+        _set(["determinism", "deterministic_algorithms"], "true"),
+        "determinism.deterministic_algorithms",
+    ),
     "threads-zero": (_set(["determinism", "num_threads"], 0), "determinism.num_threads"),
-    "precision-unknown": (_set(["determinism", "float32_matmul_precision"], "fast"), "float32_matmul_precision"),
-    "env-not-strings": (_set(["determinism", "env"], {"CUBLAS_WORKSPACE_CONFIG": 4096}), "determinism.env"),
+    "precision-unknown": (
+        _set(["determinism", "float32_matmul_precision"], "fast"),
+        "float32_matmul_precision",
+    ),
+    "env-not-strings": (
+        _set(["determinism", "env"], {"CUBLAS_WORKSPACE_CONFIG": 4096}),
+        "determinism.env",
+    ),
     "complete-a-string": (_set(["complete"], "yes"), "complete"),
     "digest-not-a-string": (_set([MANIFEST_DIGEST], 0), MANIFEST_DIGEST),
     "grads-unknown": (_set(["steps", 0, "grads"], "some"), r"steps\[0\]\.grads"),
     "state-objects-a-string": (_set(["state_objects"], "sched"), "state_objects"),
-    "verification-status-unknown": (_set(["verification"], {"status": "trusted"}), "verification.status"),
+    "verification-status-unknown": (
+        _set(["verification"], {"status": "trusted"}),
+        "verification.status",
+    ),
     "capture-program-a-string": (_set(["capture", "program"], "yes"), "capture.program"),
-    "grads-null": (_set(["steps", 0, "grads"], None), r'steps\[0\]\.grads is null, expected one'),
+    "grads-null": (_set(["steps", 0, "grads"], None), r"steps\[0\]\.grads is null, expected one"),
     "verification-status-null": (
-        _set(["verification", "status"], None), "verification.status is null"),
+        _set(["verification", "status"], None),
+        "verification.status is null",
+    ),
     "capture-a-list": (_set(["capture"], []), "capture is \\[\\], expected an object"),
 }
 
@@ -505,7 +587,10 @@ def test_hand_edited_manifests_raise_bundle_error(small_bundle: Path, edit: str)
     ("edit", "message"),
     [
         (_set(["steps", 1, "entries"], 5), "holds .* entries for step 1, the manifest says 5"),
-        (lambda m: m["steps"].pop(), "the signature log holds steps \\[0, 1\\], the manifest lists \\[0\\]"),
+        (
+            lambda m: m["steps"].pop(),
+            "the signature log holds steps \\[0, 1\\], the manifest lists \\[0\\]",
+        ),
     ],
     ids=["entry-count", "step-dropped"],
 )
@@ -522,7 +607,9 @@ def test_unknown_keys_in_a_step_are_ignored(small_bundle: Path):
 
 @pytest.mark.parametrize("text", ["", "{", "[]", "null", '"a string"', "\xff\xfe", "[" * 100000])
 def test_manifest_that_is_not_a_json_object(small_bundle: Path, text: str):
-    (small_bundle / MANIFEST).write_bytes(text.encode("latin-1") if text == "\xff\xfe" else text.encode())
+    (small_bundle / MANIFEST).write_bytes(
+        text.encode("latin-1") if text == "\xff\xfe" else text.encode()
+    )
     with pytest.raises(BundleError):
         Bundle.open(small_bundle)
 
@@ -532,7 +619,11 @@ def test_manifest_that_is_not_a_json_object(small_bundle: Path, text: str):
 
 @pytest.fixture(scope="module")
 def fuzz_original(_small_bundle_template: Path) -> tuple[Path, dict, list[str]]:
-    files = sorted(str(f.relative_to(_small_bundle_template)) for f in _small_bundle_template.rglob("*") if f.is_file())
+    files = sorted(
+        str(f.relative_to(_small_bundle_template))
+        for f in _small_bundle_template.rglob("*")
+        if f.is_file()
+    )
     return _small_bundle_template, evidence(_small_bundle_template), files
 
 
@@ -552,7 +643,9 @@ def _check_damaged(template: Path, original: dict, name: str, damage) -> str:
         return "same"
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_fuzz_flipped_or_truncated_files(fuzz_original, data):
     template, original, files = fuzz_original
@@ -581,9 +674,11 @@ def test_sweep_of_manifest_byte_flips(fuzz_original):
     outcomes = []
     for position in range(0, size, max(1, size // 60)):
         for mask in (0x01, 0x20):
+
             def flip(b: bytearray, position=position, mask=mask) -> bytearray:
                 b[position] ^= mask
                 return b
+
             outcomes.append(_check_damaged(template, original, MANIFEST, flip))
     assert outcomes.count("refused") > 0.8 * len(outcomes)
 
@@ -594,10 +689,13 @@ def test_sweep_of_manifest_byte_flips(fuzz_original):
 def test_checkpoint_reference_and_load(tmp_path: Path):
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt"
+    )
     reference = checkpoint_reference(tmp_path / "ckpt.pt")
     assert reference.to_json() == {
-        "kind": "checkpoint", "path": str((tmp_path / "ckpt.pt").resolve()),
+        "kind": "checkpoint",
+        "path": str((tmp_path / "ckpt.pt").resolve()),
         "size": (tmp_path / "ckpt.pt").stat().st_size,
         "sha256": hashlib.sha256((tmp_path / "ckpt.pt").read_bytes()).hexdigest(),
     }
@@ -644,7 +742,9 @@ class _Payload:
 
 def test_a_checkpoint_is_never_unpickled(tmp_path: Path):
     marker = tmp_path / "pwned"
-    torch.save({"model": {"w": torch.zeros(1)}, "extra": _Payload(str(marker))}, tmp_path / "evil.pt")
+    torch.save(
+        {"model": {"w": torch.zeros(1)}, "extra": _Payload(str(marker))}, tmp_path / "evil.pt"
+    )
     reference = checkpoint_reference(tmp_path / "evil.pt")
     with pytest.raises(CheckpointError, match="cannot load checkpoint"):
         load_checkpoint(reference)

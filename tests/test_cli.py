@@ -53,7 +53,9 @@ def truncate(file: Path) -> None:
 
 def test_record_info_replay_json(tmp_path: Path, cli):
     bundle = tmp_path / "run.bundle"
-    result = cli("record", "builtin:tiny-llama", "--steps", "2", *SMALL_ARGS, "--out", bundle, "--json")
+    result = cli(
+        "record", "builtin:tiny-llama", "--steps", "2", *SMALL_ARGS, "--out", bundle, "--json"
+    )
     assert result.exit_code == 0, result.output
     recorded = json.loads(result.stdout)
     assert recorded["schema"] == "sdcreplay.record/1"
@@ -63,10 +65,14 @@ def test_record_info_replay_json(tmp_path: Path, cli):
     assert (recorded["device"], recorded["steps"]) == ("cpu", 2)
     assert recorded["entries"] > 0 and recorded["size_bytes"] > 0
     assert isinstance(recorded["final_loss"], float)
-    assert f"Recorded 2 steps of builtin:tiny-llama on cpu: {recorded['entries']} signature entries" in result.stderr
+    assert (
+        f"Recorded 2 steps of builtin:tiny-llama on cpu: {recorded['entries']} signature entries"
+        in result.stderr
+    )
     # stderr is not a terminal here: the progress is one line per stage, with its count and time
-    assert re.search(r"^recording builtin:tiny-llama: 2/2, loss \d+\.\d{4} \(\d+\.\d s\)$",
-                     result.stderr, re.M), result.stderr
+    assert re.search(
+        r"^recording builtin:tiny-llama: 2/2, loss \d+\.\d{4} \(\d+\.\d s\)$", result.stderr, re.M
+    ), result.stderr
 
     result = cli("info", bundle, "--json")
     assert result.exit_code == 0, result.output
@@ -86,7 +92,11 @@ def test_record_info_replay_json(tmp_path: Path, cli):
     assert report["bundle"] == str(bundle)
     assert len(report["devices"]) == 1
     device = report["devices"][0]
-    assert (device["device"], device["verdict"], device["first_divergence"]) == ("cpu", "match", None)
+    assert (device["device"], device["verdict"], device["first_divergence"]) == (
+        "cpu",
+        "match",
+        None,
+    )
     assert report["consensus"]["verdict"] == "correct"
     assert report["record"]["verdict"] == "match"
     assert all(Path(log).is_file() for log in device["logs"])
@@ -121,34 +131,47 @@ print("torch imported" if "torch" in sys.modules else "no torch", code, file=sys
 """
 
 
-@pytest.mark.parametrize("args", [["--help"], ["info", "BUNDLE"], ["info", "BUNDLE", "--json"]],
-                         ids=["help", "info", "info-json"])
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["info", "BUNDLE"], ["info", "BUNDLE", "--json"]],
+    ids=["help", "info", "info-json"],
+)
 def test_help_and_info_do_not_import_torch(small_bundle: Path, args: list[str]):
     """The package is lazy: asking for help or reading a bundle's facts loads no torch (1.5 s+)."""
     argv = [str(small_bundle) if arg == "BUNDLE" else arg for arg in args]
-    done = subprocess.run([sys.executable, "-c", STARTUP, *argv], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", STARTUP, *argv], capture_output=True, text=True, timeout=120
+    )
     assert done.stderr.strip().splitlines()[-1] == "no torch 0", done.stderr
 
 
 @pytest.mark.parametrize(
     "args",
-    [["record"], ["replay"], ["record", "builtin:tiny-llama", "--steps", "0"], ["frobnicate"],
-     ["record", "builtin:tiny-llama", "--arg", "no-equals-sign"]],
+    [
+        ["record"],
+        ["replay"],
+        ["record", "builtin:tiny-llama", "--steps", "0"],
+        ["frobnicate"],
+        ["record", "builtin:tiny-llama", "--arg", "no-equals-sign"],
+    ],
     ids=["record-no-workload", "replay-no-bundle", "zero-steps", "unknown-command", "bad-arg"],
 )
 def test_usage_errors_exit_2(cli, args, tmp_path: Path):
-    result = cli(*args, "--out", tmp_path / "x.bundle") if args[0] == "record" and len(args) > 2 else cli(*args)
+    result = (
+        cli(*args, "--out", tmp_path / "x.bundle")
+        if args[0] == "record" and len(args) > 2
+        else cli(*args)
+    )
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
 
 
 # --- bad input: exit 3 with Error/Hint -----------------------------------------
 
-RAISING_WORKLOAD = '''
+RAISING_WORKLOAD = """
 def make_workload(seed=0):
     raise RuntimeError("the data loader cannot reach the bucket")
-'''
+"""
 
 
 def _scenario(name: str, tmp_path: Path, small_bundle: Path) -> tuple[list, str]:
@@ -181,29 +204,75 @@ def _scenario(name: str, tmp_path: Path, small_bundle: Path) -> tuple[list, str]
         (small_bundle / MANIFEST).write_text(json.dumps(manifest))
         return ["info", small_bundle], "the manifest does not match its own SHA-256"
     if name == "unknown-workload":
-        return ["record", "builtin:nope", "--out", tmp_path / "x.bundle"], "unknown built-in workload 'nope'"
+        return [
+            "record",
+            "builtin:nope",
+            "--out",
+            tmp_path / "x.bundle",
+        ], "unknown built-in workload 'nope'"
     if name == "workload-raises":
         (tmp_path / "raising.py").write_text(textwrap.dedent(RAISING_WORKLOAD))
-        return (["record", f"{tmp_path / 'raising.py'}:make_workload", "--out", tmp_path / "x.bundle"],
-                "raised RuntimeError: the data loader cannot reach the bucket")
+        return (
+            ["record", f"{tmp_path / 'raising.py'}:make_workload", "--out", tmp_path / "x.bundle"],
+            "raised RuntimeError: the data loader cannot reach the bucket",
+        )
     if name == "workload-file-missing":
-        return ["record", f"{tmp_path / 'nope.py'}:make_workload", "--out", tmp_path / "x.bundle"], "does not exist"
+        return [
+            "record",
+            f"{tmp_path / 'nope.py'}:make_workload",
+            "--out",
+            tmp_path / "x.bundle",
+        ], "does not exist"
     if name == "wrong-kwargs":
-        return ["record", "builtin:tiny-llama", "-a", "colour=3", "--out", tmp_path / "x.bundle"], "does not take these arguments"
+        return [
+            "record",
+            "builtin:tiny-llama",
+            "-a",
+            "colour=3",
+            "--out",
+            tmp_path / "x.bundle",
+        ], "does not take these arguments"
     if name == "output-exists":
-        return ["record", "builtin:tiny-llama", *SMALL_ARGS, "--out", small_bundle], "already exists"
+        return [
+            "record",
+            "builtin:tiny-llama",
+            *SMALL_ARGS,
+            "--out",
+            small_bundle,
+        ], "already exists"
     if name == "checkpoint-missing":
-        return (["record", "builtin:tiny-llama", "--checkpoint", tmp_path / "nope.pt", "--out", tmp_path / "x.bundle"],
-                "does not exist")
+        return (
+            [
+                "record",
+                "builtin:tiny-llama",
+                "--checkpoint",
+                tmp_path / "nope.pt",
+                "--out",
+                tmp_path / "x.bundle",
+            ],
+            "does not exist",
+        )
     if name == "bad-device-label":
         return ["replay", small_bundle, "--device", "gpu0"], "unknown device label 'gpu0'"
     raise AssertionError(name)
 
 
 BAD_INPUTS = [
-    "missing-bundle", "missing-bundle-info", "truncated-step", "truncated-state", "truncated-log",
-    "garbage-manifest", "wrong-schema", "wrong-sha256", "hand-edited-manifest", "unknown-workload",
-    "workload-raises", "workload-file-missing", "wrong-kwargs", "output-exists", "checkpoint-missing",
+    "missing-bundle",
+    "missing-bundle-info",
+    "truncated-step",
+    "truncated-state",
+    "truncated-log",
+    "garbage-manifest",
+    "wrong-schema",
+    "wrong-sha256",
+    "hand-edited-manifest",
+    "unknown-workload",
+    "workload-raises",
+    "workload-file-missing",
+    "wrong-kwargs",
+    "output-exists",
+    "checkpoint-missing",
     "bad-device-label",
 ]
 
@@ -220,13 +289,29 @@ def changed_checkpoint_bundle(tmp_path: Path, cli) -> Path:
     """A bundle recorded from a checkpoint file that was overwritten afterwards."""
     workload = build_workload("builtin:tiny-llama", dict(SMALL, seed=0))
     checkpoint = tmp_path / "ckpt.pt"
-    torch.save({"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()}, checkpoint)
+    torch.save(
+        {"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()},
+        checkpoint,
+    )
     bundle = tmp_path / "ckpt.bundle"
-    result = cli("record", "builtin:tiny-llama", "--steps", "1", *SMALL_ARGS, "--checkpoint", checkpoint, "--out", bundle)
+    result = cli(
+        "record",
+        "builtin:tiny-llama",
+        "--steps",
+        "1",
+        *SMALL_ARGS,
+        "--checkpoint",
+        checkpoint,
+        "--out",
+        bundle,
+    )
     assert result.exit_code == 0, result.output
     with torch.no_grad():
         workload.model.tok_embeddings.weight[0, 0] += 1
-    torch.save({"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()}, checkpoint)
+    torch.save(
+        {"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()},
+        checkpoint,
+    )
     return bundle
 
 
@@ -242,13 +327,25 @@ def test_changed_checkpoint_is_refused(changed_checkpoint_bundle: Path, tmp_path
 
 def test_conflicting_environment_is_refused(small_bundle: Path, tmp_path: Path, cli):
     """The replay process inherits CUBLAS_WORKSPACE_CONFIG=:16:8; determinism.apply refuses to override it."""
-    result = cli("replay", small_bundle, "--logs", tmp_path / "logs", env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"})
-    assert_refused_in_the_replay_process(result, "CUBLAS_WORKSPACE_CONFIG=':16:8' (recorded ':4096:8')")
+    result = cli(
+        "replay",
+        small_bundle,
+        "--logs",
+        tmp_path / "logs",
+        env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"},
+    )
+    assert_refused_in_the_replay_process(
+        result, "CUBLAS_WORKSPACE_CONFIG=':16:8' (recorded ':4096:8')"
+    )
 
 
 def test_error_text_is_printed_verbatim(tmp_path: Path, cli):
-    (tmp_path / "brackets.py").write_text('def make_workload(seed=0):\n    raise ValueError("shape [/batch] vs [red]")\n')
-    result = cli("record", f"{tmp_path / 'brackets.py'}:make_workload", "--out", tmp_path / "x.bundle")
+    (tmp_path / "brackets.py").write_text(
+        'def make_workload(seed=0):\n    raise ValueError("shape [/batch] vs [red]")\n'
+    )
+    result = cli(
+        "record", f"{tmp_path / 'brackets.py'}:make_workload", "--out", tmp_path / "x.bundle"
+    )
     assert_tool_error(result, "raised ValueError: shape [/batch] vs [red]")
 
 
@@ -256,7 +353,9 @@ def test_error_text_is_printed_verbatim(tmp_path: Path, cli):
 
 
 def test_console_script_record_and_replay(run_exe, tmp_path: Path):
-    recorded = run_exe("record", "builtin:tiny-llama", "--steps", "2", *SMALL_ARGS, "--out", "run.bundle", "--json")
+    recorded = run_exe(
+        "record", "builtin:tiny-llama", "--steps", "2", *SMALL_ARGS, "--out", "run.bundle", "--json"
+    )
     assert recorded.returncode == 0, recorded.stderr
     assert json.loads(recorded.stdout)["schema"] == "sdcreplay.record/1"
     assert "Traceback" not in recorded.stderr

@@ -31,8 +31,14 @@ def recorded(tmp_path_factory) -> dict[str, Path]:
     with preserved_global_state():
         record("builtin:tiny-llama", root / "a.bundle", steps=2, kwargs=dict(KWARGS))
         write_signature_log(root / "clean.sig.zst", replay_on_device(root / "a.bundle", "cpu:0"))
-        write_signature_log(root / "faulty.sig.zst", replay_on_device(root / "a.bundle", "cpu:1", inject=[FAULT]))
-    return {"bundle": root / "a.bundle", "clean": root / "clean.sig.zst", "faulty": root / "faulty.sig.zst"}
+        write_signature_log(
+            root / "faulty.sig.zst", replay_on_device(root / "a.bundle", "cpu:1", inject=[FAULT])
+        )
+    return {
+        "bundle": root / "a.bundle",
+        "clean": root / "clean.sig.zst",
+        "faulty": root / "faulty.sig.zst",
+    }
 
 
 @pytest.fixture
@@ -58,9 +64,15 @@ def test_identical_logs(recorded):
     assert comparison.per_step() == {0: 0, 1: 0}
     assert comparison.per_layer() == {}
     assert comparison.to_json() == {
-        "schema": "sdcreplay.diff/1", "identical": True, "program_differs": False, "steps": [0, 1],
+        "schema": "sdcreplay.diff/1",
+        "identical": True,
+        "program_differs": False,
+        "steps": [0, 1],
         "entries": comparison.entries,
-        "first_divergence": None, "divergent_entries": 0, "per_step": {"0": 0, "1": 0}, "per_layer": {},
+        "first_divergence": None,
+        "divergent_entries": 0,
+        "per_step": {"0": 0, "1": 0},
+        "per_layer": {},
     }
 
 
@@ -69,7 +81,12 @@ def test_value_divergence_names_the_first_entry_and_counts_the_spread(recorded):
     comparison = compare_logs(reference, faulty)
     names = [name for name, _ in reference.steps[1]]
     first = comparison.first
-    assert (first.step, first.phase, first.name, first.layer) == (1, "forward", "forward:layers.1.attn.wq", "layers.1.attn.wq")
+    assert (first.step, first.phase, first.name, first.layer) == (
+        1,
+        "forward",
+        "forward:layers.1.attn.wq",
+        "layers.1.attn.wq",
+    )
     assert first.expected == dict(reference.steps[1])["forward:layers.1.attn.wq"]
     assert first.actual == dict(faulty.steps[1])["forward:layers.1.attn.wq"]
     # exactly the entries whose digests differ, in execution order, none before the first
@@ -77,7 +94,10 @@ def test_value_divergence_names_the_first_entry_and_counts_the_spread(recorded):
         (name, a) for (name, a), (_, b) in zip(reference.steps[1], faulty.steps[1]) if a != b
     ]
     assert [(d.name, d.expected) for d in comparison.divergences] == expected
-    assert all(names.index(d.name) >= names.index("forward:layers.1.attn.wq") for d in comparison.divergences)
+    assert all(
+        names.index(d.name) >= names.index("forward:layers.1.attn.wq")
+        for d in comparison.divergences
+    )
     per_step = comparison.per_step()
     assert per_step == {0: 0, 1: len(comparison.divergences)}
     per_layer = comparison.per_layer()
@@ -92,19 +112,35 @@ def test_value_divergence_names_the_first_entry_and_counts_the_spread(recorded):
     assert not any(d.name.startswith("rng:") for d in comparison.divergences)
     as_json = comparison.to_json()
     assert as_json["first_divergence"] == {
-        "step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq",
-        "expected": first.expected, "actual": first.actual,
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.1.attn.wq",
+        "expected": first.expected,
+        "actual": first.actual,
     }
     assert as_json["divergent_entries"] == len(comparison.divergences)
 
 
 def _log(values: dict[int, list[tuple[str, str]]], **meta) -> SignatureLog:
-    return SignatureLog(meta={"device_type": "cpu", "digest": "mix64+xxh3", **meta},
-                        steps={step: list(entries) for step, entries in values.items()})
+    return SignatureLog(
+        meta={"device_type": "cpu", "digest": "mix64+xxh3", **meta},
+        steps={step: list(entries) for step, entries in values.items()},
+    )
 
 
-NAMES = ["rng:cpu", "forward:l0", "forward:l0.a", "forward:l1", "loss", "backward:l1",
-         "backward:l0", "grad:l0.a.weight", "grad:l1.weight", "param:l0.a.weight", "param:l1.weight"]
+NAMES = [
+    "rng:cpu",
+    "forward:l0",
+    "forward:l0.a",
+    "forward:l1",
+    "loss",
+    "backward:l1",
+    "backward:l0",
+    "grad:l0.a.weight",
+    "grad:l1.weight",
+    "param:l0.a.weight",
+    "param:l1.weight",
+]
 
 
 def _clean(steps=(0, 1, 2)) -> SignatureLog:
@@ -112,20 +148,38 @@ def _clean(steps=(0, 1, 2)) -> SignatureLog:
 
 
 def _with(log: SignatureLog, changes: dict[tuple[int, str], str]) -> SignatureLog:
-    out = _log({step: [(n, changes.get((step, n), v)) for n, v in entries] for step, entries in log.steps.items()},
-               **log.meta)
+    out = _log(
+        {
+            step: [(n, changes.get((step, n), v)) for n, v in entries]
+            for step, entries in log.steps.items()
+        },
+        **log.meta,
+    )
     return out
 
 
 def test_per_step_and_per_layer_counts_are_exact():
     clean = _clean()
-    bad = _with(clean, {(1, "forward:l1"): "x", (1, "loss"): "x", (1, "backward:l0"): "x",
-                        (1, "grad:l0.a.weight"): "x", (2, "param:l0.a.weight"): "x", (2, "param:l1.weight"): "x"})
+    bad = _with(
+        clean,
+        {
+            (1, "forward:l1"): "x",
+            (1, "loss"): "x",
+            (1, "backward:l0"): "x",
+            (1, "grad:l0.a.weight"): "x",
+            (2, "param:l0.a.weight"): "x",
+            (2, "param:l1.weight"): "x",
+        },
+    )
     comparison = compare_logs(clean, bad)
     assert comparison.entries == 3 * len(NAMES)
     assert [(d.step, d.name) for d in comparison.divergences] == [
-        (1, "forward:l1"), (1, "loss"), (1, "backward:l0"), (1, "grad:l0.a.weight"),
-        (2, "param:l0.a.weight"), (2, "param:l1.weight"),
+        (1, "forward:l1"),
+        (1, "loss"),
+        (1, "backward:l0"),
+        (1, "grad:l0.a.weight"),
+        (2, "param:l0.a.weight"),
+        (2, "param:l1.weight"),
     ]
     assert comparison.first == Divergence(1, "forward:l1", "1-3", "x")
     assert comparison.per_step() == {0: 0, 1: 4, 2: 2}
@@ -137,11 +191,18 @@ def test_per_step_and_per_layer_counts_are_exact():
     }
 
 
-@pytest.mark.parametrize("name, layer", [
-    ("forward:layers.1.attn", "layers.1.attn"), ("backward:layers.1.attn#1[0]", "layers.1.attn"),
-    ("grad:layers.1.attn.wq.weight", "layers.1.attn.wq"), ("param:norm.weight", "norm"),
-    ("buffer:bias", "<root>"), ("loss", "loss"), ("rng:cpu", "cpu"),
-])
+@pytest.mark.parametrize(
+    "name, layer",
+    [
+        ("forward:layers.1.attn", "layers.1.attn"),
+        ("backward:layers.1.attn#1[0]", "layers.1.attn"),
+        ("grad:layers.1.attn.wq.weight", "layers.1.attn.wq"),
+        ("param:norm.weight", "norm"),
+        ("buffer:bias", "<root>"),
+        ("loss", "loss"),
+        ("rng:cpu", "cpu"),
+    ],
+)
 def test_layer_of(name, layer):
     assert layer_of(name) == layer
 
@@ -168,7 +229,10 @@ def test_other_layers_are_a_structural_difference_naming_step_and_entry(recorded
 
 def test_other_workload_settings_are_a_structural_difference(recorded, small_bundle):
     """Same entry names, other sizes: the manifest's workload tells the programs apart."""
-    with pytest.raises(StructureError, match=r"different programs: workload builtin:tiny-llama with layers=2 vs layers=1"):
+    with pytest.raises(
+        StructureError,
+        match=r"different programs: workload builtin:tiny-llama with layers=2 vs layers=1",
+    ):
         compare_logs(load_log(recorded["bundle"]), load_log(small_bundle))
 
 
@@ -177,13 +241,20 @@ def test_workload_settings_compare_with_the_builtin_defaults_filled_in():
         return _log(_clean().steps, workload={"ref": ref, "kwargs": kwargs})
 
     default = logged("builtin:tiny-llama", seed=0)
-    assert compare_logs(default, logged("builtin:tiny-llama", seed=0, dim=64)).identical  # 64 is the default
-    with pytest.raises(StructureError, match=r"workload builtin:tiny-llama with dim=64, layers=2 vs dim=96, layers=3$"):
+    assert compare_logs(
+        default, logged("builtin:tiny-llama", seed=0, dim=64)
+    ).identical  # 64 is the default
+    with pytest.raises(
+        StructureError,
+        match=r"workload builtin:tiny-llama with dim=64, layers=2 vs dim=96, layers=3$",
+    ):
         compare_logs(default, logged("builtin:tiny-llama", seed=0, dim=96, layers=3))
     with pytest.raises(StructureError, match=r"workload builtin:tiny-llama vs builtin:tiny-moe$"):
         compare_logs(default, logged("builtin:tiny-moe", seed=0))
     # a factory diff does not import: only the arguments both sides name are compared
-    assert compare_logs(logged("train.py:make", lr=0.1), logged("train.py:make", lr=0.1, depth=4)).identical
+    assert compare_logs(
+        logged("train.py:make", lr=0.1), logged("train.py:make", lr=0.1, depth=4)
+    ).identical
     with pytest.raises(StructureError, match=r"with lr=0.1 vs lr=0.2$"):
         compare_logs(logged("train.py:make", lr=0.1), logged("train.py:make", lr=0.2))
     assert compare_logs(default, _clean()).identical  # a log without workload meta
@@ -191,18 +262,25 @@ def test_workload_settings_compare_with_the_builtin_defaults_filled_in():
 
 def test_missing_steps_reordered_and_extra_entries():
     clean = _clean()
-    with pytest.raises(StructureError, match=r"the logs hold different steps: \[0, 1, 2\] vs \[0, 1\]"):
+    with pytest.raises(
+        StructureError, match=r"the logs hold different steps: \[0, 1, 2\] vs \[0, 1\]"
+    ):
         compare_logs(clean, _clean(steps=(0, 1)))
     with pytest.raises(StructureError, match="step 2 is missing from the second log"):
         compare_logs(clean, _clean(steps=(0, 1)), steps=[0, 1, 2])
     assert compare_logs(clean, _clean(steps=(0, 1)), steps=[0, 1]).identical
     swapped = _clean()
     swapped.steps[1][3], swapped.steps[1][4] = swapped.steps[1][4], swapped.steps[1][3]
-    with pytest.raises(StructureError, match=r"step 1, entry 3: 'forward:l1' vs 'loss' \(11 vs 11 entries\)"):
+    with pytest.raises(
+        StructureError, match=r"step 1, entry 3: 'forward:l1' vs 'loss' \(11 vs 11 entries\)"
+    ):
         compare_logs(clean, swapped)
     longer = _clean()
     longer.steps[0].append(("param:extra", "z"))
-    with pytest.raises(StructureError, match=r"step 0, entry 11: '\(end of step\)' vs 'param:extra' \(11 vs 12 entries\)"):
+    with pytest.raises(
+        StructureError,
+        match=r"step 0, entry 11: '\(end of step\)' vs 'param:extra' \(11 vs 12 entries\)",
+    ):
         compare_logs(clean, longer)
 
 
@@ -219,19 +297,41 @@ def test_different_device_type_or_digest_is_refused():
 
 
 def test_vote_correct():
-    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [_clean()], "cpu:2": [_clean(), _clean()]})
-    assert (consensus.verdict, consensus.suspects, consensus.first_divergence) == ("correct", [], None)
-    assert {voter: (v.verdict, v.runs, v.divergent_runs) for voter, v in consensus.voters.items()} == {
-        "record": ("match", 1, 0), "cpu:0": ("match", 1, 0), "cpu:1": ("match", 1, 0), "cpu:2": ("match", 2, 0)}
-    assert consensus.to_json() == {"verdict": "correct", "suspects": [], "first_divergence": None,
-                                   "undecided_entries": 0, "incomparable": {}, "advice": None}
+    consensus = vote(
+        _clean(), {"cpu:0": [_clean()], "cpu:1": [_clean()], "cpu:2": [_clean(), _clean()]}
+    )
+    assert (consensus.verdict, consensus.suspects, consensus.first_divergence) == (
+        "correct",
+        [],
+        None,
+    )
+    assert {
+        voter: (v.verdict, v.runs, v.divergent_runs) for voter, v in consensus.voters.items()
+    } == {
+        "record": ("match", 1, 0),
+        "cpu:0": ("match", 1, 0),
+        "cpu:1": ("match", 1, 0),
+        "cpu:2": ("match", 2, 0),
+    }
+    assert consensus.to_json() == {
+        "verdict": "correct",
+        "suspects": [],
+        "first_divergence": None,
+        "undecided_entries": 0,
+        "incomparable": {},
+        "advice": None,
+    }
 
 
 def test_vote_persistent_names_the_odd_device():
     bad = _with(_clean(), {(1, "forward:l0.a"): "x", (2, "loss"): "y"})
     consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [bad, bad], "cpu:2": [_clean()]})
     assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:1"])
-    assert consensus.first_divergence.brief() == {"step": 1, "phase": "forward", "name": "forward:l0.a"}
+    assert consensus.first_divergence.brief() == {
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:l0.a",
+    }
     cpu1 = consensus.voters["cpu:1"]
     assert (cpu1.verdict, cpu1.runs, cpu1.divergent_runs) == ("persistent", 2, 2)
     assert cpu1.per_step == {0: 0, 1: 1, 2: 1}
@@ -239,7 +339,9 @@ def test_vote_persistent_names_the_odd_device():
 
 def test_vote_intermittent_is_transient_and_the_modal_value_votes():
     bad = _with(_clean(), {(1, "forward:l1"): "x"})
-    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [_clean(), bad, _clean()], "cpu:2": [_clean()]})
+    consensus = vote(
+        _clean(), {"cpu:0": [_clean()], "cpu:1": [_clean(), bad, _clean()], "cpu:2": [_clean()]}
+    )
     assert (consensus.verdict, consensus.suspects) == ("transient", ["cpu:1"])
     cpu1 = consensus.voters["cpu:1"]
     assert (cpu1.verdict, cpu1.runs, cpu1.divergent_runs) == ("intermittent", 3, 1)
@@ -253,7 +355,11 @@ def test_vote_recording_suspect():
     bad_record = _with(_clean(), {(0, "backward:l1"): "x"})
     consensus = vote(bad_record, {"cpu:0": [_clean()], "cpu:1": [_clean()]})
     assert (consensus.verdict, consensus.suspects) == ("recording_suspect", ["record"])
-    assert consensus.first_divergence.brief() == {"step": 0, "phase": "backward", "name": "backward:l1"}
+    assert consensus.first_divergence.brief() == {
+        "step": 0,
+        "phase": "backward",
+        "name": "backward:l1",
+    }
     assert consensus.voters["record"].verdict == "persistent"
 
 
@@ -268,40 +374,70 @@ def test_vote_record_and_a_replica_both_wrong():
 def test_vote_undecided_marks_the_tied_voters_and_says_what_decides():
     bad = _with(_clean(), {(1, "forward:l1"): "x", (1, "loss"): "x"})
     consensus = vote(_clean(), {"cpu:0": [bad]})  # one against one
-    assert (consensus.verdict, consensus.undecided_entries, consensus.suspects) == ("undecided", 2, [])
-    assert {voter: v.verdict for voter, v in consensus.voters.items()} == {"record": "undecided", "cpu:0": "undecided"}
+    assert (consensus.verdict, consensus.undecided_entries, consensus.suspects) == (
+        "undecided",
+        2,
+        [],
+    )
+    assert {voter: v.verdict for voter, v in consensus.voters.items()} == {
+        "record": "undecided",
+        "cpu:0": "undecided",
+    }
     assert consensus.advice == (
         "record, cpu:0 are tied at 2 entries (as many voters on each side): replay on at least 1 more device of "
-        "the recording's kind (same model, driver and software, see `sdcreplay info`); the side it joins decides")
+        "the recording's kind (same model, driver and software, see `sdcreplay info`); the side it joins decides"
+    )
     other = _with(_clean(), {(1, "forward:l1"): "z", (1, "loss"): "z"})
     consensus = vote(_clean(), {"cpu:0": [bad], "cpu:1": [other]})  # three different values
-    assert (consensus.verdict, consensus.undecided_entries, consensus.suspects) == ("undecided", 2, [])
+    assert (consensus.verdict, consensus.undecided_entries, consensus.suspects) == (
+        "undecided",
+        2,
+        [],
+    )
     assert {v.verdict for v in consensus.voters.values()} == {"undecided"}
 
 
 def test_a_plurality_of_agreeing_voters_decides():
     """Two that agree outvote two that are each wrong in their own way."""
-    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [_with(_clean(), {(1, "loss"): "x"})],
-                                "cpu:2": [_with(_clean(), {(1, "loss"): "y"})]})
+    consensus = vote(
+        _clean(),
+        {
+            "cpu:0": [_clean()],
+            "cpu:1": [_with(_clean(), {(1, "loss"): "x"})],
+            "cpu:2": [_with(_clean(), {(1, "loss"): "y"})],
+        },
+    )
     assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:1", "cpu:2"])
 
 
 def test_a_voter_on_another_machine_never_votes_against_the_record():
     """The record and a replica disagree, but the replica's machine differs: incomparable, not suspect."""
     other_machine = _with(_clean(), {(0, "forward:l0.a"): "x"})
-    consensus = vote(_clean(), {"cpu:0": [other_machine], "cpu:1": [other_machine]},
-                     incomparable={"cpu:0": ["cpu.capability: recorded 'AVX2', here 'AVX512'"],
-                                   "cpu:1": ["cpu.capability: recorded 'AVX2', here 'AVX512'"]})
+    consensus = vote(
+        _clean(),
+        {"cpu:0": [other_machine], "cpu:1": [other_machine]},
+        incomparable={
+            "cpu:0": ["cpu.capability: recorded 'AVX2', here 'AVX512'"],
+            "cpu:1": ["cpu.capability: recorded 'AVX2', here 'AVX512'"],
+        },
+    )
     assert (consensus.verdict, consensus.suspects) == ("incomparable", [])
     assert {voter: v.verdict for voter, v in consensus.voters.items()} == {
-        "record": "match", "cpu:0": "incomparable", "cpu:1": "incomparable"}
+        "record": "match",
+        "cpu:0": "incomparable",
+        "cpu:1": "incomparable",
+    }
     assert "cpu.capability" in consensus.advice
     # a comparable replica judges the record; the other machine's replicas vote among themselves,
     # where two outvote the third
     odd = _with(_clean(), {(1, "loss"): "odd"})
-    consensus = vote(_clean(), {"cpu:0": [_clean()], "cpu:1": [other_machine], "cpu:2": [other_machine],
-                                "cpu:3": [odd]},
-                     incomparable={label: ["torch.git: recorded 'a', here 'b'"] for label in ("cpu:1", "cpu:2", "cpu:3")})
+    consensus = vote(
+        _clean(),
+        {"cpu:0": [_clean()], "cpu:1": [other_machine], "cpu:2": [other_machine], "cpu:3": [odd]},
+        incomparable={
+            label: ["torch.git: recorded 'a', here 'b'"] for label in ("cpu:1", "cpu:2", "cpu:3")
+        },
+    )
     assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:3"])
     assert consensus.voters["cpu:3"].verdict == "persistent"
     assert consensus.voters["record"].verdict == "match"
@@ -323,8 +459,12 @@ def test_cli_diff_identical_exit_0(cli, paths):
     result = cli("diff", paths["bundle"], paths["clean"], "--json")
     assert result.exit_code == 0
     data = json.loads(result.stdout)
-    assert (data["schema"], data["identical"], data["first_divergence"], data["divergent_entries"]) == (
-        "sdcreplay.diff/1", True, None, 0)
+    assert (
+        data["schema"],
+        data["identical"],
+        data["first_divergence"],
+        data["divergent_entries"],
+    ) == ("sdcreplay.diff/1", True, None, 0)
 
 
 def test_cli_diff_divergent_exit_1(cli, paths, recorded):
@@ -335,7 +475,10 @@ def test_cli_diff_divergent_exit_1(cli, paths, recorded):
     assert data["schema"] == "sdcreplay.diff/1"
     assert data["identical"] is False
     assert {k: data["first_divergence"][k] for k in ("step", "phase", "name")} == {
-        "step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.1.attn.wq",
+    }
     assert data["divergent_entries"] == len(comparison.divergences)
     assert data["per_step"] == {"0": 0, "1": len(comparison.divergences)}
     assert "First divergence: step 1, forward, forward:layers.1.attn.wq" in result.stderr
@@ -353,8 +496,14 @@ def test_cli_diff_structural_difference_exit_3(cli, paths, tmp_path):
     result = cli("diff", paths["bundle"], other, "--json")
     assert result.exit_code == 3
     assert result.stdout == ""
-    assert "Error: the logs describe different programs: workload builtin:tiny-llama with dim=32 vs dim=48" in result.stderr
-    assert "Hint: This is a different workload or configuration, not silent data corruption" in result.stderr
+    assert (
+        "Error: the logs describe different programs: workload builtin:tiny-llama with dim=32 vs dim=48"
+        in result.stderr
+    )
+    assert (
+        "Hint: This is a different workload or configuration, not silent data corruption"
+        in result.stderr
+    )
     assert "Traceback" not in result.stderr
     # a replay log of a.bundle knows its program too
     assert cli("diff", other, paths["clean"]).exit_code == 3
@@ -378,5 +527,7 @@ def test_two_recordings_of_the_same_run_are_identical(tmp_path):
     random.seed(2)
     np.random.seed(2)
     record("builtin:tiny-llama", tmp_path / "second.bundle", steps=1, kwargs=dict(SMALL))
-    comparison = compare_logs(load_log(tmp_path / "first.bundle"), load_log(tmp_path / "second.bundle"))
+    comparison = compare_logs(
+        load_log(tmp_path / "first.bundle"), load_log(tmp_path / "second.bundle")
+    )
     assert comparison.identical, comparison.first

@@ -16,8 +16,14 @@ from sdcreplay.bundle import read_rng, write_rng
 from sdcreplay.errors import DeterminismError
 
 SWITCH_KEYS = {
-    "deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark", "cuda_matmul_allow_tf32",
-    "cudnn_allow_tf32", "float32_matmul_precision", "num_threads", "env",
+    "deterministic_algorithms",
+    "cudnn_deterministic",
+    "cudnn_benchmark",
+    "cuda_matmul_allow_tf32",
+    "cudnn_allow_tf32",
+    "float32_matmul_precision",
+    "num_threads",
+    "env",
 }
 
 
@@ -92,7 +98,9 @@ def test_apply_refuses_a_conflicting_environment(clean_env, monkeypatch: pytest.
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_apply_refuses_a_variable_set_where_the_record_had_none(clean_env, monkeypatch: pytest.MonkeyPatch):
+def test_apply_refuses_a_variable_set_where_the_record_had_none(
+    clean_env, monkeypatch: pytest.MonkeyPatch
+):
     recorded = determinism.enable()
     monkeypatch.setenv("NCCL_ALGO", "Ring")
     with pytest.raises(DeterminismError, match="NCCL_ALGO='Ring' \\(recorded None\\)"):
@@ -112,7 +120,9 @@ def test_verify_names_every_differing_switch(clean_env):
 def test_verify_checks_recorded_env(clean_env):
     recorded = determinism.enable()
     os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
-    with pytest.raises(DeterminismError, match="CUBLAS_WORKSPACE_CONFIG: recorded ':4096:8', now None"):
+    with pytest.raises(
+        DeterminismError, match="CUBLAS_WORKSPACE_CONFIG: recorded ':4096:8', now None"
+    ):
         determinism.verify(recorded)
 
 
@@ -139,9 +149,12 @@ def test_environment_warnings():
 
 def draw() -> tuple:
     return (
-        random.random(), random.getrandbits(64),
-        np.random.rand(3).tolist(), np.random.standard_normal(),
-        torch.rand(4).tolist(), torch.randint(0, 2**31, (2,)).tolist(),
+        random.random(),
+        random.getrandbits(64),
+        np.random.rand(3).tolist(),
+        np.random.standard_normal(),
+        torch.rand(4).tolist(),
+        torch.randint(0, 2**31, (2,)).tolist(),
     )
 
 

@@ -396,8 +396,9 @@ def test_digester_on_cuda_never_waits_for_the_device_until_entries():
             digester.add(f"t{index}", tensor)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    eager = {f"t{i}": f"{int(mix64(t, one_pass=False)) & MASK64:016x}"
-             for i, t in enumerate(tensors)}
+    eager = {
+        f"t{i}": f"{int(mix64(t, one_pass=False)) & MASK64:016x}" for i, t in enumerate(tensors)
+    }
     assert dict(digester.entries()) == eager
     assert one_pass_status() == "compiled"
 
@@ -407,18 +408,34 @@ def test_gpu_check_runs_its_cpu_parts_and_says_so(tmp_path):
     """`make gpu-check` on a machine without a GPU (here in --quick mode: the smallest sizes)."""
     script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
     env = {**os.environ, "OUT": str(tmp_path)}
-    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
-                          text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     table = (tmp_path / "gpu-check" / "table.md").read_text()
     assert table in done.stdout and "no GPU: the CPU-checkable parts ran on the CPU" in table
-    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table.splitlines()
-            if line.startswith("| ") and not line.startswith(("| part", "| ---"))}
-    assert rows == {"gpu-marked tests": "skipped", "digest vs torch.hash_tensor (cpu)": "ok",
-                    "bisect operator capture (cpu)": "ok", "minimize trials/s (cpu)": "ok"}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith(("| part", "| ---"))
+    }
+    assert rows == {
+        "gpu-marked tests": "skipped",
+        "digest vs torch.hash_tensor (cpu)": "ok",
+        "bisect operator capture (cpu)": "ok",
+        "minimize trials/s (cpu)": "ok",
+    }
     assert "ours/hash_tensor" in table and "of the plain step" in table and "of bare" in table
     assert {path.name for path in (tmp_path / "gpu-check").iterdir()} >= {
-        "table.md", "digest.log", "capture-factor.log", "minimize-throughput.log"}
+        "table.md",
+        "digest.log",
+        "capture-factor.log",
+        "minimize-throughput.log",
+    }
 
 
 def test_one_pass_inside_a_dispatch_handler_waits_for_a_graph_compiled_outside(fresh_one_pass):

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from sdcreplay.cli import app
 from sdcreplay.doctor import doctor
 
-NOISY_WORKLOAD = '''
+NOISY_WORKLOAD = """
 import itertools
 
 import torch
@@ -38,7 +38,7 @@ def make_workload(seed=0):
     model = Noisy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return Workload(model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), lambda m, b: m(b).square().mean())
-'''
+"""
 
 
 def test_cpu_step_is_reproducible():
@@ -56,7 +56,11 @@ def test_names_the_first_nondeterministic_operator(tmp_path):
     report = doctor("cpu", f"{path}:make_workload").to_json()
     assert report["reproducible"] is False
     first = report["first_nondeterministic"]
-    assert (first["op"], first["module"], first["phase"]) == ("aten.mul.Tensor", "<root>", "forward")
+    assert (first["op"], first["module"], first["phase"]) == (
+        "aten.mul.Tensor",
+        "<root>",
+        "forward",
+    )
 
 
 def test_cli_exit_codes(tmp_path):

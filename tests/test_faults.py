@@ -33,57 +33,104 @@ def test_parse_every_key():
         "index=7,bit=5,count=2,scale=0.5,p=0.25,seed=9,device=cpu:1"
     )
     assert spec == FaultSpec(
-        kind="bitflip", op="aten.mm.default", module="layers.0", phase="backward", step=3,
-        nth=2, index=7, bit=5, count=2, scale=0.5, p=0.25, seed=9, device="cpu:1",
+        kind="bitflip",
+        op="aten.mm.default",
+        module="layers.0",
+        phase="backward",
+        step=3,
+        nth=2,
+        index=7,
+        bit=5,
+        count=2,
+        scale=0.5,
+        p=0.25,
+        seed=9,
+        device="cpu:1",
     )
     memflip = FaultSpec.parse("kind=memflip,param=layers.0.attn.wq.weight,step=1,index=4,bit=30")
     assert (memflip.kind, memflip.param, memflip.step, memflip.index, memflip.bit, memflip.op) == (
-        "memflip", "layers.0.attn.wq.weight", 1, 4, 30, None)
+        "memflip",
+        "layers.0.attn.wq.weight",
+        1,
+        4,
+        30,
+        None,
+    )
 
 
 def test_parse_defaults_and_whitespace():
     spec = FaultSpec.parse(" kind = nan , op = aten.mm ,")
     assert spec == FaultSpec(kind="nan", op="aten.mm")
-    assert (spec.param, spec.module, spec.phase, spec.step, spec.nth, spec.index, spec.bit,
-            spec.count, spec.scale, spec.p, spec.seed, spec.device) == (
-        None, None, None, None, None, 0, None, 1, 1e-3, 1.0, 0, None)
+    assert (
+        spec.param,
+        spec.module,
+        spec.phase,
+        spec.step,
+        spec.nth,
+        spec.index,
+        spec.bit,
+        spec.count,
+        spec.scale,
+        spec.p,
+        spec.seed,
+        spec.device,
+    ) == (None, None, None, None, None, 0, None, 1, 1e-3, 1.0, 0, None)
 
 
-@pytest.mark.parametrize("text, canonical", [
-    ("op=aten.mm,kind=bitflip", "kind=bitflip,op=aten.mm"),
-    ("kind=bitflip,op=aten.mm,index=0,count=1,p=1", "kind=bitflip,op=aten.mm"),
-    ("device=cpu:1,kind=pairflip,op=aten.mm.default,step=1,nth=0,index=3,bit=22,count=7",
-     "kind=pairflip,op=aten.mm.default,step=1,nth=0,index=3,bit=22,count=7,device=cpu:1"),
-    ("kind=bias,op=aten.mm,module=layers.0.attn.wo,phase=forward,scale=0.0001,count=8,p=0.3,seed=4",
-     "kind=bias,op=aten.mm,module=layers.0.attn.wo,phase=forward,count=8,scale=0.0001,p=0.3,seed=4"),
-    ("kind=memflip,step=1,param=layers.0.mlp.w3.weight", "kind=memflip,param=layers.0.mlp.w3.weight,step=1"),
-])
+@pytest.mark.parametrize(
+    "text, canonical",
+    [
+        ("op=aten.mm,kind=bitflip", "kind=bitflip,op=aten.mm"),
+        ("kind=bitflip,op=aten.mm,index=0,count=1,p=1", "kind=bitflip,op=aten.mm"),
+        (
+            "device=cpu:1,kind=pairflip,op=aten.mm.default,step=1,nth=0,index=3,bit=22,count=7",
+            "kind=pairflip,op=aten.mm.default,step=1,nth=0,index=3,bit=22,count=7,device=cpu:1",
+        ),
+        (
+            "kind=bias,op=aten.mm,module=layers.0.attn.wo,phase=forward,scale=0.0001,count=8,p=0.3,seed=4",
+            "kind=bias,op=aten.mm,module=layers.0.attn.wo,phase=forward,count=8,scale=0.0001,p=0.3,seed=4",
+        ),
+        (
+            "kind=memflip,step=1,param=layers.0.mlp.w3.weight",
+            "kind=memflip,param=layers.0.mlp.w3.weight,step=1",
+        ),
+    ],
+)
 def test_canonical_string_round_trip(text, canonical):
     spec = FaultSpec.parse(text)
     assert str(spec) == canonical
     assert FaultSpec.parse(str(spec)) == spec
 
 
-@pytest.mark.parametrize("text, words", [
-    ("kind=bitflip,op=aten.mm,colour=red", ["unknown or malformed part", "'colour=red'"]),
-    ("kind=bitflip,op=aten.mm,oops", ["unknown or malformed part", "'oops'"]),
-    ("kind=melt,op=aten.mm", ["kind 'melt' is not one of bitflip, pairflip, swap, bias, nan, memflip"]),
-    ("kind=bitflip,op=aten.mm,phase=sideways", ["phase 'sideways' is not one of forward, backward, optimizer"]),
-    ("kind=bitflip,op=aten.mm,step=one", ["step='one' is not a valid int"]),
-    ("kind=bitflip,op=aten.mm,step=1.5", ["step='1.5' is not a valid int"]),
-    ("kind=bitflip,op=aten.mm,p=often", ["p='often' is not a valid float"]),
-    ("kind=bitflip,op=aten.mm,scale=", ["scale='' is not a valid float"]),
-    ("kind=bitflip", ["bitflip needs op="]),
-    ("kind=swap,module=layers.0", ["swap needs op="]),
-    ("op=aten.mm,step=1", ["has no kind"]),
-    ("kind=memflip,step=1", ["memflip needs param="]),
-    ("kind=memflip,param=layers.0.attn.wq.weight", ["memflip needs param=", "and step="]),
-    ("kind=bitflip,op=aten.mm,p=1.5", ["p=1.5 is not a probability"]),
-    ("kind=bitflip,op=aten.mm,count=0", ["count must be at least 1"]),
-    ("kind=bitflip,op=aten.mm,index=-1", ["index and nth at least 0"]),
-    ("kind=bitflip,op=aten.mm,nth=-2", ["index and nth at least 0"]),
-    ("kind=bitflip,op=aten.mm,bit=64", ["bit=64 is outside 0..63"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("kind=bitflip,op=aten.mm,colour=red", ["unknown or malformed part", "'colour=red'"]),
+        ("kind=bitflip,op=aten.mm,oops", ["unknown or malformed part", "'oops'"]),
+        (
+            "kind=melt,op=aten.mm",
+            ["kind 'melt' is not one of bitflip, pairflip, swap, bias, nan, memflip"],
+        ),
+        (
+            "kind=bitflip,op=aten.mm,phase=sideways",
+            ["phase 'sideways' is not one of forward, backward, optimizer"],
+        ),
+        ("kind=bitflip,op=aten.mm,step=one", ["step='one' is not a valid int"]),
+        ("kind=bitflip,op=aten.mm,step=1.5", ["step='1.5' is not a valid int"]),
+        ("kind=bitflip,op=aten.mm,p=often", ["p='often' is not a valid float"]),
+        ("kind=bitflip,op=aten.mm,scale=", ["scale='' is not a valid float"]),
+        ("kind=bitflip", ["bitflip needs op="]),
+        ("kind=swap,module=layers.0", ["swap needs op="]),
+        ("op=aten.mm,step=1", ["has no kind"]),
+        ("kind=memflip,step=1", ["memflip needs param="]),
+        ("kind=memflip,param=layers.0.attn.wq.weight", ["memflip needs param=", "and step="]),
+        ("kind=bitflip,op=aten.mm,p=1.5", ["p=1.5 is not a probability"]),
+        ("kind=bitflip,op=aten.mm,count=0", ["count must be at least 1"]),
+        ("kind=bitflip,op=aten.mm,index=-1", ["index and nth at least 0"]),
+        ("kind=bitflip,op=aten.mm,nth=-2", ["index and nth at least 0"]),
+        ("kind=bitflip,op=aten.mm,bit=64", ["bit=64 is outside 0..63"]),
+    ],
+)
 def test_parse_errors_name_the_problem(text, words):
     with pytest.raises(FaultSpecError) as caught:
         FaultSpec.parse(text)
@@ -98,10 +145,13 @@ def test_parse_specs_reads_the_environment_after_the_command_line(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "kind=nan,op=aten.add;; kind=swap,op=aten.mm,index=2 ;")
     specs = parse_specs(["kind=bitflip,op=aten.mm,bit=3"])
     assert [str(s) for s in specs] == [
-        "kind=bitflip,op=aten.mm,bit=3", "kind=nan,op=aten.add", "kind=swap,op=aten.mm,index=2",
+        "kind=bitflip,op=aten.mm,bit=3",
+        "kind=nan,op=aten.add",
+        "kind=swap,op=aten.mm,index=2",
     ]
     assert [str(s) for s in parse_specs(["kind=bitflip,op=aten.mm"], include_env=False)] == [
-        "kind=bitflip,op=aten.mm"]
+        "kind=bitflip,op=aten.mm"
+    ]
     monkeypatch.setenv(ENV_VAR, "kind=bitflip")
     with pytest.raises(FaultSpecError, match="bitflip needs op="):
         parse_specs([])
@@ -136,11 +186,23 @@ def spec(text: str) -> FaultSpec:
     return FaultSpec.parse(text)
 
 
-@pytest.mark.parametrize("dtype, bit", [
-    (torch.float32, 0), (torch.float32, 22), (torch.float32, 31),
-    (torch.bfloat16, 6), (torch.bfloat16, 15), (torch.float16, 9), (torch.float64, 63),
-    (torch.int32, 31), (torch.int64, 63), (torch.int16, 4), (torch.uint8, 7), (torch.int8, 7),
-])
+@pytest.mark.parametrize(
+    "dtype, bit",
+    [
+        (torch.float32, 0),
+        (torch.float32, 22),
+        (torch.float32, 31),
+        (torch.bfloat16, 6),
+        (torch.bfloat16, 15),
+        (torch.float16, 9),
+        (torch.float64, 63),
+        (torch.int32, 31),
+        (torch.int64, 63),
+        (torch.int16, 4),
+        (torch.uint8, 7),
+        (torch.int8, 7),
+    ],
+)
 def test_bitflip_flips_exactly_that_bit_of_the_storage_word(dtype, bit):
     tensor = _sample(dtype)
     before = tensor.clone()
@@ -149,10 +211,17 @@ def test_bitflip_flips_exactly_that_bit_of_the_storage_word(dtype, bit):
     assert _xor(before, tensor) == [(5, 1 << bit)]
 
 
-@pytest.mark.parametrize("dtype, bit", [
-    (torch.float64, 51), (torch.float32, 22), (torch.float16, 9), (torch.bfloat16, 6),
-    (torch.int32, 0), (torch.uint8, 0),
-])
+@pytest.mark.parametrize(
+    "dtype, bit",
+    [
+        (torch.float64, 51),
+        (torch.float32, 22),
+        (torch.float16, 9),
+        (torch.bfloat16, 6),
+        (torch.int32, 0),
+        (torch.uint8, 0),
+    ],
+)
 def test_default_bit_is_the_top_mantissa_bit_or_bit_zero(dtype, bit):
     assert default_bit(dtype) == bit
     tensor = _sample(dtype)
@@ -173,7 +242,9 @@ def test_bitflip_of_a_bool_and_bits_that_do_not_exist():
     assert tensor.tolist() == [True, True, True]
     with pytest.raises(FaultSpecError, match="bool element has only bit 0"):
         corrupt(spec("kind=bitflip,op=aten.mm,index=1,bit=3"), tensor)
-    with pytest.raises(FaultSpecError, match="bit 16 does not exist in a 16-bit torch.bfloat16 element"):
+    with pytest.raises(
+        FaultSpecError, match="bit 16 does not exist in a 16-bit torch.bfloat16 element"
+    ):
         corrupt(spec("kind=bitflip,op=aten.mm,bit=16"), _sample(torch.bfloat16))
 
 
@@ -202,7 +273,10 @@ def test_pairflip_and_swap_are_invisible_to_an_xor_hash_but_not_to_the_digest():
     from sdcreplay.digest import tensor_digest
 
     clean = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-    for text in ("kind=pairflip,op=aten.mm,index=3,count=40", "kind=swap,op=aten.mm,index=5,count=64"):
+    for text in (
+        "kind=pairflip,op=aten.mm,index=3,count=40",
+        "kind=swap,op=aten.mm,index=5,count=64",
+    ):
         corrupted = clean.clone()
         corrupt(spec(text), corrupted)
         assert not torch.equal(corrupted, clean)
@@ -222,7 +296,10 @@ def test_swap_exchanges_two_elements(dtype):
 
 def test_bias_scales_a_block_of_count_elements():
     tensor = torch.full((10,), 2.0)
-    assert corrupt(spec("kind=bias,op=aten.mm,index=3,count=4,scale=0.5"), tensor) == ([3, 4, 5, 6], None)
+    assert corrupt(spec("kind=bias,op=aten.mm,index=3,count=4,scale=0.5"), tensor) == (
+        [3, 4, 5, 6],
+        None,
+    )
     assert tensor.tolist() == [2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0]
     small = torch.linspace(-1, 1, 8, dtype=torch.bfloat16)
     before = small.clone()
@@ -240,14 +317,17 @@ def test_nan_writes_one_nan():
         corrupt(spec("kind=nan,op=aten.mm"), torch.arange(4))
 
 
-@pytest.mark.parametrize("text", [
-    "kind=bitflip,op=aten.mm,index=12",
-    "kind=memflip,param=w,step=0,index=40",
-    "kind=nan,op=aten.mm,index=12",
-    "kind=pairflip,op=aten.mm,index=11",          # the partner, 12, is outside
-    "kind=swap,op=aten.mm,index=4,count=8",       # 12 is outside
-    "kind=bias,op=aten.mm,index=8,count=5",       # the block ends at 12
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kind=bitflip,op=aten.mm,index=12",
+        "kind=memflip,param=w,step=0,index=40",
+        "kind=nan,op=aten.mm,index=12",
+        "kind=pairflip,op=aten.mm,index=11",  # the partner, 12, is outside
+        "kind=swap,op=aten.mm,index=4,count=8",  # 12 is outside
+        "kind=bias,op=aten.mm,index=8,count=5",  # the block ends at 12
+    ],
+)
 def test_an_element_outside_the_output_does_not_fire(text):
     tensor = _sample(torch.float32)
     before = tensor.clone()
@@ -257,7 +337,10 @@ def test_an_element_outside_the_output_does_not_fire(text):
 
 def test_a_block_that_ends_on_the_last_element_fires():
     tensor = torch.ones(12)
-    assert corrupt(spec("kind=bias,op=aten.mm,index=8,count=4,scale=1"), tensor) == ([8, 9, 10, 11], None)
+    assert corrupt(spec("kind=bias,op=aten.mm,index=8,count=4,scale=1"), tensor) == (
+        [8, 9, 10, 11],
+        None,
+    )
     assert tensor.tolist() == [1.0] * 8 + [2.0] * 4
 
 
@@ -322,16 +405,26 @@ def test_clean_run_sites():
     _, spy = run_steps([])
     mms = [(s.phase, s.module) for s, _ in spy.calls if s.op == MM]
     assert mms == [
-        ("forward", "enc"), ("forward", "enc2"), ("forward", "head.0"), ("forward", "head.1"),
-        ("backward", "head.1"), ("backward", "head.1"), ("backward", "head.0"), ("backward", "head.0"),
-        ("backward", "enc2"), ("backward", "enc2"), ("backward", "enc"),
+        ("forward", "enc"),
+        ("forward", "enc2"),
+        ("forward", "head.0"),
+        ("forward", "head.1"),
+        ("backward", "head.1"),
+        ("backward", "head.1"),
+        ("backward", "head.0"),
+        ("backward", "head.0"),
+        ("backward", "enc2"),
+        ("backward", "enc2"),
+        ("backward", "enc"),
     ]
 
 
 @pytest.mark.parametrize("op", ["aten.mm", "aten.mm.default"])
 def test_op_matches_the_overload_or_its_packet(op):
     injector, _ = run_steps([f"kind=bitflip,op={op},phase=forward"])
-    assert fired_at(injector) == [(0, "forward", m, MM) for m in ("enc", "enc2", "head.0", "head.1")]
+    assert fired_at(injector) == [
+        (0, "forward", m, MM) for m in ("enc", "enc2", "head.0", "head.1")
+    ]
 
 
 @pytest.mark.parametrize("op", ["aten.m", "aten.mm.out", "aten.addmm", "mm"])
@@ -345,7 +438,13 @@ def test_the_corruption_is_what_later_observers_and_the_module_see():
     injector, spy = run_steps(["kind=bitflip,op=aten.mm,module=enc2,phase=forward,index=5,bit=30"])
     assert clean_injector.fired == []
     (fired,) = injector.fired
-    assert (fired.module, fired.op, fired.elements, fired.bit, fired.op_index) == ("enc2", MM, [5], 30, 3)
+    assert (fired.module, fired.op, fired.elements, fired.bit, fired.op_index) == (
+        "enc2",
+        MM,
+        [5],
+        30,
+        3,
+    )
     site, out = spy.calls[3]
     assert (site.module, site.op) == ("enc2", MM)
     assert _xor(clean.calls[3][1], out) == [(5, 1 << 30)]
@@ -364,20 +463,29 @@ class VersionSpy(Spy):
         return super().on_call(site, func, args, kwargs, out)
 
 
-@pytest.mark.parametrize("text, where", [
-    # views: the fault corrupts the memory they alias (a weight; a gradient's operand)
-    ("kind=bitflip,op=aten.t,module=enc2,phase=forward,index=5,bit=30", ("forward", "enc2")),
-    ("kind=bitflip,op=aten.t,module=head.1,phase=backward,nth=0,index=3,bit=31",
-     ("backward", "head.1")),
-    # relu's output, as autograd saved it for relu's backward; a gradient being accumulated
-    ("kind=bitflip,op=aten.detach,phase=forward,index=2,bit=30", ("forward", "<root>")),
-    ("kind=bitflip,op=aten.detach,module=head.1,phase=backward,index=3,bit=31",
-     ("backward", "head.1")),
-    # an output autograd saved for the backward, and an in-place update
-    ("kind=bitflip,op=aten.relu,phase=forward,index=2,bit=30", ("forward", "<root>")),
-    ("kind=bitflip,op=aten.add_,phase=optimizer,module=enc.weight,index=6,bit=29",
-     ("optimizer", "enc.weight")),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        # views: the fault corrupts the memory they alias (a weight; a gradient's operand)
+        ("kind=bitflip,op=aten.t,module=enc2,phase=forward,index=5,bit=30", ("forward", "enc2")),
+        (
+            "kind=bitflip,op=aten.t,module=head.1,phase=backward,nth=0,index=3,bit=31",
+            ("backward", "head.1"),
+        ),
+        # relu's output, as autograd saved it for relu's backward; a gradient being accumulated
+        ("kind=bitflip,op=aten.detach,phase=forward,index=2,bit=30", ("forward", "<root>")),
+        (
+            "kind=bitflip,op=aten.detach,module=head.1,phase=backward,index=3,bit=31",
+            ("backward", "head.1"),
+        ),
+        # an output autograd saved for the backward, and an in-place update
+        ("kind=bitflip,op=aten.relu,phase=forward,index=2,bit=30", ("forward", "<root>")),
+        (
+            "kind=bitflip,op=aten.add_,phase=optimizer,module=enc.weight,index=6,bit=29",
+            ("optimizer", "enc.weight"),
+        ),
+    ],
+)
 def test_a_fault_changes_bits_only_never_a_version_counter(text, where):
     """A defect changes values, not metadata: autograd's saved-tensor checks never trip on it."""
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
@@ -397,14 +505,17 @@ def test_a_fault_changes_bits_only_never_a_version_counter(text, where):
     assert _xor(clean.calls[fired.op_index][1], out) == [(fired.elements[0], 1 << fired.bit)]
 
 
-@pytest.mark.parametrize("prefix, modules", [
-    ("enc", ["enc"]),              # a path prefix, not a string prefix: enc2 is not under enc
-    ("enc2", ["enc2"]),
-    ("head", ["head.0", "head.1"]),
-    ("head.1", ["head.1"]),
-    ("head.", []),
-    ("", ["enc", "enc2", "head.0", "head.1"]),
-])
+@pytest.mark.parametrize(
+    "prefix, modules",
+    [
+        ("enc", ["enc"]),  # a path prefix, not a string prefix: enc2 is not under enc
+        ("enc2", ["enc2"]),
+        ("head", ["head.0", "head.1"]),
+        ("head.1", ["head.1"]),
+        ("head.", []),
+        ("", ["enc", "enc2", "head.0", "head.1"]),
+    ],
+)
 def test_module_is_a_path_prefix(prefix, modules):
     injector, _ = run_steps([f"kind=bitflip,op=aten.mm,phase=forward,module={prefix}"])
     assert [f[2] for f in fired_at(injector)] == modules
@@ -412,7 +523,9 @@ def test_module_is_a_path_prefix(prefix, modules):
 
 def test_phase_selects_forward_backward_or_optimizer():
     injector, _ = run_steps(["kind=bitflip,op=aten.mm,module=head,phase=backward"])
-    assert fired_at(injector) == [(0, "backward", m, MM) for m in ("head.1", "head.1", "head.0", "head.0")]
+    assert fired_at(injector) == [
+        (0, "backward", m, MM) for m in ("head.1", "head.1", "head.0", "head.0")
+    ]
     injector, _ = run_steps(["kind=bitflip,op=aten.add_,phase=optimizer,module=enc2.weight"])
     assert fired_at(injector) == [(0, "optimizer", "enc2.weight", "aten.add_.Tensor")]
     injector, _ = run_steps(["kind=bitflip,op=aten.mm,module=enc"])  # no phase: both
@@ -420,7 +533,9 @@ def test_phase_selects_forward_backward_or_optimizer():
 
 
 def test_step_selects_the_training_step():
-    injector, _ = run_steps(["kind=bitflip,op=aten.mm,module=enc,phase=forward,step=1"], steps=(0, 1, 2))
+    injector, _ = run_steps(
+        ["kind=bitflip,op=aten.mm,module=enc,phase=forward,step=1"], steps=(0, 1, 2)
+    )
     assert fired_at(injector) == [(1, "forward", "enc", MM)]
     injector, _ = run_steps(["kind=bitflip,op=aten.mm,module=enc,phase=forward"], steps=(0, 1, 2))
     assert [f[0] for f in fired_at(injector)] == [0, 1, 2]  # sticky without step/nth
@@ -430,9 +545,13 @@ def test_nth_counts_only_the_matching_calls_of_each_step():
     injector, spy = run_steps(["kind=bitflip,op=aten.mm,module=head,nth=1"], steps=(0, 1))
     # head's matmuls in each step: forward head.0, forward head.1, backward ...; nth=1 is forward head.1
     assert fired_at(injector) == [(0, "forward", "head.1", MM), (1, "forward", "head.1", MM)]
-    injector, spy = run_steps(["kind=bitflip,op=aten.mm,module=head,phase=backward,nth=1,step=1"], steps=(0, 1))
+    injector, spy = run_steps(
+        ["kind=bitflip,op=aten.mm,module=head,phase=backward,nth=1,step=1"], steps=(0, 1)
+    )
     assert fired_at(injector) == [(1, "backward", "head.1", MM)]
-    backward_mms = [s.index for s, _ in spy.calls if s.step == 1 and s.phase == "backward" and s.op == MM]
+    backward_mms = [
+        s.index for s, _ in spy.calls if s.step == 1 and s.phase == "backward" and s.op == MM
+    ]
     assert injector.fired[0].op_index == backward_mms[1]
     injector, _ = run_steps(["kind=bitflip,op=aten.mm,module=head,nth=5"])
     assert fired_at(injector) == [(0, "backward", "head.0", MM)]  # head's last matmul of six
@@ -449,10 +568,12 @@ def test_device_label_selects_the_replica():
 
 
 def test_several_specs_fire_independently():
-    injector, _ = run_steps([
-        "kind=bitflip,op=aten.mm,module=enc,phase=forward",
-        "kind=nan,op=aten.mm,module=head.1,phase=forward,index=2",
-    ])
+    injector, _ = run_steps(
+        [
+            "kind=bitflip,op=aten.mm,module=enc,phase=forward",
+            "kind=nan,op=aten.mm,module=head.1,phase=forward,index=2",
+        ]
+    )
     assert [(f.module, f.spec) for f in injector.fired] == [
         ("enc", "kind=bitflip,op=aten.mm,module=enc,phase=forward"),
         ("head.1", "kind=nan,op=aten.mm,module=head.1,phase=forward,index=2"),
@@ -483,9 +604,13 @@ def test_probability_draws_only_for_calls_that_pass_nth():
     # nth picks one call per step; p decides, per step, whether that call fires
     steps = []
     for step in range(40):
-        injector = Injector([FaultSpec.parse("kind=bitflip,op=aten.mm,nth=2,p=0.5,seed=1")], "cpu:0")
+        injector = Injector(
+            [FaultSpec.parse("kind=bitflip,op=aten.mm,nth=2,p=0.5,seed=1")], "cpu:0"
+        )
         for index in range(5):
-            injector.on_call(CallSite(step, "forward", "enc", MM, index), None, (), {}, torch.zeros(4))
+            injector.on_call(
+                CallSite(step, "forward", "enc", MM, index), None, (), {}, torch.zeros(4)
+            )
         steps.append([f.op_index for f in injector.fired])
     assert {tuple(s) for s in steps} <= {(), (2,)}
 
@@ -498,8 +623,14 @@ def test_tuple_outputs_corrupt_their_first_tensor():
     assert values.tolist() == [-1.0, 1.0, 1.0]
     assert indices.tolist() == [0, 0, 0]
     assert injector.fired[0].to_json() == {
-        "spec": "kind=bitflip,op=aten.max.dim,bit=31", "step": 0, "phase": "forward", "module": "enc",
-        "op": "aten.max.dim", "op_index": 0, "elements": [0], "bit": 31,
+        "spec": "kind=bitflip,op=aten.max.dim,bit=31",
+        "step": 0,
+        "phase": "forward",
+        "module": "enc",
+        "op": "aten.max.dim",
+        "op_index": 0,
+        "elements": [0],
+        "bit": 31,
     }
 
 
@@ -507,16 +638,23 @@ def test_elements_outside_small_outputs_are_not_recorded_as_fired():
     injector, spy = run_steps(["kind=bitflip,op=aten.mm,index=15"])
     # forward outputs are [3, 4] (12 elements); the weight gradients are [4, 4] (16)
     assert {f.phase for f in injector.fired} == {"backward"}
-    assert all(spy_out.numel() == 16 for (site, spy_out) in spy.calls
-               if (site.phase, site.op) == ("backward", MM) and site.index in {f.op_index for f in injector.fired})
+    assert all(
+        spy_out.numel() == 16
+        for (site, spy_out) in spy.calls
+        if (site.phase, site.op) == ("backward", MM)
+        and site.index in {f.op_index for f in injector.fired}
+    )
 
 
-@pytest.mark.parametrize("text", [
-    "kind=bitflip,op=aten.mm,module=head,nth=2",
-    "kind=bitflip,op=aten.mm,nth=7",
-    "kind=bitflip,op=aten.t,module=enc2,phase=backward,nth=1",
-    "kind=bitflip,op=aten.mm.default,phase=backward,nth=0",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kind=bitflip,op=aten.mm,module=head,nth=2",
+        "kind=bitflip,op=aten.mm,nth=7",
+        "kind=bitflip,op=aten.t,module=enc2,phase=backward,nth=1",
+        "kind=bitflip,op=aten.mm.default,phase=backward,nth=0",
+    ],
+)
 def test_isolated_call_fires_as_in_the_full_step(text):
     """bisect/minimize re-run one call alone, with the counts of the calls before it."""
     injector, spy = run_steps([text])
@@ -543,8 +681,14 @@ def test_memflip_corrupts_a_parameter_before_its_step():
     injector.before_step(1, model)
     assert _xor(before, model.head[0].weight.detach()) == [(5, 1 << 3)]
     assert injector.fired[0].to_json() == {
-        "spec": text, "step": 1, "phase": "state", "module": "head.0.weight", "op": "memory",
-        "op_index": -1, "elements": [5], "bit": 3,
+        "spec": text,
+        "step": 1,
+        "phase": "state",
+        "module": "head.0.weight",
+        "op": "memory",
+        "op_index": -1,
+        "elements": [5],
+        "bit": 3,
     }
     # it never fires on an operator call
     injector, _ = run_steps([text], steps=(0, 1))
@@ -554,12 +698,22 @@ def test_memflip_corrupts_a_parameter_before_its_step():
 def test_memflip_of_a_buffer_and_its_errors():
     model = nn.BatchNorm1d(4)
     before = model.running_var.clone()
-    Injector([FaultSpec.parse("kind=memflip,param=running_var,step=0,index=2,bit=31")], "cpu:0").before_step(0, model)
+    Injector(
+        [FaultSpec.parse("kind=memflip,param=running_var,step=0,index=2,bit=31")], "cpu:0"
+    ).before_step(0, model)
     assert model.running_var.tolist() == [1.0, 1.0, -1.0, 1.0] and before.tolist() == [1.0] * 4
-    with pytest.raises(FaultSpecError, match="memflip names 'nope.weight', which the model does not have"):
-        Injector([FaultSpec.parse("kind=memflip,param=nope.weight,step=0")], "cpu:0").before_step(0, model)
+    with pytest.raises(
+        FaultSpecError, match="memflip names 'nope.weight', which the model does not have"
+    ):
+        Injector([FaultSpec.parse("kind=memflip,param=nope.weight,step=0")], "cpu:0").before_step(
+            0, model
+        )
     with pytest.raises(FaultSpecError, match="memflip index 4 is outside weight"):
-        Injector([FaultSpec.parse("kind=memflip,param=weight,step=0,index=4")], "cpu:0").before_step(0, model)
+        Injector(
+            [FaultSpec.parse("kind=memflip,param=weight,step=0,index=4")], "cpu:0"
+        ).before_step(0, model)
     # another device's memflip does nothing here
-    Injector([FaultSpec.parse("kind=memflip,param=weight,step=0,device=cpu:1")], "cpu:0").before_step(0, model)
+    Injector(
+        [FaultSpec.parse("kind=memflip,param=weight,step=0,device=cpu:1")], "cpu:0"
+    ).before_step(0, model)
     assert model.weight.tolist() == [1.0] * 4

@@ -31,8 +31,21 @@ def _portable_template(tmp_path_factory, sdcreplay_exe: str) -> Path:
     if "avx2" not in determinism.fingerprint(torch.device("cpu"))["cpu.flags"].split():
         pytest.skip("this CPU has no AVX2")
     out = tmp_path_factory.mktemp("portable") / "avx2.bundle"
-    done = subprocess.run([sdcreplay_exe, "record", "builtin:tiny-llama", "--steps", "2", *SMALL_ARGS,
-                           "--out", str(out)], env={**os.environ, **PORTABLE}, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sdcreplay_exe,
+            "record",
+            "builtin:tiny-llama",
+            "--steps",
+            "2",
+            *SMALL_ARGS,
+            "--out",
+            str(out),
+        ],
+        env={**os.environ, **PORTABLE},
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -46,8 +59,19 @@ def portable_bundle(_portable_template: Path, tmp_path: Path) -> Path:
 
 def _replay(cli, bundle: Path, *args: str) -> tuple[int, dict, str]:
     unpinned = {name: None for name in PORTABLE}  # nothing pinned by hand: the tool must do it
-    done = cli("replay", bundle, "-d", "cpu:0", "-d", "cpu:1", "--json", "--logs", bundle.parent / "logs",
-               *args, env=unpinned)
+    done = cli(
+        "replay",
+        bundle,
+        "-d",
+        "cpu:0",
+        "-d",
+        "cpu:1",
+        "--json",
+        "--logs",
+        bundle.parent / "logs",
+        *args,
+        env=unpinned,
+    )
     return done.exit_code, json.loads(done.stdout), done.stderr
 
 
@@ -59,8 +83,10 @@ def test_the_recorded_capability_is_put_in_force_on_every_replica(portable_bundl
     assert report["consensus"]["verdict"] == "correct"
     for device in report["devices"]:
         assert device["verdict"] == "match"
-        assert (device["fingerprint"]["cpu.capability"], device["fingerprint"]["cpu.blas_branch"]) == (
-            "AVX2", "AVX2,STRICT")
+        assert (
+            device["fingerprint"]["cpu.capability"],
+            device["fingerprint"]["cpu.blas_branch"],
+        ) == ("AVX2", "AVX2,STRICT")
         assert device["fingerprint_differences"] == []
 
 
@@ -73,11 +99,16 @@ def _claim(bundle: Path, **properties) -> None:
 
 
 def test_a_property_that_cannot_be_put_in_force_is_incomparable_never_recording_suspect(
-        portable_bundle: Path, cli):
+    portable_bundle: Path, cli
+):
     """Both replicas disagree with the record (a fault on each): evidence against the record, were they comparable."""
     _claim(portable_bundle, **{"torch.git": "0" * 40})
-    code, report, shown = _replay(cli, portable_bundle, "--inject",
-                                  "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0")
+    code, report, shown = _replay(
+        cli,
+        portable_bundle,
+        "--inject",
+        "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0",
+    )
     consensus = report["consensus"]
     assert code == 3
     assert (consensus["verdict"], consensus["suspects"]) == ("incomparable", [])
@@ -87,13 +118,21 @@ def test_a_property_that_cannot_be_put_in_force_is_incomparable_never_recording_
     assert [d["verdict"] for d in report["devices"]] == ["incomparable", "incomparable"]
     assert "torch.git" in consensus["advice"]
     assert "Verdict: incomparable" in shown
-    assert f"cpu:0 did not vote on the record, its machine differs: {difference}" in " ".join(shown.split())
+    assert f"cpu:0 did not vote on the record, its machine differs: {difference}" in " ".join(
+        shown.split()
+    )
 
 
-def test_without_the_fault_the_same_replicas_would_have_accused_the_record(portable_bundle: Path, cli):
+def test_without_the_fault_the_same_replicas_would_have_accused_the_record(
+    portable_bundle: Path, cli
+):
     """The control for the test above: comparable replicas with a fault on each do blame the record."""
-    code, report, _ = _replay(cli, portable_bundle, "--inject",
-                              "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0")
+    code, report, _ = _replay(
+        cli,
+        portable_bundle,
+        "--inject",
+        "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=0",
+    )
     assert (code, report["consensus"]["verdict"]) == (1, "recording_suspect")
 
 
@@ -113,10 +152,12 @@ def test_info_and_doctor_show_what_a_replay_must_match(small_bundle: Path, cli):
 def test_pinning_leaves_a_variable_the_person_set(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     monkeypatch.delenv("MKL_CBWR", raising=False)
-    assert determinism.pinned_environment({"cpu.capability": "AVX2", "cpu.blas_branch": "AVX2"}) == {
-        "MKL_CBWR": "AVX2"}
-    assert determinism.fingerprint_differences({"cpu.capability": "AVX2"}, {"cpu.capability": "DEFAULT"}) == [
-        "cpu.capability: recorded 'AVX2', here 'DEFAULT'"]
+    assert determinism.pinned_environment(
+        {"cpu.capability": "AVX2", "cpu.blas_branch": "AVX2"}
+    ) == {"MKL_CBWR": "AVX2"}
+    assert determinism.fingerprint_differences(
+        {"cpu.capability": "AVX2"}, {"cpu.capability": "DEFAULT"}
+    ) == ["cpu.capability: recorded 'AVX2', here 'DEFAULT'"]
     # an older bundle without a fingerprint cannot be compared, and is not called different
     assert determinism.fingerprint_differences({}, {"cpu.capability": "DEFAULT"}) == []
     assert os.environ["ATEN_CPU_CAPABILITY"] == "default"

@@ -135,10 +135,18 @@ def test_state_objects_the_recorder_was_not_given_are_named(tmp_path):
     torch.manual_seed(0)
     model, optimizer, state = loops.build("steplr")
     step = loops.make_step(model, optimizer, state, "steplr")
-    rec = sdcreplay.Recorder(tmp_path / "run.bundle", f"{LOOPS}:make_workload", model, optimizer,
-                             workload_kwargs={"feature": "steplr"})
-    with pytest.raises(WorkloadMismatchError, match=r"the workload's state objects are \['sched'\], "
-                                                    r"the Recorder was given \[\]"):
+    rec = sdcreplay.Recorder(
+        tmp_path / "run.bundle",
+        f"{LOOPS}:make_workload",
+        model,
+        optimizer,
+        workload_kwargs={"feature": "steplr"},
+    )
+    with pytest.raises(
+        WorkloadMismatchError,
+        match=r"the workload's state objects are \['sched'\], "
+        r"the Recorder was given \[\]",
+    ):
         with rec:
             for index in range(2):
                 with rec.step(loops.get_batch(index)):
@@ -395,7 +403,7 @@ def test_builtin_defaults_keep_the_plain_step():
     assert workload.train_step is None and workload.state == {}
 
 
-HIDDEN_STATE_WORKLOAD = '''
+HIDDEN_STATE_WORKLOAD = """
 import sys
 from pathlib import Path
 
@@ -420,7 +428,7 @@ def make_workload(seed: int = 0):
         return loss
 
     return sdcreplay.Workload(model, optimizer, lambda i: torch.ones(3, 4) * i, train_step=train_step)
-'''
+"""
 
 
 def test_record_refuses_a_step_that_depends_on_state_it_does_not_save(run_exe, cli, tmp_path):
@@ -428,14 +436,25 @@ def test_record_refuses_a_step_that_depends_on_state_it_does_not_save(run_exe, c
     source = tmp_path / "hidden.py"
     source.write_text(HIDDEN_STATE_WORKLOAD)
     (tmp_path / "shared_counter.py").write_text('calls = {"n": 0}\n')
-    done = run_exe("record", f"{source}:make_workload", "--steps", "3", "--out", tmp_path / "run.bundle")
+    done = run_exe(
+        "record", f"{source}:make_workload", "--steps", "3", "--out", tmp_path / "run.bundle"
+    )
     assert done.returncode == 3, done.stderr
     assert "Error: the workload cannot replay this recording: loss differs" in done.stderr
     assert "Hint: Put everything the loop does in a step" in " ".join(done.stderr.split())
     assert "Traceback" not in done.stderr
     assert Bundle.open(tmp_path / "run.bundle").verification.status == "failed"
-    result = cli("record", f"{source}:make_workload", "--steps", "3", "--out", tmp_path / "off.bundle",
-                 "--no-verify")
+    result = cli(
+        "record",
+        f"{source}:make_workload",
+        "--steps",
+        "3",
+        "--out",
+        tmp_path / "off.bundle",
+        "--no-verify",
+    )
     assert result.exit_code == 0, result.output
     assert Bundle.open(tmp_path / "off.bundle").verification.to_json() == {
-        "mode": "off", "status": "off"}
+        "mode": "off",
+        "status": "off",
+    }

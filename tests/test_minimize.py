@@ -53,28 +53,54 @@ def capture_call(op: str = "aten.mm.default", module: str = MODULE, step: int = 
             workload.loss_fn(model, batch)
         return observer
 
-    index = next(r.site.index for r in forward(OperatorLog()).records if r.site.key == (op, module, "forward"))
+    index = next(
+        r.site.index
+        for r in forward(OperatorLog()).records
+        if r.site.key == (op, module, "forward")
+    )
     log = forward(OperatorLog(watch=index))
     args, kwargs, outputs = log.kept
     prior = Counter(record.site.key for record in log.records[:index])
-    return OperatorCase(log.records[index].site, prior, args, kwargs, outputs, [t.clone() for t in outputs])
+    return OperatorCase(
+        log.records[index].site, prior, args, kwargs, outputs, [t.clone() for t in outputs]
+    )
 
 
 def write_report(directory: Path, case: OperatorCase, inject: str) -> Path:
     """A bisect report (report.json + operator.h5) naming ``case`` as corrupted by ``inject`` on cpu:1."""
-    Injector(parse_specs([inject], include_env=False), "cpu:1").on_isolated_call(case.site, case.prior, case.actual)
+    Injector(parse_specs([inject], include_env=False), "cpu:1").on_isolated_call(
+        case.site, case.prior, case.actual
+    )
     directory.mkdir(parents=True)
     case.write(directory / OPERATOR_FILE)
     site = case.site
-    (directory / REPORT_FILE).write_text(json.dumps({
-        "schema": BISECT_SCHEMA, "verdict": "divergence", "step": site.step, "phase": site.phase,
-        "module": site.module, "op": site.op, "op_index": site.index, "kernels": [], "isolated": "kernel",
-        "suspect": "cpu:1", "reference": "cpu:0", "repeats_run": 1, "report": str(directory),
-        "bundle": str(directory.parent / "absent.bundle"), "inject": [inject],
-        "workload": {"ref": "builtin:tiny-llama", "kwargs": dict(SMALL)},
-        "environment": {"suspect": {"device": {"type": "cpu"}}, "reference": {"device": {"type": "cpu"}}},
-        "commands": [f"sdcreplay bisect absent.bundle --suspect cpu:1 --inject {inject}"],
-    }))
+    (directory / REPORT_FILE).write_text(
+        json.dumps(
+            {
+                "schema": BISECT_SCHEMA,
+                "verdict": "divergence",
+                "step": site.step,
+                "phase": site.phase,
+                "module": site.module,
+                "op": site.op,
+                "op_index": site.index,
+                "kernels": [],
+                "isolated": "kernel",
+                "suspect": "cpu:1",
+                "reference": "cpu:0",
+                "repeats_run": 1,
+                "report": str(directory),
+                "bundle": str(directory.parent / "absent.bundle"),
+                "inject": [inject],
+                "workload": {"ref": "builtin:tiny-llama", "kwargs": dict(SMALL)},
+                "environment": {
+                    "suspect": {"device": {"type": "cpu"}},
+                    "reference": {"device": {"type": "cpu"}},
+                },
+                "commands": [f"sdcreplay bisect absent.bundle --suspect cpu:1 --inject {inject}"],
+            }
+        )
+    )
     return directory
 
 
@@ -86,8 +112,14 @@ def wq_call() -> OperatorCase:
 @pytest.fixture
 def report(tmp_path: Path, wq_call: OperatorCase, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("SDCREPLAY_INJECT", raising=False)
-    case = OperatorCase(wq_call.site, wq_call.prior, wq_call.args, wq_call.kwargs, wq_call.expected,
-                        [t.clone() for t in wq_call.expected])
+    case = OperatorCase(
+        wq_call.site,
+        wq_call.prior,
+        wq_call.args,
+        wq_call.kwargs,
+        wq_call.expected,
+        [t.clone() for t in wq_call.expected],
+    )
     return write_report(tmp_path / "report", case, STICKY)
 
 
@@ -97,8 +129,14 @@ def sticky_result(tmp_path_factory: pytest.TempPathFactory, wq_call: OperatorCas
     from conftest import preserved_global_state
 
     directory = tmp_path_factory.mktemp("sticky") / "report"
-    case = OperatorCase(wq_call.site, wq_call.prior, wq_call.args, wq_call.kwargs, wq_call.expected,
-                        [t.clone() for t in wq_call.expected])
+    case = OperatorCase(
+        wq_call.site,
+        wq_call.prior,
+        wq_call.args,
+        wq_call.kwargs,
+        wq_call.expected,
+        [t.clone() for t in wq_call.expected],
+    )
     write_report(directory, case, STICKY)
     with preserved_global_state(), pytest.MonkeyPatch.context() as patch:
         patch.delenv("SDCREPLAY_INJECT", raising=False)
@@ -147,15 +185,29 @@ def test_shrink_axes_by_operator_family():
     mm = resolve_op("aten.addmm.default")
     axes, _ = shrink_axes("aten.addmm.default", mm, [bias, a, b], [torch.ones(4, 5)])
     assert [(axis.name, axis.size, axis.members) for axis in axes] == [
-        ("rows", 4, ((1, 0),)), ("cols", 5, ((2, 1), (0, 0))), ("inner", 3, ((1, 1), (2, 0)))]
+        ("rows", 4, ((1, 0),)),
+        ("cols", 5, ((2, 1), (0, 0))),
+        ("inner", 3, ((1, 1), (2, 0))),
+    ]
     x, weight = torch.ones(2, 6, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
     norm = resolve_op("aten._fused_rms_norm.default")
-    axes, _ = shrink_axes("aten._fused_rms_norm.default", norm, [x, [8], weight, 1e-6], list(norm(x, [8], weight, 1e-6)))
-    assert [(axis.name, axis.members) for axis in axes] == [("dim 0", ((0, 0),)), ("dim 1", ((0, 1),))]
+    axes, _ = shrink_axes(
+        "aten._fused_rms_norm.default",
+        norm,
+        [x, [8], weight, 1e-6],
+        list(norm(x, [8], weight, 1e-6)),
+    )
+    assert [(axis.name, axis.members) for axis in axes] == [
+        ("dim 0", ((0, 0),)),
+        ("dim 1", ((0, 1),)),
+    ]
     mul = resolve_op("aten.mul.Tensor")
     axes, _ = shrink_axes("aten.mul.Tensor", mul, [x, weight], [x * weight])
     assert [(axis.name, axis.members) for axis in axes] == [
-        ("dim 0", ((0, 0),)), ("dim 1", ((0, 1),)), ("dim 2", ((0, 2), (1, 0)))]
+        ("dim 0", ((0, 0),)),
+        ("dim 1", ((0, 1),)),
+        ("dim 2", ((0, 2), (1, 0))),
+    ]
     sort = resolve_op("aten.sort.default")
     axes, reason = shrink_axes("aten.sort.default", sort, [x], list(sort(x)))
     assert axes == [] and "does not apply" in reason
@@ -174,7 +226,9 @@ def test_sticky_bitflip_fails_every_trial(sticky_result):
     assert sticky_result.exit_code == 1
 
 
-def test_minimal_inputs_are_smaller_still_fail_and_are_1_minimal(sticky_result, wq_call: OperatorCase):
+def test_minimal_inputs_are_smaller_still_fail_and_are_1_minimal(
+    sticky_result, wq_call: OperatorCase
+):
     data = sticky_result.to_json()
     assert data["input_shapes_original"] == [[16, 32], [32, 32]]
     # the fault flips element 5 of the output: one row, six columns, one inner element are enough
@@ -185,7 +239,9 @@ def test_minimal_inputs_are_smaller_still_fail_and_are_1_minimal(sticky_result, 
     a, b = minimal.args
     specs = parse_specs([STICKY], include_env=False)
     op = resolve_op(wq_call.op)
-    runners = [TrialRunner(op, wq_call.site, wq_call.prior, label, specs) for label in ("cpu:1", "cpu:0")]
+    runners = [
+        TrialRunner(op, wq_call.site, wq_call.prior, label, specs) for label in ("cpu:1", "cpu:0")
+    ]
     acceptance = Acceptance(*runners, good_trials=10, bad_trials=1)
     assert acceptance.holds([a, b], {})
     for column in range(b.shape[1]):  # rows and inner already have one element each
@@ -201,11 +257,17 @@ def test_intermittent_fault_rate_interval_contains_p(report: Path):
     low, high = data["ci95"]
     assert low < 0.05 < high
     # --bad-trials defaults to what sees a failure at the measured rate with 99% probability
-    assert (1 - data["rate"]) ** data["acceptance"]["bad_trials"] <= 0.01 < (1 - data["rate"]) ** (data["acceptance"]["bad_trials"] - 1)
+    assert (
+        (1 - data["rate"]) ** data["acceptance"]["bad_trials"]
+        <= 0.01
+        < (1 - data["rate"]) ** (data["acceptance"]["bad_trials"] - 1)
+    )
 
 
 def test_fault_that_does_not_reproduce_gives_a_not_reproduced_ticket(report: Path):
-    result = minimize(report, trials=200)  # the report was made with an injection; none is given here
+    result = minimize(
+        report, trials=200
+    )  # the report was made with an injection; none is given here
     data = result.to_json()
     assert (data["reproduced"], data["failures"], result.exit_code) == (False, 0, 0)
     assert data["ci95"] == [0.0, pytest.approx(Z95**2 / (200 + Z95**2))]
@@ -214,12 +276,16 @@ def test_fault_that_does_not_reproduce_gives_a_not_reproduced_ticket(report: Pat
     assert any("--inject" in warning for warning in data["warnings"])
     ticket = json.loads((Path(data["ticket"]) / "ticket.json").read_text())
     assert ticket["status"] == "not reproduced"
-    assert ticket["drill"] is True and ticket["injected_faults"] == [STICKY]  # bisect found it by injection
+    assert ticket["drill"] is True and ticket["injected_faults"] == [
+        STICKY
+    ]  # bisect found it by injection
     assert "rate below 1.88%" in ticket["title"]
 
 
 def test_cli_json_and_exit_codes(cli, report: Path, tmp_path: Path):
-    result = cli("minimize", report, "--inject", STICKY, "--trials", "50", "--out", tmp_path / "t", "--json")
+    result = cli(
+        "minimize", report, "--inject", STICKY, "--trials", "50", "--out", tmp_path / "t", "--json"
+    )
     assert result.exit_code == 1, result.stderr
     data = json.loads(result.stdout)
     assert data["schema"] == "sdcreplay.minimize/1"
@@ -228,9 +294,13 @@ def test_cli_json_and_exit_codes(cli, report: Path, tmp_path: Path):
     assert data["ticket"] == str(tmp_path / "t")
     assert (tmp_path / "t" / "repro.py").is_file()
     # stderr is not a terminal here: each stage leaves one line with its count, total and time
-    for stage in (r"suspect: 50/50, 50 failed", r"reference: 50/50, 0 failed",
-                  r"shrink: [1-9]\d*, [1-9]\d* kept", r"random data: [1-3]/3, [01] failed",
-                  r"minimal: 50/50, 50 failed"):
+    for stage in (
+        r"suspect: 50/50, 50 failed",
+        r"reference: 50/50, 0 failed",
+        r"shrink: [1-9]\d*, [1-9]\d* kept",
+        r"random data: [1-3]/3, [01] failed",
+        r"minimal: 50/50, 50 failed",
+    ):
         assert re.search(rf"^{stage} \(\d+\.\d s\)$", result.stderr, re.M), (stage, result.stderr)
     healthy = cli("minimize", report, "--trials", "50", "--json")
     assert healthy.exit_code == 0, healthy.stderr
@@ -254,8 +324,12 @@ def test_cli_missing_or_damaged_report(cli, report: Path, tmp_path: Path):
 def test_gpu_trials_count_every_failure_with_one_sync_per_block(wq_call: OperatorCase):
     op = resolve_op(wq_call.op)
     spec = "kind=bitflip,op=aten.mm,step=1,index=5,p=0.5,seed=3,device=cuda:0"
-    expected = TrialRunner(op, wq_call.site, wq_call.prior, "cuda:0", []).outputs(wq_call.args, wq_call.kwargs)
-    runner = TrialRunner(op, wq_call.site, wq_call.prior, "cuda:0", parse_specs([spec], include_env=False))
+    expected = TrialRunner(op, wq_call.site, wq_call.prior, "cuda:0", []).outputs(
+        wq_call.args, wq_call.kwargs
+    )
+    runner = TrialRunner(
+        op, wq_call.site, wq_call.prior, "cuda:0", parse_specs([spec], include_env=False)
+    )
     measured = runner.measure(wq_call.args, wq_call.kwargs, expected, 500)
     draws = random.Random("3:0:0")
     fired = [draws.random() < 0.5 for _ in range(500)]
@@ -267,7 +341,14 @@ def test_gpu_trials_count_every_failure_with_one_sync_per_block(wq_call: Operato
 def test_reference_that_disagrees_with_the_record_stops(tmp_path: Path, wq_call: OperatorCase):
     recorded = [t.clone() for t in wq_call.expected]
     recorded[0].view(-1)[0] += 1.0  # not what this reference computes from these inputs
-    case = OperatorCase(wq_call.site, wq_call.prior, wq_call.args, wq_call.kwargs, recorded, [t.clone() for t in recorded])
+    case = OperatorCase(
+        wq_call.site,
+        wq_call.prior,
+        wq_call.args,
+        wq_call.kwargs,
+        recorded,
+        [t.clone() for t in recorded],
+    )
     with pytest.raises(DeterminismError, match="does not reproduce the recorded output"):
         minimize(write_report(tmp_path / "report", case, STICKY), trials=5)
 
@@ -281,8 +362,12 @@ def test_accelerator_verdicts_stay_on_the_device_until_one_fetch():
     wanted = [raw_bits(expected), 3]
     flipped = expected.clone()
     flipped.view(torch.int32)[1] ^= 1 << 31  # -0.0 -> +0.0: equal as floats, not as bits
-    flags = [_device_flag([expected.clone(), 3], wanted), _device_flag([flipped, 3], wanted),
-             _device_flag([expected.clone(), 4], wanted), _device_flag([expected[:2].clone(), 3], wanted)]
+    flags = [
+        _device_flag([expected.clone(), 3], wanted),
+        _device_flag([flipped, 3], wanted),
+        _device_flag([expected.clone(), 4], wanted),
+        _device_flag([expected[:2].clone(), 3], wanted),
+    ]
     assert isinstance(flags[0], torch.Tensor) and isinstance(flags[1], torch.Tensor)
     assert _fetch(flags) == [False, True, True, True]
 
@@ -303,8 +388,10 @@ def test_ticket_names_the_failing_element_in_both_coordinates(sticky_result, wq_
     left, right = wq_call.args
     assert torch.equal(a, left[[row]][:, inner]) and torch.equal(b, right[inner][:, columns])
     why = coordinates["why"]
-    assert (f"element [0, 5] of the minimal output is element [{row}, {columns[5]}] "
-            "of the original output") in why
+    assert (
+        f"element [0, 5] of the minimal output is element [{row}, {columns[5]}] "
+        "of the original output"
+    ) in why
     assert f"computed from {len(inner)} of 32 inner terms" in why
     assert "the original inputs fail first at element [0, 5]" in why
     assert "both are flat index 5" in why

@@ -14,14 +14,44 @@ ROWS = SMALL["batch_size"] * SMALL["seq_len"]
 
 
 def test_ops_json_names_each_call_as_a_spec_selects_it(small_bundle: Path, cli):
-    result = cli("ops", small_bundle, "--step", "1", "--op", "aten.mm", "--module", "layers.0.attn.wq", "--json")
+    result = cli(
+        "ops",
+        small_bundle,
+        "--step",
+        "1",
+        "--op",
+        "aten.mm",
+        "--module",
+        "layers.0.attn.wq",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     listing = json.loads(result.stdout)
     assert listing["schema"] == "sdcreplay.ops/1"
-    assert [(c["phase"], c["module"], c["op"], c["nth"], c["outputs"]) for c in listing["calls"]] == [
-        ("forward", "layers.0.attn.wq", "aten.mm.default", 0, [{"shape": [ROWS, 32], "dtype": "float32"}]),
-        ("backward", "layers.0.attn.wq", "aten.mm.default", 0, [{"shape": [32, 32], "dtype": "float32"}]),
-        ("backward", "layers.0.attn.wq", "aten.mm.default", 1, [{"shape": [ROWS, 32], "dtype": "float32"}]),
+    assert [
+        (c["phase"], c["module"], c["op"], c["nth"], c["outputs"]) for c in listing["calls"]
+    ] == [
+        (
+            "forward",
+            "layers.0.attn.wq",
+            "aten.mm.default",
+            0,
+            [{"shape": [ROWS, 32], "dtype": "float32"}],
+        ),
+        (
+            "backward",
+            "layers.0.attn.wq",
+            "aten.mm.default",
+            0,
+            [{"shape": [32, 32], "dtype": "float32"}],
+        ),
+        (
+            "backward",
+            "layers.0.attn.wq",
+            "aten.mm.default",
+            1,
+            [{"shape": [ROWS, 32], "dtype": "float32"}],
+        ),
     ]
     assert listing["total_calls"] > len(listing["calls"])
     # the listed index and spec are the call the injector fires on
@@ -32,15 +62,33 @@ def test_ops_json_names_each_call_as_a_spec_selects_it(small_bundle: Path, cli):
 
 def test_ops_filters_by_phase_and_prints_a_table(small_bundle: Path, cli):
     """AdamW's update of one parameter: every call is under that parameter, nth counts each op's calls."""
-    listing = list_calls(small_bundle, 0, phase="optimizer", module="layers.0.attn.wq.weight").to_json()
+    listing = list_calls(
+        small_bundle, 0, phase="optimizer", module="layers.0.attn.wq.weight"
+    ).to_json()
     calls = listing["calls"]
-    assert calls and {(c["phase"], c["module"]) for c in calls} == {("optimizer", "layers.0.attn.wq.weight")}
+    assert calls and {(c["phase"], c["module"]) for c in calls} == {
+        ("optimizer", "layers.0.attn.wq.weight")
+    }
     for op in {c["op"] for c in calls}:
-        assert [c["nth"] for c in calls if c["op"] == op] == list(range(sum(c["op"] == op for c in calls)))
+        assert [c["nth"] for c in calls if c["op"] == op] == list(
+            range(sum(c["op"] == op for c in calls))
+        )
     assert [c["index"] for c in calls] == sorted(c["index"] for c in calls)
-    result = cli("ops", small_bundle, "--step", "0", "--phase", "optimizer", "--module", "layers.0.attn.wq.weight")
+    result = cli(
+        "ops",
+        small_bundle,
+        "--step",
+        "0",
+        "--phase",
+        "optimizer",
+        "--module",
+        "layers.0.attn.wq.weight",
+    )
     assert result.exit_code == 0, result.output
-    assert f"Step 0: {len(calls)} of {listing['total_calls']} operator calls" in result.stderr + result.stdout
+    assert (
+        f"Step 0: {len(calls)} of {listing['total_calls']} operator calls"
+        in result.stderr + result.stdout
+    )
 
 
 def test_ops_refuses_a_step_the_bundle_does_not_hold(small_bundle: Path, cli):
@@ -49,24 +97,41 @@ def test_ops_refuses_a_step_the_bundle_does_not_hold(small_bundle: Path, cli):
     assert "has no step 7" in result.stderr and "Hint:" in result.stderr
 
 
-def test_a_fault_spec_that_matches_no_call_names_the_closest(small_bundle: Path, cli, tmp_path: Path):
+def test_a_fault_spec_that_matches_no_call_names_the_closest(
+    small_bundle: Path, cli, tmp_path: Path
+):
     """`out_proj` is a common guess for the attention's output projection; this model calls it `wo`."""
     spec = "kind=bitflip,op=aten.mm,module=layers.0.attn.out_proj,phase=forward,step=1"
-    result = cli("replay", small_bundle, "-d", "cpu:0", "--inject", spec, "--logs", tmp_path / "logs")
+    result = cli(
+        "replay", small_bundle, "-d", "cpu:0", "--inject", spec, "--logs", tmp_path / "logs"
+    )
     assert result.exit_code == 3, result.output
     assert f"fault spec {spec!r} matches no operator call of the replayed steps" in result.stderr
     hint = result.stderr.split("Hint:", 1)[1]
-    assert "Closest calls: aten.mm.default under layers.0.attn.wo (forward), step 1" in " ".join(hint.split())
+    assert "Closest calls: aten.mm.default under layers.0.attn.wo (forward), step 1" in " ".join(
+        hint.split()
+    )
 
 
 def test_record_with_a_fault_spec_that_matches_nothing_says_so(tmp_path: Path, cli):
     from conftest import SMALL_ARGS
 
     spec = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=optimizer,step=0"
-    result = cli("record", "builtin:tiny-llama", "--steps", "1", *SMALL_ARGS, "--out", tmp_path / "b.bundle",
-                 "--inject", spec)
+    result = cli(
+        "record",
+        "builtin:tiny-llama",
+        "--steps",
+        "1",
+        *SMALL_ARGS,
+        "--out",
+        tmp_path / "b.bundle",
+        "--inject",
+        spec,
+    )
     assert result.exit_code == 3
     assert f"fault spec {spec!r} matches no operator call of the recorded steps" in result.stderr
     hint = " ".join(result.stderr.split("Hint:", 1)[1].split())
-    assert hint.startswith("Closest calls: aten.mm.default under layers.0.attn.wq (backward), step 0; "
-                           "aten.mm.default under layers.0.attn.wq (forward), step 0;")
+    assert hint.startswith(
+        "Closest calls: aten.mm.default under layers.0.attn.wq (backward), step 0; "
+        "aten.mm.default under layers.0.attn.wq (forward), step 0;"
+    )

@@ -17,7 +17,9 @@ from sdcreplay.signature import write_signature_log
 pytest.importorskip("matplotlib")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-RING = np.array([0x1F, 0x5F, 0xBF]) / 255  # the colour plot.py marks the first divergence / flipped cells with
+RING = (
+    np.array([0x1F, 0x5F, 0xBF]) / 255
+)  # the colour plot.py marks the first divergence / flipped cells with
 
 
 def read_png(path: Path) -> np.ndarray:
@@ -41,8 +43,11 @@ def faulty_log(_small_bundle_template, tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("plot") / "faulty.sig.zst"
     with preserved_global_state():
-        log = replay_on_device(_small_bundle_template, "cpu:1", inject=[
-            "kind=bitflip,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,index=40"])
+        log = replay_on_device(
+            _small_bundle_template,
+            "cpu:1",
+            inject=["kind=bitflip,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,index=40"],
+        )
     write_signature_log(path, log)
     return path
 
@@ -73,23 +78,38 @@ def test_heatmap_marks_a_single_flipped_element(tmp_path):
     expected = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     actual = expected.clone()
     actual.view(torch.int32)[100, 37] ^= 1 << 22
-    path = plot_element_heatmap(expected, actual, tmp_path / "heat.png", "aten.mm.default under layers.1.attn.wq")
+    path = plot_element_heatmap(
+        expected, actual, tmp_path / "heat.png", "aten.mm.default under layers.1.attn.wq"
+    )
     assert path == tmp_path / "heat.png"
     image = read_png(path)
     assert ring_pixels(image) > 30  # the ring and guide lines around the one element
 
-    clean = plot_element_heatmap(expected, expected.clone(), tmp_path / "clean.png", "no difference")
+    clean = plot_element_heatmap(
+        expected, expected.clone(), tmp_path / "clean.png", "no difference"
+    )
     assert ring_pixels(read_png(clean)) == 0
 
 
-@pytest.mark.parametrize("shape, dtype", [((1000,), torch.bfloat16), ((2, 3, 5, 8), torch.float16), ((7,), torch.int64),
-                                          ((4, 4), torch.bool), ((), torch.float32)])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((1000,), torch.bfloat16),
+        ((2, 3, 5, 8), torch.float16),
+        ((7,), torch.int64),
+        ((4, 4), torch.bool),
+        ((), torch.float32),
+    ],
+)
 def test_heatmap_other_shapes_and_dtypes(tmp_path, shape, dtype):
     from sdcreplay.faults import FaultSpec, corrupt
     from sdcreplay.plot import plot_element_heatmap
 
-    expected = torch.zeros(shape, dtype=dtype) if dtype == torch.bool else torch.arange(
-        max(1, int(np.prod(shape)))).reshape(shape).to(dtype)
+    expected = (
+        torch.zeros(shape, dtype=dtype)
+        if dtype == torch.bool
+        else torch.arange(max(1, int(np.prod(shape)))).reshape(shape).to(dtype)
+    )
     actual = expected.clone()
     corrupt(FaultSpec.parse("kind=bitflip,op=x,index=0,bit=0"), actual)
     read_png(plot_element_heatmap(expected, actual, tmp_path / "h.png", f"{dtype} {shape}"))
@@ -104,7 +124,12 @@ def test_heatmap_refuses_tensors_that_do_not_match(tmp_path):
 
 def test_matplotlib_is_imported_only_inside_the_functions():
     source = Path(__file__).resolve().parent.parent / "sdcreplay" / "plot.py"
-    top_level = [node for node in ast.parse(source.read_text()).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    top_level = [
+        node
+        for node in ast.parse(source.read_text()).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    ]
     names = [alias.name for node in top_level for alias in node.names] + [
-        node.module or "" for node in top_level if isinstance(node, ast.ImportFrom)]
+        node.module or "" for node in top_level if isinstance(node, ast.ImportFrom)
+    ]
     assert not any(name.startswith(("matplotlib", "rich", "typer")) for name in names)

@@ -20,8 +20,18 @@ from sdcreplay.capture import state_digests
 from sdcreplay.errors import BundleError, CheckpointError, WorkloadMismatchError
 from sdcreplay.workload import build_workload
 
-KIND_ORDER = ["rng", "forward", "loss", "backward", "grad", "hyper", "step_grad", "optim", "param",
-              "buffer"]
+KIND_ORDER = [
+    "rng",
+    "forward",
+    "loss",
+    "backward",
+    "grad",
+    "hyper",
+    "step_grad",
+    "optim",
+    "param",
+    "buffer",
+]
 
 
 def kind(name: str) -> str:
@@ -33,13 +43,21 @@ def exact_float32(value: torch.Tensor) -> str:
     return f"=float32:{bits:08x}"
 
 
-def user_loop(path: Path, steps: int = 3, *, skip_optimizer_at: int | None = None, **recorder_kwargs):
+def user_loop(
+    path: Path, steps: int = 3, *, skip_optimizer_at: int | None = None, **recorder_kwargs
+):
     """The loop from the README, on a 1-layer tiny-llama; returns the Recorder and the losses."""
     kwargs = dict(SMALL, seed=0)
     workload = build_workload("builtin:tiny-llama", kwargs)
     model, opt = workload.model, workload.optimizer
-    rec = Recorder(path, workload="builtin:tiny-llama", model=model, optimizer=opt,
-                   workload_kwargs=kwargs, **recorder_kwargs)
+    rec = Recorder(
+        path,
+        workload="builtin:tiny-llama",
+        model=model,
+        optimizer=opt,
+        workload_kwargs=kwargs,
+        **recorder_kwargs,
+    )
     losses = []
     for index in range(steps):
         batch = workload.get_batch(index)
@@ -75,14 +93,18 @@ def test_user_loop_records_a_bundle_that_replays_identically(tmp_path: Path):
     assert [s.optimizer_step for s in bundle.steps] == [True, True, True]
     log = bundle.signature_log()
     assert rec.entries_written == log.entry_count()
-    params = [name for name, _ in build_workload("builtin:tiny-llama", SMALL).model.named_parameters()]
+    params = [
+        name for name, _ in build_workload("builtin:tiny-llama", SMALL).model.named_parameters()
+    ]
     for index, entries in log.steps.items():
         names = [name for name, _ in entries]
         # The loss is whatever tensor went to backward, kept exactly.
         assert dict(entries)["loss"] == exact_float32(losses[index])
         assert names.count("loss") == 1
         ranks = [KIND_ORDER.index(kind(name)) for name in names]
-        assert ranks == sorted(ranks), "entries are not in the order rng, forward, loss, backward, grad, param"
+        assert ranks == sorted(ranks), (
+            "entries are not in the order rng, forward, loss, backward, grad, param"
+        )
         assert {kind(name) for name in names} == set(KIND_ORDER)
         assert names[:3] == ["rng:python", "rng:numpy", "rng:cpu"]
         assert [n for n in names if kind(n) == "grad"] == [f"grad:{p}" for p in params]
@@ -122,7 +144,9 @@ def test_a_step_that_raises_is_not_recorded(tmp_path: Path):
     kwargs = dict(SMALL, seed=0)
     workload = build_workload("builtin:tiny-llama", kwargs)
     model, opt = workload.model, workload.optimizer
-    with Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, opt, workload_kwargs=kwargs) as rec:
+    with Recorder(
+        tmp_path / "run.bundle", "builtin:tiny-llama", model, opt, workload_kwargs=kwargs
+    ) as rec:
         for index in range(3):
             batch = workload.get_batch(index)
             try:
@@ -146,9 +170,18 @@ def test_recorder_with_a_checkpoint_references_it(tmp_path: Path):
     kwargs = dict(SMALL, seed=0)
     workload = build_workload("builtin:tiny-llama", kwargs)
     checkpoint = tmp_path / "ckpt.pt"
-    torch.save({"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()}, checkpoint)
-    rec = Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
-                   workload_kwargs=kwargs, checkpoint=checkpoint)
+    torch.save(
+        {"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()},
+        checkpoint,
+    )
+    rec = Recorder(
+        tmp_path / "run.bundle",
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        workload_kwargs=kwargs,
+        checkpoint=checkpoint,
+    )
     batch = workload.get_batch(0)
     with rec.step(batch):
         workload.loss_fn(workload.model, batch).backward()
@@ -167,8 +200,13 @@ def test_recorder_refuses_a_checkpoint_the_model_was_not_loaded_from(tmp_path: P
     other = build_workload("builtin:tiny-llama", dict(SMALL, seed=1))
     torch.save({"model": other.model.state_dict()}, tmp_path / "ckpt.pt")
     with pytest.raises(CheckpointError, match="differs from checkpoint"):
-        Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
-                 checkpoint=tmp_path / "ckpt.pt")
+        Recorder(
+            tmp_path / "run.bundle",
+            "builtin:tiny-llama",
+            workload.model,
+            workload.optimizer,
+            checkpoint=tmp_path / "ckpt.pt",
+        )
 
 
 def test_recorder_refuses_to_overwrite(tmp_path: Path):
@@ -180,8 +218,9 @@ def test_recorder_refuses_to_overwrite(tmp_path: Path):
 
 
 def test_record_api_summary(tmp_path: Path):
-    summary = sdcreplay.record("builtin:tiny-moe", tmp_path / "moe.bundle", steps=2, seed=5,
-                               kwargs={**SMALL, "experts": 2})
+    summary = sdcreplay.record(
+        "builtin:tiny-moe", tmp_path / "moe.bundle", steps=2, seed=5, kwargs={**SMALL, "experts": 2}
+    )
     bundle = Bundle.open(summary.bundle)
     assert summary.bundle == tmp_path / "moe.bundle"
     assert summary.steps == 2 and bundle.step_indices == [0, 1]
@@ -218,8 +257,13 @@ time.sleep(120)
 def test_a_recording_killed_mid_write_reads_as_the_completed_steps(tmp_path: Path):
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_SCRIPT.format(kwargs=dict(SMALL, seed=0))))
-    process = subprocess.Popen([sys.executable, str(script), "run.bundle"], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), "run.bundle"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         assert line.strip() == "ready", process.stderr.read()
@@ -241,8 +285,20 @@ def test_a_recording_killed_mid_write_reads_as_the_completed_steps(tmp_path: Pat
 def test_example_train_loop_records_a_replayable_bundle(tmp_path: Path):
     example = REPO / "examples" / "train_loop.py"
     done = subprocess.run(
-        [sys.executable, str(example), "--out", str(tmp_path / "run.bundle"), "--steps", "3", "--hidden", "16"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(example),
+            "--out",
+            str(tmp_path / "run.bundle"),
+            "--steps",
+            "3",
+            "--hidden",
+            "16",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert f"sdcreplay replay {tmp_path / 'run.bundle'}" in done.stdout
@@ -261,7 +317,9 @@ def test_a_loop_that_raises_leaves_an_incomplete_bundle(tmp_path: Path):
     workload = build_workload("builtin:tiny-llama", kwargs)
     model, opt = workload.model, workload.optimizer
     with pytest.raises(RuntimeError, match="simulated CUDA error"):
-        with Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, opt, workload_kwargs=kwargs) as rec:
+        with Recorder(
+            tmp_path / "run.bundle", "builtin:tiny-llama", model, opt, workload_kwargs=kwargs
+        ) as rec:
             for index in range(3):
                 batch = workload.get_batch(index)
                 with rec.step(batch):
@@ -277,25 +335,44 @@ def test_a_loop_that_raises_leaves_an_incomplete_bundle(tmp_path: Path):
 
 def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path):
     """A shallower signature (cheaper to record) still replays bit for bit and still names the layer."""
-    summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "shallow.bundle", steps=2,
-                               kwargs=dict(SMALL), max_depth=2)
+    summary = sdcreplay.record(
+        "builtin:tiny-llama", tmp_path / "shallow.bundle", steps=2, kwargs=dict(SMALL), max_depth=2
+    )
     bundle = Bundle.open(summary.bundle)
     assert bundle.manifest.capture.to_json() == {"max_depth": 2, "program": True}
     names = {name for entries in bundle.signature_log().steps.values() for name, _ in entries}
-    modules = {name.split(":", 1)[1].split("[")[0] for name in names if name.startswith(("forward:", "backward:"))}
-    assert "layers.0" in modules and "layers.0.attn" not in modules and "layers.0.attn.wq" not in modules
-    assert any(name.startswith("grad:layers.0.attn.wq") for name in names)  # gradients and parameters stay complete
+    modules = {
+        name.split(":", 1)[1].split("[")[0]
+        for name in names
+        if name.startswith(("forward:", "backward:"))
+    }
+    assert (
+        "layers.0" in modules
+        and "layers.0.attn" not in modules
+        and "layers.0.attn.wq" not in modules
+    )
+    assert any(
+        name.startswith("grad:layers.0.attn.wq") for name in names
+    )  # gradients and parameters stay complete
     assert compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu")).identical
     spec = "kind=bitflip,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,index=101"
-    first = compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu", inject=[spec])).first
+    first = compare_logs(
+        bundle.signature_log(), replay_on_device(bundle, "cpu", inject=[spec])
+    ).first
     assert (first.step, first.name) == (1, "forward:layers.0")
 
 
 def _tiny_llama_loop(path: Path, **recorder_kwargs):
     kwargs = dict(SMALL, seed=0)
     workload = build_workload("builtin:tiny-llama", kwargs)
-    rec = Recorder(path, workload="builtin:tiny-llama", model=workload.model,
-                   optimizer=workload.optimizer, workload_kwargs=kwargs, **recorder_kwargs)
+    rec = Recorder(
+        path,
+        workload="builtin:tiny-llama",
+        model=workload.model,
+        optimizer=workload.optimizer,
+        workload_kwargs=kwargs,
+        **recorder_kwargs,
+    )
     weight = dict(workload.model.named_parameters())["layers.0.attn.wq.weight"]
     return workload, rec, weight
 
@@ -307,8 +384,11 @@ def test_an_edit_after_the_optimizer_hook_is_named_though_the_step_entries_are_r
     param: entries, and an edit after it (through .data: no version counter moves) is named."""
     workload, rec, weight = _tiny_llama_loop(tmp_path / "run.bundle")
     model, opt = workload.model, workload.optimizer
-    with pytest.raises(WorkloadMismatchError, match=r"param:layers\.0\.attn\.wq\.weight changed "
-                                                    r"between recorded steps 1 and 2"):
+    with pytest.raises(
+        WorkloadMismatchError,
+        match=r"param:layers\.0\.attn\.wq\.weight changed "
+        r"between recorded steps 1 and 2",
+    ):
         for index in range(3):
             batch = workload.get_batch(index)
             with rec.step(batch):
@@ -387,5 +467,7 @@ def test_backward_entries_are_the_gradients_each_input_edge_hands_back():
     entries = capture.end_step()
     capture.close()
     backward = [(name, digest) for name, digest in entries if name.startswith("backward:")]
-    assert backward == [("backward:mix[1]", tensor_digest(torch.full((12,), 5.0))),
-                        ("backward:mix[0]", tensor_digest(torch.full((12,), 3.0)))]
+    assert backward == [
+        ("backward:mix[1]", tensor_digest(torch.full((12,), 5.0))),
+        ("backward:mix[0]", tensor_digest(torch.full((12,), 3.0))),
+    ]

@@ -26,7 +26,9 @@ def flip_bit(tensor: torch.Tensor, index: int = 0, bit: int = 22) -> None:
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_record_then_replay_matches_bit_for_bit(tmp_path: Path, cli, name: str):
-    summary = sdcreplay.record(f"builtin:{name}", tmp_path / "run.bundle", steps=4, seed=0, kwargs=WORKLOADS[name])
+    summary = sdcreplay.record(
+        f"builtin:{name}", tmp_path / "run.bundle", steps=4, seed=0, kwargs=WORKLOADS[name]
+    )
     bundle = Bundle.open(summary.bundle)
     record_log = bundle.signature_log()
     assert sorted(record_log.steps) == [0, 1, 2, 3]
@@ -38,7 +40,9 @@ def test_record_then_replay_matches_bit_for_bit(tmp_path: Path, cli, name: str):
     assert log.steps == record_log.steps
     names = [entry for entry, _ in record_log.steps[0]]
     if name == "tiny-moe":
-        assert "forward:layers.0.moe.router" in names and "forward:layers.0.moe.experts.1.w2" in names
+        assert (
+            "forward:layers.0.moe.router" in names and "forward:layers.0.moe.experts.1.w2" in names
+        )
 
     if name == "tiny-llama":
         return  # its CLI replay (record, info, replay --json) is in test_cli.py
@@ -46,7 +50,9 @@ def test_record_then_replay_matches_bit_for_bit(tmp_path: Path, cli, name: str):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["schema"] == "sdcreplay.replay/1"
-    assert [(d["device"], d["verdict"], d["first_divergence"]) for d in report["devices"]] == [("cpu", "match", None)]
+    assert [(d["device"], d["verdict"], d["first_divergence"]) for d in report["devices"]] == [
+        ("cpu", "match", None)
+    ]
 
 
 def test_one_flipped_parameter_bit_diverges_at_its_layer(small_bundle: Path):
@@ -59,21 +65,31 @@ def test_one_flipped_parameter_bit_diverges_at_its_layer(small_bundle: Path):
     record_log = bundle.signature_log()
     comparison = compare_logs(record_log, log)
     first = comparison.first
-    assert (first.step, first.name, first.phase, first.layer) == (0, "forward:layers.0.attn.wq", "forward", "layers.0.attn.wq")
+    assert (first.step, first.name, first.phase, first.layer) == (
+        0,
+        "forward:layers.0.attn.wq",
+        "forward",
+        "layers.0.attn.wq",
+    )
     names = [name for name, _ in record_log.steps[0]]
     position = names.index("forward:layers.0.attn.wq")
     # Everything computed before the corrupted layer matches; the rest of the step follows it.
     assert record_log.steps[0][:position] == log.steps[0][:position]
     assert all(d.step > 0 or names.index(d.name) >= position for d in comparison.divergences)
-    assert {"forward:layers.0.attn", "loss", "grad:layers.0.attn.wq.weight", "param:layers.0.attn.wq.weight"} <= {
-        d.name for d in comparison.divergences if d.step == 0
-    }
+    assert {
+        "forward:layers.0.attn",
+        "loss",
+        "grad:layers.0.attn.wq.weight",
+        "param:layers.0.attn.wq.weight",
+    } <= {d.name for d in comparison.divergences if d.step == 0}
     assert comparison.per_step()[1] > 0  # the corruption persists into the next step
 
 
 def test_a_flip_in_the_last_layer_is_named_there(small_bundle: Path):
     bundle = Bundle.open(small_bundle)
-    log = replay_on_device(bundle, "cpu", after_load=lambda model, _: flip_bit(model.get_parameter("output.weight")))
+    log = replay_on_device(
+        bundle, "cpu", after_load=lambda model, _: flip_bit(model.get_parameter("output.weight"))
+    )
     first = compare_logs(bundle.signature_log(), log).first
     assert (first.step, first.name) == (0, "forward:output")
 
@@ -114,7 +130,9 @@ def test_replay_log_meta(small_bundle: Path):
     assert log.meta["warnings"] == []
 
 
-def test_replay_refuses_a_conflicting_environment(small_bundle: Path, monkeypatch: pytest.MonkeyPatch):
+def test_replay_refuses_a_conflicting_environment(
+    small_bundle: Path, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     with pytest.raises(DeterminismError, match="CUBLAS_WORKSPACE_CONFIG=':16:8'"):
         replay_on_device(small_bundle, "cpu")
@@ -122,21 +140,31 @@ def test_replay_refuses_a_conflicting_environment(small_bundle: Path, monkeypatc
 
 def test_replay_without_applying_switches_refuses_when_they_differ(small_bundle: Path):
     torch.use_deterministic_algorithms(False)
-    with pytest.raises(DeterminismError, match="deterministic_algorithms: recorded True, now False"):
+    with pytest.raises(
+        DeterminismError, match="deterministic_algorithms: recorded True, now False"
+    ):
         replay_on_device(small_bundle, "cpu", apply_switches=False)
 
 
 def test_checkpoint_bundle_replays_and_a_changed_checkpoint_is_refused(tmp_path: Path):
     workload = sdcreplay.build_workload("builtin:tiny-llama", dict(SMALL, seed=0))
     checkpoint = tmp_path / "ckpt.pt"
-    torch.save({"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()}, checkpoint)
-    summary = sdcreplay.record("builtin:tiny-llama", tmp_path / "run.bundle", steps=2, kwargs=SMALL, checkpoint=checkpoint)
+    torch.save(
+        {"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()},
+        checkpoint,
+    )
+    summary = sdcreplay.record(
+        "builtin:tiny-llama", tmp_path / "run.bundle", steps=2, kwargs=SMALL, checkpoint=checkpoint
+    )
     bundle = Bundle.open(summary.bundle)
     assert bundle.manifest.state.kind == "checkpoint"
     assert compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu")).identical
     with torch.no_grad():
         workload.model.output.weight[0, 0] += 1
-    torch.save({"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()}, checkpoint)
+    torch.save(
+        {"model": workload.model.state_dict(), "optimizer": workload.optimizer.state_dict()},
+        checkpoint,
+    )
     with pytest.raises(CheckpointError, match="changed since the recording"):
         replay_on_device(summary.bundle, "cpu")
 
@@ -152,4 +180,6 @@ def test_committed_trace_replays(tmp_path: Path, cli):
     report = json.loads(result.stdout)
     assert report["devices"][0]["verdict"] == "match"
     assert report["consensus"]["verdict"] == "correct"
-    assert sorted(str(path) for path in trace.parent.rglob("*")) == before  # replay writes nothing there
+    assert (
+        sorted(str(path) for path in trace.parent.rglob("*")) == before
+    )  # replay writes nothing there

@@ -20,9 +20,21 @@ from sdcreplay.signature import (
 )
 
 STEPS = {
-    0: [("rng:cpu", "=uint8:00"), ("forward:layers.0.attn", "0123456789abcdef"), ("loss", "=float32:40b966f1")],
-    1: [("rng:cpu", "=uint8:01"), ("forward:layers.0.attn", "fedcba9876543210"), ("loss", "=float32:40a00000")],
-    2: [("rng:cpu", "=uint8:02"), ("forward:layers.0.attn", "00000000000000ff"), ("loss", "=float32:3f800000")],
+    0: [
+        ("rng:cpu", "=uint8:00"),
+        ("forward:layers.0.attn", "0123456789abcdef"),
+        ("loss", "=float32:40b966f1"),
+    ],
+    1: [
+        ("rng:cpu", "=uint8:01"),
+        ("forward:layers.0.attn", "fedcba9876543210"),
+        ("loss", "=float32:40a00000"),
+    ],
+    2: [
+        ("rng:cpu", "=uint8:02"),
+        ("forward:layers.0.attn", "00000000000000ff"),
+        ("loss", "=float32:3f800000"),
+    ],
 }
 
 
@@ -46,7 +58,9 @@ def test_round_trip(tmp_path: Path):
 
 
 def test_write_signature_log_round_trip(tmp_path: Path):
-    log = SignatureLog(meta={"schema": SCHEMA, "device_type": "cpu", "role": "replay"}, steps=dict(STEPS))
+    log = SignatureLog(
+        meta={"schema": SCHEMA, "device_type": "cpu", "role": "replay"}, steps=dict(STEPS)
+    )
     write_signature_log(tmp_path / "replay.sig.zst", log)
     back = read_signature_log(tmp_path / "replay.sig.zst")
     assert back.meta == log.meta and back.steps == log.steps
@@ -138,23 +152,65 @@ def test_every_single_byte_flip_is_refused_or_harmless(tmp_path: Path):
     [
         (b"", "is empty"),
         (b"not zstd at all", "is damaged"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(b'{"schema": "other/1"}\n'), "is not a signature log"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(b'[1, 2]\n'), "is not a signature log"),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(b'{"schema": "other/1"}\n'),
+            "is not a signature log",
+        ),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(b"[1, 2]\n"),
+            "is not a signature log",
+        ),
         (zstandard.ZstdCompressor(write_checksum=True).compress(b"\xff\xfe\n"), "is damaged"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(b'{"schema": "sdcreplay.signatures/1"}'), "complete line"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(
-            b'{"schema": "sdcreplay.signatures/1"}\n{"step": "0", "name": "a", "digest": "b"}\n'), "bad entry"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(
-            b'{"schema": "sdcreplay.signatures/1"}\n{"step": true, "name": "a", "digest": "b"}\n'), "bad entry"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(
-            b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "a"}\n'), "is damaged"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(
-            b'{"schema": "sdcreplay.signatures/1"}\n["step", 0]\n'), "is damaged"),
-        (zstandard.ZstdCompressor(write_checksum=True).compress(
-            b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "a", "digest": "b"}\n{oops\n'), "is damaged"),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(
+                b'{"schema": "sdcreplay.signatures/1"}'
+            ),
+            "complete line",
+        ),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(
+                b'{"schema": "sdcreplay.signatures/1"}\n{"step": "0", "name": "a", "digest": "b"}\n'
+            ),
+            "bad entry",
+        ),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(
+                b'{"schema": "sdcreplay.signatures/1"}\n{"step": true, "name": "a", "digest": "b"}\n'
+            ),
+            "bad entry",
+        ),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(
+                b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "a"}\n'
+            ),
+            "is damaged",
+        ),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(
+                b'{"schema": "sdcreplay.signatures/1"}\n["step", 0]\n'
+            ),
+            "is damaged",
+        ),
+        (
+            zstandard.ZstdCompressor(write_checksum=True).compress(
+                b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "a", "digest": "b"}\n{oops\n'
+            ),
+            "is damaged",
+        ),
     ],
-    ids=["empty", "garbage", "other-schema", "not-an-object", "not-utf8", "no-newline", "step-str",
-         "step-bool", "missing-digest", "entry-list", "bad-json"],
+    ids=[
+        "empty",
+        "garbage",
+        "other-schema",
+        "not-an-object",
+        "not-utf8",
+        "no-newline",
+        "step-str",
+        "step-bool",
+        "missing-digest",
+        "entry-list",
+        "bad-json",
+    ],
 )
 def test_damaged_logs_raise_bundle_error(tmp_path: Path, content: bytes, message: str):
     path = tmp_path / "bad.zst"

@@ -16,14 +16,32 @@ from sdcreplay.errors import BundleError
 
 FLOAT8 = [
     getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
     if hasattr(torch, name)
 ]
-UNSIGNED_WIDE = [getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)]
+UNSIGNED_WIDE = [
+    getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)
+]
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, *FLOAT8,
-    torch.complex64, torch.complex128,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, *UNSIGNED_WIDE,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    *FLOAT8,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    *UNSIGNED_WIDE,
     torch.bool,
 ]
 
@@ -61,7 +79,11 @@ def test_every_dtype_round_trips_bit_for_bit(h5, dtype: torch.dtype):
 
 def test_special_float_values_keep_their_bits(h5):
     values = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3.4e38])
-    payload_nan = torch.tensor([0x7FC00001, 0xFFA00000], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    payload_nan = (
+        torch.tensor([0x7FC00001, 0xFFA00000], dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
     tensor = torch.cat([values, payload_nan])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         name = f"x_{tensorio.dtype_name(dtype)}"
@@ -96,7 +118,12 @@ def test_native_dtypes_are_stored_natively(h5):
 
 @pytest.mark.parametrize(
     "tensor",
-    [torch.tensor(2.5), torch.tensor(7, dtype=torch.int64), torch.zeros(0, 3), torch.zeros(2, 0, 4, dtype=torch.bfloat16)],
+    [
+        torch.tensor(2.5),
+        torch.tensor(7, dtype=torch.int64),
+        torch.zeros(0, 3),
+        torch.zeros(2, 0, 4, dtype=torch.bfloat16),
+    ],
     ids=["scalar", "int-scalar", "empty", "empty-bf16"],
 )
 def test_scalars_and_empty_tensors_keep_their_shape(h5, tensor: torch.Tensor):
@@ -138,7 +165,11 @@ def test_read_tree_can_keep_strides(h5):
     assert tensorio.read_tree(h5["g"])["a"].is_contiguous()
 
 
-@pytest.mark.parametrize("stride", [[10**12, 1], [1, 1], [-4, 1], [4]], ids=["huge", "overlapping", "negative", "wrong-rank"])
+@pytest.mark.parametrize(
+    "stride",
+    [[10**12, 1], [1, 1], [-4, 1], [4]],
+    ids=["huge", "overlapping", "negative", "wrong-rank"],
+)
 def test_damaged_strides_fall_back_to_a_contiguous_tensor(h5, stride):
     tensor = torch.arange(12.0).reshape(3, 4)
     tensorio.write_tensor(h5, "x", tensor)
@@ -205,10 +236,14 @@ def test_optimizer_state_dict_round_trip(h5):
 def test_skeleton_is_plain_json(h5):
     tensorio.write_tree(h5.create_group("g"), {"x": torch.zeros(2), 3: (1, "a")})
     skeleton = json.loads(h5["g"].attrs["skeleton"])
-    assert skeleton == {"dict": [["x", {"tensor": "t0"}], [3, {"tuple": [{"value": 1}, {"value": "a"}]}]]}
+    assert skeleton == {
+        "dict": [["x", {"tensor": "t0"}], [3, {"tuple": [{"value": 1}, {"value": "a"}]}]]
+    }
 
 
-@pytest.mark.parametrize("value", [{1, 2}, object(), {(1, 2): 3}, b"bytes"], ids=["set", "object", "tuple-key", "bytes"])
+@pytest.mark.parametrize(
+    "value", [{1, 2}, object(), {(1, 2): 3}, b"bytes"], ids=["set", "object", "tuple-key", "bytes"]
+)
 def test_unstorable_values_raise_bundle_error(h5, value):
     with pytest.raises(BundleError, match="cannot store"):
         tensorio.write_tree(h5.create_group("g"), {"v": value})
@@ -217,8 +252,16 @@ def test_unstorable_values_raise_bundle_error(h5, value):
 @pytest.mark.parametrize(
     "skeleton",
     [
-        '{"tensor": "t9"}', '{"dict": [["a"]]}', '{"list": 3}', '{"weird": 1}', '[1, 2]', "not json",
-        '{"dtype": "nope"}', '{"device": "nope:x"}', '{"layout": "nope"}', '{"memory_format": "float32"}',
+        '{"tensor": "t9"}',
+        '{"dict": [["a"]]}',
+        '{"list": 3}',
+        '{"weird": 1}',
+        "[1, 2]",
+        "not json",
+        '{"dtype": "nope"}',
+        '{"device": "nope:x"}',
+        '{"layout": "nope"}',
+        '{"memory_format": "float32"}',
     ],
 )
 def test_malformed_skeletons_raise_bundle_error(h5, skeleton: str):

@@ -38,7 +38,14 @@ def ticket(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Pat
     report = tmp_path_factory.mktemp("ticket") / "report"
     with preserved_global_state(), pytest.MonkeyPatch.context() as patch:
         patch.delenv("SDCREPLAY_INJECT", raising=False)
-        found = bisect(_small_bundle_template, suspect="cpu:1", reference="cpu:0", step=1, inject=[STICKY], out=report)
+        found = bisect(
+            _small_bundle_template,
+            suspect="cpu:1",
+            reference="cpu:0",
+            step=1,
+            inject=[STICKY],
+            out=report,
+        )
         assert (found.to_json()["op"], found.to_json()["module"]) == ("aten.mm.default", MODULE)
         return Path(minimize(report, trials=TRIALS, inject=[STICKY]).to_json()["ticket"])
 
@@ -71,24 +78,46 @@ def only_torch_and_h5py(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 continue
             if not (directory / top).exists():
                 (directory / top).symlink_to(source)
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("SDCREPLAY")}, "PYTHONPATH": str(directory)}
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SDCREPLAY")},
+        "PYTHONPATH": str(directory),
+    }
 
 
-def test_repro_runs_where_only_torch_and_h5py_are_importable(ticket: Path, only_torch_and_h5py: dict):
+def test_repro_runs_where_only_torch_and_h5py_are_importable(
+    ticket: Path, only_torch_and_h5py: dict
+):
     isolated = [sys.executable, "-S"]
-    probe = subprocess.run([*isolated, "-c", "import sdcreplay"], env=only_torch_and_h5py, cwd=ticket,
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [*isolated, "-c", "import sdcreplay"],
+        env=only_torch_and_h5py,
+        cwd=ticket,
+        capture_output=True,
+        text=True,
+    )
     assert probe.returncode != 0 and "No module named 'sdcreplay'" in probe.stderr
-    run = subprocess.run([*isolated, "repro.py", "--device", "cpu:1", "--trials", str(TRIALS)],
-                         env=only_torch_and_h5py, cwd=ticket, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [*isolated, "repro.py", "--device", "cpu:1", "--trials", str(TRIALS)],
+        env=only_torch_and_h5py,
+        cwd=ticket,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert f"failed 0 of {TRIALS}" in run.stdout
 
 
 def test_repro_applies_sdcreplay_inject_when_sdcreplay_is_importable(ticket: Path):
     env = {**os.environ, "SDCREPLAY_INJECT": STICKY}
-    run = subprocess.run([sys.executable, "repro.py", "--device", "cpu:1", "--trials", "50"], env=env, cwd=ticket,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "repro.py", "--device", "cpu:1", "--trials", "50"],
+        env=env,
+        cwd=ticket,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 1, run.stderr
     assert "failed 50 of 50" in run.stdout
     assert "first failure at trial 1: output 0, element 5 (position [0, 5])" in run.stdout
@@ -101,9 +130,19 @@ def test_ticket_json_and_markdown_say_what_a_vendor_needs(ticket: Path):
     assert doc["drill"] is True and doc["injected_faults"] == [STICKY]
     assert doc["device"]["label"] == "cpu:1" and doc["device"]["name"]
     assert doc["software"]["torch"] == torch.__version__
-    assert doc["operator"]["op"] == "aten.mm.default" and doc["operator"]["dtypes"] == ["float32", "float32"]
-    assert doc["shapes"]["original"] == [[16, 32], [32, 32]] and doc["shapes"]["minimal"] == [[1, 1], [1, 6]]
-    assert (doc["rate"]["failures"], doc["rate"]["trials"], doc["rate"]["ci95"][1]) == (TRIALS, TRIALS, 1.0)
+    assert doc["operator"]["op"] == "aten.mm.default" and doc["operator"]["dtypes"] == [
+        "float32",
+        "float32",
+    ]
+    assert doc["shapes"]["original"] == [[16, 32], [32, 32]] and doc["shapes"]["minimal"] == [
+        [1, 1],
+        [1, 6],
+    ]
+    assert (doc["rate"]["failures"], doc["rate"]["trials"], doc["rate"]["ci95"][1]) == (
+        TRIALS,
+        TRIALS,
+        1.0,
+    )
     assert doc["acceptance"] == {"good_trials": 10, "bad_trials": 1}
     assert doc["data_dependent"] is False
     assert doc["first_mismatch"]["index"] == 5 and doc["first_mismatch"]["xor"] == "00400000"
@@ -112,10 +151,15 @@ def test_ticket_json_and_markdown_say_what_a_vendor_needs(ticket: Path):
     assert doc["bisect"]["module"] == MODULE and doc["bisect"]["isolated"] == "kernel"
     markdown = (ticket / "ticket.md").read_text()
     assert f"failed {TRIALS} of {TRIALS} trials" in markdown.splitlines()[0]
-    assert "**Drill:**" in markdown and "python repro.py --device cpu:1 --trials 1000" in markdown and "XOR mask 0x00400000" in markdown
+    assert (
+        "**Drill:**" in markdown
+        and "python repro.py --device cpu:1 --trials 1000" in markdown
+        and "XOR mask 0x00400000" in markdown
+    )
     original = doc["coordinates"]["original"]["position"]
-    assert f"| in the original output | element {original}: the minimal inputs keep rows [" \
-        in markdown
+    assert (
+        f"| in the original output | element {original}: the minimal inputs keep rows [" in markdown
+    )
     assert "| original inputs' first mismatch | output 0, element 5 at [0, 5] |" in markdown
 
 
@@ -124,22 +168,48 @@ def test_inputs_keep_dtype_shape_and_strides(tmp_path: Path):
     right = torch.randn(5, 4).to(torch.bfloat16).t()  # a transposed operand, as nn.Linear passes it
     site = CallSite(0, "forward", "proj", "aten.mm.default", 7)
     out = torch.mm(left, right)
-    case = OperatorCase(site, Counter({("aten.mm.default", "proj", "forward"): 2}), (left, right), {}, [out], [out])
-    result = {"switches": determinism.current_switches(), "device": "cpu:1", "reference": "cpu:0", "reproduced": False,
-              "inject": [], "op": "aten.mm.default", "trials": 0, "failures": 0, "rate": 0.0, "ci95": [0.0, 1.0],
-              "trials_to_first_failure": None, "kernels": [], "dtypes": ["bfloat16", "bfloat16"], "site": {
-                  "step": 0, "phase": "forward", "module": "proj", "index": 7},
-              "input_shapes_original": [[3, 4], [4, 5]], "input_shapes_minimal": [[3, 4], [4, 5]],
-              "shrink": {"status": "not reproduced"}, "minimal": None, "reference_trials": 0, "reference_failures": 0,
-              "acceptance": {"good_trials": 10, "bad_trials": 1}, "data_dependent": None, "first_mismatch": None,
-              "bits": None, "pattern": None, "commands": []}
+    case = OperatorCase(
+        site, Counter({("aten.mm.default", "proj", "forward"): 2}), (left, right), {}, [out], [out]
+    )
+    result = {
+        "switches": determinism.current_switches(),
+        "device": "cpu:1",
+        "reference": "cpu:0",
+        "reproduced": False,
+        "inject": [],
+        "op": "aten.mm.default",
+        "trials": 0,
+        "failures": 0,
+        "rate": 0.0,
+        "ci95": [0.0, 1.0],
+        "trials_to_first_failure": None,
+        "kernels": [],
+        "dtypes": ["bfloat16", "bfloat16"],
+        "site": {"step": 0, "phase": "forward", "module": "proj", "index": 7},
+        "input_shapes_original": [[3, 4], [4, 5]],
+        "input_shapes_minimal": [[3, 4], [4, 5]],
+        "shrink": {"status": "not reproduced"},
+        "minimal": None,
+        "reference_trials": 0,
+        "reference_failures": 0,
+        "acceptance": {"good_trials": 10, "bad_trials": 1},
+        "data_dependent": None,
+        "first_mismatch": None,
+        "bits": None,
+        "pattern": None,
+        "commands": [],
+    }
     target = write_ticket(tmp_path / "ticket", result, {}, case)
     with h5py.File(target / "inputs.h5") as handle:
         inputs = repro.read_tree(handle["reference_inputs"])
         expected = repro.read_tree(handle["reference_outputs"])
         assert handle.attrs["op"] == "aten.mm.default"
     for original, read in zip((left, right), inputs["args"], strict=True):
-        assert (read.dtype, read.shape, read.stride()) == (original.dtype, original.shape, original.stride())
+        assert (read.dtype, read.shape, read.stride()) == (
+            original.dtype,
+            original.shape,
+            original.stride(),
+        )
         assert torch.equal(raw_bits(read), raw_bits(original))
     assert torch.equal(raw_bits(expected[0]), raw_bits(out))
     assert OperatorCase.read(target / "inputs.h5").prior == case.prior
@@ -257,31 +327,51 @@ def test_nvml_identity_and_health_with_unsupported_fields(ticket: Path, monkeypa
     assert fake.open == 0  # shut down again
     assert nvml["available"] is True and nvml["driver"] == "550.54.15"
     assert nvml["identity"] == {
-        "name": "NVIDIA A100-SXM4-80GB", "uuid": fake.UUID, "serial": "1564720004631",
-        "board_part_number": "692-2G506-0212-002", "vbios": "92.00.45.00.03",
-        "inforom": "unavailable (Not Supported)", "pci_bus_id": "00000000:07:00.0"}
+        "name": "NVIDIA A100-SXM4-80GB",
+        "uuid": fake.UUID,
+        "serial": "1564720004631",
+        "board_part_number": "692-2G506-0212-002",
+        "vbios": "92.00.45.00.03",
+        "inforom": "unavailable (Not Supported)",
+        "pci_bus_id": "00000000:07:00.0",
+    }
     assert nvml["health"] == {
-        "ecc": {"volatile_corrected": 3, "volatile_uncorrected": 0, "aggregate_corrected": 118,
-                "aggregate_uncorrected": 2},
+        "ecc": {
+            "volatile_corrected": 3,
+            "volatile_uncorrected": 0,
+            "aggregate_corrected": 118,
+            "aggregate_uncorrected": 2,
+        },
         "retired_pages": {"single_bit_ecc": 0, "double_bit_ecc": 2, "pending": True},
         "remapped_rows": "unavailable (Insufficient Permissions)",
         "clocks_mhz": {"graphics": 1410, "sm": 1410, "memory": 1593},
-        "temperature_c": 71, "power_w": 312.5, "power_limit_w": 400.0}
+        "temperature_c": 71,
+        "power_w": 312.5,
+        "power_limit_w": 400.0,
+    }
     assert nvml_identity("another-board") == {"available": False, "note": "NVML: Not Found"}
     assert fake.open == 0
 
     doc = json.loads((ticket / "ticket.json").read_text())
-    doc["device"] = {"label": "cuda:0", "type": "cuda", "name": "NVIDIA A100-SXM4-80GB",
-                     "nvml": nvml}
+    doc["device"] = {
+        "label": "cuda:0",
+        "type": "cuda",
+        "name": "NVIDIA A100-SXM4-80GB",
+        "nvml": nvml,
+    }
     markdown = render_markdown(doc)
-    for row in ["| serial | 1564720004631 |", "| board part number | 692-2G506-0212-002 |",
-                "| inforom | unavailable (Not Supported) |", "| pci bus id | 00000000:07:00.0 |",
-                "| driver | 550.54.15 |",
-                "| ecc | volatile corrected 3, volatile uncorrected 0, aggregate corrected 118, "
-                "aggregate uncorrected 2 |",
-                "| retired pages | single bit ecc 0, double bit ecc 2, pending True |",
-                "| remapped rows | unavailable (Insufficient Permissions) |",
-                "| power w | 312.5 |"]:
+    for row in [
+        "| serial | 1564720004631 |",
+        "| board part number | 692-2G506-0212-002 |",
+        "| inforom | unavailable (Not Supported) |",
+        "| pci bus id | 00000000:07:00.0 |",
+        "| driver | 550.54.15 |",
+        "| ecc | volatile corrected 3, volatile uncorrected 0, aggregate corrected 118, "
+        "aggregate uncorrected 2 |",
+        "| retired pages | single bit ecc 0, double bit ecc 2, pending True |",
+        "| remapped rows | unavailable (Insufficient Permissions) |",
+        "| power w | 312.5 |",
+    ]:
         assert row in markdown.splitlines(), row
     assert "## For the vendor's return process" in markdown and "nvidia-bug-report.sh" in markdown
     assert "fieldiag" in markdown
@@ -293,4 +383,5 @@ def test_without_nvidia_ml_py_the_ticket_says_what_to_install(monkeypatch):
     assert nvml_identity("x") == {
         "available": False,
         "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
-                "for serial, VBIOS and ECC counters"}
+        "for serial, VBIOS and ECC counters",
+    }

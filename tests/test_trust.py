@@ -20,13 +20,13 @@ from sdcreplay import record, replay_on_device, trust, worker
 from sdcreplay.bundle import MANIFEST, MANIFEST_DIGEST, Bundle, manifest_digest
 from sdcreplay.errors import UntrustedWorkloadError
 
-WORKLOAD_FILE = '''
+WORKLOAD_FILE = """
 from pathlib import Path
 Path({marker!r}).write_text("imported")
 from sdcreplay.workloads.tiny_llama import make_workload
 def make(**kwargs):
     return make_workload(**kwargs)
-'''
+"""
 
 
 def _rewrite(bundle: Path, workload: dict) -> None:
@@ -73,17 +73,24 @@ def test_no_command_runs_an_untrusted_workload(hostile, cli, tmp_path: Path):
     assert cli("diff", bundle, bundle).exit_code == 0
     _refused(cli("replay", bundle, "-d", "cpu:0", "--logs", tmp_path / "logs"), ref)
     _refused(cli("bisect", bundle, "--suspect", "cpu:1", "--out", tmp_path / "report"), ref)
-    _refused(cli("replay", bundle, "--workload", "builtin:tiny-llama", "--logs", tmp_path / "logs"), ref)
-    assert cli("minimize", bundle).exit_code == 3  # minimize reads a bisect report; it never builds a workload
+    _refused(
+        cli("replay", bundle, "--workload", "builtin:tiny-llama", "--logs", tmp_path / "logs"), ref
+    )
+    assert (
+        cli("minimize", bundle).exit_code == 3
+    )  # minimize reads a bisect report; it never builds a workload
     assert not marker.exists()
     assert ref not in sys.modules and "evil_workload" not in sys.modules
 
 
 def test_a_hand_made_task_cannot_skip_the_check(hostile, tmp_path: Path):
     bundle, ref, marker = hostile
-    task = {"function": "sdcreplay.replay:run_replay_task", "device": "cpu:0",
-            "result": str(tmp_path / "result.json"),
-            "arguments": {"bundle": str(bundle), "repeats": 1, "log_dir": str(tmp_path / "logs")}}
+    task = {
+        "function": "sdcreplay.replay:run_replay_task",
+        "device": "cpu:0",
+        "result": str(tmp_path / "result.json"),
+        "arguments": {"bundle": str(bundle), "repeats": 1, "log_dir": str(tmp_path / "logs")},
+    }
     (tmp_path / "task.json").write_text(json.dumps(task))
     with preserved_global_state():
         assert worker.main(["worker", str(tmp_path / "task.json")]) == 3
@@ -103,14 +110,19 @@ def _record_file_workload(tmp_path: Path) -> tuple[Path, str, Path]:
     return bundle, f"{source}:make", marker
 
 
-def test_a_bundle_recorded_here_replays_without_a_flag_and_a_strangers_needs_one(tmp_path: Path, monkeypatch):
+def test_a_bundle_recorded_here_replays_without_a_flag_and_a_strangers_needs_one(
+    tmp_path: Path, monkeypatch
+):
     bundle, ref, marker = _record_file_workload(tmp_path)
     with preserved_global_state():
         log = replay_on_device(bundle, "cpu")
     assert sorted(log.steps) == [0] and marker.exists()
     marker.unlink()
     monkeypatch.setenv(trust.HOME_ENV, str(tmp_path / "another-user"))  # someone else's secret
-    with preserved_global_state(), pytest.raises(UntrustedWorkloadError, match="not recorded by this user"):
+    with (
+        preserved_global_state(),
+        pytest.raises(UntrustedWorkloadError, match="not recorded by this user"),
+    ):
         replay_on_device(bundle, "cpu")
     assert not marker.exists()
     with preserved_global_state(), trust.granting([ref]):
@@ -127,10 +139,14 @@ def test_the_secret_is_private_and_made_once(tmp_path: Path, monkeypatch):
     assert trust.sign({"workload": {"ref": "x:y", "kwargs": {}}}) == first
 
 
-workloads = st.fixed_dictionaries({
-    "ref": st.text(min_size=1, max_size=40),
-    "kwargs": st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=8)), max_size=3),
-})
+workloads = st.fixed_dictionaries(
+    {
+        "ref": st.text(min_size=1, max_size=40),
+        "kwargs": st.dictionaries(
+            st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=8)), max_size=3
+        ),
+    }
+)
 
 
 @settings(max_examples=60, deadline=None)

@@ -46,20 +46,34 @@ HEALTHY = ["cpu:0", "cpu:1"]
 
 # label -> (fault on that label alone, the first divergent entry at step 1 that it must produce)
 KINDS = {
-    "cpu:2": ("kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=101",
-              "forward:layers.1.attn.wq"),
-    "cpu:3": ("kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=1",
-              "backward:layers.0.mlp.w2"),
-    "cpu:4": ("kind=pairflip,op=aten.mm,module=layers.0.attn.wk,phase=forward,step=1,index=35,count=64",
-              "forward:layers.0.attn.wk"),
-    "cpu:5": ("kind=swap,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,index=66,count=1",
-              "forward:layers.1.mlp.w3"),
-    "cpu:6": ("kind=bias,op=aten.mm,module=layers.0.attn.wo,phase=forward,step=1,index=64,count=8,scale=1e-4",
-              "forward:layers.0.attn.wo"),
-    "cpu:7": ("kind=nan,op=aten.mm,module=layers.1.mlp.w1,phase=forward,step=1,index=97",
-              "forward:layers.1.mlp.w1"),
-    "cpu:8": ("kind=memflip,param=layers.0.mlp.w3.weight,step=1,index=40,bit=20",
-              "forward:layers.0.mlp.w3"),
+    "cpu:2": (
+        "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=101",
+        "forward:layers.1.attn.wq",
+    ),
+    "cpu:3": (
+        "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=1",
+        "backward:layers.0.mlp.w2",
+    ),
+    "cpu:4": (
+        "kind=pairflip,op=aten.mm,module=layers.0.attn.wk,phase=forward,step=1,index=35,count=64",
+        "forward:layers.0.attn.wk",
+    ),
+    "cpu:5": (
+        "kind=swap,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,index=66,count=1",
+        "forward:layers.1.mlp.w3",
+    ),
+    "cpu:6": (
+        "kind=bias,op=aten.mm,module=layers.0.attn.wo,phase=forward,step=1,index=64,count=8,scale=1e-4",
+        "forward:layers.0.attn.wo",
+    ),
+    "cpu:7": (
+        "kind=nan,op=aten.mm,module=layers.1.mlp.w1,phase=forward,step=1,index=97",
+        "forward:layers.1.mlp.w1",
+    ),
+    "cpu:8": (
+        "kind=memflip,param=layers.0.mlp.w3.weight,step=1,index=40,bit=20",
+        "forward:layers.0.mlp.w3",
+    ),
 }
 
 
@@ -102,8 +116,13 @@ def _record_of(bundle: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", list(KINDS), ids=[spec.split(",")[0].removeprefix("kind=") + "-" + label
-                                                    for label, (spec, _) in KINDS.items()])
+@pytest.mark.parametrize(
+    "label",
+    list(KINDS),
+    ids=[
+        spec.split(",")[0].removeprefix("kind=") + "-" + label for label, (spec, _) in KINDS.items()
+    ],
+)
 def test_each_kind_names_the_odd_device_step_and_layer(kinds, llama_record, label):
     _, entry = KINDS[label]
     consensus = three_replicas(kinds, llama_record, label)
@@ -117,7 +136,11 @@ def test_each_kind_names_the_odd_device_step_and_layer(kinds, llama_record, labe
     run = next(run for run in kinds.devices if run.device == label)
     assert run.error is None
     assert run.verdict == "persistent"
-    assert run.to_json()["first_divergence"] == {"step": 1, "phase": entry.split(":")[0], "name": entry}
+    assert run.to_json()["first_divergence"] == {
+        "step": 1,
+        "phase": entry.split(":")[0],
+        "name": entry,
+    }
     assert run.to_json()["steps"]["0"] == 0
 
 
@@ -127,7 +150,9 @@ def test_the_many_faulty_replay_report(kinds, root):
     assert kinds.consensus.verdict == "persistent"
     assert kinds.consensus.undecided_entries == 0
     assert kinds.consensus.suspects == list(KINDS)
-    assert [run.verdict for run in kinds.devices] == ["match", "match"] + ["persistent"] * len(KINDS)
+    assert [run.verdict for run in kinds.devices] == ["match", "match"] + ["persistent"] * len(
+        KINDS
+    )
     assert kinds.exit_code == 1
     assert Path(kinds.log_dir) == root / "kinds"
     for run in kinds.devices:
@@ -146,7 +171,10 @@ def test_two_replicas_that_disagree_with_the_record_are_undecided(kinds, llama_r
     assert consensus.undecided_entries > 0
     assert consensus.suspects == ["cpu:4"]
     assert {voter: v.verdict for voter, v in consensus.voters.items()} == {
-        "record": "undecided", "cpu:2": "undecided", "cpu:4": "persistent"}
+        "record": "undecided",
+        "cpu:2": "undecided",
+        "cpu:4": "persistent",
+    }
     assert consensus.advice.startswith("record, cpu:2 are tied at ")
 
 
@@ -195,18 +223,28 @@ def test_a_fault_the_network_masks_shows_only_at_its_own_entry(llama, llama_reco
     picks its kernels per CPU model), so whether the flip leaks there is a
     property of the machine, not of the network.
     """
-    log = replay_on_device(llama, "cpu:9", inject=[
-        "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"])
+    log = replay_on_device(
+        llama,
+        "cpu:9",
+        inject=["kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5"],
+    )
     comparison = compare_logs(llama_record, log)
-    assert comparison.first.brief() == {"step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+    assert comparison.first.brief() == {
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.1.attn.wq",
+    }
     forward = [(d.step, d.name) for d in comparison.divergences if d.phase == "forward"]
     assert forward == [(1, "forward:layers.1.attn.wq")]
 
 
 def test_a_weight_gradient_fault_is_named_by_its_grad_entry(llama, llama_record):
     """In a Linear's backward the weight-gradient matmul runs first (nth=0), the input gradient second."""
-    log = replay_on_device(llama, "cpu:9", inject=[
-        "kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0"])
+    log = replay_on_device(
+        llama,
+        "cpu:9",
+        inject=["kind=bitflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0"],
+    )
     first = compare_logs(llama_record, log).first
     assert (first.step, first.name) == (1, "grad:layers.0.mlp.w2.weight")
 
@@ -221,13 +259,22 @@ def test_moe_expert_scatter_fault(root):
     with preserved_global_state():
         record("builtin:tiny-moe", bundle, steps=2, kwargs=dict(MOE))
     spec = "kind=bitflip,op=aten.index_add_,module=layers.0.moe,phase=forward,step=1,nth=1,index=40,device=cpu:1"
-    report = replay_devices(bundle, ["cpu:0", "cpu:1", "cpu:2"], inject=[spec], log_dir=root / "moe")
+    report = replay_devices(
+        bundle, ["cpu:0", "cpu:1", "cpu:2"], inject=[spec], log_dir=root / "moe"
+    )
     assert report.consensus.verdict == "persistent"
     assert report.consensus.suspects == ["cpu:1"]
-    assert report.consensus.first_divergence.brief() == {"step": 1, "phase": "forward", "name": "forward:layers.0.moe"}
+    assert report.consensus.first_divergence.brief() == {
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.0.moe",
+    }
     assert [run.verdict for run in report.devices] == ["match", "persistent", "match"]
     assert report.to_json()["consensus"]["first_divergence"] == {
-        "step": 1, "phase": "forward", "name": "forward:layers.0.moe"}
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.0.moe",
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -242,19 +289,33 @@ def test_fault_at_record_time_is_recording_suspect(root, cli):
     with preserved_global_state():
         record("builtin:tiny-llama", bundle, steps=2, kwargs=dict(LLAMA), inject=[RECORD_FAULT])
     manifest = (bundle / "manifest.json").read_text()
-    assert "bitflip" not in manifest and "inject" not in manifest  # looks like any bundle from a bad GPU
+    assert (
+        "bitflip" not in manifest and "inject" not in manifest
+    )  # looks like any bundle from a bad GPU
 
     logs = root / "recorded-bad-logs"
-    result = cli("replay", bundle, "-d", "cpu:0", "-d", "cpu:1", "-d", "cpu:2", "--logs", logs, "--json")
+    result = cli(
+        "replay", bundle, "-d", "cpu:0", "-d", "cpu:1", "-d", "cpu:2", "--logs", logs, "--json"
+    )
     assert result.exit_code == 1, result.stderr
     data = json.loads(result.stdout)
     assert data["schema"] == "sdcreplay.replay/1"
     assert data["record"] == {"verdict": "persistent"}
     assert data["consensus"]["verdict"] == "recording_suspect"
     assert data["consensus"]["suspects"] == ["record"]
-    assert data["consensus"]["first_divergence"] == {"step": 1, "phase": "forward", "name": "forward:layers.1.attn.wq"}
-    assert [(d["device"], d["verdict"], d["repeats"], d["divergent_repeats"], d["error"]) for d in data["devices"]] == [
-        ("cpu:0", "match", 1, 0, None), ("cpu:1", "match", 1, 0, None), ("cpu:2", "match", 1, 0, None)]
+    assert data["consensus"]["first_divergence"] == {
+        "step": 1,
+        "phase": "forward",
+        "name": "forward:layers.1.attn.wq",
+    }
+    assert [
+        (d["device"], d["verdict"], d["repeats"], d["divergent_repeats"], d["error"])
+        for d in data["devices"]
+    ] == [
+        ("cpu:0", "match", 1, 0, None),
+        ("cpu:1", "match", 1, 0, None),
+        ("cpu:2", "match", 1, 0, None),
+    ]
     assert data["log_dir"] == str(logs)
     assert all(Path(d["logs"][0]).parent == logs for d in data["devices"])
     assert "Verdict: recording_suspect" in result.stderr
@@ -293,14 +354,22 @@ def _expected_fires(spec: str, label: str, repeats: int) -> list[int]:
     fired = []
     for repeat in range(repeats):
         injector = Injector([FaultSpec.parse(spec)], label, salt=repeat)
-        injector.on_call(CallSite(0, "forward", "layers.1.attn.wq", "aten.mm.default", 0), None, (), {}, torch.zeros(200))
+        injector.on_call(
+            CallSite(0, "forward", "layers.1.attn.wq", "aten.mm.default", 0),
+            None,
+            (),
+            {},
+            torch.zeros(200),
+        )
         if injector.fired:
             fired.append(repeat)
     return fired
 
 
 @pytest.mark.slow
-def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(tmp_path, monkeypatch):
+def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(
+    tmp_path, monkeypatch
+):
     monkeypatch.delenv("SDCREPLAY_DEVICE", raising=False)  # the workload must not kill this process
     workload = tmp_path / "killer.py"
     workload.write_text(textwrap.dedent(KILLER))
@@ -308,15 +377,22 @@ def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(t
     with preserved_global_state():
         record(f"{workload}:make", bundle, steps=1, kwargs=dict(LLAMA))
 
-    report = replay_devices(bundle, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], repeats=REPEATS,
-                            inject=[FLAKY], log_dir=tmp_path / "logs")
+    report = replay_devices(
+        bundle,
+        ["cpu:0", "cpu:1", "cpu:2", "cpu:3"],
+        repeats=REPEATS,
+        inject=[FLAKY],
+        log_dir=tmp_path / "logs",
+    )
     runs = {run.device: run for run in report.devices}
 
     killed = runs["cpu:1"]
     assert killed.verdict == "error"
     assert killed.error["message"] == "the cpu:1 process killed by signal SIGKILL"
     assert killed.error["exit_status"] == -signal.SIGKILL
-    assert killed.error["hint"].startswith("Killed from outside (out of memory, or a person/scheduler): retry alone")
+    assert killed.error["hint"].startswith(
+        "Killed from outside (out of memory, or a person/scheduler): retry alone"
+    )
     assert killed.logs == [] and killed.to_json()["error"]["message"].endswith("SIGKILL")
 
     assert runs["cpu:0"].verdict == runs["cpu:2"].verdict == "match"
@@ -325,10 +401,20 @@ def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(t
     expected = _expected_fires(FLAKY, "cpu:3", REPEATS)
     assert 0 < len(expected) < REPEATS / 2  # seed 7 fires in a minority of the repeats
     flaky = runs["cpu:3"].to_json()
-    assert (flaky["verdict"], flaky["repeats"], flaky["divergent_repeats"]) == ("intermittent", REPEATS, len(expected))
-    assert flaky["first_divergence"] == {"step": 0, "phase": "forward", "name": "forward:layers.1.attn.wq"}
+    assert (flaky["verdict"], flaky["repeats"], flaky["divergent_repeats"]) == (
+        "intermittent",
+        REPEATS,
+        len(expected),
+    )
+    assert flaky["first_divergence"] == {
+        "step": 0,
+        "phase": "forward",
+        "name": "forward:layers.1.attn.wq",
+    }
     record_log = _record_of(bundle)
-    diverged = [r for r, log in enumerate(runs["cpu:3"].logs) if not compare_logs(record_log, log).identical]
+    diverged = [
+        r for r, log in enumerate(runs["cpu:3"].logs) if not compare_logs(record_log, log).identical
+    ]
     assert diverged == expected
 
     assert report.consensus.verdict == "transient"
@@ -338,7 +424,9 @@ def test_killed_process_is_an_error_for_its_device_alone_and_p_is_intermittent(t
 
 
 def test_repeats_are_salted_differently():
-    assert _expected_fires(FLAKY, "cpu:3", REPEATS) != _expected_fires(FLAKY.replace("seed=7", "seed=8"), "cpu:3", REPEATS)
+    assert _expected_fires(FLAKY, "cpu:3", REPEATS) != _expected_fires(
+        FLAKY.replace("seed=7", "seed=8"), "cpu:3", REPEATS
+    )
     assert _expected_fires(FLAKY, "cpu:0", REPEATS) == []  # another device's fault
 
 
@@ -346,7 +434,12 @@ def test_a_bad_fault_spec_is_refused_before_any_process_starts(llama, tmp_path):
     from sdcreplay.errors import FaultSpecError
 
     with pytest.raises(FaultSpecError, match="phase 'sideways' is not one of"):
-        replay_devices(llama, ["cpu:0"], inject=["kind=bitflip,op=aten.mm,phase=sideways"], log_dir=tmp_path / "logs")
+        replay_devices(
+            llama,
+            ["cpu:0"],
+            inject=["kind=bitflip,op=aten.mm,phase=sideways"],
+            log_dir=tmp_path / "logs",
+        )
     assert not (tmp_path / "logs").exists()
 
 
@@ -382,23 +475,37 @@ def test_a_task_runs_only_a_function_sdcreplay_marked_as_a_device_task(tmp_path:
     status, result = _run_task(tmp_path, "sdcreplay.replay:run_replay_task", bundle="b", speed=2)
     assert status == 3
     assert result["error"]["message"].startswith(
-        "sdcreplay.replay:run_replay_task does not take the task's arguments: ")
+        "sdcreplay.replay:run_replay_task does not take the task's arguments: "
+    )
     with pytest.raises(TaskError, match="is not a device task"):
         run_device_processes("x", os.getcwd, ["cpu:0"], lambda _: {}, tmp_path / "never")
     assert not (tmp_path / "never").exists()
 
 
 def test_tasks_and_results_are_typed_json():
-    task = DeviceTask("sdcreplay.replay:run_replay_task", "cpu:1", "/r.json", {"repeats": 2},
-                      {"MKL_CBWR": "AVX2"}, stderr="/e.txt", alive="/a")
+    task = DeviceTask(
+        "sdcreplay.replay:run_replay_task",
+        "cpu:1",
+        "/r.json",
+        {"repeats": 2},
+        {"MKL_CBWR": "AVX2"},
+        stderr="/e.txt",
+        alive="/a",
+    )
     assert DeviceTask.from_json(json.loads(json.dumps(task.to_json()))) == task
-    error = DeviceFailure("the cpu:1 process timed out", "give it more time", None, "/e.txt", "last",
-                        3.0)
+    error = DeviceFailure(
+        "the cpu:1 process timed out", "give it more time", None, "/e.txt", "last", 3.0
+    )
     for result in (DeviceResult(value={"logs": ["x"]}), DeviceResult(error=error)):
         assert DeviceResult.from_json(json.loads(json.dumps(result.to_json()))) == result
     assert DeviceResult(error=error).to_json()["error"] == {
-        "message": "the cpu:1 process timed out", "hint": "give it more time", "exit_status": None,
-        "log": "/e.txt", "stderr_tail": "last", "timed_out": 3.0}
+        "message": "the cpu:1 process timed out",
+        "hint": "give it more time",
+        "exit_status": None,
+        "log": "/e.txt",
+        "stderr_tail": "last",
+        "timed_out": 3.0,
+    }
     with pytest.raises(TaskError, match="the device task has no 'function'"):
         DeviceTask.from_json({"device": "cpu", "result": "/r"})
     with pytest.raises(TaskError, match="the device task's 'arguments' is list"):
@@ -407,8 +514,13 @@ def test_tasks_and_results_are_typed_json():
         DeviceTask.from_json({**task.to_json(), "kind": "replay"})
     with pytest.raises(TaskError, match="'environment' holds a value that is not a string"):
         DeviceTask.from_json({**task.to_json(), "environment": {"MKL_CBWR": 1}})
-    for written in ({}, {"value": [1]}, {"error": {"hint": "no message"}}, [],
-                    {"error": {"message": "m", "signal": 9}}):
+    for written in (
+        {},
+        {"value": [1]},
+        {"error": {"hint": "no message"}},
+        [],
+        {"error": {"message": "m", "signal": 9}},
+    ):
         with pytest.raises(ValueError):
             DeviceResult.from_json(written)
     with pytest.raises(ValueError, match="not both or neither"):
@@ -418,9 +530,12 @@ def test_tasks_and_results_are_typed_json():
 def test_a_task_runs_with_its_environment_in_force(small_bundle: Path, tmp_path: Path):
     """The environment is set before the task's first operator: ATen's kernel choice follows it."""
     results = run_device_processes(
-        "replay", run_replay_task, ["cpu:0"],
+        "replay",
+        run_replay_task,
+        ["cpu:0"],
         lambda label: {"bundle": str(small_bundle), "repeats": 1, "log_dir": str(tmp_path)},
-        tmp_path, environment={"ATEN_CPU_CAPABILITY": "default"},
+        tmp_path,
+        environment={"ATEN_CPU_CAPABILITY": "default"},
     )
     value = results["cpu:0"].value
     assert results["cpu:0"].error is None and value is not None
@@ -434,18 +549,24 @@ def test_a_task_runs_with_its_environment_in_force(small_bundle: Path, tmp_path:
 @pytest.mark.slow
 def test_a_task_file_runs_by_hand(small_bundle: Path, tmp_path: Path):
     """``python -m sdcreplay.worker TASK.json``: the task's function is found from __main__ too."""
-    task = DeviceTask("sdcreplay.replay:run_replay_task", "cpu:0", str(tmp_path / "result.json"),
-                      {"bundle": str(small_bundle), "repeats": 1, "log_dir": str(tmp_path)})
+    task = DeviceTask(
+        "sdcreplay.replay:run_replay_task",
+        "cpu:0",
+        str(tmp_path / "result.json"),
+        {"bundle": str(small_bundle), "repeats": 1, "log_dir": str(tmp_path)},
+    )
     (tmp_path / "task.json").write_text(json.dumps(task.to_json()))
     command = [sys.executable, "-m", "sdcreplay.worker"]
-    done = subprocess.run([*command, str(tmp_path / "task.json")], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [*command, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     value = json.loads((tmp_path / "result.json").read_text())["value"]
     assert value["logs"] == [str(tmp_path / "cpu-0.r0.sig.zst")]
     (tmp_path / "bad.json").write_text(json.dumps({"device": "cpu:0"}))
-    done = subprocess.run([*command, str(tmp_path / "bad.json")], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [*command, str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 3
     assert "Error: the device task has no 'function'" in done.stderr and "Hint:" in done.stderr
     assert "Traceback" not in done.stderr

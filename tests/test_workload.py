@@ -18,7 +18,7 @@ from sdcreplay.errors import SdcReplayError, WorkloadError
 from sdcreplay.workload import accepts_seed, build_workload, builtin_names, resolve_factory
 from sdcreplay.workloads import tiny_llama, tiny_moe
 
-FACTORY_SOURCE = '''
+FACTORY_SOURCE = """
 import torch
 import sdcreplay
 
@@ -42,7 +42,7 @@ def not_a_workload(seed=0):
     return {"model": None}
 
 NOT_CALLABLE = 42
-'''
+"""
 
 
 def write_module(directory: Path, name: str, source: str) -> Path:
@@ -87,7 +87,9 @@ def test_same_reference_and_kwargs_rebuild_the_same_parameters():
     first = build_workload("builtin:tiny-moe", {**SMALL, "experts": 2, "seed": 3})
     torch.manual_seed(12345)  # whatever the global RNG holds, the build is the same
     second = build_workload("builtin:tiny-moe", {**SMALL, "experts": 2, "seed": 3})
-    for (name, a), (_, b) in zip(first.model.state_dict().items(), second.model.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        first.model.state_dict().items(), second.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     other = build_workload("builtin:tiny-moe", {**SMALL, "experts": 2, "seed": 4})
     assert not torch.equal(first.model.tok_embeddings.weight, other.model.tok_embeddings.weight)

@@ -35,8 +35,12 @@ WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = "cuda:0" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--device", default=default, help=f"cuda:N or cpu (cpu:N is the CPU); default {default}")
-    parser.add_argument("--trials", type=int, default=1000, help="how many times to run the operator (default 1000)")
+    parser.add_argument(
+        "--device", default=default, help=f"cuda:N or cpu (cpu:N is the CPU); default {default}"
+    )
+    parser.add_argument(
+        "--trials", type=int, default=1000, help="how many times to run the operator (default 1000)"
+    )
     return parser.parse_args()
 
 
@@ -72,8 +76,9 @@ def read_tensor(dataset: h5py.Dataset) -> torch.Tensor:
 
 def read_tree(group: h5py.Group):
     """The nest of lists/dicts/values/tensors that sdcreplay's tensorio wrote (a JSON skeleton)."""
+
     def decode(node):
-        (kind, payload), = node.items()
+        ((kind, payload),) = node.items()
         if kind == "tensor":
             return read_tensor(group[payload])
         if kind == "dict":
@@ -113,10 +118,15 @@ def to_device(tree, device: torch.device):
 
 def results(op, args: list, out) -> list:
     """What the call produced: the arguments it wrote to (in-place/out= operators), else its outputs."""
-    written = [args[i] for i, argument in enumerate(op._schema.arguments[: len(args)])
-               if argument.alias_info is not None and argument.alias_info.is_write]
+    written = [
+        args[i]
+        for i, argument in enumerate(op._schema.arguments[: len(args)])
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
     if written:
-        return [t for item in written for t in (item if isinstance(item, (list, tuple)) else [item])]
+        return [
+            t for item in written for t in (item if isinstance(item, (list, tuple)) else [item])
+        ]
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
@@ -128,12 +138,19 @@ def optional_injection(label: str, handle: h5py.File):
         from sdcreplay.capture import CallSite
         from sdcreplay.faults import Injector, parse_specs
     except ImportError:
-        print("SDCREPLAY_INJECT is set but sdcreplay is not importable: running without injection", file=sys.stderr)
+        print(
+            "SDCREPLAY_INJECT is set but sdcreplay is not importable: running without injection",
+            file=sys.stderr,
+        )
         return None
     site = CallSite(**json.loads(handle.attrs["site"]))
-    prior = Counter({(op, module, phase): n for op, module, phase, n in json.loads(handle.attrs["prior"])})
+    prior = Counter(
+        {(op, module, phase): n for op, module, phase, n in json.loads(handle.attrs["prior"])}
+    )
     injector = Injector(parse_specs(), label)
-    print(f"injecting {os.environ['SDCREPLAY_INJECT']!r} through sdcreplay (a drill, not a hardware fault)")
+    print(
+        f"injecting {os.environ['SDCREPLAY_INJECT']!r} through sdcreplay (a drill, not a hardware fault)"
+    )
     return lambda out: injector.on_isolated_call(site, prior, out)
 
 
@@ -144,14 +161,22 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def differs(got, want) -> bool:
     if isinstance(want, torch.Tensor):
-        return not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
-                    and torch.equal(bits(got), bits(want)))
+        return not (
+            isinstance(got, torch.Tensor)
+            and got.shape == want.shape
+            and got.dtype == want.dtype
+            and torch.equal(bits(got), bits(want))
+        )
     return got != want
 
 
 def describe(output: int, got, want) -> str:
     """The first mismatching element: flat index, expected and actual values and raw bits, XOR mask."""
-    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or got.shape != want.shape:
+    if (
+        not isinstance(want, torch.Tensor)
+        or not isinstance(got, torch.Tensor)
+        or got.shape != want.shape
+    ):
         return f"output {output}: expected {want!r}, got {got!r}"
     flat_want, flat_got = bits(want).reshape(-1).cpu(), bits(got).reshape(-1).cpu()
     index = int(torch.nonzero(flat_want != flat_got)[0])
@@ -160,9 +185,11 @@ def describe(output: int, got, want) -> str:
     word_want, word_got = int(flat_want[index]) & mask, int(flat_got[index]) & mask
     value_want, value_got = want.reshape(-1)[index].item(), got.reshape(-1)[index].item()
     position = list(np.unravel_index(index, tuple(want.shape))) if want.dim() else []
-    return (f"output {output}, element {index} (position {[int(p) for p in position]}): "
-            f"expected {value_want!r} (0x{word_want:0{width}x}), actual {value_got!r} (0x{word_got:0{width}x}), "
-            f"XOR mask 0x{word_want ^ word_got:0{width}x}")
+    return (
+        f"output {output}, element {index} (position {[int(p) for p in position]}): "
+        f"expected {value_want!r} (0x{word_want:0{width}x}), actual {value_got!r} (0x{word_got:0{width}x}), "
+        f"XOR mask 0x{word_want ^ word_got:0{width}x}"
+    )
 
 
 def main() -> int:
@@ -173,17 +200,23 @@ def main() -> int:
         apply_switches(json.loads(handle.attrs["switches"]))
         inputs = read_tree(handle["reference_inputs"])
         expected = read_tree(handle["reference_outputs"])
-        rng = read_tree(handle["rng"]) if "rng" in handle else None  # a random operator's generator states
+        rng = (
+            read_tree(handle["rng"]) if "rng" in handle else None
+        )  # a random operator's generator states
         inject = optional_injection(options.device, handle)
     op = resolve(op_name)
     args, kwargs = to_device((inputs["args"], inputs["kwargs"]), device)
     expected = to_device(expected, device)
     shapes = [list(t.shape) for t in args if isinstance(t, torch.Tensor)]
-    print(f"{op_name} on {options.device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"inputs {shapes}, {options.trials} trials, torch {torch.__version__}")
+    print(
+        f"{op_name} on {options.device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+        f"inputs {shapes}, {options.trials} trials, torch {torch.__version__}"
+    )
     failures, first = 0, None
     for trial in range(1, options.trials + 1):
-        call_args, call_kwargs = (to_device((args, kwargs), device) if op._schema.is_mutable else (args, kwargs))
+        call_args, call_kwargs = (
+            to_device((args, kwargs), device) if op._schema.is_mutable else (args, kwargs)
+        )
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and device.type == "cuda":
@@ -192,7 +225,9 @@ def main() -> int:
         if inject is not None:
             inject(out)
         produced = results(op, call_args, out)
-        wrong = [i for i, want in enumerate(expected) if i >= len(produced) or differs(produced[i], want)]
+        wrong = [
+            i for i, want in enumerate(expected) if i >= len(produced) or differs(produced[i], want)
+        ]
         if wrong:
             failures += 1
             if first is None:
