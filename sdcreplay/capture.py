@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import determinism
 from .determinism import RngState
-from .digest import Digester, tensor_digest
+from .digest import Digester, SignatureValue, tensor_digest
+from .errors import SdcReplayError
 from .tensorio import map_tensors
 
 ROOT = "<root>"
@@ -72,7 +73,7 @@ def _next_sequence_nr() -> int:
     return torch._C._autograd._get_sequence_nr()
 
 
-def _input_edges(roots: list, first: int, end: int) -> list[tuple[object, int]]:
+def _input_edges(roots: list, first: int, end: int) -> list[tuple[torch.autograd.graph.Node, int]]:
     """(node, input slot) pairs where a module's graph passes a gradient to its inputs.
 
     The module's nodes are those created during its forward (sequence numbers
@@ -81,7 +82,9 @@ def _input_edges(roots: list, first: int, end: int) -> list[tuple[object, int]]:
     Parameter leaves are not inputs (their gradients are ``grad:`` entries).
     Breadth-first from the roots, each node queued once (the order names the edges).
     """
-    edges, seen, queue = [], set(), deque()
+    edges: list[tuple[torch.autograd.graph.Node, int]] = []
+    seen: set[int] = set()
+    queue: deque[torch.autograd.graph.Node] = deque()
     for node in roots:
         if first <= node._sequence_nr() < end and id(node) not in seen:
             seen.add(id(node))
@@ -116,7 +119,7 @@ def grads_entering(model: torch.nn.Module) -> str:
     return "kept" if nonzero else "zero"
 
 
-def state_leaves(prefix: str, value) -> Iterator[tuple[str, object, bool]]:
+def state_leaves(prefix: str, value) -> Iterator[tuple[str, SignatureValue, bool]]:
     """``(name, value, is_tensor)`` for every leaf of a state dict, in order.
 
     Dict keys join with ``.``, list items are ``[i]``; a string becomes its
@@ -137,14 +140,14 @@ def state_leaves(prefix: str, value) -> Iterator[tuple[str, object, bool]]:
         yield prefix, value, False
 
 
-def state_object_items(objects: dict) -> Iterator[tuple[str, object]]:
+def state_object_items(objects: dict) -> Iterator[tuple[str, SignatureValue]]:
     """Signature items of state objects: ``state:`` for numbers, ``state_tensor:`` for tensors."""
     for name, obj in objects.items():
         for path, value, is_tensor in state_leaves(name, obj.state_dict()):
             yield ("state_tensor:" if is_tensor else "state:") + path, value
 
 
-def hyper_items(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, object]]:
+def hyper_items(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, SignatureValue]]:
     """``hyper:GROUP.KEY`` for every hyper-parameter of every param group (lr, betas[0], ...)."""
     for index, group in enumerate(optimizer.param_groups):
         settings = {key: value for key, value in group.items() if key != "params"}
@@ -207,7 +210,7 @@ class SignatureCapture:
 
     def begin_step(self, rng: RngState) -> None:
         """Open a step: the RNG states, then (program entries) the state objects entering it."""
-        self._digester = Digester()
+        digester = self._digester = Digester()
         self._calls.clear()
         self.optimizer_stepped = False
         self._updated_state_positions = {}
@@ -215,18 +218,27 @@ class SignatureCapture:
         self._in_forward_window = True
         with _own_work():
             for name, value in rng.signature_items():
-                self._digester.add(name, value)
+                digester.add(name, value)
             if self.program:
-                for name, value in state_object_items(self.state_objects):
-                    self._digester.add(name, value)
+                for name, leaf in state_object_items(self.state_objects):
+                    digester.add(name, leaf)
 
     def _numbered(self, name: str) -> str:
         count = self._calls[name]
         self._calls[name] += 1
         return name if count == 0 else f"{name}#{count}"
 
-    def _add(self, name: str, value) -> None:
-        self._digester.add(self._numbered(name), value)
+    def _step_digester(self) -> Digester:
+        """The open step's digester: the hooks record only between begin_step and end_step."""
+        if self._digester is None:
+            raise SdcReplayError(
+                "the signature capture has no open step",
+                "Call begin_step before the step's work and end_step after it.",
+            )
+        return self._digester
+
+    def _add(self, name: str, value: SignatureValue) -> None:
+        self._step_digester().add(self._numbered(name), value)
 
     def _on_forward_begin(self, path: str, module, inputs) -> None:
         if self._in_forward_window:
@@ -241,7 +253,7 @@ class SignatureCapture:
         with _own_work():
             for position, tensor in enumerate(tensors):
                 suffix = f"[{position}]" if len(tensors) > 1 else ""
-                self._digester.add(f"forward:{base}{suffix}", tensor)
+                self._step_digester().add(f"forward:{base}{suffix}", tensor)
             roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
             edges = _input_edges(roots, first_node, _next_sequence_nr())
             for position, (node, slot) in enumerate(edges):
@@ -326,10 +338,10 @@ class SignatureCapture:
                             self._add(f"optim:{name}.{key}", value)
             positions = self._updated_state_positions
             for name, param in self.model.named_parameters():
-                positions[f"param:{name}"] = len(self._digester)
+                positions[f"param:{name}"] = len(self._step_digester())
                 self._add(f"param:{name}", param)
             for name, buffer in self.model.named_buffers():
-                positions[f"buffer:{name}"] = len(self._digester)
+                positions[f"buffer:{name}"] = len(self._step_digester())
                 self._add(f"buffer:{name}", buffer)
         self.optimizer_stepped = True
 
@@ -341,7 +353,7 @@ class SignatureCapture:
         names them (empty without an optimizer step).
         """
         with _own_work():
-            entries = self._digester.entries()
+            entries = self._step_digester().entries()
         self.updated_state = {
             name: entries[position][1] for name, position in self._updated_state_positions.items()
         }
@@ -444,7 +456,7 @@ class OperatorMode(TorchDispatchMode):
             for path, m in model.named_modules()
             for p in m.parameters(recurse=False)
         }
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self):
         for path, module in self._model.named_modules():
@@ -619,7 +631,7 @@ class OperatorLog:
         self.records.append(record)
         if self.kept is None and self.structure_error is None:
             if self.expected is not None:
-                self._compare(record, func, args, kwargs, out)
+                self._compare(self.expected, record, func, args, kwargs, out)
                 self._note_writes(record, results)
             elif site.index == self.watch:
                 self._keep(func, args, kwargs, out)
@@ -655,10 +667,12 @@ class OperatorLog:
                 origins.append(InputOrigin(position, element, name, producer, state))
         return origins
 
-    def _compare(self, record: OperatorRecord, func, args, kwargs, out) -> None:
+    def _compare(
+        self, expected: list[OperatorRecord], record: OperatorRecord, func, args, kwargs, out
+    ) -> None:
         index = record.site.index
-        if index >= len(self.expected) or self.expected[index].site.key != record.site.key:
-            theirs = self.expected[index].site if index < len(self.expected) else None
+        if index >= len(expected) or expected[index].site.key != record.site.key:
+            theirs = expected[index].site if index < len(expected) else None
             self.structure_error = (
                 f"operator call {index}: {record.site.op} under {record.site.module} ({record.site.phase}) here, "
                 + (
@@ -668,7 +682,7 @@ class OperatorLog:
                 )
             )
             return
-        if record.digests != self.expected[index].digests:
+        if record.digests != expected[index].digests:
             self.divergent = record
             self.origins = self._trace_inputs(func, args)
             self._keep(func, args, kwargs, out)
@@ -718,7 +732,7 @@ def state_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, torch.Tensor]:
     """Everything a step starts from, by name: parameters, buffers, optimizer state."""
-    tensors = {f"param:{name}": p for name, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {f"param:{name}": p for name, p in model.named_parameters()}
     tensors.update({f"buffer:{name}": b for name, b in model.named_buffers()})
     if optimizer is not None:
         names = {id(p): name for name, p in model.named_parameters()}

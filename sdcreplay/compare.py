@@ -338,8 +338,10 @@ def _judge(
     comparisons = [compare_logs(reference, log, steps) for log in logs]
     divergent = [c for c in comparisons if not c.identical]
     decided = [c for c in divergent if any((d.step, d.name) not in ties for d in c.divergences)]
-    firsts = [c.first for c in divergent]
+    # A divergent comparison has at least one divergence, so its first one exists.
+    firsts = [c.divergences[0] for c in divergent]
     first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
+    kind: DeviceVerdictName
     if ties and len(decided) < len(logs):
         kind = "undecided"
     elif not divergent:
@@ -395,6 +397,7 @@ def vote(
         voter for voter, v in verdicts.items() if v.verdict in ("persistent", "intermittent")
     ]
     replica_kinds = {v.verdict for voter, v in verdicts.items() if voter != RECORD}
+    verdict: ConsensusVerdict
     if len(voters) == 1 and incomparable:
         verdict = "incomparable"
     elif ties:

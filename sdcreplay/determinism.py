@@ -189,7 +189,7 @@ class RngState:
     accelerator: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
-    def signature_items(self) -> list[tuple[str, object]]:
+    def signature_items(self) -> list[tuple[str, torch.Tensor]]:
         """Signature entries (name, value) for this state, compared in full."""
         python_state = torch.tensor(self.python[1], dtype=torch.int64)
         keys = np.asarray(self.numpy[1], dtype=np.uint32)
@@ -220,9 +220,15 @@ def capture_rng(device: torch.device) -> RngState:
     accelerator = None
     if device.type == "cuda":
         accelerator = torch.cuda.get_rng_state(device)
+    numpy_state = np.random.get_state(legacy=True)
+    if not isinstance(numpy_state, tuple):  # a dict only for a non-MT19937 global generator
+        raise DeterminismError(
+            "NumPy's global random generator is not the MT19937 one numpy.random.seed makes",
+            "Do not replace numpy.random's global generator in the workload.",
+        )
     return RngState(
         python=random.getstate(),
-        numpy=np.random.get_state(),
+        numpy=numpy_state,
         cpu=torch.get_rng_state(),
         accelerator=accelerator,
     )

@@ -50,6 +50,9 @@ __all__ = [
     "tensor_digest",
 ]
 
+# What one signature entry digests: a tensor, or a number (None for an absent gradient).
+SignatureValue = torch.Tensor | int | float | bool | None
+
 CPU_ALGORITHM = "xxh3-64"
 DEVICE_ALGORITHM = "mix64"
 
@@ -82,7 +85,7 @@ def algorithm_for(device_type: str) -> str:
     return CPU_ALGORITHM if device_type.partition(":")[0] == "cpu" else DEVICE_ALGORITHM
 
 
-def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
+def tensor_digest(value: SignatureValue) -> str:
     """The signature entry of one value; synchronous (a device tensor's digest is fetched)."""
     if not isinstance(value, torch.Tensor):
         return _scalar_digest(value)
@@ -94,7 +97,7 @@ def tensor_digest(value: torch.Tensor | None | int | float | bool) -> str:
         return _exact(tensor.dtype, data.cpu().numpy().tobytes())
     if tensor.device.type == "cpu":
         return _hex(_xxh3(tensor, data))
-    return _hex(mix64(tensor).item())
+    return _hex(int(mix64(tensor).item()))
 
 
 def mix64(
@@ -226,7 +229,7 @@ class Digester:
         """How many entries were added since the last :meth:`entries`."""
         return len(self._entries)
 
-    def add(self, name: str, value: torch.Tensor | None | int | float | bool) -> None:
+    def add(self, name: str, value: SignatureValue) -> None:
         if not isinstance(value, torch.Tensor):
             self._entries.append((name, tensor_digest(value)))
             return
@@ -310,7 +313,7 @@ def _header_of(dtype: torch.dtype, shape: torch.Size, nbytes: int) -> bytes:
 
 def _xxh3(tensor: torch.Tensor, data: torch.Tensor) -> int:
     hasher = xxhash.xxh3_64(_header(tensor, data.numel()))
-    hasher.update(data.numpy())  # the tensor's own memory, through the buffer protocol
+    hasher.update(data.numpy().data)  # the tensor's own memory, not a copy
     return hasher.intdigest()
 
 

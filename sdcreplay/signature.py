@@ -172,7 +172,7 @@ def _decompress_frames(path: Path, raw: bytes) -> str:
     what decompression may produce.
     """
     decompressor = zstandard.ZstdDecompressor()
-    parts = []
+    parts: list[str] = []
     total = 0
     try:
         while raw:

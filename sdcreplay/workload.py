@@ -58,6 +58,11 @@ class Workload:
 
     def loss(self, batch: Any) -> torch.Tensor:
         """``loss_fn``'s value, refused by name when it is not one number (backward needs one)."""
+        if self.loss_fn is None:
+            raise WorkloadError(
+                "the workload has no loss_fn, so its step cannot be driven without train_step",
+                "Give the Workload a loss_fn(model, batch) or a train_step(batch).",
+            )
         loss = self.loss_fn(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -143,6 +148,11 @@ def _load_file(path: Path):
         raise WorkloadError(f"workload file {str(path)!r} does not exist")
     name = f"_sdcreplay_workload_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise WorkloadError(
+            f"{path} cannot be imported as a Python module",
+            "Name a workload file ending in .py.",
+        )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
