@@ -18,7 +18,7 @@ import contextlib
 import functools
 import threading
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -30,6 +30,7 @@ from . import determinism
 from .determinism import RngState
 from .digest import Digester, SignatureValue, tensor_digest
 from .errors import SdcReplayError
+from .kinds import PhaseName
 from .tensorio import map_tensors
 
 ROOT = "<root>"
@@ -398,7 +399,7 @@ class CallSite:
     """Which operator call this is; the same call on another device has the same site."""
 
     step: int
-    phase: str  # forward | backward | optimizer
+    phase: PhaseName
     module: str  # module path; in the optimizer, the parameter the call updates
     op: str  # aten overload, e.g. aten.mm.default
     index: int  # position among all operator calls of the step
@@ -436,7 +437,7 @@ class OperatorMode(TorchDispatchMode):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        observers: list[OperatorObserver],
+        observers: Sequence[OperatorObserver],
         step: int,
     ):
         super().__init__()
@@ -504,6 +505,7 @@ class OperatorMode(TorchDispatchMode):
 
     def _site(self, func, args) -> CallSite:
         node = torch._C._current_autograd_node()
+        phase: PhaseName
         if node is not None:
             phase = "backward"
             variable = getattr(node, "variable", None)

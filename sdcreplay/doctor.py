@@ -71,10 +71,7 @@ def doctor(
         determinism.restore_rng(rng, target)
         oplog = OperatorLog()
         with OperatorMode(built.model, built.optimizer, [oplog], step=0):
-            loss = built.loss_fn(built.model, batch)
-            loss.backward()
-            built.optimizer.step()
-            built.optimizer.zero_grad()
+            built.run_step(batch)
         logs.append(oplog.records)
     first = None
     for later in logs[1:]:

@@ -54,7 +54,8 @@ class FaultSpec:
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
         values: dict = {}
-        types = {f.name: f.type for f in fields(cls)}
+        # The annotations are strings (postponed evaluation), e.g. "int | None".
+        types = {f.name: str(f.type) for f in fields(cls)}
         for part in filter(None, (piece.strip() for piece in text.split(","))):
             key, sep, value = part.partition("=")
             key, value = key.strip(), value.strip()
@@ -190,7 +191,8 @@ class Injector:
         return any(spec.kind != "memflip" for spec in self.specs)
 
     def on_call(self, site: CallSite, func, args, kwargs, out):
-        self._calls[(site.step, *site.key)] += 1
+        call = (site.step, *site.key)  # named first: mypy misreads a starred subscript on 3.10
+        self._calls[call] += 1
         for position, spec in enumerate(self.specs):
             if not self._selects(spec, site):
                 continue
@@ -238,7 +240,7 @@ class Injector:
         if step in self._memory_flipped:
             return
         self._memory_flipped.add(step)
-        tensors = dict(model.named_parameters())
+        tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
         tensors.update(model.named_buffers())
         for spec in self.specs:
             if spec.kind != "memflip" or spec.step != step:

@@ -466,7 +466,8 @@ def dense_like(values: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     A transposed operand stays transposed when it is cut, so the kernel path
     does not change; repro.py rebuilds exactly these strides.
     """
-    order = sorted(range(template.dim()), key=lambda d: -template.stride(d))
+    strides = template.stride()
+    order = sorted(range(template.dim()), key=lambda d: -strides[d])
     dense = torch.empty_permuted(values.shape, order, dtype=values.dtype)
     return dense.copy_(values)
 
@@ -520,6 +521,11 @@ class Shrinker:
 
     def test(self, candidate: tuple) -> bool:
         if candidate not in self._cache:
+            if self.accepts is None:
+                raise SdcReplayError(
+                    "the shrink has no acceptance rule to test a candidate with",
+                    "Shrink only a case that reproduced (shrink_inputs with an Acceptance).",
+                )
             self.tests += 1
             held = self._cache[candidate] = self.accepts(*self.inputs(candidate))
             if held and self.size(candidate) < self.size(self.best):
@@ -528,6 +534,10 @@ class Shrinker:
                 self.on_test(self.tests, self.kept)
         return self._cache[candidate]
 
+    def _test_axis(self, base: tuple, position: int, subset: tuple) -> bool:
+        """Does ``base`` with one axis cut to ``subset`` still meet the rule?"""
+        return self.test(base[:position] + (subset,) + base[position + 1 :])
+
     def run(self) -> tuple:
         stale = set(range(len(self.axes)))  # axes not minimized since another one changed
         while stale:
@@ -535,10 +545,7 @@ class Shrinker:
                 if position not in stale:
                     continue
                 base = self.best
-                kept = ddmin(
-                    base[position],
-                    lambda subset, p=position, b=base: self.test(b[:p] + (subset,) + b[p + 1 :]),
-                )
+                kept = ddmin(base[position], partial(self._test_axis, base, position))
                 stale.discard(position)
                 if len(kept) < len(base[position]):
                     stale = set(range(len(self.axes))) - {position}
@@ -918,7 +925,7 @@ def failing_element_coordinates(
     first = None
     if original and "position" in original:
         first = {key: original[key] for key in ("output", "index", "position")}
-    result = {
+    result: dict[str, Any] = {
         "minimal": {key: minimal[key] for key in ("output", "index", "position")},
         "original": None,
         "original_first_mismatch": first,

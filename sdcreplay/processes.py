@@ -80,7 +80,10 @@ def start(task_path: Path, stderr_path: Path, label: str, task_module: str):
     try:
         process.start()
     finally:
-        sys.modules["__main__"] = caller_main
+        if caller_main is None:
+            del sys.modules["__main__"]
+        else:
+            sys.modules["__main__"] = caller_main
     return process
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import determinism
 from .bundle import (
@@ -124,7 +125,7 @@ class Recorder:
             model, optimizer, max_depth=max_depth, state=self.state_objects, program=True
         )
         # Right after the capture's own post-hook: nothing runs between the two.
-        self._hook = optimizer.register_step_post_hook(
+        self._hook: RemovableHandle | None = optimizer.register_step_post_hook(
             lambda *_: self._finish_pending(at_optimizer_step=True)
         )
         self._next_index = start_step
@@ -132,7 +133,6 @@ class Recorder:
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
-        self._pending: tuple[int, Any, determinism.RngState, float] | None = None
         self.steps_written = 0
         self.entries_written = 0
         self.path: Path = self._writer.path

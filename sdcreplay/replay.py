@@ -244,13 +244,17 @@ def run_replay_task(
     """In a device process: replay ``repeats`` times, one signature log each, in ``log_dir``."""
     logs, warnings, injected, unmatched = [], [], [], None
     for repeat in range(repeats):
+
+        def beat(index: int, repeat: int = repeat) -> None:
+            HEARTBEAT.beat(f"step {index} (repeat {repeat})")
+
         log = replay_on_device(
             bundle,
             device,
             last_step=last_step,
             inject=inject,
             repeat=repeat,
-            on_step=lambda index, repeat=repeat: HEARTBEAT.beat(f"step {index} (repeat {repeat})"),
+            on_step=beat,
         )
         path = Path(log_dir) / f"{device.replace(':', '-')}.r{repeat}.sig.zst"
         write_signature_log(path, log)
@@ -381,8 +385,9 @@ class ReplayReport:
         """Why the replay could not give a full answer (exit 3), or None."""
         if not self.failed or self.exit_code != 3:
             return None
-        names = "; ".join(f"{run.device}: {run.error['message']}" for run in self.failed)
-        logs = ", ".join(run.error["log"] for run in self.failed if run.error.get("log"))
+        failed = [(run.device, run.error) for run in self.devices if run.error is not None]
+        names = "; ".join(f"{device}: {error['message']}" for device, error in failed)
+        logs = ", ".join(error["log"] for _, error in failed if error.get("log"))
         where = f" (logs: {logs})" if logs else ""
         if self.consensus is None:
             return SdcReplayError(
@@ -429,10 +434,11 @@ def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
         label: result.value for label, result in results.items() if result.value is not None
     }
     reports = [value.get("unmatched") for value in finished.values()]
-    if not reports or any(report is None for report in reports):
+    complete = [report for report in reports if report is not None]
+    if not reports or len(complete) < len(reports):
         return
     by_spec: dict[str, list[str]] = {}
-    for report in reports:
+    for report in complete:
         for miss in report:
             by_spec.setdefault(miss["spec"], miss["closest"])
     for spec, closest in by_spec.items():
@@ -515,8 +521,8 @@ def replay_devices(
     )
     errors = [result.error for result in results.values() if result.error is not None]
     if len(errors) == len(results) and len({error.message for error in errors}) == 1:
-        error = errors[0]  # the same failure everywhere: the tool's, not a device's
-        raise SdcReplayError(f"every device failed: {error.message}", error.hint)
+        shared = errors[0]  # the same failure everywhere: the tool's, not a device's
+        raise SdcReplayError(f"every device failed: {shared.message}", shared.hint)
     _refuse_unmatched_specs(results)
     runs = []
     for label in labels:

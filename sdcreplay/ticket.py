@@ -130,10 +130,11 @@ def _health(nvml, handle, ask: Callable[[Callable[[], Any]], Any]) -> dict:
         ("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
         ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
     )
-    retired = {
-        cause: ask(lambda c=code: len(nvml.nvmlDeviceGetRetiredPages(handle, c)))
-        for cause, code in causes
-    }
+
+    def retired_pages(cause_code: int) -> int:
+        return len(nvml.nvmlDeviceGetRetiredPages(handle, cause_code))
+
+    retired = {cause: ask(partial(retired_pages, code)) for cause, code in causes}
     retired["pending"] = ask(lambda: bool(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)))
     rows = ask(
         lambda: dict(
