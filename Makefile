@@ -40,6 +40,7 @@ gpu-check: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check sdcreplay tests bench examples
 	$(PY) -m ruff format --check sdcreplay tests bench examples
+	$(PY) -m mypy sdcreplay
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache gpu-check

@@ -206,7 +206,8 @@ def run_oplog_task(
             return {"structure_error": structure_error, "repeat": repeat, "steps_run": steps_run}
         if oplog.divergent is not None or differing:
             case_path = work / "suspect-call.h5"
-            if oplog.kept is not None:
+            # Comparing against a log, the oplog keeps a call only when it diverges.
+            if oplog.kept is not None and oplog.divergent is not None:
                 args, kwargs, outputs = oplog.kept
                 OperatorCase(oplog.divergent.site, Counter(), args, kwargs, outputs, outputs).write(
                     case_path
@@ -299,7 +300,7 @@ def run_fetch_task(
     if expected_log and op_index is not None:
         expected = json.loads(Path(expected_log).read_text())
         _check_reproduced(expected, entry.digests, oplog, step)
-    if oplog.kept is None:
+    if oplog.kept is None or op_index is None:  # only a watched call is kept
         return {"case": None, "steps_run": steps_run}
     args, kwargs, outputs = oplog.kept
     path = Path(work_dir) / "reference-call.h5"
@@ -816,11 +817,11 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
     the write and this read. An input that was state which already differed
     entering the step is the ``state`` evidence instead.
     """
+    suspect_args = case.suspect_args
+    if suspect_args is None:
+        return None
     differing = [
-        o
-        for o in origins
-        if case.suspect_args is not None
-        and not _trees_equal(_input_at(case.args, o), _input_at(case.suspect_args, o))
+        o for o in origins if not _trees_equal(_input_at(case.args, o), _input_at(suspect_args, o))
     ]
     if not differing:
         return None
@@ -850,7 +851,7 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
             else "no operator call of the step wrote it (an input of the step?)"
         )
     summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
-    forensics = element_forensics(_input_at(case.args, first), _input_at(case.suspect_args, first))
+    forensics = element_forensics(_input_at(case.args, first), _input_at(suspect_args, first))
     return {
         "at_rest": at_rest,
         "summary": summary,

@@ -319,7 +319,7 @@ def replay(
     finished: list[str] = []
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
 
-        def on_done(label: str, _: dict) -> None:
+        def on_done(label: str, _: object) -> None:
             finished.append(label)
             progress.update("replaying", len(finished), len(devices), f"{label} finished")
 

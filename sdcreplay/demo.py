@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from .bisect import BisectResult, bisect
 from .compare import Comparison, compare_logs, load_log
@@ -27,6 +28,10 @@ DEFECT = (
     f"index={DEFECT_ELEMENT},bit=22,device=cpu:1"
 )
 REPLICAS = ["cpu:0", "cpu:1", "cpu:2"]
+
+StageResult = TypeVar(
+    "StageResult", bound=RecordSummary | ReplayReport | Comparison | BisectResult | MinimizeResult
+)
 
 
 @dataclass
@@ -113,7 +118,7 @@ def run_demo(
     demo = Demo(out)
     bundle = out / "tiny.bundle"
 
-    def stage(name: str, command: str, result) -> object:
+    def stage(name: str, command: str, result: StageResult) -> StageResult:
         demo.stages.append(DemoStage(name, command, result))
         on_stage(demo.stages[-1])
         return result

@@ -30,7 +30,7 @@ def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int =
         xor &= (1 << width) - 1
     indices = torch.nonzero(xor).flatten()
     masks = xor[indices]
-    histogram = Counter()
+    histogram: Counter[int] = Counter()
     for bit in range(width):
         flipped = int(((masks >> bit) & 1).sum()) if bit < 63 else int((masks < 0).sum())
         if flipped:

@@ -14,12 +14,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .errors import SdcReplayError
 from .signature import SignatureLog, layer_of, phase_of
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 PANELS = ("forward", "backward", "optimizer")
 _EMPTY = "#f3f3f3"
@@ -107,7 +111,7 @@ def plot_divergence_map(reference: SignatureLog, comparison, path: str | Path) -
     width = label_w + len(PANELS) * panel_w + (len(PANELS) - 1) * gap + right
     height = top_m + n_rows * row_h + bottom
     fig = plt.figure(figsize=(width, height))
-    axes = []
+    axes: list[Axes] = []
     for index, phase in enumerate(PANELS):
         left = label_w + index * (panel_w + gap)
         ax = fig.add_axes(
@@ -254,7 +258,7 @@ def _span(steps: list[int]) -> str:
 # One tensor: where the bits differ
 
 
-def _as_grid(tensor: torch.Tensor) -> tuple[np.ndarray, tuple[int, int]]:
+def _as_grid(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     """Flat values and the 2-D grid they are drawn on (rows, cols)."""
     shape = tuple(tensor.shape)
     if len(shape) == 2:
@@ -307,7 +311,7 @@ def plot_element_heatmap(
     if len(differing):
         bits[differing] = _popcount(xor[differing])
     width = 8 * expected.element_size()
-    grid = np.full(rows * cols, np.nan)
+    grid: np.ndarray = np.full(rows * cols, np.nan)
     grid[: len(bits)] = np.where(bits > 0, bits, np.nan)
     grid = grid.reshape(rows, cols)
     outside = np.zeros(rows * cols, dtype=bool)

@@ -13,7 +13,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -637,14 +637,14 @@ def render_doctor(output: Output, report: DoctorReport) -> None:
 def render_demo_stage(output: Output, stage: DemoStage) -> None:
     """One stage of the demo as its command would print it."""
     output.say(f"\n[bold]$ {stage.command}[/]")
-    renderer = {
+    renderers: dict[str, Callable[[Output, Any], None]] = {
         "record": render_record,
         "replay": render_replay,
         "diff": render_diff,
         "bisect": render_bisect,
         "minimize": render_minimize,
-    }[stage.name]
-    renderer(output, stage.result)
+    }
+    renderers[stage.name](output, stage.result)
 
 
 def render_demo(output: Output, demo: Demo) -> None:

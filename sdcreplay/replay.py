@@ -471,7 +471,7 @@ def replay_devices(
     devices: list[str],
     *,
     repeats: int = 1,
-    inject: list[str] | tuple[str, ...] = (),
+    inject: Sequence[str] = (),
     last_step: int | None = None,
     log_dir: str | Path | None = None,
     on_done: Callable[[str, DeviceResult], None] | None = None,

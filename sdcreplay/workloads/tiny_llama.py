@@ -53,6 +53,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal multi-head self-attention with rotary position embeddings."""
 
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, dim: int, heads: int, max_seq_len: int):
         super().__init__()
         if dim % heads or (dim // heads) % 2:
