@@ -43,4 +43,4 @@ lint: $(STAMP)
 	$(PY) -m mypy sdcreplay
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache gpu-check
+	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache gpu-check

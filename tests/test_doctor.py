@@ -40,6 +40,26 @@ def make_workload(seed=0):
     return Workload(model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), lambda m, b: m(b).square().mean())
 """
 
+# The same model driven by the workload's own step (no loss_fn): doctor runs that step.
+TRAIN_STEP_WORKLOAD = (
+    NOISY_WORKLOAD
+    + """
+
+def make_train_step_workload(seed=0):
+    model = Noisy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(batch):
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return Workload(model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), train_step=train_step)
+"""
+)
+
 
 def test_cpu_step_is_reproducible():
     report = doctor("cpu", "builtin:tiny-llama", {"layers": 1, "dim": 32}).to_json()
@@ -54,6 +74,19 @@ def test_names_the_first_nondeterministic_operator(tmp_path):
     path = tmp_path / "noisy.py"
     path.write_text(textwrap.dedent(NOISY_WORKLOAD))
     report = doctor("cpu", f"{path}:make_workload").to_json()
+    assert report["reproducible"] is False
+    first = report["first_nondeterministic"]
+    assert (first["op"], first["module"], first["phase"]) == (
+        "aten.mul.Tensor",
+        "<root>",
+        "forward",
+    )
+
+
+def test_runs_a_workload_that_has_only_train_step(tmp_path):
+    path = tmp_path / "noisy_step.py"
+    path.write_text(textwrap.dedent(TRAIN_STEP_WORKLOAD))
+    report = doctor("cpu", f"{path}:make_train_step_workload").to_json()
     assert report["reproducible"] is False
     first = report["first_nondeterministic"]
     assert (first["op"], first["module"], first["phase"]) == (
