@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
 from typer.testing import CliRunner
 
 from sdcreplay.cli import app
@@ -38,13 +39,9 @@ def make_workload(seed=0):
     model = Noisy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return Workload(model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), lambda m, b: m(b).square().mean())
-"""
+
 
 # The same model driven by the workload's own step (no loss_fn): doctor runs that step.
-TRAIN_STEP_WORKLOAD = (
-    NOISY_WORKLOAD
-    + """
-
 def make_train_step_workload(seed=0):
     model = Noisy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -58,7 +55,6 @@ def make_train_step_workload(seed=0):
 
     return Workload(model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), train_step=train_step)
 """
-)
 
 
 def test_cpu_step_is_reproducible():
@@ -70,23 +66,11 @@ def test_cpu_step_is_reproducible():
     assert report["problems"] == []
 
 
-def test_names_the_first_nondeterministic_operator(tmp_path):
+@pytest.mark.parametrize("factory", ["make_workload", "make_train_step_workload"])
+def test_names_the_first_nondeterministic_operator(tmp_path, factory):
     path = tmp_path / "noisy.py"
     path.write_text(textwrap.dedent(NOISY_WORKLOAD))
-    report = doctor("cpu", f"{path}:make_workload").to_json()
-    assert report["reproducible"] is False
-    first = report["first_nondeterministic"]
-    assert (first["op"], first["module"], first["phase"]) == (
-        "aten.mul.Tensor",
-        "<root>",
-        "forward",
-    )
-
-
-def test_runs_a_workload_that_has_only_train_step(tmp_path):
-    path = tmp_path / "noisy_step.py"
-    path.write_text(textwrap.dedent(TRAIN_STEP_WORKLOAD))
-    report = doctor("cpu", f"{path}:make_train_step_workload").to_json()
+    report = doctor("cpu", f"{path}:{factory}").to_json()
     assert report["reproducible"] is False
     first = report["first_nondeterministic"]
     assert (first["op"], first["module"], first["phase"]) == (
