@@ -547,9 +547,10 @@ def bisect(
         recorded = replayed.get("record_first_entry")
         if suspect is not None and recorded is not None:
             result["next"] = (
-                f"{suspect} reproduces {reference}, but the recording differs from {reference} at step "
-                f"{recorded['step']} {recorded['name']}: the device that recorded ({opened.manifest.device} on "
-                f"{opened.manifest.environment.host}) is the suspect; bisect with --suspect set to it."
+                f"{suspect} reproduces {reference}, but the recording differs from {reference} "
+                f"at step {recorded['step']} {recorded['name']}: the device that recorded "
+                f"({opened.manifest.device} on {opened.manifest.environment.host}) is the "
+                "suspect; bisect with --suspect set to it."
             )
         return _finish(out, result, on_event)
     if suspect is None:
@@ -566,9 +567,9 @@ def bisect(
                 "op": None,
                 "isolated": None,
                 "repeats_run": 1,
-                "next": f"The recording diverges from {reference} at {entry['name']}; to name the operator, "
-                f"bisect again with --suspect set to the device that recorded ({opened.manifest.device} on "
-                f"{opened.manifest.environment.host}).",
+                "next": f"The recording diverges from {reference} at {entry['name']}; to name "
+                "the operator, bisect again with --suspect set to the device that recorded "
+                f"({opened.manifest.device} on {opened.manifest.environment.host}).",
                 **replayed,
             },
             on_event,
@@ -603,8 +604,10 @@ def bisect(
     }
     if "structure_error" in sus:
         raise StructureError(
-            f"{suspect} runs a different sequence of operators than {reference} in step {step}: {sus['structure_error']}",
-            "The devices run different code or configuration (different kernels chosen?); this is not silent data corruption.",
+            f"{suspect} runs a different sequence of operators than {reference} in step {step}: "
+            f"{sus['structure_error']}",
+            "The devices run different code or configuration (different kernels chosen?); "
+            "this is not silent data corruption.",
         )
     if not sus["divergent"]:
         return _finish(

@@ -59,7 +59,8 @@ def sha256_file(path: Path, limit: int | None = None) -> str:
 
 
 def manifest_digest(manifest: dict) -> str:
-    """SHA-256 of the manifest's canonical JSON (sorted keys, no spaces), without this digest itself.
+    """SHA-256 of the manifest's canonical JSON (sorted keys, no spaces), without this digest
+    itself.
 
     It makes an edit of any value in the manifest detectable, while formatting
     (indentation, key order) stays free.
@@ -86,7 +87,8 @@ def _readable_json(obj: dict) -> str:
 
 
 def _write_json_atomic(path: Path, obj: Any, durable: bool) -> None:
-    """Replace ``path`` in one rename; ``durable`` also waits for the disk (it costs ms per call)."""
+    """Replace ``path`` in one rename; ``durable`` also waits for the disk (it costs ms per
+    call)."""
     tmp = path.with_name(path.name + ".tmp")
     data = _readable_json(obj).encode()  # one write, not json.dump's many small ones
     with open(tmp, "wb") as handle:
@@ -216,7 +218,8 @@ def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
 
 
 STREAMS = (SIGNATURES, MESSAGES)
-"""Append-only files: in a ``.partial`` bundle they may hold a frame the manifest does not list yet."""
+"""Append-only files: in a ``.partial`` bundle they may hold a frame the manifest does not list
+yet."""
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 _PRECISIONS = ("highest", "high", "medium")
@@ -672,7 +675,8 @@ def _validate_manifest(manifest: Any) -> None:
     if manifest[MANIFEST_DIGEST] != manifest_digest(manifest):
         raise BundleError(
             "the manifest does not match its own SHA-256 (damaged or edited by hand)",
-            "Restore the bundle from a copy or record it again; a bundle is evidence and is not edited.",
+            "Restore the bundle from a copy or record it again; "
+            "a bundle is evidence and is not edited.",
         )
     _check_fields(manifest, MANIFEST_FIELDS)
     state = manifest["state"]
@@ -991,7 +995,8 @@ class Bundle:
                 raise BundleError(f"cannot read bundle file {name}: {exc}") from exc
             if actual != meta.sha256:
                 raise BundleError(
-                    f"bundle file {name} does not match its SHA-256 in the manifest (damaged or edited)"
+                    f"bundle file {name} does not match its SHA-256 in the manifest "
+                    "(damaged or edited)"
                 )
             if name.endswith(".h5"):
                 self._open_h5(name).close()  # refuses data kept outside the file
@@ -1022,12 +1027,14 @@ class Bundle:
         log.meta.update(source=str(self.path), device=self.manifest.device, role="record")
         if list(log.steps) != self.step_indices:
             raise BundleError(
-                f"the signature log holds steps {list(log.steps)}, the manifest lists {self.step_indices}"
+                f"the signature log holds steps {list(log.steps)}, "
+                f"the manifest lists {self.step_indices}"
             )
         for step in self.steps:
             if len(log.steps[step.index]) != step.entries:
                 raise BundleError(
-                    f"the signature log holds {len(log.steps[step.index])} entries for step {step.index}, "
+                    f"the signature log holds {len(log.steps[step.index])} entries "
+                    f"for step {step.index}, "
                     f"the manifest says {step.entries}"
                 )
         return log

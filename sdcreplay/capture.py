@@ -559,7 +559,8 @@ class OperatorRecord:
 
 @functools.cache
 def _written_positions(func) -> tuple[int, ...]:
-    """Argument positions an in-place/out= operator writes to (from its schema, once per operator)."""
+    """Argument positions an in-place/out= operator writes to (from its schema, once per
+    operator)."""
     return tuple(
         position
         for position, argument in enumerate(func._schema.arguments)
@@ -676,7 +677,8 @@ class OperatorLog:
         if index >= len(expected) or expected[index].site.key != record.site.key:
             theirs = expected[index].site if index < len(expected) else None
             self.structure_error = (
-                f"operator call {index}: {record.site.op} under {record.site.module} ({record.site.phase}) here, "
+                f"operator call {index}: {record.site.op} under {record.site.module} "
+                f"({record.site.phase}) here, "
                 + (
                     f"{theirs.op} under {theirs.module} ({theirs.phase}) on the reference"
                     if theirs
@@ -708,7 +710,8 @@ def memory_address(tensor: torch.Tensor) -> int:
 
 
 def operator_results(func, args, out) -> list:
-    """What an operator call produced: the tensors it wrote for in-place/out= calls, else its outputs."""
+    """What an operator call produced: the tensors it wrote for in-place/out= calls, else its
+    outputs."""
     written = _mutated_inputs(func, args)
     if written:
         return _tensors_in(list(written.values()))

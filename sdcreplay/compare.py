@@ -134,7 +134,8 @@ def _effective_kwargs(workload: dict) -> dict:
 
 
 def _workload_difference(left: dict, right: dict) -> str | None:
-    """``builtin:x vs file.py:y``, or the keyword arguments that differ (``dim=32 vs dim=48``), or None.
+    """``builtin:x vs file.py:y``, or the keyword arguments that differ (``dim=32 vs dim=48``),
+    or None.
 
     A keyword argument given on one side only (a default of a factory that is
     not built in) cannot be compared and is left out.
@@ -156,7 +157,8 @@ def check_comparable(a: SignatureLog, b: SignatureLog) -> None:
         if left and right and left != right:
             raise StructureError(
                 f"the logs were made with a different {key.replace('_', ' ')}: {left} vs {right}",
-                "Floating-point results differ between device types by design; replay on the device type the record was made on.",
+                "Floating-point results differ between device types by design; "
+                "replay on the device type the record was made on.",
             )
     left, right = a.meta.get("workload"), b.meta.get("workload")
     difference = (
@@ -190,8 +192,10 @@ def check_structure(reference: SignatureLog, candidate: SignatureLog, steps: lis
         )
         raise StructureError(
             f"the logs describe different programs: step {step}, entry {position}: "
-            f"{_entry_at(left, position)!r} vs {_entry_at(right, position)!r} ({len(left)} vs {len(right)} entries)",
-            "This is a different workload, configuration or code version, not silent data corruption; "
+            f"{_entry_at(left, position)!r} vs {_entry_at(right, position)!r} "
+            f"({len(left)} vs {len(right)} entries)",
+            "This is a different workload, configuration or code version, "
+            "not silent data corruption; "
             "record and replay the same program.",
         )
 
@@ -212,7 +216,8 @@ def compare_logs(
     if steps is None:
         if sorted(reference.steps) != sorted(candidate.steps):
             raise StructureError(
-                f"the logs hold different steps: {sorted(reference.steps)} vs {sorted(candidate.steps)}"
+                f"the logs hold different steps: {sorted(reference.steps)} "
+                f"vs {sorted(candidate.steps)}"
             )
         steps = sorted(reference.steps)
     check_structure(reference, candidate, steps)
@@ -281,7 +286,8 @@ class Consensus:
                 {d.split(":", 1)[0] for diffs in self.incomparable.values() for d in diffs}
             )
             return (
-                f"no replica ran on a machine comparable with the recording ({', '.join(properties)} "
+                "no replica ran on a machine comparable with the recording "
+                f"({', '.join(properties)} "
                 "differ): replay on a device that matches the recording's fingerprint"
             )
         return None
@@ -334,7 +340,8 @@ def _tally(voters: dict[str, list[SignatureLog]], steps: list[int]) -> tuple[Sig
 def _judge(
     reference: SignatureLog, logs: list[SignatureLog], steps: list[int], ties: set
 ) -> DeviceVerdict:
-    """A voter's verdict against the majority; a voter that differs only at ties is ``undecided``."""
+    """A voter's verdict against the majority; a voter that differs only at ties is
+    ``undecided``."""
     comparisons = [compare_logs(reference, log, steps) for log in logs]
     divergent = [c for c in comparisons if not c.identical]
     decided = [c for c in divergent if any((d.step, d.name) not in ties for d in c.divergences)]

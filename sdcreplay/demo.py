@@ -72,7 +72,8 @@ class Demo:
         consensus = self.result("replay").consensus
         if consensus.verdict != "persistent" or consensus.suspects != ["cpu:1"]:
             problems.append(
-                f"replay said {consensus.verdict} with suspects {consensus.suspects}, expected persistent [cpu:1]"
+                f"replay said {consensus.verdict} with suspects {consensus.suspects}, "
+                "expected persistent [cpu:1]"
             )
         first = self.result("diff").first
         if first is None or (first.step, first.name) != (1, "forward:layers.1.attn.wq"):
@@ -145,7 +146,8 @@ def run_demo(
     bisect_dir = out / "bisect"
     stage(
         "bisect",
-        f"sdcreplay bisect {bundle} --suspect cpu:1 --reference cpu:0 --inject {DEFECT} --out {bisect_dir}",
+        f"sdcreplay bisect {bundle} --suspect cpu:1 --reference cpu:0 --inject {DEFECT} "
+        f"--out {bisect_dir}",
         bisect(bundle, suspect="cpu:1", reference="cpu:0", inject=[DEFECT], out=bisect_dir),
     )
     ticket = out / "ticket"

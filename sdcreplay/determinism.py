@@ -118,7 +118,8 @@ def verify(recorded: dict) -> None:
         raise DeterminismError(
             "the determinism switches in force differ from the recording: "
             + "; ".join(differences),
-            "Let replay apply the recorded switches (the default), or set them as `sdcreplay info` shows.",
+            "Let replay apply the recorded switches (the default), "
+            "or set them as `sdcreplay info` shows.",
         )
 
 

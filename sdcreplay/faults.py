@@ -62,13 +62,15 @@ class FaultSpec:
             if not sep or key not in types:
                 raise FaultSpecError(
                     f"fault spec {text!r}: unknown or malformed part {part!r}",
-                    f"Keys: {', '.join(types)}; e.g. kind=bitflip,op=aten.mm,step=0,index=3,bit=22.",
+                    f"Keys: {', '.join(types)}; "
+                    "e.g. kind=bitflip,op=aten.mm,step=0,index=3,bit=22.",
                 )
             try:
                 values[key] = _convert(types[key], value)
             except ValueError:
                 raise FaultSpecError(
-                    f"fault spec {text!r}: {key}={value!r} is not a valid {types[key].split('|')[0].strip()}"
+                    f"fault spec {text!r}: {key}={value!r} is not a valid "
+                    f"{types[key].split('|')[0].strip()}"
                 ) from None
         if "kind" not in values:
             raise FaultSpecError(
@@ -179,7 +181,8 @@ class Injector:
         )  # (step, op, module, phase) seen
 
     def unmatched(self) -> list[dict]:
-        """Operator specs that selected no call of the steps run, each with the closest calls that ran."""
+        """Operator specs that selected no call of the steps run, each with the closest calls
+        that ran."""
         return [
             {"spec": str(spec), "closest": closest_calls(spec, self._calls)}
             for position, spec in enumerate(self.specs)
@@ -248,12 +251,14 @@ class Injector:
             if spec.param not in tensors:
                 raise FaultSpecError(
                     f"memflip names {spec.param!r}, which the model does not have",
-                    "Use a name from model.named_parameters() or named_buffers(), e.g. layers.0.attn.wq.weight.",
+                    "Use a name from model.named_parameters() or named_buffers(), "
+                    "e.g. layers.0.attn.wq.weight.",
                 )
             changed = corrupt(spec, tensors[spec.param].data)
             if changed is None:
                 raise FaultSpecError(
-                    f"memflip index {spec.index} is outside {spec.param} ({tensors[spec.param].numel()} elements)"
+                    f"memflip index {spec.index} is outside {spec.param} "
+                    f"({tensors[spec.param].numel()} elements)"
                 )
             elements, bit = changed
             self.fired.append(

@@ -275,14 +275,16 @@ class TrialRunner:
         ]
 
     def _verdicts(self, pending: list, wanted: list) -> list[bool]:
-        """Which trials of a block failed; an accelerator's flags come back in one copy (one sync)."""
+        """Which trials of a block failed; an accelerator's flags come back in one copy (one
+        sync)."""
         if self.device.type == "cpu":
             return [[tensor_digest(value) for value in results] != wanted for results in pending]
         return _fetch([_device_flag(results, wanted) for results in pending])
 
 
 def _device_flag(results: list, wanted: list) -> bool | torch.Tensor:
-    """Outputs vs expected words on the device: a 0-dim bool tensor, or a bool when decided on the host."""
+    """Outputs vs expected words on the device: a 0-dim bool tensor, or a bool when decided on
+    the host."""
     if len(results) != len(wanted):
         return True
     flag: bool | torch.Tensor = False
@@ -405,7 +407,8 @@ def shrink_axes(
     else:
         return (
             [],
-            f"shrinking does not apply to {op_name} (only matrix products, element-wise and normalization operators)",
+            f"shrinking does not apply to {op_name} "
+            "(only matrix products, element-wise and normalization operators)",
         )
     axes = [axis for dim in range(leading) if (axis := _aligned_axis(f"dim {dim}", args, out, dim))]
     return axes, None if axes else "every input dimension has size 1"
@@ -494,7 +497,8 @@ class Shrinker:
         self._cache: dict[tuple, bool] = {}
 
     def inputs(self, candidate: tuple) -> tuple[list, dict]:
-        """The call's inputs cut to ``candidate`` (kept indices per axis), laid out as the originals."""
+        """The call's inputs cut to ``candidate`` (kept indices per axis), laid out as the
+        originals."""
         cut = list(self.args)
         for axis, kept in zip(self.axes, candidate, strict=True):
             if len(kept) == axis.size:
@@ -598,7 +602,8 @@ def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
         raise ReportError(
             f"the report in {path} names no operator call (verdict {report.get('verdict')}, "
             f"isolated {report.get('isolated')})",
-            "minimize starts from a bisect that named a corrupted operator; bisect with --suspect first.",
+            "minimize starts from a bisect that named a corrupted operator; "
+            "bisect with --suspect first.",
         )
     if not (path / OPERATOR_FILE).is_file():
         raise ReportError(f"{path} has no {OPERATOR_FILE} (the operator's inputs and outputs)")
@@ -622,7 +627,8 @@ def deterministic_switches(report: dict, report_dir: Path, warnings: list[str]) 
     )
     if found is None:
         warnings.append(
-            f"bundle {report.get('bundle')} not found: running with the default deterministic switches"
+            f"bundle {report.get('bundle')} not found: "
+            "running with the default deterministic switches"
         )
         return determinism.enable()
     determinism.apply(Bundle.open(found, verify=False).manifest.determinism.to_json())
@@ -675,7 +681,8 @@ class MinimizeResult:
 
 
 def default_bad_trials(rate: float, trials: int) -> int:
-    """Trials that see a failure at ``rate`` with probability 1 - MISS_PROBABILITY, at most ``trials``."""
+    """Trials that see a failure at ``rate`` with probability 1 - MISS_PROBABILITY, at most
+    ``trials``."""
     if rate >= 1.0:
         return 1
     if rate <= 0.0:
@@ -696,7 +703,8 @@ def minimize(
     seed: int = 0,
     on_progress: Progress | None = None,
 ) -> MinimizeResult:
-    """Measure, shrink and write the ticket (see the module docstring); the ticket path is in the result."""
+    """Measure, shrink and write the ticket (see the module docstring); the ticket path is in the
+    result."""
     report_dir = Path(report_dir)
     report, case = load_report(report_dir)
     suspect_label = validate_label(device or report["suspect"])
@@ -727,7 +735,8 @@ def minimize(
         raise DeterminismError(
             f"the reference {reference_label} does not reproduce the recorded output of {case.op} "
             f"({checked.failures} of {checked.trials} trials differ)",
-            "Run minimize where the report's reference ran (same device model, torch version and switches), "
+            "Run minimize where the report's reference ran "
+            "(same device model, torch version and switches), "
             "or name another --reference.",
         )
     reproduced = measured.failures > 0

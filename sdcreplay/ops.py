@@ -34,7 +34,10 @@ class Call:
 
     def spec(self, step: int) -> str:
         """A fault spec that selects exactly this call."""
-        return f"kind=bitflip,op={self.op},module={self.module},phase={self.phase},step={step},nth={self.nth}"
+        return (
+            f"kind=bitflip,op={self.op},module={self.module},phase={self.phase},"
+            f"step={step},nth={self.nth}"
+        )
 
 
 class _Lister:
@@ -94,7 +97,8 @@ def list_calls(
     module: str | None = None,
     op: str | None = None,
 ) -> OpsListing:
-    """The calls of ``step`` (``sdcreplay.ops/1``), filtered as a fault spec's keys would select them."""
+    """The calls of ``step`` (``sdcreplay.ops/1``), filtered as a fault spec's keys would select
+    them."""
     session = ReplaySession(bundle, device)
     try:
         if step not in session.bundle.step_indices:

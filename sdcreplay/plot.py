@@ -298,7 +298,8 @@ def plot_element_heatmap(
     """
     if tuple(expected.shape) != tuple(actual.shape) or expected.dtype != actual.dtype:
         raise ValueError(
-            f"cannot compare a {expected.dtype} {tuple(expected.shape)} tensor with a {actual.dtype} {tuple(actual.shape)} one"
+            f"cannot compare a {expected.dtype} {tuple(expected.shape)} tensor "
+            f"with a {actual.dtype} {tuple(actual.shape)} one"
         )
     plt = _pyplot()
     path = Path(path)
@@ -369,7 +370,10 @@ def plot_element_heatmap(
     ax.tick_params(labelsize=8)
 
     total = int(np.prod(shape)) if shape else 1
-    summary = f"{len(differing)} of {total} elements differ ({str(expected.dtype).removeprefix('torch.')}, shape {list(shape)})"
+    summary = (
+        f"{len(differing)} of {total} elements differ "
+        f"({str(expected.dtype).removeprefix('torch.')}, shape {list(shape)})"
+    )
     fig.suptitle(title, fontsize=11, fontweight="bold", x=0.02, ha="left")
     ax.set_title(summary, fontsize=9, color="#444444", loc="left")
     lines = []
@@ -378,7 +382,8 @@ def plot_element_heatmap(
     for flat in differing[:6]:
         mask = int(xor[flat]) & ((1 << width) - 1)
         lines.append(
-            f"{list(_position(int(flat), shape))}: {flat_expected[flat].item():.6g} -> {flat_actual[flat].item():.6g}"
+            f"{list(_position(int(flat), shape))}: "
+            f"{flat_expected[flat].item():.6g} -> {flat_actual[flat].item():.6g}"
             f"  xor 0x{mask:0{width // 4}x}"
         )
     if len(differing) > 6:

@@ -139,7 +139,8 @@ class Recorder:
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
-        """Record one training step: the block, and the optimizer step right after a block without one."""
+        """Record one training step: the block, and the optimizer step right after a block
+        without one."""
         self._finish_pending()
         self.verify()
         self._check_unchanged_since_last_step()
@@ -184,7 +185,8 @@ class Recorder:
             self._end_digests = updated or state_digests(self.model)
 
     def verify(self) -> None:
-        """Re-execute the first recorded step now if due (else the next ``step()``/``close()`` does)."""
+        """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
+        does)."""
         if not self._verify_due:
             return
         self._verify_due = False
@@ -200,7 +202,8 @@ class Recorder:
             self._mismatch(problem)
 
     def _reexecute_first_step(self) -> str | None:
-        """Replay the first step as `sdcreplay replay` would, in this process: what differs, or None."""
+        """Replay the first step as `sdcreplay replay` would, in this process: what differs, or
+        None."""
         try:
             session = ReplaySession(Bundle.open(self._writer.path), self.label, inject=self._inject)
         except SdcReplayError as exc:
@@ -281,7 +284,8 @@ class Recorder:
         return self.path
 
     def abandon(self) -> Path:
-        """Stop after a failure: keep the steps written so far as an incomplete ``.partial`` bundle."""
+        """Stop after a failure: keep the steps written so far as an incomplete ``.partial``
+        bundle."""
         if self._capture.step_open and self._pending is None:
             self._capture.end_step()  # a step that raised mid-way is not evidence
         self._finish_pending()

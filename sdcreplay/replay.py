@@ -70,7 +70,8 @@ class ReplaySession:
             self._load_state_objects()
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WorkloadError(
-                f"{self.bundle.workload_ref} no longer builds the recorded model: {str(exc).splitlines()[0]}",
+                f"{self.bundle.workload_ref} no longer builds the recorded model: "
+                f"{str(exc).splitlines()[0]}",
                 "Replay with the code (and workload arguments) the bundle was recorded with.",
             ) from exc
         if after_load is not None:
@@ -429,7 +430,8 @@ def progress_timeout(bundle: Bundle) -> float:
 
 
 def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
-    """A fault spec that selected no call on any device it applies to is a mistake in the spec, not a finding."""
+    """A fault spec that selected no call on any device it applies to is a mistake in the spec,
+    not a finding."""
     finished = {
         label: result.value for label, result in results.items() if result.value is not None
     }

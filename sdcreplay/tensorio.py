@@ -45,7 +45,8 @@ _INTEGER_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 
 def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's storage words as integers (a view, no copy): bitwise compare, NaN == NaN, -0 != +0."""
+    """The tensor's storage words as integers (a view, no copy): bitwise compare, NaN == NaN,
+    -0 != +0."""
     word = _INTEGER_WORDS.get(tensor.element_size())
     return tensor.view(word) if word is not None and tensor.dtype != word else tensor
 

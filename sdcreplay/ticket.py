@@ -223,7 +223,8 @@ def ticket_document(result: dict, report: dict) -> dict:
             for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")
         },
         "commands": result["commands"],
-        "reproduce": f"python {REPRO_FILE} --device {result['device']} --trials {max(result['trials'], 1000)}",
+        "reproduce": f"python {REPRO_FILE} --device {result['device']} "
+        f"--trials {max(result['trials'], 1000)}",
         "files": {"reproducer": REPRO_FILE, "inputs": INPUTS_FILE},
     }
 
@@ -235,7 +236,10 @@ def _percent(rate: float) -> str:
 def _title(result: dict) -> str:
     where = f"{result['op']} on {result['device']}"
     if not result["reproduced"]:
-        return f"{where}: not reproduced in {result['trials']} trials (rate below {_percent(result['ci95'][1])}, 95% upper bound)"
+        return (
+            f"{where}: not reproduced in {result['trials']} trials "
+            f"(rate below {_percent(result['ci95'][1])}, 95% upper bound)"
+        )
     low, high = result["ci95"]
     return (
         f"{where} computes wrong: failed {result['failures']} of {result['trials']} trials "
@@ -262,7 +266,8 @@ def render_markdown(doc: dict) -> str:
         doc["reproduce"],
         "```",
         "",
-        f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. It prints `failed F of N` and "
+        f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. "
+        "It prints `failed F of N` and "
         "the first mismatching element, and exits 1 if any trial failed.",
         "",
         "## Device",
@@ -285,7 +290,8 @@ def render_markdown(doc: dict) -> str:
         lines.append(f"| NVML | {nvml.get('note')} |")
     software = doc["software"]
     lines += [
-        f"| software | torch {software['torch']}, CUDA {software['cuda']}, cuDNN {software['cudnn']}, "
+        f"| software | torch {software['torch']}, CUDA {software['cuda']}, "
+        f"cuDNN {software['cudnn']}, "
         f"Python {software['python']} on {software['platform']} |",
         "",
         "## Operator",
@@ -293,7 +299,8 @@ def render_markdown(doc: dict) -> str:
         "| | |",
         "| --- | --- |",
         f"| operator | `{operator['op']}` |",
-        f"| kernels | {', '.join(f'`{k}`' for k in operator['kernels']) or '- (none recorded: CPU)'} |",
+        "| kernels | "
+        f"{', '.join(f'`{k}`' for k in operator['kernels']) or '- (none recorded: CPU)'} |",
         f"| dtypes | {', '.join(operator['dtypes'])} |",
         f"| in training | step {operator['site']['step']}, {operator['site']['phase']}, "
         f"module `{operator['site']['module']}`, call {operator['site']['index']} |",
@@ -310,7 +317,8 @@ def render_markdown(doc: dict) -> str:
     rate = doc["rate"]
     lines.append(
         f"| original inputs | failed {rate['failures']} of {rate['trials']} "
-        f"({_percent(rate['rate'])}, 95% Wilson interval {_percent(rate['ci95'][0])} to {_percent(rate['ci95'][1])})"
+        f"({_percent(rate['rate'])}, 95% Wilson interval {_percent(rate['ci95'][0])} "
+        f"to {_percent(rate['ci95'][1])})"
         + (
             f", first at trial {rate['trials_to_first_failure']}"
             if rate["trials_to_first_failure"]
@@ -322,7 +330,8 @@ def render_markdown(doc: dict) -> str:
         minimal = doc["minimal_rate"]
         lines.append(
             f"| minimal inputs | failed {minimal['failures']} of {minimal['trials']} "
-            f"({_percent(minimal['rate'])}, 95% interval {_percent(minimal['ci95'][0])} to {_percent(minimal['ci95'][1])}) |"
+            f"({_percent(minimal['rate'])}, 95% interval {_percent(minimal['ci95'][0])} "
+            f"to {_percent(minimal['ci95'][1])}) |"
         )
     check = doc["reference_check"]
     acceptance = doc["acceptance"]
@@ -335,14 +344,19 @@ def render_markdown(doc: dict) -> str:
     first = doc["first_mismatch"]
     if first and "index" in first:
         lines += [
-            f"| first mismatch | output {first['output']}, element {first['index']} at {first['position']} "
-            f"of {first['count']} wrong in {first['total']}: expected {first['expected']}, actual {first['actual']}, "
+            f"| first mismatch | output {first['output']}, element {first['index']} "
+            f"at {first['position']} of {first['count']} wrong in {first['total']}: "
+            f"expected {first['expected']}, actual {first['actual']}, "
             f"XOR mask 0x{first['xor']}"
             + (" (in the minimal inputs)" if doc.get("coordinates") else "")
             + " |",
             *_coordinate_lines(doc.get("coordinates")),
             f"| pattern | {doc['pattern']} |",
-            f"| flipped bits | {', '.join(f'bit {b}: {n}' for b, n in (doc['bits'] or {}).get('histogram', {}).items())} |",
+            "| flipped bits | "
+            + ", ".join(
+                f"bit {b}: {n}" for b, n in (doc["bits"] or {}).get("histogram", {}).items()
+            )
+            + " |",
         ]
     lines += _health_lines(nvml.get("health"))
     lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]

@@ -81,7 +81,8 @@ def granted() -> set[str]:
 
 @contextlib.contextmanager
 def granting(refs: Iterable[str]) -> Iterator[None]:
-    """Trust ``refs`` (given by the person) for the duration, in this process and its device processes."""
+    """Trust ``refs`` (given by the person) for the duration, in this process and its device
+    processes."""
     from .workload import canonical_ref
 
     added = [canonical_ref(ref) for ref in refs]

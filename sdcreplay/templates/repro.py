@@ -117,7 +117,8 @@ def to_device(tree, device: torch.device):
 
 
 def results(op, args: list, out) -> list:
-    """What the call produced: the arguments it wrote to (in-place/out= operators), else its outputs."""
+    """What the call produced: the arguments it wrote to (in-place/out= operators), else its
+    outputs."""
     written = [
         args[i]
         for i, argument in enumerate(op._schema.arguments[: len(args)])
@@ -149,7 +150,8 @@ def optional_injection(label: str, handle: h5py.File):
     )
     injector = Injector(parse_specs(), label)
     print(
-        f"injecting {os.environ['SDCREPLAY_INJECT']!r} through sdcreplay (a drill, not a hardware fault)"
+        f"injecting {os.environ['SDCREPLAY_INJECT']!r} through sdcreplay "
+        "(a drill, not a hardware fault)"
     )
     return lambda out: injector.on_isolated_call(site, prior, out)
 
@@ -171,7 +173,8 @@ def differs(got, want) -> bool:
 
 
 def describe(output: int, got, want) -> str:
-    """The first mismatching element: flat index, expected and actual values and raw bits, XOR mask."""
+    """The first mismatching element: flat index, expected and actual values and raw bits, XOR
+    mask."""
     if (
         not isinstance(want, torch.Tensor)
         or not isinstance(got, torch.Tensor)
@@ -187,7 +190,8 @@ def describe(output: int, got, want) -> str:
     position = list(np.unravel_index(index, tuple(want.shape))) if want.dim() else []
     return (
         f"output {output}, element {index} (position {[int(p) for p in position]}): "
-        f"expected {value_want!r} (0x{word_want:0{width}x}), actual {value_got!r} (0x{word_got:0{width}x}), "
+        f"expected {value_want!r} (0x{word_want:0{width}x}), "
+        f"actual {value_got!r} (0x{word_got:0{width}x}), "
         f"XOR mask 0x{word_want ^ word_got:0{width}x}"
     )
 
@@ -209,7 +213,8 @@ def main() -> int:
     expected = to_device(expected, device)
     shapes = [list(t.shape) for t in args if isinstance(t, torch.Tensor)]
     print(
-        f"{op_name} on {options.device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+        f"{op_name} on {options.device} "
+        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
         f"inputs {shapes}, {options.trials} trials, torch {torch.__version__}"
     )
     failures, first = 0, None
