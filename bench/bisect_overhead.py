@@ -213,7 +213,8 @@ def _bisect(
 
 
 def end_to_end(folder: Path) -> list[dict]:
-    """``sdcreplay bisect`` on a 3-step, 2-layer bundle with a forward bitflip, as a person runs it."""
+    """``sdcreplay bisect`` on a 3-step, 2-layer bundle with a forward bitflip, as a person runs
+    it."""
     bundle = folder / "bench.bundle"
     _record(bundle, 3, {"layers": 2, "dim": 64, "seq_len": 32, "batch_size": 4})
     rows = []
@@ -302,7 +303,8 @@ def main() -> None:
     }
     step = Step(kwargs)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu count {os.cpu_count()}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"cpu count {os.cpu_count()}; "
         f"tiny-llama {kwargs}"
     )
     if args.profile:

@@ -1,7 +1,7 @@
 """Step time of tiny-llama with and without the Recorder, measured side by side in one run.
 
-    python bench/record_overhead.py                 # layers=4 dim=256 seq_len=128 batch_size=8
-    python bench/record_overhead.py --profile       # also: where the recorder's time goes (cProfile)
+    python bench/record_overhead.py                # layers=4 dim=256 seq_len=128 batch_size=8
+    python bench/record_overhead.py --profile      # also: where the recorder's time goes (cProfile)
 
 Both modes train the same model in the same process, in alternating blocks of
 steps (plain, recorded, recorded, plain, ...), after a warm-up, so drift in
@@ -334,8 +334,10 @@ def main() -> None:
     )
     own_ratio = step_seconds / (step_seconds - own_seconds)
     print(
-        f"recorder's own work (CPU time inside its hooks and step writing): {own_seconds * 1e3:.1f} ms of a "
-        f"{step_seconds * 1e3:.1f} ms recorded step: overhead {100 * (own_ratio - 1):+.1f}%; target at most +3%: "
+        f"recorder's own work (CPU time inside its hooks and step writing): "
+        f"{own_seconds * 1e3:.1f} ms of a "
+        f"{step_seconds * 1e3:.1f} ms recorded step: overhead {100 * (own_ratio - 1):+.1f}%; "
+        f"target at most +3%: "
         f"{'met' if own_ratio <= 1.03 else 'NOT met'}"
     )
     for part, seconds in own_work.parts.items():

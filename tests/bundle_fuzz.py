@@ -81,7 +81,7 @@ def pool_value(rng: random.Random) -> Any:
     return POOL[rng.randrange(len(POOL))]
 
 
-# -- hashes -----------------------------------------------------------------------------------------
+# -- hashes ----------------------------------------------------------------------------------------
 
 
 def load_manifest(bundle: Path) -> dict:
@@ -89,7 +89,8 @@ def load_manifest(bundle: Path) -> dict:
 
 
 def save_manifest(bundle: Path, manifest: dict) -> None:
-    """Write the manifest with a valid self-digest (the point: the validators, not the hash, must catch it)."""
+    """Write the manifest with a valid self-digest (the point: the validators, not the hash, must
+    catch it)."""
     manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     (bundle / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -102,7 +103,7 @@ def rehash(bundle: Path, name: str) -> None:
     save_manifest(bundle, manifest)
 
 
-# -- semantic mutations -----------------------------------------------------------------------------
+# -- semantic mutations ----------------------------------------------------------------------------
 
 
 def _containers(node: Any, path: tuple = ()) -> list[tuple]:
@@ -280,7 +281,8 @@ def h5_delete(bundle: Path, rng: random.Random) -> str:
 
 
 def h5_outside(bundle: Path, rng: random.Random) -> str:
-    """Data that lives outside the file: an external link or external raw storage (read outside the bundle)."""
+    """Data that lives outside the file: an external link or external raw storage (read outside the
+    bundle)."""
     name = rng.choice(_h5_files(bundle))
     outside = bundle.parent / f"outside-{rng.randrange(10**6)}"
     kind = rng.choice(["external link", "external storage"])
@@ -292,7 +294,8 @@ def h5_outside(bundle: Path, rng: random.Random) -> str:
 
 
 def put_outside(handle: h5py.File, target: str, outside: Path, kind: str) -> None:
-    """Move a dataset's values to ``outside`` (+ .h5 or .raw), leaving an external link or external storage."""
+    """Move a dataset's values to ``outside`` (+ .h5 or .raw), leaving an external link or external
+    storage."""
     attrs, data = take_dataset(handle, target)
     if kind == "external link":
         with h5py.File(f"{outside}.h5", "w") as other:
@@ -361,7 +364,7 @@ SEMANTIC: dict[str, Callable[[Path, random.Random], str]] = {
 INERT = {"manifest_inert"}
 
 
-# -- raw mutations ----------------------------------------------------------------------------------
+# -- raw mutations ---------------------------------------------------------------------------------
 
 
 def raw_bytes(bundle: Path, rng: random.Random) -> str:
@@ -382,12 +385,13 @@ def raw_bytes(bundle: Path, rng: random.Random) -> str:
     return f"raw {edit} {target.relative_to(bundle)}"
 
 
-# -- the oracle -------------------------------------------------------------------------------------
+# -- the oracle ------------------------------------------------------------------------------------
 
 
 @dataclass
 class Outcome:
-    kind: str  # "error" (exit 3, specific message), "verdict", or a bug: "traceback", "catch_all", "hang"
+    # "error" (exit 3, specific message), "verdict", or a bug: "traceback", "catch_all", "hang"
+    kind: str
     detail: str
 
     @property

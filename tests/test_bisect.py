@@ -41,14 +41,32 @@ MOE = {**LLAMA, "experts": 2, "top_k": 1}
 STEPS = 3
 
 # One fault per place in the step; all fire in step 1 on cpu:1 only.
-FORWARD = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5,bit=13,device=cpu:1"
-BACKWARD = "kind=pairflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0,index=9,bit=17,device=cpu:1"
-OPTIMIZER = "kind=bitflip,op=aten.addcdiv_,module=layers.1.attn.wk.weight,phase=optimizer,step=1,index=40,bit=3,device=cpu:1"
-MOE_SCATTER = "kind=bitflip,op=aten.index_add_,module=layers.0.moe,phase=forward,step=1,nth=1,index=6,bit=21,device=cpu:1"
-MOE_GATHER = "kind=bitflip,op=aten.index_select,module=layers.1.moe,phase=forward,step=1,nth=0,index=3,bit=11,device=cpu:1"
+FORWARD = (
+    "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5,bit=13,"
+    "device=cpu:1"
+)
+BACKWARD = (
+    "kind=pairflip,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0,index=9,bit=17,"
+    "device=cpu:1"
+)
+OPTIMIZER = (
+    "kind=bitflip,op=aten.addcdiv_,module=layers.1.attn.wk.weight,phase=optimizer,step=1,index=40,"
+    "bit=3,device=cpu:1"
+)
+MOE_SCATTER = (
+    "kind=bitflip,op=aten.index_add_,module=layers.0.moe,phase=forward,step=1,nth=1,index=6,bit=21,"
+    "device=cpu:1"
+)
+MOE_GATHER = (
+    "kind=bitflip,op=aten.index_select,module=layers.1.moe,phase=forward,step=1,nth=0,index=3,bit=11,"
+    "device=cpu:1"
+)
 MEMFLIP = "kind=memflip,param=layers.0.mlp.w1.weight,step=1,index=7,bit=20,device=cpu:1"
 # seed=13: the draw of repeat 0 misses (p=0.2), a later repeat's hits.
-INTERMITTENT = "kind=bitflip,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,nth=0,index=2,bit=19,p=0.2,seed=13,device=cpu:1"
+INTERMITTENT = (
+    "kind=bitflip,op=aten.mm,module=layers.1.mlp.w3,phase=forward,step=1,nth=0,index=2,bit=19,"
+    "p=0.2,seed=13,device=cpu:1"
+)
 # Memory corrupted at rest (a fault on a view corrupts the memory it aliases): the gradient of
 # layers.0.mlp.w2.weight after the backward mm made it, and RMSNorm's rsqrt before the mul reads it.
 AT_REST_BACKWARD = (
@@ -224,7 +242,8 @@ def runs(llama_bundle, moe_bundle, faulty_bundle, tmp_path_factory) -> Runs:
 
 
 def injected(bundle: Path, spec: str, repeat: int = 0) -> list[dict]:
-    """Where ``spec`` fires in an in-process replay of steps 0-1 on cpu:1 (the injector's own record)."""
+    """Where ``spec`` fires in an in-process replay of steps 0-1 on cpu:1 (the injector's own
+    record)."""
     log = sdcreplay.replay_on_device(bundle, "cpu:1", inject=[spec], last_step=1, repeat=repeat)
     return log.meta["injected"]
 
@@ -336,7 +355,8 @@ def test_operator_file_reproduces_the_reference_output(forward_cli):
 def test_plot_heatmap_is_written(forward_cli):
     if not _has_plot():
         pytest.skip(
-            "sdcreplay/plot.py is not in this tree yet (another change adds it); --plot was not passed"
+            "sdcreplay/plot.py is not in this tree yet (another change adds it); "
+            "--plot was not passed"
         )
     result = forward_cli["result"]
     assert result.exit_code == 1, result.stderr
@@ -644,7 +664,9 @@ def test_bisect_from_a_plain_python_script(llama_bundle, tmp_path):
         from sdcreplay.bisect import bisect
 
         print("script body ran")
-        result = bisect({str(llama_bundle)!r}, suspect="cpu:1", step=1, out={str(tmp_path / "report")!r})
+        result = bisect(
+            {str(llama_bundle)!r}, suspect="cpu:1", step=1, out={str(tmp_path / "report")!r}
+        )
         print("verdict", result.to_json()["verdict"])
     """)
     )
@@ -868,11 +890,15 @@ def test_forensics_shape_or_dtype_mismatch_is_a_note():
 
 @pytest.mark.slow
 def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundle, tmp_path):
-    """A fault in dropout's random mask (aten.bernoulli_): re-run alone with the step's generator state, the reference reproduces its
-    recorded output bit for bit, so the suspect's failures are the fault's, not fresh random numbers."""
+    """A fault in dropout's random mask (aten.bernoulli_): re-run alone with the step's generator
+    state, the reference reproduces its recorded output bit for bit, so the suspect's failures are
+    the fault's, not fresh random numbers."""
     from sdcreplay.minimize import minimize
 
-    spec = "kind=bitflip,op=aten.bernoulli_,module=layers.0.attn_dropout,phase=forward,step=1,index=3,bit=20,device=cpu:1"
+    spec = (
+        "kind=bitflip,op=aten.bernoulli_,module=layers.0.attn_dropout,phase=forward,step=1,index=3,"
+        "bit=20,device=cpu:1"
+    )
     fired = only_fired(llama_bundle, spec)
     report = bisect(
         llama_bundle,
@@ -939,7 +965,8 @@ def test_a_step_started_from_the_saved_entry_state_matches_the_window(llama_bund
     "case, steps",
     [
         # --step 1 of 3: the reference replays step 0, runs step 1 on from it (the continuation the
-        # saved state must reproduce) and again from the saved state; the suspect and fetch run 1 only
+        # saved state must reproduce) and again from the saved state; the suspect and fetch run 1
+        # only
         (
             "backward",
             {"replay": 0, "oplog_reference": 3, "oplog_suspect": 1, "fetch": 1, "total": 5},

@@ -88,7 +88,8 @@ def write_bundle(path: Path, steps: int = 2, close: bool = True) -> BundleWriter
 
 
 def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
-    """Hand-edit the manifest; ``rehash`` keeps its own SHA-256 valid so the validator is what is tested."""
+    """Hand-edit the manifest; ``rehash`` keeps its own SHA-256 valid so the validator is what is
+    tested."""
     manifest = json.loads((path / MANIFEST).read_text())
     edit(manifest)
     if rehash and isinstance(manifest, dict):
@@ -454,8 +455,8 @@ def test_wrong_schema_version(small_bundle: Path):
     with pytest.raises(BundleError) as info:
         Bundle.open(small_bundle)
     assert (
-        info.value.message
-        == "unsupported bundle schema 'sdcreplay.bundle/99' (this sdcreplay reads sdcreplay.bundle/1)"
+        info.value.message == "unsupported bundle schema 'sdcreplay.bundle/99' "
+        "(this sdcreplay reads sdcreplay.bundle/1)"
     )
     assert "sdcreplay version that wrote the bundle" in info.value.hint
 

@@ -326,7 +326,8 @@ def test_changed_checkpoint_is_refused(changed_checkpoint_bundle: Path, tmp_path
 
 
 def test_conflicting_environment_is_refused(small_bundle: Path, tmp_path: Path, cli):
-    """The replay process inherits CUBLAS_WORKSPACE_CONFIG=:16:8; determinism.apply refuses to override it."""
+    """The replay process inherits CUBLAS_WORKSPACE_CONFIG=:16:8; determinism.apply refuses to
+    override it."""
     result = cli(
         "replay",
         small_bundle,

@@ -384,8 +384,10 @@ def test_vote_undecided_marks_the_tied_voters_and_says_what_decides():
         "cpu:0": "undecided",
     }
     assert consensus.advice == (
-        "record, cpu:0 are tied at 2 entries (as many voters on each side): replay on at least 1 more device of "
-        "the recording's kind (same model, driver and software, see `sdcreplay info`); the side it joins decides"
+        "record, cpu:0 are tied at 2 entries (as many voters on each side): "
+        "replay on at least 1 more device of "
+        "the recording's kind (same model, driver and software, see `sdcreplay info`); "
+        "the side it joins decides"
     )
     other = _with(_clean(), {(1, "forward:l1"): "z", (1, "loss"): "z"})
     consensus = vote(_clean(), {"cpu:0": [bad], "cpu:1": [other]})  # three different values
@@ -411,7 +413,8 @@ def test_a_plurality_of_agreeing_voters_decides():
 
 
 def test_a_voter_on_another_machine_never_votes_against_the_record():
-    """The record and a replica disagree, but the replica's machine differs: incomparable, not suspect."""
+    """The record and a replica disagree, but the replica's machine differs: incomparable, not
+    suspect."""
     other_machine = _with(_clean(), {(0, "forward:l0.a"): "x"})
     consensus = vote(
         _clean(),
@@ -497,8 +500,8 @@ def test_cli_diff_structural_difference_exit_3(cli, paths, tmp_path):
     assert result.exit_code == 3
     assert result.stdout == ""
     assert (
-        "Error: the logs describe different programs: workload builtin:tiny-llama with dim=32 vs dim=48"
-        in result.stderr
+        "Error: the logs describe different programs: "
+        "workload builtin:tiny-llama with dim=32 vs dim=48" in result.stderr
     )
     assert (
         "Hint: This is a different workload or configuration, not silent data corruption"

@@ -90,7 +90,8 @@ def test_apply_refuses_a_conflicting_environment(clean_env, monkeypatch: pytest.
     with pytest.raises(DeterminismError) as info:
         determinism.apply(recorded)
     assert info.value.message == (
-        "the environment differs from the recording: CUBLAS_WORKSPACE_CONFIG=':16:8' (recorded ':4096:8')"
+        "the environment differs from the recording: "
+        "CUBLAS_WORKSPACE_CONFIG=':16:8' (recorded ':4096:8')"
     )
     assert "Unset those variables" in info.value.hint
     # Refused before changing anything: the person's value and switches stand.

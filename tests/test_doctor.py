@@ -38,7 +38,9 @@ class Noisy(torch.nn.Module):
 def make_workload(seed=0):
     model = Noisy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return Workload(model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), lambda m, b: m(b).square().mean())
+    return Workload(
+        model, optimizer, lambda i: torch.ones(4, 8) * (i + 1), lambda m, b: m(b).square().mean()
+    )
 
 
 # The same model driven by the workload's own step (no loss_fn): doctor runs that step.

@@ -543,7 +543,8 @@ def test_step_selects_the_training_step():
 
 def test_nth_counts_only_the_matching_calls_of_each_step():
     injector, spy = run_steps(["kind=bitflip,op=aten.mm,module=head,nth=1"], steps=(0, 1))
-    # head's matmuls in each step: forward head.0, forward head.1, backward ...; nth=1 is forward head.1
+    # head's matmuls in each step: forward head.0, forward head.1, backward ...; nth=1 is forward
+    # head.1
     assert fired_at(injector) == [(0, "forward", "head.1", MM), (1, "forward", "head.1", MM)]
     injector, spy = run_steps(
         ["kind=bitflip,op=aten.mm,module=head,phase=backward,nth=1,step=1"], steps=(0, 1)

@@ -101,7 +101,8 @@ def _claim(bundle: Path, **properties) -> None:
 def test_a_property_that_cannot_be_put_in_force_is_incomparable_never_recording_suspect(
     portable_bundle: Path, cli
 ):
-    """Both replicas disagree with the record (a fault on each): evidence against the record, were they comparable."""
+    """Both replicas disagree with the record (a fault on each): evidence against the record, were
+    they comparable."""
     _claim(portable_bundle, **{"torch.git": "0" * 40})
     code, report, shown = _replay(
         cli,
@@ -126,7 +127,8 @@ def test_a_property_that_cannot_be_put_in_force_is_incomparable_never_recording_
 def test_without_the_fault_the_same_replicas_would_have_accused_the_record(
     portable_bundle: Path, cli
 ):
-    """The control for the test above: comparable replicas with a fault on each do blame the record."""
+    """The control for the test above: comparable replicas with a fault on each do blame the
+    record."""
     code, report, _ = _replay(
         cli,
         portable_bundle,

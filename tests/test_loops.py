@@ -40,12 +40,19 @@ OPTIMIZER_STEPS = {
 
 # The feature done by the loop but not by the workload's step -> what the Recorder names
 OUTSIDE = {
-    "clip": "step_grad:inp.weight differs: every grad: matched: the loop changes gradients between backward()",
+    "clip": (
+        "step_grad:inp.weight differs: every grad: matched: "
+        "the loop changes gradients between backward()"
+    ),
     "onecycle": "state:sched.last_epoch differs after the first step",
     "steplr": "state:sched.last_epoch differs after the first step",
     "scaler": "loss differs",
-    "accum_inside": "the loop's step has 'forward:inp#1' where the workload's step has 'hyper:0.lr'",
-    "accum_across": "the loop's step has '(end of step)' where the workload's step has 'hyper:0.lr'",
+    "accum_inside": (
+        "the loop's step has 'forward:inp#1' where the workload's step has 'hyper:0.lr'"
+    ),
+    "accum_across": (
+        "the loop's step has '(end of step)' where the workload's step has 'hyper:0.lr'"
+    ),
     "every_other": "the loop's step has '(end of step)' where the workload's step has 'hyper:0.lr'",
     "ema_buffer": "state_tensor:ema.shadow.inp.weight differs after the first step",
     "ema_model": "state_tensor:ema.n_averaged differs after the first step",
@@ -189,7 +196,10 @@ def test_an_unverified_recording_never_blames_the_recorder_without_a_caveat(
         rec = loops.train(tmp_path / "run.bundle", feature, feature_in_step=False, verify="warn")
     assert Bundle.open(rec.path).verification.status == "failed"
     if verdict is None:  # the scheduler differs first: the program, and no device, is named
-        program = r"the replayed program differs .* record first differs at step 1 in state:sched\.last_epoch"
+        program = (
+            r"the replayed program differs .* "
+            r"record first differs at step 1 in state:sched\.last_epoch"
+        )
         with pytest.raises(StructureError, match=program):
             replay_devices(rec.path, ["cpu:0", "cpu:1"])
         return
@@ -427,7 +437,9 @@ def make_workload(seed: int = 0):
         optimizer.zero_grad()
         return loss
 
-    return sdcreplay.Workload(model, optimizer, lambda i: torch.ones(3, 4) * i, train_step=train_step)
+    return sdcreplay.Workload(
+        model, optimizer, lambda i: torch.ones(3, 4) * i, train_step=train_step
+    )
 """
 
 

@@ -67,7 +67,8 @@ def capture_call(op: str = "aten.mm.default", module: str = MODULE, step: int = 
 
 
 def write_report(directory: Path, case: OperatorCase, inject: str) -> Path:
-    """A bisect report (report.json + operator.h5) naming ``case`` as corrupted by ``inject`` on cpu:1."""
+    """A bisect report (report.json + operator.h5) naming ``case`` as corrupted by ``inject`` on
+    cpu:1."""
     Injector(parse_specs([inject], include_env=False), "cpu:1").on_isolated_call(
         case.site, case.prior, case.actual
     )
@@ -175,7 +176,8 @@ def test_shrinker_keeps_the_best_when_interrupted(wq_call: OperatorCase):
     shrinker = Shrinker(wq_call.args, wq_call.kwargs, axes, accepts)
     with pytest.raises(KeyboardInterrupt):
         shrinker.run()
-    # rows: first half refused, second half kept (8 rows); then its first quarter refused, the second kept
+    # rows: first half refused, second half kept (8 rows); then its first quarter refused, the
+    # second kept
     assert [len(kept) for kept in shrinker.best] == [4, 32, 32]
     assert shrinker.best[0] == (12, 13, 14, 15)
 

@@ -1,4 +1,5 @@
-"""`sdcreplay ops` lists a step's calls as fault specs name them; a spec that selects none is an error."""
+"""`sdcreplay ops` lists a step's calls as fault specs name them; a spec that selects none is an
+error."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_ops_json_names_each_call_as_a_spec_selects_it(small_bundle: Path, cli):
 
 
 def test_ops_filters_by_phase_and_prints_a_table(small_bundle: Path, cli):
-    """AdamW's update of one parameter: every call is under that parameter, nth counts each op's calls."""
+    """AdamW's update of one parameter: every call is under that parameter, nth counts each op's
+    calls."""
     listing = list_calls(
         small_bundle, 0, phase="optimizer", module="layers.0.attn.wq.weight"
     ).to_json()
@@ -100,7 +102,8 @@ def test_ops_refuses_a_step_the_bundle_does_not_hold(small_bundle: Path, cli):
 def test_a_fault_spec_that_matches_no_call_names_the_closest(
     small_bundle: Path, cli, tmp_path: Path
 ):
-    """`out_proj` is a common guess for the attention's output projection; this model calls it `wo`."""
+    """`out_proj` is a common guess for the attention's output projection; this model calls it
+    `wo`."""
     spec = "kind=bitflip,op=aten.mm,module=layers.0.attn.out_proj,phase=forward,step=1"
     result = cli(
         "replay", small_bundle, "-d", "cpu:0", "--inject", spec, "--logs", tmp_path / "logs"

@@ -334,7 +334,8 @@ def test_a_loop_that_raises_leaves_an_incomplete_bundle(tmp_path: Path):
 
 
 def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path):
-    """A shallower signature (cheaper to record) still replays bit for bit and still names the layer."""
+    """A shallower signature (cheaper to record) still replays bit for bit and still names the
+    layer."""
     summary = sdcreplay.record(
         "builtin:tiny-llama", tmp_path / "shallow.bundle", steps=2, kwargs=dict(SMALL), max_depth=2
     )

@@ -44,7 +44,8 @@ def record_misbehaving(cli, out: Path, steps: int, **options):
 
 
 def misbehaving_bundle(tmp_path: Path, cli, misbehave: str, at_step: int = 1) -> Path:
-    """A 2-step recording of the misbehaving workload (it behaves while recording in this process)."""
+    """A 2-step recording of the misbehaving workload (it behaves while recording in this
+    process)."""
     out = tmp_path / "mis.bundle"
     result = record_misbehaving(cli, out, 2, misbehave=misbehave, at_step=at_step)
     assert result.exit_code == 0, result.output
@@ -52,7 +53,8 @@ def misbehaving_bundle(tmp_path: Path, cli, misbehave: str, at_step: int = 1) ->
 
 
 def assert_explained(result, *needles: str) -> None:
-    """Exit 3 with Error and Hint lines, the needles in the error, and no traceback frame on the console."""
+    """Exit 3 with Error and Hint lines, the needles in the error, and no traceback frame on the
+    console."""
     assert result.exit_code == 3, result.output
     assert "Error:" in result.stderr and "Hint:" in result.stderr, result.output
     assert "Traceback" not in result.output and 'File "' not in result.output, result.output
@@ -61,7 +63,7 @@ def assert_explained(result, *needles: str) -> None:
         assert needle in result.stderr, result.output
 
 
-# -- hangs ------------------------------------------------------------------------------------------
+# -- hangs -----------------------------------------------------------------------------------------
 
 
 def test_a_hung_device_is_killed_and_the_verdict_comes_from_the_others(tmp_path: Path, cli):
@@ -110,7 +112,7 @@ def test_a_fifo_manifest_is_refused_without_blocking(small_bundle: Path, run_exe
     )
 
 
-# -- unbounded reads --------------------------------------------------------------------------------
+# -- unbounded reads -------------------------------------------------------------------------------
 
 
 def test_a_manifest_symlinked_to_dev_zero_is_refused(small_bundle: Path, run_exe):
@@ -128,7 +130,7 @@ def test_diff_against_dev_zero_is_refused(small_bundle: Path, run_exe):
     assert "/dev/zero is not a regular file (a character device)" in result.stderr
 
 
-# -- deleted user data ------------------------------------------------------------------------------
+# -- deleted user data -----------------------------------------------------------------------------
 
 
 def test_overwrite_never_deletes_a_directory_that_is_not_a_bundle(tmp_path: Path, cli):
@@ -180,7 +182,7 @@ def test_demo_never_deletes_a_directory_it_did_not_write(tmp_path: Path, cli):
     assert (mine / "notes.txt").read_text() == "my notes"
 
 
-# -- reads outside the bundle -----------------------------------------------------------------------
+# -- reads outside the bundle ----------------------------------------------------------------------
 
 
 def test_a_step_file_symlinked_outside_is_refused(tmp_path: Path, cli, small_bundle: Path):
@@ -207,7 +209,7 @@ def _plant_outside(bundle: Path, kind: str, tmp_path: Path) -> str:
     return kind
 
 
-# -- wrong answers ----------------------------------------------------------------------------------
+# -- wrong answers ---------------------------------------------------------------------------------
 
 
 def test_bisect_of_a_step_the_bundle_lacks_is_an_error(tmp_path: Path, cli, small_bundle: Path):
@@ -216,7 +218,8 @@ def test_bisect_of_a_step_the_bundle_lacks_is_an_error(tmp_path: Path, cli, smal
 
 
 def test_devices_that_die_are_reported_and_excluded(tmp_path: Path, cli):
-    """Three death modes at once (sys.exit, an exception, SIGKILL); cpu:0 finishes and gives the verdict."""
+    """Three death modes at once (sys.exit, an exception, SIGKILL); cpu:0 finishes and gives the
+    verdict."""
     bundle = misbehaving_bundle(tmp_path, cli, "cpu:1=exit,cpu:2=raise,cpu:3=kill")
     result = cli(
         "replay",
@@ -272,7 +275,7 @@ def test_device_type_must_match_the_signature_log(small_bundle: Path, cli):
     )
 
 
-# -- each input that used to reach the catch-all ----------------------------------------------------
+# -- each input that used to reach the catch-all ---------------------------------------------------
 
 
 def _edit_manifest(bundle: Path, path: list, value) -> None:
@@ -437,7 +440,7 @@ def test_a_signature_log_without_checksums_in_a_bundle_is_refused(small_bundle: 
     assert_explained(cli("info", small_bundle), "has no checksum")
 
 
-# -- properties -------------------------------------------------------------------------------------
+# -- properties ------------------------------------------------------------------------------------
 
 
 @settings(
@@ -450,8 +453,8 @@ def test_a_signature_log_without_checksums_in_a_bundle_is_refused(small_bundle: 
 def test_mutated_bundles_give_a_specific_error_or_a_verdict(
     tmp_path_factory, _small_bundle_template, mutation: str, seed: int
 ):
-    """Hash-valid semantic edits and raw damage: exit 3 with a specific message, or a verdict (unchanged
-    for an edit that cannot matter); never a traceback, a catch-all message or a hang."""
+    """Hash-valid semantic edits and raw damage: exit 3 with a specific message, or a verdict
+    (unchanged for an edit that cannot matter); never a traceback, a catch-all message or a hang."""
     work = tmp_path_factory.mktemp("mutant")
     bundle = work / "small.bundle"
     shutil.copytree(_small_bundle_template, bundle)
@@ -469,7 +472,7 @@ def test_mutated_bundles_give_a_specific_error_or_a_verdict(
     shutil.rmtree(work)
 
 
-# -- a recording killed mid-way ---------------------------------------------------------------------
+# -- a recording killed mid-way --------------------------------------------------------------------
 
 
 def test_sigkill_during_record_leaves_a_readable_partial(tmp_path: Path, sdcreplay_exe: str, cli):

@@ -170,7 +170,8 @@ def test_checkpoint_bundle_replays_and_a_changed_checkpoint_is_refused(tmp_path:
 
 
 def test_committed_trace_replays(tmp_path: Path, cli):
-    """traces/tiny.bundle was recorded by an earlier build: a format change that breaks it fails here."""
+    """traces/tiny.bundle was recorded by an earlier build: a format change that breaks it fails
+    here."""
     trace = REPO / "traces" / "tiny.bundle"
     if not trace.is_dir():
         pytest.fail("traces/tiny.bundle is missing: run `make traces`")

@@ -1,4 +1,5 @@
-"""The signature log: zstd frames of JSON lines, one frame per step, read back exactly or refused."""
+"""The signature log: zstd frames of JSON lines, one frame per step, read back exactly or
+refused."""
 
 from __future__ import annotations
 
@@ -175,7 +176,8 @@ def test_every_single_byte_flip_is_refused_or_harmless(tmp_path: Path):
         ),
         (
             zstandard.ZstdCompressor(write_checksum=True).compress(
-                b'{"schema": "sdcreplay.signatures/1"}\n{"step": true, "name": "a", "digest": "b"}\n'
+                b'{"schema": "sdcreplay.signatures/1"}\n'
+                b'{"step": true, "name": "a", "digest": "b"}\n'
             ),
             "bad entry",
         ),
@@ -193,7 +195,8 @@ def test_every_single_byte_flip_is_refused_or_harmless(tmp_path: Path):
         ),
         (
             zstandard.ZstdCompressor(write_checksum=True).compress(
-                b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "a", "digest": "b"}\n{oops\n'
+                b'{"schema": "sdcreplay.signatures/1"}\n'
+                b'{"step": 0, "name": "a", "digest": "b"}\n{oops\n'
             ),
             "is damaged",
         ),
@@ -225,8 +228,12 @@ def test_missing_log_raises_bundle_error(tmp_path: Path):
 
 
 def test_a_frame_without_checksum_is_refused(tmp_path: Path):
-    """The format promises a checksum on every frame: a log without one was not written by sdcreplay."""
-    text = b'{"schema": "sdcreplay.signatures/1"}\n{"step": 0, "name": "loss", "digest": "=float32:00000000"}\n'
+    """The format promises a checksum on every frame: a log without one was not written by
+    sdcreplay."""
+    text = (
+        b'{"schema": "sdcreplay.signatures/1"}\n'
+        b'{"step": 0, "name": "loss", "digest": "=float32:00000000"}\n'
+    )
     path = tmp_path / "plain.zst"
     path.write_bytes(zstandard.ZstdCompressor(write_checksum=False).compress(text))
     with pytest.raises(BundleError, match="frame 0 has no checksum"):

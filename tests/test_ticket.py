@@ -34,7 +34,8 @@ TRIALS = 200
 
 @pytest.fixture(scope="session")
 def ticket(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Path) -> Path:
-    """The whole story once: bisect a recorded tiny-llama step with a sticky bitflip on cpu:1, then minimize."""
+    """The whole story once: bisect a recorded tiny-llama step with a sticky bitflip on cpu:1, then
+    minimize."""
     report = tmp_path_factory.mktemp("ticket") / "report"
     with preserved_global_state(), pytest.MonkeyPatch.context() as patch:
         patch.delenv("SDCREPLAY_INJECT", raising=False)

@@ -152,7 +152,8 @@ workloads = st.fixed_dictionaries(
 @settings(max_examples=60, deadline=None)
 @given(signed=workloads, swapped=workloads)
 def test_only_builtins_and_the_signed_workload_are_trusted(signed, swapped):
-    """A signature vouches for the workload it was made over and no other; nothing is imported to decide."""
+    """A signature vouches for the workload it was made over and no other; nothing is imported to
+    decide."""
     manifest = {"schema": "sdcreplay.bundle/1", "workload": signed}
     manifest[trust.SIGNATURE] = trust.sign(manifest)
     assert trust.is_trusted(signed["ref"], manifest)

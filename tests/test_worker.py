@@ -146,7 +146,8 @@ def test_each_kind_names_the_odd_device_step_and_layer(kinds, llama_record, labe
 
 @pytest.mark.slow
 def test_the_many_faulty_replay_report(kinds, root):
-    """Seven of nine replicas faulty in different ways: the three that agree outvote seven that each differ."""
+    """Seven of nine replicas faulty in different ways: the three that agree outvote seven that each
+    differ."""
     assert kinds.consensus.verdict == "persistent"
     assert kinds.consensus.undecided_entries == 0
     assert kinds.consensus.suspects == list(KINDS)
@@ -163,8 +164,9 @@ def test_the_many_faulty_replay_report(kinds, root):
 
 @pytest.mark.slow
 def test_two_replicas_that_disagree_with_the_record_are_undecided(kinds, llama_record):
-    """cpu:4 goes wrong first, where the record and cpu:2 still agree: it is named. Downstream all three
-    differ, so whether cpu:2 or the record is right at cpu:2's fault is a tie only another device decides."""
+    """cpu:4 goes wrong first, where the record and cpu:2 still agree: it is named. Downstream all
+    three differ, so whether cpu:2 or the record is right at cpu:2's fault is a tie only another
+    device decides."""
     runs = {run.device: run.logs for run in kinds.devices}
     consensus = vote(llama_record, {"cpu:2": runs["cpu:2"], "cpu:4": runs["cpu:4"]})
     assert consensus.verdict == "undecided"
@@ -214,7 +216,8 @@ def test_pairflip_and_swap_would_be_missed_by_hash_tensor(kinds, llama):
 
 
 def test_a_fault_the_network_masks_shows_only_at_its_own_entry(llama, llama_record):
-    """Query position 0 attends only to itself: a flip there changes q and nothing downstream in forward.
+    """Query position 0 attends only to itself: a flip there changes q and nothing downstream in
+    forward.
 
     Its softmax row is exactly [1, 0, ...] whatever q is, so forward masks it on
     every machine. Backward is not asserted: the attention backward recomputes
@@ -239,7 +242,8 @@ def test_a_fault_the_network_masks_shows_only_at_its_own_entry(llama, llama_reco
 
 
 def test_a_weight_gradient_fault_is_named_by_its_grad_entry(llama, llama_record):
-    """In a Linear's backward the weight-gradient matmul runs first (nth=0), the input gradient second."""
+    """In a Linear's backward the weight-gradient matmul runs first (nth=0), the input gradient
+    second."""
     log = replay_on_device(
         llama,
         "cpu:9",
@@ -258,7 +262,10 @@ def test_moe_expert_scatter_fault(root):
     bundle = root / "moe.bundle"
     with preserved_global_state():
         record("builtin:tiny-moe", bundle, steps=2, kwargs=dict(MOE))
-    spec = "kind=bitflip,op=aten.index_add_,module=layers.0.moe,phase=forward,step=1,nth=1,index=40,device=cpu:1"
+    spec = (
+        "kind=bitflip,op=aten.index_add_,module=layers.0.moe,phase=forward,step=1,nth=1,index=40,"
+        "device=cpu:1"
+    )
     report = replay_devices(
         bundle, ["cpu:0", "cpu:1", "cpu:2"], inject=[spec], log_dir=root / "moe"
     )
@@ -345,7 +352,10 @@ def make(**kwargs):
     return workload
 '''
 
-FLAKY = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=0,index=101,p=0.3,seed=7,device=cpu:3"
+FLAKY = (
+    "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=0,index=101,p=0.3,seed=7,"
+    "device=cpu:3"
+)
 REPEATS = 10
 
 
