@@ -29,6 +29,17 @@ REPO = Path(__file__).resolve().parent.parent
 # machine running other work, OpenMP threads spinning against each other make
 # a step 5-10x slower. Set OMP_NUM_THREADS to choose otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's on-disk cache reuses a C++ kernel compiled under another ATen CPU capability
+# (vectorized code against scalar headers: "at::vec has not been declared") when a run sets
+# ATEN_CPU_CAPABILITY: one cache per capability keeps the compiled digest's tests independent of
+# what ran on this machine before.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(
+        tempfile.gettempdir(),
+        f"sdcreplay-inductor-{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}",
+    ),
+)
 # Bundles are signed with a secret of the tests' own, never the person's (see trust.py).
 os.environ["SDCREPLAY_HOME"] = tempfile.mkdtemp(prefix="sdcreplay-home-")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -177,10 +177,19 @@ def test_committed_trace_replays(tmp_path: Path, cli):
         pytest.fail("traces/tiny.bundle is missing: run `make traces`")
     before = sorted(str(path) for path in trace.parent.rglob("*"))
     result = cli("replay", trace, "--json", "--logs", tmp_path / "logs")
-    assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["devices"][0]["verdict"] == "match"
-    assert report["consensus"]["verdict"] == "correct"
+    differences = report["devices"][0]["fingerprint_differences"]
+    if differences:
+        # A machine that cannot put the recorded kernels in force (no AVX2, or a person who set
+        # ATEN_CPU_CAPABILITY) is not comparable: it says so, and accuses no one.
+        assert result.exit_code == 3, result.output
+        assert report["devices"][0]["verdict"] == "incomparable"
+        assert report["consensus"]["verdict"] == "incomparable"
+        assert any(d.startswith("cpu.capability:") for d in differences), differences
+    else:
+        assert result.exit_code == 0, result.output
+        assert report["devices"][0]["verdict"] == "match"
+        assert report["consensus"]["verdict"] == "correct"
     assert (
         sorted(str(path) for path in trace.parent.rglob("*")) == before
     )  # replay writes nothing there
