@@ -227,6 +227,19 @@ def _verification_text(verification: dict) -> str:
     }[verification["status"]]
 
 
+def _trigger_rows(trigger: dict | None) -> list[list[str]]:
+    """Why a ring buffer wrote the bundle (none for a bundle recorded step by step)."""
+    if trigger is None:
+        return []
+    return [
+        [
+            "written because",
+            f"{escape(trigger['reason'])} ({escape(trigger['source'])}, at step "
+            f"{trigger['step']}; ring of the last {trigger['ring']} steps)",
+        ]
+    ]
+
+
 def render_info(output: Output, about: BundleInfo) -> None:
     env, state = about.environment, about.state
     state_text = (
@@ -252,6 +265,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
                 f"Python {env['python']}",
             ],
             ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
+            *_trigger_rows(about.trigger),
             ["signature entries", str(about.entries)],
             ["state", state_text],
             ["verified", _verification_text(about.verification)],
