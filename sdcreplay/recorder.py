@@ -144,6 +144,7 @@ class Recorder:
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
+        self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
         self.steps_written = 0
         self.entries_written = 0
         self.path: Path = Path(path) if self._writer is None else self._writer.path
@@ -203,6 +204,7 @@ class Recorder:
             # digested them a moment ago: its entries are their digests, not hashed again.
             updated = self._capture.updated_state if at_optimizer_step else {}
             self._end_digests = updated or state_digests(self.model)
+            self._held_end_digests = self._end_digests
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
@@ -325,8 +327,8 @@ class Recorder:
 
     def _ring_step_begins(self, grads: str) -> None:
         assert self._ring is not None
-        if self._capture.step_open:  # the previous step raised mid-way: nothing continues it
-            self._ring.clear()
+        if self._capture.step_open and not self._continues_held_steps():
+            self._ring.clear()  # the previous step raised mid-way and left the state changed
         if self._ring.wants_snapshot(grads):
             self._ring.open_window(
                 TrainingSnapshot.take(
@@ -338,6 +340,30 @@ class Recorder:
                     device="cpu",
                 )
             )
+
+    def _continues_held_steps(self) -> bool:
+        """Are parameters and buffers as the last held step left them (a step that raised
+        before its optimizer step, e.g. stopped by a detector, changed none)? Unknown without
+        verification: then no."""
+        held = self._held_end_digests
+        return held is not None and state_digests(self.model) == held
+
+    def rewind(self) -> None:
+        """Forget the last completed step: a detector rolled the state back to before it, to
+        run it again inside ``step()`` under the same index (dump first to keep it)."""
+        if self._ring is None:
+            raise SdcReplayError(
+                "rewind() needs a ring buffer: a step written to disk is not taken back",
+                "Create the Recorder with ring=K.",
+            )
+        self._finish_pending()
+        dropped = self._ring.drop_last()
+        if dropped is None:
+            raise SdcReplayError("the ring holds no completed step to rewind")
+        self._next_index = dropped.index
+        self._end_digests = self._held_end_digests = None
+        self.steps_written -= 1
+        self.entries_written -= len(dropped.entries)
 
     @property
     def ring_nbytes(self) -> int:

@@ -12,6 +12,7 @@ from conftest import SMALL, SMALL_ARGS
 import sdcreplay
 from sdcreplay import Bundle, Recorder
 from sdcreplay.errors import SdcReplayError
+from sdcreplay.snapshot import TrainingSnapshot
 from sdcreplay.tensorio import map_tensors
 from sdcreplay.workload import build_workload
 
@@ -207,3 +208,53 @@ def test_record_ring_without_an_alarm_writes_nothing_and_says_so(tmp_path, cli):
     assert recorded.exit_code == 0, recorded.stderr
     assert "nothing written" in recorded.stderr
     assert not out.exists()
+
+
+def test_a_step_stopped_before_the_optimizer_keeps_the_ring_one_that_changed_state_clears_it(
+    tmp_path,
+):
+    rec, workload, _ = ring_loop(tmp_path / "stopped.bundle", 6, kwargs=SMALL)
+    batch = workload.get_batch(6)
+    with pytest.raises(RuntimeError), rec.step(batch):
+        workload.loss(batch).backward()
+        raise RuntimeError("a detector stopped the step before the optimizer")
+    workload.optimizer.zero_grad()  # as a detector leaves it: no gradient carried in
+    with rec.step(batch):  # the same step again, under the same index
+        workload.run_step(batch)
+    assert rec.ring_steps == list(range(7))  # windows 0-3 and 4-6
+    bundle = Bundle.open(rec.dump("after a stopped step"))
+    assert sdcreplay.compare_logs(
+        bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")
+    ).identical
+    batch = workload.get_batch(7)
+    with pytest.raises(RuntimeError), rec.step(batch):
+        workload.run_step(batch)  # the optimizer stepped: the state moved on
+        raise RuntimeError("failed after the optimizer step")
+    with rec.step(batch):
+        workload.run_step(batch)
+    assert rec.ring_steps == [7]  # nothing before it leads to the state it began from
+    rec.close()
+
+
+def test_rewind_takes_back_the_last_step_to_record_its_recompute(tmp_path):
+    rec, workload, _ = ring_loop(tmp_path / "rewind.bundle", 5, kwargs=SMALL)
+    before = TrainingSnapshot.take(workload.model, workload.optimizer, workload.state)
+    batch = workload.get_batch(5)
+    with rec.step(batch):
+        workload.run_step(batch)
+    alarmed = Bundle.open(rec.dump("alarm at step 5"))
+    before.restore()  # the detector rolls back ...
+    rec.rewind()  # ... and the ring forgets the step it rolled back
+    assert rec.ring_steps == [0, 1, 2, 3, 4]
+    with rec.step(batch):  # the recompute, recorded as step 5
+        workload.run_step(batch)
+    recomputed = Bundle.open(rec.dump("after the recompute"))
+    rec.close()
+    assert alarmed.step_indices == recomputed.step_indices == list(range(6))
+    assert alarmed.signature_log().steps == recomputed.signature_log().steps  # same device
+    with pytest.raises(SdcReplayError, match="no completed step"):
+        fresh = Recorder(
+            tmp_path / "fresh.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
+            ring=2,
+        )  # fmt: skip
+        fresh.rewind()
