@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 from . import determinism
@@ -47,7 +48,13 @@ from .bundle import (
     checkpoint_reference,
     load_checkpoint,
 )
-from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
+from .capture import (
+    OperatorMode,
+    SignatureCapture,
+    _own_work,
+    grads_entering,
+    state_digests,
+)
 from .devices import torch_device
 from .digest import algorithm_for
 from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
@@ -330,8 +337,8 @@ class Recorder:
         if self._capture.step_open and not self._continues_held_steps():
             self._ring.clear()  # the previous step raised mid-way and left the state changed
         if self._ring.wants_snapshot(grads):
-            self._ring.open_window(
-                TrainingSnapshot.take(
+            with _own_work():  # not the step's operators (an OperatorMode may be active)
+                snapshot = TrainingSnapshot.take(
                     self.model,
                     self.optimizer,
                     self.state_objects,
@@ -339,7 +346,7 @@ class Recorder:
                     rng=False,
                     device="cpu",
                 )
-            )
+            self._ring.open_window(snapshot)
 
     def _continues_held_steps(self) -> bool:
         """Are parameters and buffers as the last held step left them (a step that raised
@@ -414,9 +421,15 @@ class Recorder:
                     seconds=step.seconds,
                 )
             writer.set_trigger(
-                Trigger(reason=reason, source=source, step=held[-1].index, ring=self._ring.size)
+                Trigger(
+                    reason=_shortened(reason, Trigger.REASON_LIMIT),
+                    source=_shortened(source, 64),
+                    step=held[-1].index,
+                    ring=self._ring.size,
+                )
             )
-            self._verify_dump(writer)
+            with _disable_current_modes():  # a fault injector's mode around the loop's step
+                self._verify_dump(writer)
         except BaseException:
             writer.abort()
             raise
@@ -460,6 +473,11 @@ class Recorder:
             self.close()
         else:
             self.abandon()
+
+
+def _shortened(text: str, limit: int) -> str:
+    """At most ``limit`` characters (a detector's reason may name every parameter)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
