@@ -57,7 +57,7 @@ from .ring import HeldStep, StepRing, model_state_dict
 from .signature import is_program_entry
 from .snapshot import TrainingSnapshot
 from .tensorio import map_tensors
-from .workload import accepts_seed, build_workload, canonical_ref, check_state_objects
+from .workload import Workload, accepts_seed, build_workload, canonical_ref, check_state_objects
 
 VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
@@ -144,6 +144,7 @@ class Recorder:
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
+        self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
         self.steps_written = 0
         self.entries_written = 0
         self.path: Path = Path(path) if self._writer is None else self._writer.path
@@ -203,6 +204,7 @@ class Recorder:
             # digested them a moment ago: its entries are their digests, not hashed again.
             updated = self._capture.updated_state if at_optimizer_step else {}
             self._end_digests = updated or state_digests(self.model)
+            self._held_end_digests = self._end_digests
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
@@ -325,8 +327,8 @@ class Recorder:
 
     def _ring_step_begins(self, grads: str) -> None:
         assert self._ring is not None
-        if self._capture.step_open:  # the previous step raised mid-way: nothing continues it
-            self._ring.clear()
+        if self._capture.step_open and not self._continues_held_steps():
+            self._ring.clear()  # the previous step raised mid-way and left the state changed
         if self._ring.wants_snapshot(grads):
             self._ring.open_window(
                 TrainingSnapshot.take(
@@ -338,6 +340,30 @@ class Recorder:
                     device="cpu",
                 )
             )
+
+    def _continues_held_steps(self) -> bool:
+        """Are parameters and buffers as the last held step left them (a step that raised
+        before its optimizer step, e.g. stopped by a detector, changed none)? Unknown without
+        verification: then no."""
+        held = self._held_end_digests
+        return held is not None and state_digests(self.model) == held
+
+    def rewind(self) -> None:
+        """Forget the last completed step: a detector rolled the state back to before it, to
+        run it again inside ``step()`` under the same index (dump first to keep it)."""
+        if self._ring is None:
+            raise SdcReplayError(
+                "rewind() needs a ring buffer: a step written to disk is not taken back",
+                "Create the Recorder with ring=K.",
+            )
+        self._finish_pending()
+        dropped = self._ring.drop_last()
+        if dropped is None:
+            raise SdcReplayError("the ring holds no completed step to rewind")
+        self._next_index = dropped.index
+        self._end_digests = self._held_end_digests = None
+        self.steps_written -= 1
+        self.entries_written -= len(dropped.entries)
 
     @property
     def ring_nbytes(self) -> int:
@@ -512,9 +538,11 @@ def _check_model_matches_checkpoint(model: torch.nn.Module, reference: Checkpoin
 
 @dataclass
 class RecordSummary:
-    """What ``sdcreplay record`` wrote (``sdcreplay.record/1``)."""
+    """What ``sdcreplay record`` wrote (``sdcreplay.record/1``). With a ring buffer, ``bundle``
+    is the first bundle the ring dumped (None: no alarm, nothing written) and ``ring`` says
+    what the ring held and wrote."""
 
-    bundle: Path
+    bundle: Path | None
     workload: str
     kwargs: dict
     device: str
@@ -523,13 +551,14 @@ class RecordSummary:
     size_bytes: int
     final_loss: float | None
     verification: dict
+    ring: dict | None = None  # {size, peak_nbytes, dumps: [{bundle, trigger, seconds}]}
 
     exit_code = 0  # a recording is never a finding
 
     def to_json(self) -> dict:
         return {
             "schema": "sdcreplay.record/1",
-            "bundle": str(self.bundle),
+            "bundle": None if self.bundle is None else str(self.bundle),
             "workload": self.workload,
             "kwargs": self.kwargs,
             "device": self.device,
@@ -538,6 +567,7 @@ class RecordSummary:
             "size_bytes": self.size_bytes,
             "final_loss": self.final_loss,
             "verification": self.verification,
+            "ring": self.ring,
         }
 
 
@@ -555,11 +585,18 @@ def record(
     max_depth: int | None = None,
     verify: bool | str = True,
     on_step: Callable[[int, float | None], None] | None = None,
+    ring: int | None = None,
+    step_with: Callable[[Workload, Recorder], Callable[[Any], torch.Tensor | None]] | None = None,
+    dump_at_end: bool = False,
 ) -> RecordSummary:
     """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
 
     ``inject`` corrupts the recording device as a defective GPU would; the
     bundle does not say so, exactly like one recorded on a defective GPU.
+    ``ring``: keep only the last ``ring`` steps in memory and write a bundle when
+    something asks for one: ``step_with(workload, recorder)`` returns the function that
+    runs each step in place of the workload's own (a detector that dumps on an alarm),
+    ``dump_at_end`` dumps the last steps when the run ends.
     """
     kwargs = dict(kwargs or {})
     if accepts_seed(workload):
@@ -589,7 +626,10 @@ def record(
         max_depth=max_depth,
         verify=verify,
         inject=inject,
+        ring=ring,
     )
+    run_step = built.run_step if step_with is None else step_with(built, recorder)
+    peak_nbytes = 0
     with recorder:
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
@@ -602,11 +642,14 @@ def record(
             with recorder.step(batch):  # its checks run before the step, outside the operator mode
                 injector.before_step(index, built.model)
                 with mode:
-                    loss = built.run_step(batch)
+                    loss = run_step(batch)
+            peak_nbytes = max(peak_nbytes, recorder.ring_nbytes)
             loss_value = None if loss is None else float(loss.detach())
             if on_step is not None:
                 on_step(index, loss_value)
-    bundle_path = recorder.path
+        if dump_at_end and ring is not None:
+            recorder.dump("the run ended", source="record")
+    bundle_path = recorder.path if ring is None else next(iter(recorder.dumps), None)
     for miss in injector.unmatched():
         raise FaultSpecError(
             f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
@@ -615,7 +658,7 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    opened = Bundle.open(bundle_path, verify=False)
+    opened = None if bundle_path is None else Bundle.open(bundle_path, verify=False)
     return RecordSummary(
         bundle=bundle_path,
         workload=workload,
@@ -623,7 +666,16 @@ def record(
         device=device,
         steps=recorder.steps_written,
         entries=recorder.entries_written,
-        size_bytes=opened.size_bytes(),
+        size_bytes=0 if opened is None else opened.size_bytes(),
         final_loss=loss_value,
-        verification=opened.verification.to_json(),
+        verification={} if opened is None else opened.verification.to_json(),
+        ring=None if ring is None else _ring_summary(recorder, ring, peak_nbytes),
     )
+
+
+def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int) -> dict:
+    dumps = []
+    for path in recorder.dumps:
+        trigger = Bundle.open(path, verify=False).manifest.trigger
+        dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
+    return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps}

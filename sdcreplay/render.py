@@ -210,11 +210,31 @@ class Output:
 
 
 def render_record(output: Output, summary: RecordSummary) -> None:
+    if summary.ring is not None:
+        _render_ring_record(output, summary, summary.ring)
+        return
     output.say(
         f"Recorded {summary.steps} steps of {summary.workload} on {summary.device}: "
         f"{summary.entries} signature entries, {human_size(summary.size_bytes)} "
         f"in {summary.bundle}"
     )
+
+
+def _render_ring_record(output: Output, summary: RecordSummary, ring: dict) -> None:
+    held = (
+        f"Recorded {summary.steps} steps of {summary.workload} on {summary.device} in a ring of "
+        f"the last {ring['size']} steps (at most {human_size(ring['peak_nbytes'])} held)"
+    )
+    if not ring["dumps"]:
+        output.say(f"{held}; no alarm: nothing written.")
+        return
+    output.say(f"{held}; {len(ring['dumps'])} bundle(s) written:")
+    for dump in ring["dumps"]:
+        trigger = dump["trigger"]
+        output.say(
+            f"  {dump['bundle']}: {trigger['reason']} ({trigger['source']}, at step "
+            f"{trigger['step']})"
+        )
 
 
 def _verification_text(verification: dict) -> str:

@@ -75,6 +75,14 @@ class StepRing:
             self._windows.pop()
         self._windows.append(Window(snapshot, []))
 
+    def drop_last(self) -> HeldStep | None:
+        """Take back the newest held step; its window stays, starting from the state before it
+        (the snapshot of an emptied window is that state)."""
+        for window in reversed(self._windows):
+            if window.steps:
+                return window.steps.pop()
+        return None
+
     def clear(self) -> None:
         """Forget every step: a step that raised mid-way left the state between two steps, so
         no later step continues the held ones."""
