@@ -464,6 +464,7 @@ class ReplayCheck:
                     source="ReplayCheck",
                 )
             )
+            self.recorder.rewind()  # the step is undone: the ring ends where training stands
             with _own_work():
                 before.restore()
         else:
@@ -854,7 +855,8 @@ class UpdateDetector:
         self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, loss: Any
     ) -> torch.Tensor | None:
         """Recompute until an execution passes (transient) or repeats its predecessor
-        (reproducible), at most ``max_recomputes`` times."""
+        (reproducible), at most ``max_recomputes`` times. Recomputes run outside the recorder,
+        whose ring keeps the alarmed execution as the evidence until the verdict."""
         previous = alarm.original
         assert previous is not None
         started = time.perf_counter()
@@ -867,53 +869,67 @@ class UpdateDetector:
                 loss, again = self._observe(batch, snapshot)
                 alarm.recomputed = again
                 if again.result != previous.result and not self.reasons(again):
-                    return self._settle(alarm, "transient", again, loss)
+                    return self._transient(batch, snapshot, alarm, again, loss)
                 if again.result == previous.result:
                     return self._reproducible(batch, snapshot, alarm, again, loss)
                 previous = again
+            self._give_up(snapshot, alarm)
+            raise RecomputeLimitError(alarm, self.max_recomputes)
         finally:
             self._recompute_seconds += time.perf_counter() - started
-        self._dump(alarm)
-        with _own_work():
-            snapshot.restore()
-        raise RecomputeLimitError(alarm, self.max_recomputes)
+
+    def _transient(
+        self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, kept: Observation, loss: Any
+    ) -> torch.Tensor | None:
+        """Keep the recompute. With a recorder: dump the alarmed execution, take it back, and
+        record the step once more so the ring holds what training goes on from."""
+        self._reproducible_in_a_row = 0
+        self._classify(alarm, "transient")
+        if self.recorder is not None:
+            self._dump(alarm)
+            self.recorder.rewind()
+            with _own_work():
+                snapshot.restore()
+            with self.recorder.step(batch):
+                loss, kept = self._observe(batch, snapshot)
+        self._accept(kept)
+        return loss
 
     def _reproducible(
         self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, seen: Observation, loss: Any
     ) -> torch.Tensor | None:
+        """The same result again: correct if another device agrees (or, without one, unless
+        it keeps happening), else persistent: roll back and raise."""
         self._reproducible_in_a_row += 1
         if self.second_opinion is not None:
             confirmed = self.second_opinion(alarm, snapshot, batch)
         else:
             confirmed = self._reproducible_in_a_row < self.persistent_after
         if confirmed:
-            return self._settle(alarm, "correct", seen, loss)
-        alarm.classification = "persistent"
-        self._counts["persistent"] += 1
-        self._dump(alarm)
-        with _own_work():
-            snapshot.restore()
+            self._classify(alarm, "correct")
+            self._accept(seen)
+            return loss
+        self._classify(alarm, "persistent")
+        self._give_up(snapshot, alarm)
         raise PersistentFaultError(alarm)
 
-    def _settle(
-        self, alarm: Alarm, classification: Classification, kept: Observation, loss: Any
-    ) -> torch.Tensor | None:
+    def _classify(self, alarm: Alarm, classification: Classification) -> None:
         alarm.classification = classification
         self._counts[classification] += 1
-        if classification == "transient":
-            self._reproducible_in_a_row = 0
+
+    def _give_up(self, snapshot: TrainingSnapshot, alarm: Alarm) -> None:
+        """Dump the alarmed step, then the state as before it (the ring's too)."""
+        if self.recorder is not None:
             self._dump(alarm)
-        self._accept(kept)
-        return loss
+            self.recorder.rewind()
+        with _own_work():
+            snapshot.restore()
 
     def _dump(self, alarm: Alarm) -> None:
-        """A bundle of the window ending with the alarmed step as it first ran (the recorder
-        holds that execution; the recomputes ran outside it)."""
-        if self.recorder is None or alarm.bundle is not None:
-            return
+        assert self.recorder is not None
         path = self.recorder.dump(
-            f"UpdateDetector: step {alarm.step} {', '.join(alarm.reasons)}"
-            + (f" ({alarm.classification})" if alarm.classification else ""),
+            f"UpdateDetector: step {alarm.step} {', '.join(alarm.reasons)} "
+            f"({alarm.classification or 'unresolved'})",
             source="UpdateDetector",
         )
         alarm.bundle = str(path)

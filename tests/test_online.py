@@ -520,3 +520,37 @@ def test_two_gloo_ranks_agree_on_the_mismatching_rank(tmp_path: Path) -> None:
         assert result["entry"] == "loss"
     assert results[1]["fired"] == 1 and results[0]["fired"] == 0
     assert results[0]["elements"] == results[1]["elements"] == 1  # rank 1's loss, shared
+
+
+def test_update_detector_dumps_the_alarmed_step_and_training_goes_on_from_the_recompute(
+    tmp_path, cli
+):
+    workload = small_llama()
+    recorder = Recorder(
+        tmp_path / "update.bundle",
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        state=workload.state,
+        workload_kwargs=dict(SMALL),
+        ring=4,
+    )
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5, recorder=recorder)
+    for i in range(14):
+        with injected(workload.model, workload.optimizer, BIAS + ",nth=0" if i == 10 else None, i):
+            detector.run_step(workload.get_batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.classification) == (10, "transient")
+    assert recorder.ring_steps == [8, 9, 10, 11, 12, 13]  # step 10 once: the kept execution
+    clean = run_detector(None)  # the recompute was kept and recorded: the same training
+    for a, b in zip(
+        clean.workload.model.state_dict().values(), workload.model.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    about = json.loads(cli("info", alarm.bundle, "--json").stdout)
+    assert (about["trigger"]["source"], about["trigger"]["step"]) == ("UpdateDetector", 10)
+    # the bundle holds the execution that alarmed: a clean replay diverges from it at step 10
+    replayed = cli("replay", alarm.bundle, "--json")
+    assert replayed.exit_code == 1, replayed.output
+    first = json.loads(replayed.stdout)["devices"][0]["first_divergence"]
+    assert (first["step"], first["phase"]) == (10, "backward")
