@@ -31,18 +31,18 @@ def _copy_tensor(tensor: torch.Tensor, device: torch.device | None) -> torch.Ten
     return tensor.to(device, copy=True)
 
 
-def _copy_nest(value: Any, device: torch.device | None) -> Any:
+def copy_state(value: Any, device: torch.device | None = None) -> Any:
     """A deep copy of a state_dict-like nest whose tensors are copied (to ``device``)."""
     if isinstance(value, torch.Tensor):
         return _copy_tensor(value, device)
     if isinstance(value, Mapping):
         copied = type(value)() if isinstance(value, dict) else {}
-        copied.update((key, _copy_nest(item, device)) for key, item in value.items())
+        copied.update((key, copy_state(item, device)) for key, item in value.items())
         if hasattr(value, "_metadata"):  # a module state_dict's version information
             copied._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
         return copied
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_copy_nest(item, device) for item in value)
+        return type(value)(copy_state(item, device) for item in value)
     return copy.deepcopy(value)
 
 
@@ -69,13 +69,14 @@ class TrainingSnapshot:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
     state_objects: dict[str, Any]
-    params: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]  # empty when taken with params=False
     buffers: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor | None] | None
     optimizer_state: dict | None
     object_states: dict[str, Any]
     rng: RngState | None
     device: torch.device
+    restores_params: bool = True
 
     @classmethod
     def take(
@@ -86,10 +87,12 @@ class TrainingSnapshot:
         *,
         grads: bool = True,
         rng: bool = True,
+        params: bool = True,
         device: torch.device | str | None = None,
     ) -> TrainingSnapshot:
         """Copy the training state now; ``device`` (e.g. ``"cpu"``) moves the copy off the
-        accelerator, None keeps each tensor on its own device."""
+        accelerator, None keeps each tensor on its own device. ``params=False`` leaves the
+        parameters out (a forward/backward that never steps the optimizer cannot change them)."""
         store = torch.device(device) if device is not None else None
         step_device = _model_device(model)
         objects = dict(state_objects or {})
@@ -97,7 +100,10 @@ class TrainingSnapshot:
             model=model,
             optimizer=optimizer,
             state_objects=objects,
-            params={n: _copy_tensor(p, store) for n, p in model.named_parameters()},
+            params=(
+                {n: _copy_tensor(p, store) for n, p in model.named_parameters()} if params else {}
+            ),
+            restores_params=params,
             buffers={n: _copy_tensor(b, store) for n, b in model.named_buffers()},
             grads=(
                 {
@@ -108,10 +114,10 @@ class TrainingSnapshot:
                 else None
             ),
             optimizer_state=(
-                _copy_nest(optimizer.state_dict(), store) if optimizer is not None else None
+                copy_state(optimizer.state_dict(), store) if optimizer is not None else None
             ),
             object_states={
-                name: _copy_nest(obj.state_dict(), store) for name, obj in objects.items()
+                name: copy_state(obj.state_dict(), store) for name, obj in objects.items()
             },
             rng=capture_rng(step_device) if rng else None,
             device=step_device,
@@ -125,13 +131,14 @@ class TrainingSnapshot:
         """
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
-        if params.keys() != self.params.keys() or buffers.keys() != self.buffers.keys():
+        known = self.params.keys() if self.restores_params else params.keys()
+        if params.keys() != known or buffers.keys() != self.buffers.keys():
             raise SdcReplayError(
                 "the model's parameters or buffers changed since the snapshot was taken",
                 "Take the snapshot after the model is built and wrapped (DDP, FSDP, compile).",
             )
         with torch.no_grad():
-            for name, param in params.items():
+            for name, param in params.items() if self.restores_params else ():
                 param.copy_(self.params[name])
             for name, buffer in buffers.items():
                 buffer.copy_(self.buffers[name])
@@ -139,9 +146,9 @@ class TrainingSnapshot:
                 for name, param in params.items():
                     _restore_grad(param, self.grads[name])
         if self.optimizer is not None and self.optimizer_state is not None:
-            self.optimizer.load_state_dict(_copy_nest(self.optimizer_state, None))
+            self.optimizer.load_state_dict(copy_state(self.optimizer_state, None))
         for name, obj in self.state_objects.items():
-            obj.load_state_dict(_copy_nest(self.object_states[name], None))
+            obj.load_state_dict(copy_state(self.object_states[name], None))
         if self.rng is not None:
             restore_rng(self.rng, self.device)
 
