@@ -554,3 +554,14 @@ def test_update_detector_dumps_the_alarmed_step_and_training_goes_on_from_the_re
     assert replayed.exit_code == 1, replayed.output
     first = json.loads(replayed.stdout)["devices"][0]["first_divergence"]
     assert (first["step"], first["phase"]) == (10, "backward")
+
+
+def test_the_loops_in_docs_online_run(tmp_path: Path, monkeypatch) -> None:
+    """The two complete loops of docs/online.md, as a user would paste them."""
+    text = (REPO / "docs" / "online.md").read_text()
+    loops = [block for block in text.split("```python\n")[1:] if "for step in range" in block]
+    assert len(loops) == 2
+    monkeypatch.chdir(tmp_path)
+    for block in loops:
+        exec(compile(block.split("```")[0], "docs/online.md", "exec"), {"__name__": "docs"})
+    assert not (tmp_path / "alarm.bundle").exists()  # clean: the ring never had to dump
