@@ -246,7 +246,7 @@ def record(
         typer.Option(
             min=1,
             help="Keep only the last K steps in memory and write the bundle only when --dump-on "
-            "asks (docs/online.md).",
+            "asks (docs/recording.md).",
         ),
     ] = None,
     dump_on: Annotated[
