@@ -494,7 +494,8 @@ class _Baseline:
         with _own_work():
             self.snapshot = TrainingSnapshot.take(model, None, state, grads=False, params=False)
             self.scalars = {name: (s, copy_state(s.get())) for name, s in scalars.items()}
-        self.had_grad = {name: p.grad is not None for name, p in model.named_parameters()}
+        # the entry gradients themselves (None or zero by contract), never their values
+        self.entry_grads = {name: p.grad for name, p in model.named_parameters()}
 
     def restore(self) -> None:
         with _own_work():
@@ -503,12 +504,11 @@ class _Baseline:
                 scalar.set(copy_state(value))
             with torch.no_grad():
                 for name, param in self.model.named_parameters():
-                    if not self.had_grad[name]:
-                        param.grad = None
-                    elif param.grad is not None:
-                        param.grad.zero_()
-                    else:
-                        param.grad = torch.zeros_like(param)
+                    entry = self.entry_grads[name]
+                    if param.grad is not entry:  # the same tensor (CUDA graphs hold its address)
+                        param.grad = entry
+                    if entry is not None:
+                        entry.zero_()
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
