@@ -23,14 +23,14 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .capture import _own_work, grads_entering, state_object_items
+from .capture import _own_work, grads_entering, observed_backward, state_object_items
 from .determinism import capture_rng, restore_rng
 from .digest import Digester, SignatureValue
 from .errors import SdcReplayError
@@ -203,27 +203,19 @@ def _copied(value: SignatureValue) -> torch.Tensor | None:
         return value.detach().clone()
 
 
-@contextlib.contextmanager
-def _probing_backward(probe: _Probe, model: torch.nn.Module) -> Iterator[None]:
+def _probing_backward(
+    probe: _Probe, model: torch.nn.Module
+) -> contextlib.AbstractContextManager[None]:
     """While open, each ``backward()`` adds its loss before and every gradient after it."""
-    original = torch.autograd.backward
     parameters = list(model.named_parameters())
 
-    def backward(tensors, *args, **kwargs):
-        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            probe.add("loss", tensors)
-        result = original(tensors, *args, **kwargs)
+    def gradients() -> None:
         for name, param in parameters:
             probe.add(f"grad:{name}", param.grad)
         probe.flush(probe.backwards)
         probe.backwards += 1
-        return result
 
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
+    return observed_backward(lambda loss: probe.add("loss", loss), gradients)
 
 
 # ---------------------------------------------------------------------------

@@ -377,6 +377,21 @@ def test_clean_training_raises_no_alarm() -> None:
 # ---------------------------------------------------------------------------
 # With a ring Recorder: the failing step as a bundle that replay and bisect start from
 
+
+def ring_recorder(workload: Workload, path: Path, **options) -> Recorder:
+    """A ring Recorder of the small tiny-llama's last 4 steps."""
+    return Recorder(
+        path,
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        state=workload.state,
+        workload_kwargs=dict(SMALL),
+        ring=4,
+        **options,
+    )
+
+
 WQ = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=2,index=69,bit=22"
 
 
@@ -386,16 +401,7 @@ def test_replay_check_bundle_is_reproduced_by_replay_and_localized_by_bisect(tmp
     divergence from it."""
     spec = WQ + ",nth=0,device=cpu:1"
     workload = small_llama()
-    recorder = Recorder(
-        tmp_path / "alarm.bundle",
-        "builtin:tiny-llama",
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        workload_kwargs=dict(SMALL),
-        device_label="cpu:1",
-        ring=4,
-    )
+    recorder = ring_recorder(workload, tmp_path / "alarm.bundle", device_label="cpu:1")
     check = ReplayCheck(workload, num_steps=-1, recorder=recorder)
     with pytest.raises(SDCReplayMismatch) as caught:
         for i in range(4):
@@ -538,15 +544,7 @@ def test_update_detector_dumps_the_alarmed_step_and_training_goes_on_from_the_re
     tmp_path, cli
 ):
     workload = small_llama()
-    recorder = Recorder(
-        tmp_path / "update.bundle",
-        "builtin:tiny-llama",
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        workload_kwargs=dict(SMALL),
-        ring=4,
-    )
+    recorder = ring_recorder(workload, tmp_path / "update.bundle")
     detector = UpdateDetector(workload, warmup=5, spike_steps=5, recorder=recorder)
     for i in range(14):
         with injected(workload.model, workload.optimizer, BIAS + ",nth=0" if i == 10 else None, i):
