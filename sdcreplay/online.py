@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .capture import _own_work, grads_entering, observed_backward, state_object_items
 from .determinism import capture_rng, restore_rng
@@ -123,8 +124,7 @@ class Difference:
 
     position: int
     entry: str
-    reference: str | None  # digest; None: the reference has no entry there
-    actual: str | None  # digest; None: the execution ended before this entry
+    reference: str | None  # its digest there; None: the reference has no entry there
     micro_batch: int | None  # the backward (0-based) it came from; None: end-of-step entries
 
 
@@ -175,15 +175,13 @@ class _Probe:
         expected = self.reference[position] if position < len(self.reference) else None
         if expected == (name, digest):
             return
-        same_entry = expected is not None and expected[0] == name
         self.difference = Difference(
             position,
             name if expected is None else expected[0],
             None if expected is None else expected[1],
-            digest if same_entry or expected is None else None,
             micro_batch,
         )
-        if same_entry:
+        if expected is not None and expected[0] == name:
             self.kept = _copied(self._values[name])
 
     def finish(self) -> None:
@@ -193,7 +191,7 @@ class _Probe:
         if reference is not None and self.difference is None:
             if len(self.entries) < len(reference):
                 name, digest = reference[len(self.entries)]
-                self.difference = Difference(len(self.entries), name, digest, None, None)
+                self.difference = Difference(len(self.entries), name, digest, None)
 
 
 def _copied(value: SignatureValue) -> torch.Tensor | None:
@@ -317,9 +315,9 @@ class ReplayCheck:
         self.checked_steps = 0
         self._probe: _Probe | None = None
         self._on_optimizer: Callable[[], None] | None = None
-        # Registered now, so it runs before hooks added later (an OperatorMode's) and an
-        # execution it stops leaves them untouched.
-        self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
+        # A global hook runs before every optimizer's own pre-hooks (an OperatorMode's, a
+        # Recorder's), so an execution it stops leaves them untouched.
+        self._hook = register_optimizer_step_pre_hook(self._optimizer_begins)
 
     def reset_schedule(self) -> None:
         """Check the next ``num_steps`` steps again (after a checkpoint load, as TorchTitan)."""
@@ -397,7 +395,7 @@ class ReplayCheck:
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
         probe = self._probe
-        if probe is None or probe.finished:
+        if optimizer is not self.workload.optimizer or probe is None or probe.finished:
             return
         self._end_entries(probe)
         if self._on_optimizer is None:

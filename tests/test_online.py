@@ -121,6 +121,16 @@ def test_a_fault_in_the_replay_only_is_named_exactly() -> None:
     assert loop.model.fc1.weight.grad is None and loop.tokens == 8
 
 
+def test_a_check_built_inside_an_operator_mode_stops_executions_before_its_hooks() -> None:
+    """The mode's optimizer pre-hook never runs for a stopped execution (else it would believe
+    the replay's forward is in the optimizer, and a forward fault would not fire there)."""
+    loop = Loop()
+    spec = "kind=bitflip,op=aten.mm,module=fc2,phase=forward,nth=1,index=0,bit=22"
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 0):
+        loop.check().run_step(batch(0))
+    assert (caught.value.entry, caught.value.replay, caught.value.elements) == ("loss", 1, 1)
+
+
 def test_every_micro_batch_is_checked() -> None:
     """TorchTitan replays only the first micro-batch; the second one's fault is found too."""
     loop = Loop(micro_batches=2)
