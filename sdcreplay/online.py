@@ -722,6 +722,7 @@ class UpdateDetector:
         self._overhead = 0.0
         self._recompute_seconds = 0.0
         self._grad_norms: dict[str, float] | None = None
+        self._step_seconds = 0.0
         self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
 
     def close(self) -> None:
@@ -751,38 +752,40 @@ class UpdateDetector:
         step = self.next_step if step is None else step
         self.next_step = step + 1
         self._counts["steps"] += 1
-        started = time.perf_counter()
-        model, optimizer = self.workload.model, self.workload.optimizer
-        with _own_work():
-            snapshot = TrainingSnapshot.take(
-                model, optimizer, self.workload.state, device=self.snapshot_device
-            )
-        ran = time.perf_counter()
-        recording = self.recorder.step(batch) if self.recorder is not None else None
-        with recording if recording is not None else contextlib.nullcontext():
-            loss, original = self._observe(batch, snapshot)
-        judged = time.perf_counter()
-        reasons = self.reasons(original)
-        if not reasons:
-            self._reproducible_in_a_row = 0
-            self._accept(original)
-            self._overhead += (ran - started) + (time.perf_counter() - judged)
-            return loss
-        self._counts["detections"] += 1
-        alarm = Alarm(step, reasons, original=original)
-        self.alarms.append(alarm)
+        started, step_seconds = time.perf_counter(), 0.0
         try:
+            with _own_work():
+                snapshot = TrainingSnapshot.take(
+                    self.workload.model,
+                    self.workload.optimizer,
+                    self.workload.state,
+                    device=self.snapshot_device,
+                )
+            recording = self.recorder.step(batch) if self.recorder is not None else None
+            with recording if recording is not None else contextlib.nullcontext():
+                loss, original = self._observe(batch, snapshot)
+            step_seconds = self._step_seconds
+            reasons = self.reasons(original)
+            if not reasons:
+                self._reproducible_in_a_row = 0
+                self._accept(original)
+                return loss
+            self._counts["detections"] += 1
+            alarm = Alarm(step, reasons, original=original)
+            self.alarms.append(alarm)
             return self._resolve(batch, snapshot, alarm, loss)
-        finally:
-            self._overhead += (ran - started) + (time.perf_counter() - judged)
+        finally:  # everything but the loop's own step (the first execution) is overhead
+            self._overhead += time.perf_counter() - started - step_seconds
 
     def _observe(self, batch: Any, snapshot: TrainingSnapshot) -> tuple[Any, Observation]:
         self._grad_norms = {}
+        started = time.perf_counter()
         try:
             loss = self.workload.run_step(batch)
             grad_norms = self._grad_norms
         finally:
             self._grad_norms = None
+            self._step_seconds = time.perf_counter() - started
         return loss, observe(self.workload.model, snapshot, loss, grad_norms)
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
@@ -793,7 +796,9 @@ class UpdateDetector:
                 (n, p.grad) for n, p in self.workload.model.named_parameters() if p.grad is not None
             ]
             if named:
-                norms = torch.stack([torch.linalg.vector_norm(g.double()) for _, g in named])
+                norms = torch.stack(
+                    [torch.linalg.vector_norm(g, dtype=torch.float64) for _, g in named]
+                )
                 self._grad_norms.update(zip([n for n, _ in named], norms.tolist()))
 
     def reasons(self, seen: Observation) -> list[str]:
@@ -932,7 +937,9 @@ def observe(
     with _own_work():
         names = [name for name, _ in model.named_parameters()]
         updates = [
-            torch.linalg.vector_norm(p.detach().double() - before.params[n].to(p.device))
+            torch.linalg.vector_norm(
+                p.detach() - before.params[n].to(p.device), dtype=torch.float64
+            )
             for n, p in model.named_parameters()
         ]
         update_norms = dict(zip(names, torch.stack(updates).tolist())) if updates else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import subprocess
@@ -585,3 +586,41 @@ def test_the_loops_in_docs_online_run(tmp_path: Path, monkeypatch) -> None:
     for block in loops:
         exec(compile(block.split("```")[0], "docs/online.md", "exec"), {"__name__": "docs"})
     assert not (tmp_path / "alarm.bundle").exists()  # clean: the ring never had to dump
+
+
+def test_nan_in_the_gradients_alarms_without_warmup_and_is_recomputed_away() -> None:
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=2,nth=0,index=3"
+    detector = run_detector(spec, steps=4)
+    (alarm,) = detector.alarms
+    assert alarm.step == 2 and alarm.classification == "transient"
+    assert "nonfinite:grad:layers.0.mlp.w2.weight" in alarm.reasons
+    assert all(reason.startswith("nonfinite:") for reason in alarm.reasons)
+    assert all(math.isfinite(p.sum().item()) for p in detector.workload.model.parameters())
+
+
+def test_an_unusual_update_norm_alarms_by_parameter() -> None:
+    """Plain SGD: the update is the gradient; a x100 gradient element in fc1 moves fc1's update
+    norm far outside its recent spread, and only fc1's (spikes are off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
+    model.add_module("act", torch.nn.Tanh())
+    model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    detector = UpdateDetector(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        spike_steps=10**9,
+        sigmas=6.0,  # random batches: 3 sigmas alarms once on a clean step here (correct)
+    )
+    spec = "kind=bias,op=aten.mm,module=fc1,phase=backward,step=30,nth=0,index=5,scale=100"
+    for i in range(32):
+        with injected(model, optimizer, spec, i):
+            detector.run_step(batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.reasons, alarm.classification) == (
+        30,
+        ["update:fc1.weight"],
+        "transient",
+    )
