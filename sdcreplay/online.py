@@ -777,6 +777,22 @@ class UpdateDetector:
         finally:  # everything but the loop's own step (the first execution) is overhead
             self._overhead += time.perf_counter() - started - step_seconds
 
+    def judge(self, seen: Observation, *, step: int) -> Alarm | None:
+        """Judge a step the detector did not run (a Trainer callback's): a clean one joins the
+        baselines; an alarm is dumped (with a recorder), neither rolled back nor recomputed."""
+        self._counts["steps"] += 1
+        self.next_step = step + 1
+        reasons = self.reasons(seen)
+        if not reasons:
+            self._accept(seen)
+            return None
+        self._counts["detections"] += 1
+        alarm = Alarm(step, reasons, original=seen)
+        self.alarms.append(alarm)
+        if self.recorder is not None:
+            self._dump(alarm)
+        return alarm
+
     def _observe(self, batch: Any, snapshot: TrainingSnapshot) -> tuple[Any, Observation]:
         self._grad_norms = {}
         started = time.perf_counter()
