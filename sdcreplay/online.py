@@ -23,14 +23,15 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .capture import _own_work, grads_entering, state_object_items
+from .capture import _own_work, grads_entering, observed_backward, state_object_items
 from .determinism import capture_rng, restore_rng
 from .digest import Digester, SignatureValue
 from .errors import SdcReplayError
@@ -123,8 +124,7 @@ class Difference:
 
     position: int
     entry: str
-    reference: str | None  # digest; None: the reference has no entry there
-    actual: str | None  # digest; None: the execution ended before this entry
+    reference: str | None  # its digest there; None: the reference has no entry there
     micro_batch: int | None  # the backward (0-based) it came from; None: end-of-step entries
 
 
@@ -175,15 +175,13 @@ class _Probe:
         expected = self.reference[position] if position < len(self.reference) else None
         if expected == (name, digest):
             return
-        same_entry = expected is not None and expected[0] == name
         self.difference = Difference(
             position,
             name if expected is None else expected[0],
             None if expected is None else expected[1],
-            digest if same_entry or expected is None else None,
             micro_batch,
         )
-        if same_entry:
+        if expected is not None and expected[0] == name:
             self.kept = _copied(self._values[name])
 
     def finish(self) -> None:
@@ -193,7 +191,7 @@ class _Probe:
         if reference is not None and self.difference is None:
             if len(self.entries) < len(reference):
                 name, digest = reference[len(self.entries)]
-                self.difference = Difference(len(self.entries), name, digest, None, None)
+                self.difference = Difference(len(self.entries), name, digest, None)
 
 
 def _copied(value: SignatureValue) -> torch.Tensor | None:
@@ -203,27 +201,19 @@ def _copied(value: SignatureValue) -> torch.Tensor | None:
         return value.detach().clone()
 
 
-@contextlib.contextmanager
-def _probing_backward(probe: _Probe, model: torch.nn.Module) -> Iterator[None]:
+def _probing_backward(
+    probe: _Probe, model: torch.nn.Module
+) -> contextlib.AbstractContextManager[None]:
     """While open, each ``backward()`` adds its loss before and every gradient after it."""
-    original = torch.autograd.backward
     parameters = list(model.named_parameters())
 
-    def backward(tensors, *args, **kwargs):
-        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            probe.add("loss", tensors)
-        result = original(tensors, *args, **kwargs)
+    def gradients() -> None:
         for name, param in parameters:
             probe.add(f"grad:{name}", param.grad)
         probe.flush(probe.backwards)
         probe.backwards += 1
-        return result
 
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
+    return observed_backward(lambda loss: probe.add("loss", loss), gradients)
 
 
 # ---------------------------------------------------------------------------
@@ -325,9 +315,9 @@ class ReplayCheck:
         self.checked_steps = 0
         self._probe: _Probe | None = None
         self._on_optimizer: Callable[[], None] | None = None
-        # Registered now, so it runs before hooks added later (an OperatorMode's) and an
-        # execution it stops leaves them untouched.
-        self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
+        # A global hook runs before every optimizer's own pre-hooks (an OperatorMode's, a
+        # Recorder's), so an execution it stops leaves them untouched.
+        self._hook = register_optimizer_step_pre_hook(self._optimizer_begins)
 
     def reset_schedule(self) -> None:
         """Check the next ``num_steps`` steps again (after a checkpoint load, as TorchTitan)."""
@@ -405,7 +395,7 @@ class ReplayCheck:
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
         probe = self._probe
-        if probe is None or probe.finished:
+        if optimizer is not self.workload.optimizer or probe is None or probe.finished:
             return
         self._end_entries(probe)
         if self._on_optimizer is None:
@@ -494,7 +484,8 @@ class _Baseline:
         with _own_work():
             self.snapshot = TrainingSnapshot.take(model, None, state, grads=False, params=False)
             self.scalars = {name: (s, copy_state(s.get())) for name, s in scalars.items()}
-        self.had_grad = {name: p.grad is not None for name, p in model.named_parameters()}
+        # the entry gradients themselves (None or zero by contract), never their values
+        self.entry_grads = {name: p.grad for name, p in model.named_parameters()}
 
     def restore(self) -> None:
         with _own_work():
@@ -503,12 +494,11 @@ class _Baseline:
                 scalar.set(copy_state(value))
             with torch.no_grad():
                 for name, param in self.model.named_parameters():
-                    if not self.had_grad[name]:
-                        param.grad = None
-                    elif param.grad is not None:
-                        param.grad.zero_()
-                    else:
-                        param.grad = torch.zeros_like(param)
+                    entry = self.entry_grads[name]
+                    if param.grad is not entry:  # the same tensor (CUDA graphs hold its address)
+                        param.grad = entry
+                    if entry is not None:
+                        entry.zero_()
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -732,6 +722,7 @@ class UpdateDetector:
         self._overhead = 0.0
         self._recompute_seconds = 0.0
         self._grad_norms: dict[str, float] | None = None
+        self._step_seconds = 0.0
         self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
 
     def close(self) -> None:
@@ -761,30 +752,30 @@ class UpdateDetector:
         step = self.next_step if step is None else step
         self.next_step = step + 1
         self._counts["steps"] += 1
-        started = time.perf_counter()
-        model, optimizer = self.workload.model, self.workload.optimizer
-        with _own_work():
-            snapshot = TrainingSnapshot.take(
-                model, optimizer, self.workload.state, device=self.snapshot_device
-            )
-        ran = time.perf_counter()
-        recording = self.recorder.step(batch) if self.recorder is not None else None
-        with recording if recording is not None else contextlib.nullcontext():
-            loss, original = self._observe(batch, snapshot)
-        judged = time.perf_counter()
-        reasons = self.reasons(original)
-        if not reasons:
-            self._reproducible_in_a_row = 0
-            self._accept(original)
-            self._overhead += (ran - started) + (time.perf_counter() - judged)
-            return loss
-        self._counts["detections"] += 1
-        alarm = Alarm(step, reasons, original=original)
-        self.alarms.append(alarm)
+        started, step_seconds = time.perf_counter(), 0.0
         try:
+            with _own_work():
+                snapshot = TrainingSnapshot.take(
+                    self.workload.model,
+                    self.workload.optimizer,
+                    self.workload.state,
+                    device=self.snapshot_device,
+                )
+            recording = self.recorder.step(batch) if self.recorder is not None else None
+            with recording if recording is not None else contextlib.nullcontext():
+                loss, original = self._observe(batch, snapshot)
+            step_seconds = self._step_seconds
+            reasons = self.reasons(original)
+            if not reasons:
+                self._reproducible_in_a_row = 0
+                self._accept(original)
+                return loss
+            self._counts["detections"] += 1
+            alarm = Alarm(step, reasons, original=original)
+            self.alarms.append(alarm)
             return self._resolve(batch, snapshot, alarm, loss)
-        finally:
-            self._overhead += (ran - started) + (time.perf_counter() - judged)
+        finally:  # everything but the loop's own step (the first execution) is overhead
+            self._overhead += time.perf_counter() - started - step_seconds
 
     def judge(self, seen: Observation, *, step: int) -> Alarm | None:
         """Judge a step the detector did not run (a Trainer callback's): a clean one joins the
@@ -804,11 +795,13 @@ class UpdateDetector:
 
     def _observe(self, batch: Any, snapshot: TrainingSnapshot) -> tuple[Any, Observation]:
         self._grad_norms = {}
+        started = time.perf_counter()
         try:
             loss = self.workload.run_step(batch)
             grad_norms = self._grad_norms
         finally:
             self._grad_norms = None
+            self._step_seconds = time.perf_counter() - started
         return loss, observe(self.workload.model, snapshot, loss, grad_norms)
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
@@ -819,7 +812,9 @@ class UpdateDetector:
                 (n, p.grad) for n, p in self.workload.model.named_parameters() if p.grad is not None
             ]
             if named:
-                norms = torch.stack([torch.linalg.vector_norm(g.double()) for _, g in named])
+                norms = torch.stack(
+                    [torch.linalg.vector_norm(g, dtype=torch.float64) for _, g in named]
+                )
                 self._grad_norms.update(zip([n for n, _ in named], norms.tolist()))
 
     def reasons(self, seen: Observation) -> list[str]:
@@ -958,7 +953,9 @@ def observe(
     with _own_work():
         names = [name for name, _ in model.named_parameters()]
         updates = [
-            torch.linalg.vector_norm(p.detach().double() - before.params[n].to(p.device))
+            torch.linalg.vector_norm(
+                p.detach() - before.params[n].to(p.device), dtype=torch.float64
+            )
             for n, p in model.named_parameters()
         ]
         update_norms = dict(zip(names, torch.stack(updates).tolist())) if updates else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import subprocess
@@ -40,7 +41,7 @@ class Loop:
     """A user's loop with its own step: dropout and BatchNorm (RNG, buffers), a token counter
     outside every module, Python and NumPy noise, optional gradient accumulation."""
 
-    def __init__(self, micro_batches: int = 1, seed: int = 0):
+    def __init__(self, micro_batches: int = 1, seed: int = 0, set_to_none: bool = True):
         torch.manual_seed(seed)
         self.model = torch.nn.Sequential()
         self.model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
@@ -49,6 +50,7 @@ class Loop:
         self.model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.micro_batches = micro_batches
+        self.set_to_none = set_to_none
         self.tokens = 0
 
     def train_step(self, batch) -> torch.Tensor:
@@ -61,7 +63,7 @@ class Loop:
             self.tokens += xs.shape[0]
             total = total + loss.detach()
         self.optimizer.step()
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
         return total
 
     def check(self, **options) -> ReplayCheck:
@@ -118,6 +120,16 @@ def test_a_fault_in_the_replay_only_is_named_exactly() -> None:
     # raised before the optimizer step, with the state as the step began
     assert torch.equal(loop.model.fc1.weight, weight)
     assert loop.model.fc1.weight.grad is None and loop.tokens == 8
+
+
+def test_a_check_built_inside_an_operator_mode_stops_executions_before_its_hooks() -> None:
+    """The mode's optimizer pre-hook never runs for a stopped execution (else it would believe
+    the replay's forward is in the optimizer, and a forward fault would not fire there)."""
+    loop = Loop()
+    spec = "kind=bitflip,op=aten.mm,module=fc2,phase=forward,nth=1,index=0,bit=22"
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 0):
+        loop.check().run_step(batch(0))
+    assert (caught.value.entry, caught.value.replay, caught.value.elements) == ("loss", 1, 1)
 
 
 def test_every_micro_batch_is_checked() -> None:
@@ -212,6 +224,17 @@ class _TokenState:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def test_zeroed_gradients_stay_the_same_tensors() -> None:
+    """Gradients entering as zeros are zeroed in place between executions, never copied or
+    replaced (CUDA graphs hold their addresses)."""
+    loop = Loop(set_to_none=False)
+    loop.train_step(batch(0))
+    grads = [p.grad for p in loop.model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+    loop.check(num_replays=2).run_step(batch(1))
+    assert all(p.grad is g for p, g in zip(loop.model.parameters(), grads))
 
 
 def test_the_schedule_checks_num_steps_then_again_after_reset() -> None:
@@ -365,6 +388,21 @@ def test_clean_training_raises_no_alarm() -> None:
 # ---------------------------------------------------------------------------
 # With a ring Recorder: the failing step as a bundle that replay and bisect start from
 
+
+def ring_recorder(workload: Workload, path: Path, **options) -> Recorder:
+    """A ring Recorder of the small tiny-llama's last 4 steps."""
+    return Recorder(
+        path,
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        state=workload.state,
+        workload_kwargs=dict(SMALL),
+        ring=4,
+        **options,
+    )
+
+
 WQ = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=2,index=69,bit=22"
 
 
@@ -374,16 +412,7 @@ def test_replay_check_bundle_is_reproduced_by_replay_and_localized_by_bisect(tmp
     divergence from it."""
     spec = WQ + ",nth=0,device=cpu:1"
     workload = small_llama()
-    recorder = Recorder(
-        tmp_path / "alarm.bundle",
-        "builtin:tiny-llama",
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        workload_kwargs=dict(SMALL),
-        device_label="cpu:1",
-        ring=4,
-    )
+    recorder = ring_recorder(workload, tmp_path / "alarm.bundle", device_label="cpu:1")
     check = ReplayCheck(workload, num_steps=-1, recorder=recorder)
     with pytest.raises(SDCReplayMismatch) as caught:
         for i in range(4):
@@ -526,15 +555,7 @@ def test_update_detector_dumps_the_alarmed_step_and_training_goes_on_from_the_re
     tmp_path, cli
 ):
     workload = small_llama()
-    recorder = Recorder(
-        tmp_path / "update.bundle",
-        "builtin:tiny-llama",
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        workload_kwargs=dict(SMALL),
-        ring=4,
-    )
+    recorder = ring_recorder(workload, tmp_path / "update.bundle")
     detector = UpdateDetector(workload, warmup=5, spike_steps=5, recorder=recorder)
     for i in range(14):
         with injected(workload.model, workload.optimizer, BIAS + ",nth=0" if i == 10 else None, i):
@@ -565,3 +586,41 @@ def test_the_loops_in_docs_online_run(tmp_path: Path, monkeypatch) -> None:
     for block in loops:
         exec(compile(block.split("```")[0], "docs/online.md", "exec"), {"__name__": "docs"})
     assert not (tmp_path / "alarm.bundle").exists()  # clean: the ring never had to dump
+
+
+def test_nan_in_the_gradients_alarms_without_warmup_and_is_recomputed_away() -> None:
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=2,nth=0,index=3"
+    detector = run_detector(spec, steps=4)
+    (alarm,) = detector.alarms
+    assert alarm.step == 2 and alarm.classification == "transient"
+    assert "nonfinite:grad:layers.0.mlp.w2.weight" in alarm.reasons
+    assert all(reason.startswith("nonfinite:") for reason in alarm.reasons)
+    assert all(math.isfinite(p.sum().item()) for p in detector.workload.model.parameters())
+
+
+def test_an_unusual_update_norm_alarms_by_parameter() -> None:
+    """Plain SGD: the update is the gradient; a x100 gradient element in fc1 moves fc1's update
+    norm far outside its recent spread, and only fc1's (spikes are off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
+    model.add_module("act", torch.nn.Tanh())
+    model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    detector = UpdateDetector(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        spike_steps=10**9,
+        sigmas=6.0,  # random batches: 3 sigmas alarms once on a clean step here (correct)
+    )
+    spec = "kind=bias,op=aten.mm,module=fc1,phase=backward,step=30,nth=0,index=5,scale=100"
+    for i in range(32):
+        with injected(model, optimizer, spec, i):
+            detector.run_step(batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.reasons, alarm.classification) == (
+        30,
+        ["update:fc1.weight"],
+        "transient",
+    )
