@@ -69,7 +69,13 @@ class SdcReplayCallback(WatchOptions, TrainerCallback):
     def _forward_begins(self, module, args, kwargs) -> None:
         if self._awaiting_batch and self.watch is not None:
             self._awaiting_batch = False
-            self.watch.begin(dict(kwargs) if not args else {"args": args, **kwargs})
+            if args:
+                raise SdcReplayError(
+                    "the model was called with positional arguments; the callback records the "
+                    "keyword inputs a Trainer passes (model(**inputs))",
+                    "Call the model with keyword arguments in compute_loss.",
+                )
+            self.watch.begin(dict(kwargs))
 
     def _forward_ends(self, module, args, output) -> None:
         if self.watch is not None and self.watch.in_step and isinstance(output, Mapping):

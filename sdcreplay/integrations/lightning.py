@@ -78,6 +78,10 @@ class SdcReplayCallback(WatchOptions, Callback):
         if self.watch is not None:
             self.watch.close()
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception) -> None:
+        """A step cut short is no evidence: close it (and the recorder's hooks) now."""
+        self.on_train_end(trainer, pl_module)
+
 
 def module_workload(module: LightningModule, get_batch: Callable[[int], Any]) -> Workload:
     """The Workload replay rebuilds from a LightningModule (built as for training).
