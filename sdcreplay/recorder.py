@@ -87,7 +87,9 @@ class Recorder:
     under the names the workload gives them. ``verify`` (True, ``"warn"`` or
     False) checks that the workload's step reproduces the loop's (module
     docstring); ``inject`` is the recording device's faults (`sdcreplay record
-    --inject`), which the check re-executes under too.
+    --inject`), which the check re-executes under too. ``ring=K`` writes nothing while
+    recording: the last K steps stay in memory (ring.py) until ``dump(reason)`` writes them
+    as a bundle at ``path`` (docs/recording.md, "Ring buffer").
     """
 
     def __init__(
