@@ -502,6 +502,12 @@ def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
             "checkpoint",
             "Drop checkpoint= with ring= (the ring embeds its own start state).",
         )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise SdcReplayError(
+            "a ring buffer under torch.distributed is not supported yet: each rank would dump "
+            "a bundle of its own, whose collectives cannot be replayed without the others",
+            "Record the job step by step (no ring=), or keep the ring to single-process runs.",
+        )
 
 
 def describe_first_difference(

@@ -304,3 +304,21 @@ def test_rewind_takes_back_the_last_step_to_record_its_recompute(tmp_path):
             ring=2,
         )  # fmt: skip
         fresh.rewind()
+
+
+def test_a_ring_is_refused_under_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    workload = build_workload("builtin:tiny-llama", dict(SMALL, seed=0))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with pytest.raises(SdcReplayError, match="under torch.distributed"):
+            Recorder(
+                tmp_path / "r.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
+                ring=2,
+            )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "r.bundle").exists()
