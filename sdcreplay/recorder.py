@@ -437,7 +437,9 @@ class Recorder:
                     ring=self._ring.size,
                 )
             )
-            with _disable_current_modes():  # a fault injector's mode around the loop's step
+            # Called from inside the loop's step, the verification must not reach it: neither
+            # through a fault injector's mode nor through the capture of the open step.
+            with _disable_current_modes(), self._capture.paused():
                 self._verify_dump(writer)
         except BaseException:
             writer.abort()

@@ -322,3 +322,20 @@ def test_a_ring_is_refused_under_torch_distributed(tmp_path):
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "r.bundle").exists()
+
+
+def test_a_dump_from_inside_a_step_leaves_that_step_out_and_untouched(tmp_path):
+    rec, workload, _ = ring_loop(tmp_path / "inside.bundle", 5, kwargs=SMALL)
+    batch = workload.get_batch(5)
+    with rec.step(batch):
+        workload.run_step(batch)
+        inside = Bundle.open(rec.dump("alarm raised inside step 5"))  # re-executes step 0 too
+    after = Bundle.open(rec.dump("after the step"))
+    rec.close()
+    assert inside.step_indices == [0, 1, 2, 3, 4]  # step 5 was still open
+    assert inside.manifest.trigger.step == 4 and inside.verification.status == "passed"
+    assert after.step_indices == [0, 1, 2, 3, 4, 5]
+    # Step 5's signature holds the loop's step only, not the verification's backward.
+    assert sdcreplay.compare_logs(
+        after.signature_log(), sdcreplay.replay_on_device(after, "cpu")
+    ).identical
