@@ -22,6 +22,7 @@ import contextlib
 import math
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -316,15 +317,24 @@ class ReplayCheck:
         self._probe: _Probe | None = None
         self._on_optimizer: Callable[[], None] | None = None
         # A global hook runs before every optimizer's own pre-hooks (an OperatorMode's, a
-        # Recorder's), so an execution it stops leaves them untouched.
-        self._hook = register_optimizer_step_pre_hook(self._optimizer_begins)
+        # Recorder's), so an execution it stops leaves them untouched. It holds the check
+        # weakly and goes when the check does (or at close()).
+        self._hook = register_optimizer_step_pre_hook(_weakly(self._optimizer_begins))
+        weakref.finalize(self, self._hook.remove)
 
     def reset_schedule(self) -> None:
         """Check the next ``num_steps`` steps again (after a checkpoint load, as TorchTitan)."""
         self.local_step = 0
 
     def close(self) -> None:
+        """Remove the optimizer hook (also done when the check is garbage collected)."""
         self._hook.remove()
+
+    def __enter__(self) -> ReplayCheck:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def due(self) -> bool:
@@ -473,6 +483,18 @@ class ReplayCheck:
             bit_histogram=None if forensics is None else forensics["histogram"],
             bundle=bundle,
         )
+
+
+def _weakly(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+    """A global hook calling ``method`` while its object lives, without keeping it alive."""
+    alive = weakref.WeakMethod(method)
+
+    def hook(optimizer, args, kwargs) -> None:
+        bound = alive()
+        if bound is not None:
+            bound(optimizer, args, kwargs)
+
+    return hook
 
 
 class _Baseline:
@@ -726,7 +748,14 @@ class UpdateDetector:
         self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
 
     def close(self) -> None:
+        """Remove the optimizer hook."""
         self._hook.remove()
+
+    def __enter__(self) -> UpdateDetector:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def metrics(self) -> dict[str, float | int]:
         """Counters to log: ``steps``, ``detections`` (alarms raised), ``recomputes``,

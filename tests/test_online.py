@@ -8,6 +8,7 @@ so ``nth=0`` is the reference execution's call and ``nth=1`` the replay's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.optim.optimizer as optimizer_module
 from conftest import REPO, SMALL
 
 from sdcreplay.capture import OperatorMode
@@ -249,6 +251,19 @@ def test_the_schedule_checks_num_steps_then_again_after_reset() -> None:
     assert check.checked_steps == 3
 
 
+def test_a_check_leaves_no_optimizer_hook_behind() -> None:
+    hooks = optimizer_module._global_optimizer_pre_hooks
+    before = len(hooks)
+    loop = Loop()
+    with loop.check() as check:
+        check.run_step(batch(0))
+        assert len(hooks) == before + 1
+    assert len(hooks) == before
+    loop.check()  # dropped at once: collected with its hook
+    gc.collect()
+    assert len(hooks) == before
+
+
 def test_gradients_carried_into_a_checked_step_are_refused() -> None:
     loop = Loop()
     loop.model.fc1.weight.grad = torch.ones_like(loop.model.fc1.weight)
@@ -468,6 +483,7 @@ import json, sys
 from datetime import timedelta
 
 import torch
+import torch.optim.optimizer as optimizer_module
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
