@@ -544,19 +544,27 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if _distributed(group) else 0
 
 
+def _highest(value: int, group: Any) -> int:
+    """The largest of every rank's ``value`` (an all-reduce MAX; the value itself alone)."""
+    if not _distributed(group):
+        return value
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":  # its collectives take device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _own_work():
+        flag = torch.tensor([value], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return int(flag.item())
+
+
 def _first_rank(local: dict | None, group: Any) -> dict | None:
     """The mismatch every rank reports: the one whose first differing entry comes first in the
     step (a fault upstream of a collective shows first where it happened), then lowest rank."""
     if not _distributed(group):
         return None if local is None else {**local, "rank": 0}
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # its collectives take device tensors only
-        device = torch.device("cuda", torch.cuda.current_device())
+    if not _highest(0 if local is None else 1, group):
+        return None
     with _own_work():
-        flag = torch.tensor([0 if local is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if not int(flag.item()):
-            return None
         summary = (
             None if local is None else {"replay": local["replay"], **vars(local["difference"])}
         )
@@ -659,6 +667,12 @@ class RecomputeLimitError(SdcReplayError):
         )
 
 
+PEER_ALARM = "peer"
+"""The reason on a rank that raised no alarm itself but rolls back with one that did."""
+
+# What a recompute showed, ordered so that the largest over the ranks decides for all.
+_PASSED, _REPEATED, _OTHER = 0, 1, 2
+
 SecondOpinion = Callable[[Alarm, TrainingSnapshot, Any], bool]
 """``(alarm, snapshot before the step, batch) -> True`` when another device, from the same
 state, reproduces the alarmed result (so it was correct)."""
@@ -717,6 +731,7 @@ class UpdateDetector:
         snapshot_device: torch.device | str | None = None,
         recorder: Any = None,
         start_step: int = 0,
+        group: Any = None,
     ):
         if alpha < 0 or sigmas < 0 or not 0 <= ema_decay < 1 or window < 2:
             raise SdcReplayError(
@@ -734,6 +749,7 @@ class UpdateDetector:
         self.spike_factor, self.spike_steps = spike_factor, spike_steps
         self.max_recomputes, self.persistent_after = max_recomputes, persistent_after
         self.second_opinion = second_opinion
+        self.group = group
         self.snapshot_device = snapshot_device
         self.recorder = recorder
         self.next_step = start_step
@@ -795,10 +811,11 @@ class UpdateDetector:
                 loss, original = self._observe(batch, snapshot)
             step_seconds = self._step_seconds
             reasons = self.reasons(original)
-            if not reasons:
+            if not _highest(int(bool(reasons)), self.group):  # every rank agrees: no alarm
                 self._reproducible_in_a_row = 0
                 self._accept(original)
                 return loss
+            reasons = reasons or [PEER_ALARM]  # rolled back with the rank that alarmed
             self._counts["detections"] += 1
             alarm = Alarm(step, reasons, original=original)
             self.alarms.append(alarm)
@@ -894,9 +911,11 @@ class UpdateDetector:
     def _resolve(
         self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, loss: Any
     ) -> torch.Tensor | None:
-        """Recompute until an execution passes (transient) or repeats its predecessor
-        (reproducible), at most ``max_recomputes`` times. Recomputes run outside the recorder,
-        whose ring keeps the alarmed execution as the evidence until the verdict."""
+        """Recompute until every rank's execution passes (transient, or correct on a rank that
+        only followed another's alarm), or one repeats its predecessor (reproducible), at most
+        ``max_recomputes`` times. Every decision is agreed by all ranks, so they run the same
+        executions (their collectives match). Recomputes run outside the recorder, whose ring
+        keeps the alarmed execution as the evidence until the verdict."""
         previous = alarm.original
         assert previous is not None
         started = time.perf_counter()
@@ -908,10 +927,15 @@ class UpdateDetector:
                 self._counts["recomputes"] += 1
                 loss, again = self._observe(batch, snapshot)
                 alarm.recomputed = again
-                if again.result != previous.result and not self.reasons(again):
+                repeated = again.result == previous.result
+                outcome = _PASSED if not self.reasons(again) else _REPEATED if repeated else _OTHER
+                agreed = _highest(outcome, self.group)
+                if agreed == _PASSED:
+                    if repeated:  # this rank only followed: its step was right
+                        return self._correct(alarm, again, loss)
                     return self._transient(batch, snapshot, alarm, again, loss)
-                if again.result == previous.result:
-                    return self._reproducible(batch, snapshot, alarm, again, loss)
+                if agreed == _REPEATED:
+                    return self._reproducible(batch, snapshot, alarm, again, loss, outcome)
                 previous = again
             self._give_up(snapshot, alarm)
             raise RecomputeLimitError(alarm, self.max_recomputes)
@@ -935,20 +959,35 @@ class UpdateDetector:
         self._accept(kept)
         return loss
 
+    def _correct(self, alarm: Alarm, kept: Observation, loss: Any) -> torch.Tensor | None:
+        self._classify(alarm, "correct")
+        self._accept(kept)
+        return loss
+
     def _reproducible(
-        self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, seen: Observation, loss: Any
+        self,
+        batch: Any,
+        snapshot: TrainingSnapshot,
+        alarm: Alarm,
+        seen: Observation,
+        loss: Any,
+        outcome: int,
     ) -> torch.Tensor | None:
-        """The same result again: correct if another device agrees (or, without one, unless
-        it keeps happening), else persistent: roll back and raise."""
-        self._reproducible_in_a_row += 1
-        if self.second_opinion is not None:
-            confirmed = self.second_opinion(alarm, snapshot, batch)
-        else:
-            confirmed = self._reproducible_in_a_row < self.persistent_after
-        if confirmed:
-            self._classify(alarm, "correct")
-            self._accept(seen)
-            return loss
+        """The same result again (on some rank): correct if another device agrees (or,
+        without one, unless it keeps happening), else persistent: roll back and raise, on
+        every rank."""
+        confirmed = True
+        if outcome == _REPEATED:
+            self._reproducible_in_a_row += 1
+            if self.second_opinion is not None:
+                confirmed = self.second_opinion(alarm, snapshot, batch)
+            else:
+                confirmed = self._reproducible_in_a_row < self.persistent_after
+        if not _highest(int(not confirmed), self.group):
+            original = alarm.original
+            if outcome == _PASSED and original is not None and seen.result != original.result:
+                return self._transient(batch, snapshot, alarm, seen, loss)
+            return self._correct(alarm, seen, loss)
         self._classify(alarm, "persistent")
         self._give_up(snapshot, alarm)
         raise PersistentFaultError(alarm)

@@ -253,6 +253,7 @@ def test_the_schedule_checks_num_steps_then_again_after_reset() -> None:
 
 def test_a_check_leaves_no_optimizer_hook_behind() -> None:
     hooks = optimizer_module._global_optimizer_pre_hooks
+    gc.collect()  # the checks of earlier tests, and their hooks
     before = len(hooks)
     loop = Loop()
     with loop.check() as check:
@@ -483,13 +484,12 @@ import json, sys
 from datetime import timedelta
 
 import torch
-import torch.optim.optimizer as optimizer_module
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sdcreplay.capture import OperatorMode
 from sdcreplay.faults import Injector, parse_specs
-from sdcreplay.online import ReplayCheck, SDCReplayMismatch
+from sdcreplay.online import ReplayCheck, SDCReplayMismatch, UpdateDetector
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank = dist.get_rank()
@@ -509,62 +509,83 @@ def train_step(batch):
     optimizer.zero_grad()
     return loss
 
-check = ReplayCheck(model=ddp, optimizer=optimizer, train_step=train_step, num_steps=-1)
-# rank 1 is the defective one: its replay of step 2 computes fc1 wrongly
-specs = [sys.argv[2]] if rank == 1 else []
-result = {"rank": rank, "steps": 0}
-for step in range(4):
-    generator = torch.Generator().manual_seed(100 * rank + step)
-    batch = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
-    injector = Injector(parse_specs(specs, include_env=False), "cpu")
-    try:
-        with OperatorMode(model, optimizer, [injector], step):
-            check.run_step(batch)
-        result["steps"] += 1
-    except SDCReplayMismatch as error:
-        result.update(step=error.step, replay=error.replay, failing_rank=error.rank,
-                      entry=error.entry, elements=error.elements,
-                      histogram=error.bit_histogram, fired=len(injector.fired))
-        break
+def run(detector, spec, steps):
+    specs = [spec] if rank == 1 else []  # rank 1 is the defective one
+    result = {"rank": rank, "steps": 0}
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        batch = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+        injector = Injector(parse_specs(specs, include_env=False), "cpu")
+        try:
+            with OperatorMode(model, optimizer, [injector], step):
+                detector.run_step(batch)
+            result["steps"] += 1
+        except SDCReplayMismatch as error:
+            result.update(step=error.step, replay=error.replay, failing_rank=error.rank,
+                          entry=error.entry, elements=error.elements,
+                          histogram=error.bit_histogram, fired=len(injector.fired))
+            break
+    detector.close()
+    return result
+
+replay = run(ReplayCheck(model=ddp, optimizer=optimizer, train_step=train_step, num_steps=-1),
+             sys.argv[2], 4)
+detector = UpdateDetector(model=ddp, optimizer=optimizer, train_step=train_step, warmup=3,
+                          spike_steps=3, sigmas=6.0)
+update = run(detector, sys.argv[3], 10)
+update["alarms"] = [[a.step, a.reasons, a.classification] for a in detector.alarms]
+update["weights"] = [p.sum().item() for p in model.parameters()]
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as out:
-    json.dump(result, out)
+    json.dump({"replay": replay, "update": update}, out)
 dist.destroy_process_group()
 """
 
 
-def test_two_gloo_ranks_agree_on_the_mismatching_rank(tmp_path: Path) -> None:
+# Rank 1's replay of step 2 computes fc1 wrongly; later its step 6 gradient once.
+RANK_FAULTS = (
+    "kind=bitflip,op=aten.mm,module=fc1,phase=forward,step=2,nth=1,index=5,bit=22",
+    "kind=bias,op=aten.mm,module=fc1,phase=backward,step=6,nth=0,index=5,scale=1e4",
+)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """The script above on 2 gloo ranks, launched as torchrun launches them: ReplayCheck for
+    4 steps, then UpdateDetector for 10 more."""
+    out = tmp_path_factory.mktemp("ranks")
+    script = out / "train.py"
+    script.write_text(RANKS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", str(script), str(out), *RANK_FAULTS]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_gloo_ranks_agree_on_the_mismatching_rank(two_ranks: list[dict]) -> None:
     """DDP all-reduces the gradients, so every rank's gradients differ after rank 1's fault;
     its loss (before the all-reduce) differs on rank 1 only, first in the step: every rank
     names rank 1."""
-    script = tmp_path / "train.py"
-    script.write_text(RANKS_SCRIPT)
-    spec = "kind=bitflip,op=aten.mm,module=fc1,phase=forward,step=2,nth=1,index=5,bit=22"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            str(tmp_path),
-            spec,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    results = [ranks["replay"] for ranks in two_ranks]
     for rank, result in enumerate(results):
         assert result["rank"] == rank and result["steps"] == 2
         assert (result["step"], result["replay"], result["failing_rank"]) == (2, 1, 1)
         assert result["entry"] == "loss"
     assert results[1]["fired"] == 1 and results[0]["fired"] == 0
     assert results[0]["elements"] == results[1]["elements"] == 1  # rank 1's loss, shared
+
+
+def test_two_gloo_ranks_roll_back_and_recompute_together(two_ranks: list[dict]) -> None:
+    """Rank 1's gradient fault reaches rank 0 through DDP's all-reduce; both roll back and
+    recompute (the same collectives on both), both classify it transient, and the run goes on
+    with the ranks' weights still equal."""
+    results = [ranks["update"] for ranks in two_ranks]
+    for result in results:
+        assert result["steps"] == 10
+        assert [(step, kind) for step, _, kind in result["alarms"]] == [(6, "transient")]
+        assert "grad_spike" in result["alarms"][0][1]
+    assert results[0]["weights"] == results[1]["weights"]
 
 
 def test_update_detector_dumps_the_alarmed_step_and_training_goes_on_from_the_recompute(
