@@ -339,3 +339,25 @@ def test_a_dump_from_inside_a_step_leaves_that_step_out_and_untouched(tmp_path):
     assert sdcreplay.compare_logs(
         after.signature_log(), sdcreplay.replay_on_device(after, "cpu")
     ).identical
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.update(step=-1), "trigger.step is -1"),
+        (lambda t: t.pop("reason"), "trigger.reason is missing"),
+        (lambda t: t.update(ring=0), "trigger.ring is 0"),
+        (lambda t: t.update(source=7), "trigger.source is 7"),
+    ],
+)
+def test_a_malformed_trigger_is_refused_by_name(small_bundle, edit, message):
+    from test_bundle import rewrite_manifest
+
+    from sdcreplay.errors import BundleError
+
+    trigger = {"reason": "why", "source": "user", "step": 2, "ring": 4}
+    rewrite_manifest(small_bundle, lambda manifest: manifest.update(trigger=trigger))
+    assert Bundle.open(small_bundle).manifest.trigger.to_json() == trigger  # well formed
+    rewrite_manifest(small_bundle, lambda manifest: edit(manifest["trigger"]))
+    with pytest.raises(BundleError, match=message):
+        Bundle.open(small_bundle)
