@@ -725,6 +725,7 @@ def bisect(
         },
         bits=forensics.get("bits"),
         pattern=forensics.get("pattern"),
+        fault_model=forensics.get("fault_model"),
         site=asdict(site),
         prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
@@ -867,7 +868,16 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
         ],
         "elements": {
             k: forensics.get(k)
-            for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")
+            for k in (
+                "count",
+                "total",
+                "indices",
+                "positions",
+                "xor",
+                "bits",
+                "pattern",
+                "fault_model",
+            )
         },
     }
 
@@ -907,6 +917,7 @@ def _state_forensics(work: Path, suspect: str, names: list[str]) -> list[dict]:
                             "actual",
                             "bits",
                             "pattern",
+                            "fault_model",
                         )
                     },
                 }
