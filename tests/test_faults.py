@@ -6,6 +6,7 @@ under a real OperatorMode, so every expectation is exact.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -897,3 +898,43 @@ def test_injector_records_the_mask_and_burst_elements_it_fired():
     _, clean_spy = run_steps([])
     clean_out = next(out for site, out in clean_spy.calls if site.module == "enc" and site.op == MM)
     assert _xor(clean_out, enc_out) == [(i, 1 << 21) for i in (5, 6, 7)]
+
+
+def test_a_recording_with_a_mask_diverges_where_it_was_planted(cli, tmp_path, small_bundle):
+    """record --inject kind=mask: the bundle differs from a clean one from that call on."""
+    from conftest import SMALL_ARGS
+
+    spec = (
+        "kind=mask,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=101,"
+        "mask=0x00f00000"
+    )
+    out = tmp_path / "masked.bundle"
+    recorded = cli("record", "builtin:tiny-llama", "--steps", "2", "--out", out, *SMALL_ARGS,
+                   "--inject", spec)  # fmt: skip
+    assert recorded.exit_code == 0, recorded.stderr
+    compared = cli("diff", small_bundle, out, "--json")
+    assert compared.exit_code == 1, compared.stderr
+    first = json.loads(compared.stdout)["first_divergence"]
+    assert (first["step"], first["phase"], first["name"]) == (
+        1,
+        "forward",
+        "forward:layers.0.attn.wq",
+    )
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("kind=mask,op=aten.mm,step=1,mask=0", "mask=0 changes no bit"),
+        ("kind=mask,op=aten.mm,step=1,index=3,mask=0x100000000", "wider than the 32-bit word"),
+    ],
+)
+def test_a_bad_mask_on_the_command_line_is_an_error_with_a_hint(cli, tmp_path, spec, words):
+    from conftest import SMALL_ARGS
+
+    out = tmp_path / "refused.bundle"
+    result = cli("record", "builtin:tiny-llama", "--steps", "2", "--out", out, *SMALL_ARGS,
+                 "--inject", spec)  # fmt: skip
+    assert result.exit_code == 3
+    assert "Error:" in result.stderr and words in result.stderr
+    assert "Hint:" in result.stderr and "Traceback" not in result.stderr
