@@ -856,6 +856,7 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
         )
     summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
     forensics = element_forensics(_input_at(case.args, first), _input_at(suspect_args, first))
+    evidence = ("count", "total", "indices", "positions", "xor", "bits", "pattern", "fault_model")
     return {
         "at_rest": at_rest,
         "summary": summary,
@@ -866,19 +867,7 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
         "inputs_differ": [
             o["name"] + ("" if o["element"] is None else f"[{o['element']}]") for o in differing
         ],
-        "elements": {
-            k: forensics.get(k)
-            for k in (
-                "count",
-                "total",
-                "indices",
-                "positions",
-                "xor",
-                "bits",
-                "pattern",
-                "fault_model",
-            )
-        },
+        "elements": {k: forensics.get(k) for k in evidence},
     }
 
 

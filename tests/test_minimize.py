@@ -105,6 +105,18 @@ def write_report(directory: Path, case: OperatorCase, inject: str) -> Path:
     return directory
 
 
+def unfaulted(call: OperatorCase) -> OperatorCase:
+    """``call`` with the suspect's outputs a fresh copy of the expected ones (not yet faulted)."""
+    return OperatorCase(
+        call.site,
+        call.prior,
+        call.args,
+        call.kwargs,
+        call.expected,
+        [t.clone() for t in call.expected],
+    )
+
+
 @pytest.fixture(scope="session")
 def wq_call() -> OperatorCase:
     return capture_call()
@@ -113,14 +125,7 @@ def wq_call() -> OperatorCase:
 @pytest.fixture
 def report(tmp_path: Path, wq_call: OperatorCase, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("SDCREPLAY_INJECT", raising=False)
-    case = OperatorCase(
-        wq_call.site,
-        wq_call.prior,
-        wq_call.args,
-        wq_call.kwargs,
-        wq_call.expected,
-        [t.clone() for t in wq_call.expected],
-    )
+    case = unfaulted(wq_call)
     return write_report(tmp_path / "report", case, STICKY)
 
 
@@ -130,14 +135,7 @@ def sticky_result(tmp_path_factory: pytest.TempPathFactory, wq_call: OperatorCas
     from conftest import preserved_global_state
 
     directory = tmp_path_factory.mktemp("sticky") / "report"
-    case = OperatorCase(
-        wq_call.site,
-        wq_call.prior,
-        wq_call.args,
-        wq_call.kwargs,
-        wq_call.expected,
-        [t.clone() for t in wq_call.expected],
-    )
+    case = unfaulted(wq_call)
     write_report(directory, case, STICKY)
     with preserved_global_state(), pytest.MonkeyPatch.context() as patch:
         patch.delenv("SDCREPLAY_INJECT", raising=False)
@@ -471,14 +469,7 @@ def test_minimize_from_a_real_bisect_names_the_burst(
 
 
 def test_minimize_names_a_multi_bit_mask(cli, tmp_path: Path, wq_call: OperatorCase):
-    case = OperatorCase(
-        wq_call.site,
-        wq_call.prior,
-        wq_call.args,
-        wq_call.kwargs,
-        wq_call.expected,
-        [t.clone() for t in wq_call.expected],
-    )
+    case = unfaulted(wq_call)
     report = write_report(tmp_path / "report", case, MASK)
     result = cli("minimize", report, "--inject", MASK, "--trials", "20", "--json")
     assert result.exit_code == 1, result.stderr
