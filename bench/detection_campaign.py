@@ -83,6 +83,7 @@ class Site:
     numel: int
     columns: int  # extent of the last dimension (a burst's row)
     width: int  # bits per element
+    mantissa: int  # of them, the mantissa's
 
 
 class SiteList:
@@ -108,7 +109,8 @@ class SiteList:
             nth = sum(1 for earlier in before if spec.matches_key(*earlier))
             columns = target.shape[-1] if target.dim() else 1
             width = 8 * target.element_size()
-            self.sites.append(Site(*key, nth, target.numel(), columns, width))
+            mantissa = round(-math.log2(torch.finfo(target.dtype).eps))
+            self.sites.append(Site(*key, nth, target.numel(), columns, width, mantissa))
         return out
 
 
@@ -133,6 +135,20 @@ class PlantedFault:
     mode: str
     start: int  # the step from which it is active
     spec: FaultSpec
+    site: Site
+
+    @property
+    def field(self) -> str:
+        """Which part of a float the changed bits hit: what decides how large the error is."""
+        if self.spec.kind in ("bias", "swap"):
+            return "value (bias, swap)"
+        bits = self.spec.mask if self.spec.mask is not None else 1 << (self.spec.bit or 0)
+        if self.spec.mask is None and self.spec.bit is None:  # the injector's default bit
+            bits = 1 << (self.site.mantissa - 1)
+        sign = 1 << (self.site.width - 1)
+        if bits & (sign - (1 << self.site.mantissa)):
+            return "exponent bits"
+        return "sign bit, mantissa" if bits & sign else "mantissa only"
 
     def active(self, step: int) -> bool:
         return step == self.start if self.mode == "single" else step >= self.start
@@ -142,7 +158,13 @@ class PlantedFault:
         return Injector([self.spec], "cpu", salt=1000 * step + execution)
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "mode": self.mode, "start": self.start, "spec": str(self.spec)}
+        return {
+            "kind": self.kind,
+            "mode": self.mode,
+            "start": self.start,
+            "spec": str(self.spec),
+            "field": self.field,
+        }
 
 
 def random_mask(draw: random.Random, width: int) -> int:
@@ -183,7 +205,7 @@ def random_fault(draw: random.Random, sites: list[Site], kind: str, mode: str, s
         **keys,
     )
     start = draw.randrange(steps // 3, steps - 2)
-    return PlantedFault(kind, mode, start, spec)
+    return PlantedFault(kind, mode, start, spec, site)
 
 
 # ---------------------------------------------------------------------------
@@ -506,6 +528,7 @@ def summarize(results: list[dict]) -> dict:
             "kind": lambda r: r["fault"]["kind"],
             "mode": lambda r: r["fault"]["mode"],
             "phase": lambda r: _phase(r["fault"]["spec"]),
+            "field": lambda r: r["fault"]["field"],
         }
         entry: dict = {}
         for axis, key in groups.items():
@@ -568,11 +591,11 @@ def markdown(summary: dict, costs: dict, args: argparse.Namespace) -> str:
             )
     lines += [
         "",
-        "| detector | mode | trials | fired | detected (of fired) | classified |",
+        "| detector | mode, phase or bits | trials | fired | detected (of fired) | classified |",
         "| --- | --- | ---: | ---: | ---: | --- |",
     ]
     for detector, entry in summary.items():
-        for axis in ("mode", "phase"):
+        for axis in ("mode", "phase", "field"):
             for value, group in entry[axis].items():
                 classes = ", ".join(
                     f"{k} {v}" for k, v in sorted(group["first_classified"].items())
