@@ -447,6 +447,23 @@ class Verification(Record):
 
 
 @dataclass(kw_only=True)
+class Trigger(Record):
+    """Why a ring buffer's bundle was written (``Recorder(ring=K).dump``): absent in a bundle
+    recorded step by step."""
+
+    RULES: ClassVar[dict[str, Check]] = {
+        "reason": text(4096),
+        "source": text(64),
+        "step": integer(0, 2**31 - 1),
+        "ring": integer(1, 2**31 - 1),
+    }
+    reason: str  # what the alarm (or the person) said
+    source: str  # who asked: "user", "ReplayCheck", "UpdateDetector", "record", ...
+    step: int  # the last step in the bundle
+    ring: int  # the ring's size K: the bundle holds at least the last K steps (or all)
+
+
+@dataclass(kw_only=True)
 class EmbeddedState(Record):
     """Model and optimizer state in the bundle's own ``state.h5``."""
 
@@ -532,6 +549,7 @@ class Manifest(Record):
             mode="off", status="off", absent=frozenset({"problem"})
         )
     )
+    trigger: Trigger | None = None  # a ring buffer's dump: why it was written
     manifest_sha256: str | None = None  # manifest_digest of the rest
 
     @classmethod
@@ -553,6 +571,8 @@ class Manifest(Record):
             typed["capture"] = CaptureSettings._read(obj["capture"])
         if "verification" in obj:
             typed["verification"] = Verification._read(obj["verification"])
+        if "trigger" in obj:
+            typed["trigger"] = Trigger._read(obj["trigger"])
         return cls._read(obj, **typed)
 
     @property
@@ -628,6 +648,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
         )
     ),
     "signature": optional(text(64, "[0-9a-f]{64}")),
+    "trigger": OPTIONAL_OBJECT,
     "state": OBJECT,
     "state.kind": choice(*STATE_KINDS),
     "files": mapping(text(256), OBJECT),
@@ -681,6 +702,8 @@ def _validate_manifest(manifest: Any) -> None:
     _check_fields(manifest, MANIFEST_FIELDS)
     state = manifest["state"]
     _check_fields(state, STATE_KINDS[state["kind"]].RULES, "state.")
+    if "trigger" in manifest:
+        _check_fields(manifest["trigger"], Trigger.RULES, "trigger.")
     files = manifest["files"]
     for name, meta in files.items():
         _require(
@@ -816,7 +839,7 @@ class BundleWriter:
         self._overwrite = overwrite
         # Written only once embed_state or reference_checkpoint has set the state; the
         # optional parts not known yet stay out of the JSON until they are.
-        unset = {"state_objects", "verification"} | {
+        unset = {"state_objects", "verification", "trigger"} | {
             name
             for name, value in (("fingerprint", fingerprint), ("capture", capture))
             if value is None
@@ -873,6 +896,11 @@ class BundleWriter:
             absent=frozenset() if problem else frozenset({"problem"}),
         )
         self.manifest.present("verification", verification)
+        self._save_manifest()
+
+    def set_trigger(self, trigger: Trigger) -> None:
+        """Say why this bundle was written (a ring buffer's dump)."""
+        self.manifest.present("trigger", trigger)
         self._save_manifest()
 
     def add_step(
@@ -1166,6 +1194,7 @@ class BundleInfo:
     fingerprint: dict | None
     must_match: dict
     trusted: bool
+    trigger: dict | None = None
 
     exit_code = 0
 
@@ -1208,4 +1237,5 @@ def describe(path: str | Path) -> BundleInfo:
         fingerprint=manifest.fingerprint,
         must_match=must_match(manifest.fingerprint or {}),
         trusted=bundle.trusted,
+        trigger=None if manifest.trigger is None else manifest.trigger.to_json(),
     )

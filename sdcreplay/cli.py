@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -161,6 +162,12 @@ def command(renderer: Callable[[Output, Any], None]):
 # --- option parsing -------------------------------------------------------------------------
 
 
+class DumpOn(str, Enum):
+    """What may write a ring buffer's bundle (`record --ring K --dump-on ...`)."""
+
+    end = "end"
+
+
 def parse_kwargs(pairs: list[str]) -> dict:
     kwargs = {}
     for pair in pairs:
@@ -232,12 +239,28 @@ def record(
             "that cannot be replayed."
         ),
     ] = True,
+    ring: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Keep only the last K steps in memory and write the bundle only when --dump-on "
+            "asks (docs/online.md).",
+        ),
+    ] = None,
+    dump_on: Annotated[
+        list[DumpOn] | None,
+        typer.Option(
+            "--dump-on",
+            help="With --ring, what writes the ring's bundle (repeatable): end (the run ended).",
+        ),
+    ] = None,
     json_mode: JsonOpt = False,
 ):
     """Run WORKLOAD's train_step (if any) for --steps steps; write a deterministic trace bundle.
 
     --out defaults to traces/<workload>.bundle. Injected faults (--inject) fire while
-    recording; the bundle does not carry them.
+    recording; the bundle does not carry them. With --ring nothing is written unless an alarm
+    (--dump-on) asks; later bundles get -2, -3... before the suffix.
     """
     from .recorder import record as record_bundle
 
@@ -265,6 +288,8 @@ def record(
             max_depth=depth,
             verify=verify,
             on_step=on_step,
+            ring=ring,
+            dump_at_end=DumpOn.end in (dump_on or []),
         )
 
 

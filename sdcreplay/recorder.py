@@ -35,12 +35,14 @@ from torch.utils.hooks import RemovableHandle
 
 from . import determinism
 from .bundle import (
+    PARTIAL_SUFFIX,
     Bundle,
     BundleWriter,
     CaptureSettings,
     CheckpointState,
     Environment,
     Switches,
+    Trigger,
     WorkloadRef,
     checkpoint_reference,
     load_checkpoint,
@@ -51,9 +53,11 @@ from .digest import algorithm_for
 from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
 from .faults import Injector, parse_specs
 from .replay import ReplaySession
+from .ring import HeldStep, StepRing, model_state_dict
 from .signature import is_program_entry
+from .snapshot import TrainingSnapshot
 from .tensorio import map_tensors
-from .workload import accepts_seed, build_workload, canonical_ref, check_state_objects
+from .workload import Workload, accepts_seed, build_workload, canonical_ref, check_state_objects
 
 VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
@@ -89,9 +93,11 @@ class Recorder:
         overwrite: bool = False,
         verify: bool | str = True,
         inject: Sequence[str] = (),
+        ring: int | None = None,
     ):
         if verify not in VERIFY_MODES:
             raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
+        _check_ring(ring, checkpoint)
         first_param = next(model.parameters())
         self.device = first_param.device
         self.model, self.optimizer = model, optimizer
@@ -100,8 +106,8 @@ class Recorder:
         self.verify_mode = VERIFY_MODES[verify]
         self._inject = list(inject)
         switches = determinism.enable() if deterministic else determinism.current_switches()
-        self._writer = BundleWriter(
-            Path(path),
+        self._overwrite = overwrite
+        self._bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
             workload=WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {})),
             device=self.label,
             device_type=self.device.type,
@@ -110,17 +116,22 @@ class Recorder:
             determinism=Switches(**switches),
             fingerprint=determinism.fingerprint(self.device),
             capture=CaptureSettings(max_depth=max_depth, program=True),
-            overwrite=overwrite,
         )
-        objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
-        if checkpoint is not None:
-            reference = checkpoint_reference(Path(checkpoint))
-            _check_model_matches_checkpoint(model, reference)
-            self._writer.reference_checkpoint(reference, objects)
-        else:
-            self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
-        status = "pending" if self.verify_mode != "off" else "off"
-        self._writer.set_verification(self.verify_mode, status)
+        self._ring = None if ring is None else StepRing(ring)
+        self._ring_problem: str | None = None  # ring mode: why no dump can pass verification
+        self.dumps: list[Path] = []
+        self._writer: BundleWriter | None = None
+        if self._ring is None:
+            self._writer = BundleWriter(Path(path), overwrite=overwrite, **self._bundle_settings)
+            objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
+            if checkpoint is not None:
+                reference = checkpoint_reference(Path(checkpoint))
+                _check_model_matches_checkpoint(model, reference)
+                self._writer.reference_checkpoint(reference, objects)
+            else:
+                self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
+            status = "pending" if self.verify_mode != "off" else "off"
+            self._writer.set_verification(self.verify_mode, status)
         self._capture = SignatureCapture(
             model, optimizer, max_depth=max_depth, state=self.state_objects, program=True
         )
@@ -133,9 +144,10 @@ class Recorder:
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
+        self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
         self.steps_written = 0
         self.entries_written = 0
-        self.path: Path = self._writer.path
+        self.path: Path = Path(path) if self._writer is None else self._writer.path
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
@@ -145,7 +157,11 @@ class Recorder:
         self.verify()
         self._check_unchanged_since_last_step()
         grads = grads_entering(self.model)
-        if self._next_index == self._first_index and grads == "kept" and self.verify_mode != "off":
+        if self._ring is not None:
+            self._ring_step_begins(grads)
+        elif (
+            self._next_index == self._first_index and grads == "kept" and self.verify_mode != "off"
+        ):
             self._mismatch(
                 "the first recorded step begins with gradients accumulated before it, which "
                 "the bundle does not hold: start recording at an optimizer-step boundary "
@@ -172,40 +188,51 @@ class Recorder:
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
         seconds = time.perf_counter() - started  # replay derives its hang timeout from it
-        self._writer.add_step(
-            index, batch, rng, entries, optimizer_step=stepped, grads=grads, seconds=seconds
-        )
+        if self._writer is not None:
+            self._writer.add_step(
+                index, batch, rng, entries, optimizer_step=stepped, grads=grads, seconds=seconds
+            )
+        elif self._ring is not None:
+            self._ring.add(HeldStep(index, batch, rng, entries, stepped, grads, seconds))
         self.steps_written += 1
         self.entries_written += len(entries)
-        self._verify_due = self.steps_written == 1 and self.verify_mode != "off"
+        self._verify_due = (
+            self.steps_written == 1 and self.verify_mode != "off" and self._writer is not None
+        )
         if self.verify_mode != "off":
             # From the optimizer's hook, the parameters and buffers are still as the capture
             # digested them a moment ago: its entries are their digests, not hashed again.
             updated = self._capture.updated_state if at_optimizer_step else {}
             self._end_digests = updated or state_digests(self.model)
+            self._held_end_digests = self._end_digests
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
         does)."""
-        if not self._verify_due:
+        if not self._verify_due or self._writer is None:
             return
         self._verify_due = False
-        # Building the workload reseeds the generators; the loop goes on from its own states.
-        saved = determinism.capture_rng(self.device)
-        try:
-            problem = self._reexecute_first_step()
-        finally:
-            determinism.restore_rng(saved, self.device)
+        problem = self._first_step_problem(self._writer.path, live_state=True)
         if problem is None:
             self._writer.set_verification(self.verify_mode, "passed")
         else:
             self._mismatch(problem)
 
-    def _reexecute_first_step(self) -> str | None:
+    def _first_step_problem(self, bundle_path: Path, *, live_state: bool) -> str | None:
+        """Re-execute the bundle's first step; ``live_state``: the loop's state must also equal
+        replay's after it (true only while the loop is at the start of its second step)."""
+        # Building the workload reseeds the generators; the loop goes on from its own states.
+        saved = determinism.capture_rng(self.device)
+        try:
+            return self._reexecute_first_step(bundle_path, live_state)
+        finally:
+            determinism.restore_rng(saved, self.device)
+
+    def _reexecute_first_step(self, bundle_path: Path, live_state: bool) -> str | None:
         """Replay the first step as `sdcreplay replay` would, in this process: what differs, or
         None."""
         try:
-            session = ReplaySession(Bundle.open(self._writer.path), self.label, inject=self._inject)
+            session = ReplaySession(Bundle.open(bundle_path), self.label, inject=self._inject)
         except SdcReplayError as exc:
             return f"replay cannot rebuild this recording: {exc.message}"
         try:
@@ -219,7 +246,7 @@ class Recorder:
             replayed = session.run_step(record)
             recorded = session.bundle.signature_log().steps[record.index]
             problem = describe_first_difference(recorded, replayed)
-            if problem is None:
+            if problem is None and live_state:
                 problem = self._state_difference(session)
             return problem
         finally:
@@ -262,7 +289,10 @@ class Recorder:
             )
 
     def _mismatch(self, problem: str) -> None:
-        self._writer.set_verification(self.verify_mode, "failed", problem)
+        if self._writer is not None:
+            self._writer.set_verification(self.verify_mode, "failed", problem)
+        else:
+            self._ring_problem = problem
         message = f"the workload cannot replay this recording: {problem}"
         if self.verify_mode == "warn":
             warnings.warn(message, stacklevel=3)
@@ -280,7 +310,8 @@ class Recorder:
             self.verify()
         finally:
             self._release()
-        self.path = self._writer.close()
+        if self._writer is not None:
+            self.path = self._writer.close()
         return self.path
 
     def abandon(self) -> Path:
@@ -291,6 +322,129 @@ class Recorder:
         self._finish_pending()
         self._release()
         return self.path
+
+    # --- ring mode (ring.py): the last K steps in memory, a bundle only when asked ---
+
+    def _ring_step_begins(self, grads: str) -> None:
+        assert self._ring is not None
+        if self._capture.step_open and not self._continues_held_steps():
+            self._ring.clear()  # the previous step raised mid-way and left the state changed
+        if self._ring.wants_snapshot(grads):
+            self._ring.open_window(
+                TrainingSnapshot.take(
+                    self.model,
+                    self.optimizer,
+                    self.state_objects,
+                    grads=False,
+                    rng=False,
+                    device="cpu",
+                )
+            )
+
+    def _continues_held_steps(self) -> bool:
+        """Are parameters and buffers as the last held step left them (a step that raised
+        before its optimizer step, e.g. stopped by a detector, changed none)? Unknown without
+        verification: then no."""
+        held = self._held_end_digests
+        return held is not None and state_digests(self.model) == held
+
+    def rewind(self) -> None:
+        """Forget the last completed step: a detector rolled the state back to before it, to
+        run it again inside ``step()`` under the same index (dump first to keep it)."""
+        if self._ring is None:
+            raise SdcReplayError(
+                "rewind() needs a ring buffer: a step written to disk is not taken back",
+                "Create the Recorder with ring=K.",
+            )
+        self._finish_pending()
+        dropped = self._ring.drop_last()
+        if dropped is None:
+            raise SdcReplayError("the ring holds no completed step to rewind")
+        self._next_index = dropped.index
+        self._end_digests = self._held_end_digests = None
+        self.steps_written -= 1
+        self.entries_written -= len(dropped.entries)
+
+    @property
+    def ring_nbytes(self) -> int:
+        """Bytes the ring holds: snapshots' and batches' tensors, RNG states, signature
+        characters (0 without a ring)."""
+        return 0 if self._ring is None else self._ring.nbytes
+
+    @property
+    def ring_steps(self) -> list[int]:
+        """The steps a dump now would write, oldest first."""
+        return [] if self._ring is None else [step.index for step in self._ring.steps]
+
+    def dump(self, reason: str, *, source: str = "user") -> Path:
+        """Write the ring's steps as a complete bundle and return its path.
+
+        The first dump goes to ``path``, later ones to ``path`` with ``-2``, ``-3``... before
+        the suffix (a name already taken is skipped unless ``overwrite``). A step whose block
+        has not ended is not in it (its evidence is incomplete). The bundle's first step is
+        re-executed from the bundle as the verification; a failure is written in the bundle
+        and warned about, never raised: the alarm that asked for the dump matters more.
+        """
+        if self._ring is None:
+            raise SdcReplayError(
+                "dump() needs a ring buffer: this Recorder writes every step as it goes",
+                "Create it with Recorder(..., ring=K) to keep the last K steps in memory.",
+            )
+        self._finish_pending()
+        held, start = self._ring.steps, self._ring.start
+        if not held or start is None:
+            raise SdcReplayError(
+                "the ring holds no completed step yet: there is nothing to write",
+                "Dump after a step has ended (a step that began with accumulated gradients "
+                "cannot start a bundle).",
+            )
+        writer = BundleWriter(
+            self._free_dump_path(), overwrite=self._overwrite, **self._bundle_settings
+        )
+        try:
+            writer.embed_state(model_state_dict(start), start.optimizer_state, start.object_states)
+            for step in held:
+                writer.add_step(
+                    step.index,
+                    step.batch,
+                    step.rng,
+                    step.entries,
+                    optimizer_step=step.optimizer_step,
+                    grads=step.grads,
+                    seconds=step.seconds,
+                )
+            writer.set_trigger(
+                Trigger(reason=reason, source=source, step=held[-1].index, ring=self._ring.size)
+            )
+            self._verify_dump(writer)
+        except BaseException:
+            writer.abort()
+            raise
+        path = writer.close()
+        self.dumps.append(path)
+        return path
+
+    def _verify_dump(self, writer: BundleWriter) -> None:
+        if self.verify_mode == "off":
+            writer.set_verification("off", "off")
+            return
+        problem = self._ring_problem or self._first_step_problem(writer.path, live_state=False)
+        writer.set_verification(self.verify_mode, "failed" if problem else "passed", problem)
+        if problem:
+            warnings.warn(
+                f"the workload cannot replay the ring's bundle {writer.final_path}: {problem}",
+                stacklevel=3,
+            )
+
+    def _free_dump_path(self) -> Path:
+        base = Path(self.path)
+        number = len(self.dumps) + 1
+        while True:
+            name = base if number == 1 else base.with_name(f"{base.stem}-{number}{base.suffix}")
+            partial = name.with_name(name.name + PARTIAL_SUFFIX)
+            if self._overwrite or not (name.exists() or partial.exists()):
+                return name
+            number += 1
 
     def _release(self) -> None:
         if self._hook is not None:
@@ -306,6 +460,21 @@ class Recorder:
             self.close()
         else:
             self.abandon()
+
+
+def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
+    if ring is None:
+        return
+    if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
+        raise SdcReplayError(
+            f"ring={ring!r} is not a number of steps", "Pass ring=K with K >= 1, or no ring."
+        )
+    if checkpoint is not None:
+        raise SdcReplayError(
+            "a ring buffer's bundle starts from the state at its window's start, not from the "
+            "checkpoint",
+            "Drop checkpoint= with ring= (the ring embeds its own start state).",
+        )
 
 
 def describe_first_difference(
@@ -369,9 +538,11 @@ def _check_model_matches_checkpoint(model: torch.nn.Module, reference: Checkpoin
 
 @dataclass
 class RecordSummary:
-    """What ``sdcreplay record`` wrote (``sdcreplay.record/1``)."""
+    """What ``sdcreplay record`` wrote (``sdcreplay.record/1``). With a ring buffer, ``bundle``
+    is the first bundle the ring dumped (None: no alarm, nothing written) and ``ring`` says
+    what the ring held and wrote."""
 
-    bundle: Path
+    bundle: Path | None
     workload: str
     kwargs: dict
     device: str
@@ -380,13 +551,14 @@ class RecordSummary:
     size_bytes: int
     final_loss: float | None
     verification: dict
+    ring: dict | None = None  # {size, peak_nbytes, dumps: [{bundle, trigger, seconds}]}
 
     exit_code = 0  # a recording is never a finding
 
     def to_json(self) -> dict:
         return {
             "schema": "sdcreplay.record/1",
-            "bundle": str(self.bundle),
+            "bundle": None if self.bundle is None else str(self.bundle),
             "workload": self.workload,
             "kwargs": self.kwargs,
             "device": self.device,
@@ -395,6 +567,7 @@ class RecordSummary:
             "size_bytes": self.size_bytes,
             "final_loss": self.final_loss,
             "verification": self.verification,
+            "ring": self.ring,
         }
 
 
@@ -412,11 +585,18 @@ def record(
     max_depth: int | None = None,
     verify: bool | str = True,
     on_step: Callable[[int, float | None], None] | None = None,
+    ring: int | None = None,
+    step_with: Callable[[Workload, Recorder], Callable[[Any], torch.Tensor | None]] | None = None,
+    dump_at_end: bool = False,
 ) -> RecordSummary:
     """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
 
     ``inject`` corrupts the recording device as a defective GPU would; the
     bundle does not say so, exactly like one recorded on a defective GPU.
+    ``ring``: keep only the last ``ring`` steps in memory and write a bundle when
+    something asks for one: ``step_with(workload, recorder)`` returns the function that
+    runs each step in place of the workload's own (a detector that dumps on an alarm),
+    ``dump_at_end`` dumps the last steps when the run ends.
     """
     kwargs = dict(kwargs or {})
     if accepts_seed(workload):
@@ -446,7 +626,10 @@ def record(
         max_depth=max_depth,
         verify=verify,
         inject=inject,
+        ring=ring,
     )
+    run_step = built.run_step if step_with is None else step_with(built, recorder)
+    peak_nbytes = 0
     with recorder:
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
@@ -459,11 +642,14 @@ def record(
             with recorder.step(batch):  # its checks run before the step, outside the operator mode
                 injector.before_step(index, built.model)
                 with mode:
-                    loss = built.run_step(batch)
+                    loss = run_step(batch)
+            peak_nbytes = max(peak_nbytes, recorder.ring_nbytes)
             loss_value = None if loss is None else float(loss.detach())
             if on_step is not None:
                 on_step(index, loss_value)
-    bundle_path = recorder.path
+        if dump_at_end and ring is not None:
+            recorder.dump("the run ended", source="record")
+    bundle_path = recorder.path if ring is None else next(iter(recorder.dumps), None)
     for miss in injector.unmatched():
         raise FaultSpecError(
             f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
@@ -472,7 +658,7 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    opened = Bundle.open(bundle_path, verify=False)
+    opened = None if bundle_path is None else Bundle.open(bundle_path, verify=False)
     return RecordSummary(
         bundle=bundle_path,
         workload=workload,
@@ -480,7 +666,16 @@ def record(
         device=device,
         steps=recorder.steps_written,
         entries=recorder.entries_written,
-        size_bytes=opened.size_bytes(),
+        size_bytes=0 if opened is None else opened.size_bytes(),
         final_loss=loss_value,
-        verification=opened.verification.to_json(),
+        verification={} if opened is None else opened.verification.to_json(),
+        ring=None if ring is None else _ring_summary(recorder, ring, peak_nbytes),
     )
+
+
+def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int) -> dict:
+    dumps = []
+    for path in recorder.dumps:
+        trigger = Bundle.open(path, verify=False).manifest.trigger
+        dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
+    return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps}

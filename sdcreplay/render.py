@@ -210,11 +210,31 @@ class Output:
 
 
 def render_record(output: Output, summary: RecordSummary) -> None:
+    if summary.ring is not None:
+        _render_ring_record(output, summary, summary.ring)
+        return
     output.say(
         f"Recorded {summary.steps} steps of {summary.workload} on {summary.device}: "
         f"{summary.entries} signature entries, {human_size(summary.size_bytes)} "
         f"in {summary.bundle}"
     )
+
+
+def _render_ring_record(output: Output, summary: RecordSummary, ring: dict) -> None:
+    held = (
+        f"Recorded {summary.steps} steps of {summary.workload} on {summary.device} in a ring of "
+        f"the last {ring['size']} steps (at most {human_size(ring['peak_nbytes'])} held)"
+    )
+    if not ring["dumps"]:
+        output.say(f"{held}; no alarm: nothing written.")
+        return
+    output.say(f"{held}; {len(ring['dumps'])} bundle(s) written:")
+    for dump in ring["dumps"]:
+        trigger = dump["trigger"]
+        output.say(
+            f"  {dump['bundle']}: {trigger['reason']} ({trigger['source']}, at step "
+            f"{trigger['step']})"
+        )
 
 
 def _verification_text(verification: dict) -> str:
@@ -225,6 +245,19 @@ def _verification_text(verification: dict) -> str:
         "off": "[yellow]no: recorded without verification; a record-vs-replay difference "
         "may be the program[/]",
     }[verification["status"]]
+
+
+def _trigger_rows(trigger: dict | None) -> list[list[str]]:
+    """Why a ring buffer wrote the bundle (none for a bundle recorded step by step)."""
+    if trigger is None:
+        return []
+    return [
+        [
+            "written because",
+            f"{escape(trigger['reason'])} ({escape(trigger['source'])}, at step "
+            f"{trigger['step']}; ring of the last {trigger['ring']} steps)",
+        ]
+    ]
 
 
 def render_info(output: Output, about: BundleInfo) -> None:
@@ -252,6 +285,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
                 f"Python {env['python']}",
             ],
             ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
+            *_trigger_rows(about.trigger),
             ["signature entries", str(about.entries)],
             ["state", state_text],
             ["verified", _verification_text(about.verification)],

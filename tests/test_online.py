@@ -1,0 +1,522 @@
+"""Online detectors on real steps, with faults planted by sdcreplay's injector.
+
+A fault is put into one execution of a checked step by its ordinal among the
+matching calls (``nth``): the operator mode spans every execution of the step,
+so ``nth=0`` is the reference execution's call and ``nth=1`` the replay's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, SMALL
+
+from sdcreplay.capture import OperatorMode
+from sdcreplay.errors import SdcReplayError
+from sdcreplay.faults import Injector, parse_specs
+from sdcreplay.online import (
+    AttributeScalar,
+    PersistentFaultError,
+    RecomputeLimitError,
+    ReplayCheck,
+    ReplicaOpinion,
+    SDCReplayMismatch,
+    UpdateDetector,
+)
+from sdcreplay.recorder import Recorder
+from sdcreplay.workload import Workload, build_workload
+
+
+class Loop:
+    """A user's loop with its own step: dropout and BatchNorm (RNG, buffers), a token counter
+    outside every module, Python and NumPy noise, optional gradient accumulation."""
+
+    def __init__(self, micro_batches: int = 1, seed: int = 0):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential()
+        self.model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
+        self.model.add_module("norm", torch.nn.BatchNorm1d(16))
+        self.model.add_module("drop", torch.nn.Dropout(0.25))
+        self.model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.micro_batches = micro_batches
+        self.tokens = 0
+
+    def train_step(self, batch) -> torch.Tensor:
+        x, y = batch
+        total = torch.zeros(())
+        for xs, ys in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches)):
+            noise = 1e-3 * (random.random() + float(np.random.rand()))
+            loss = torch.nn.functional.mse_loss(self.model(xs + noise), ys)
+            (loss / self.micro_batches).backward()
+            self.tokens += xs.shape[0]
+            total = total + loss.detach()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return total
+
+    def check(self, **options) -> ReplayCheck:
+        return ReplayCheck(
+            model=self.model,
+            optimizer=self.optimizer,
+            train_step=self.train_step,
+            scalars={"tokens": AttributeScalar(self, "tokens")},
+            **options,
+        )
+
+
+def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+
+
+def injected(model, optimizer, spec: str | None, step: int, label: str = "cpu"):
+    """The operator mode of a step with ``spec`` planted (none: a clean step)."""
+    if spec is None:
+        return contextlib.nullcontext()
+    injector = Injector(parse_specs([spec], include_env=False), label)
+    return OperatorMode(model, optimizer, [injector], step)
+
+
+def seeded(seed: int = 0) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def generators() -> tuple:
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()
+
+
+def same_generators(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_a_fault_in_the_replay_only_is_named_exactly() -> None:
+    loop = Loop()
+    check = loop.check(num_steps=-1)
+    check.run_step(batch(0))
+    weight = loop.model.fc1.weight.detach().clone()
+    # fc1's input needs no gradient: its backward has one mm, the weight's gradient
+    spec = "kind=bitflip,op=aten.mm,module=fc1,phase=backward,nth=1,index=5,bit=22"
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 1):
+        check.run_step(batch(1))
+    error = caught.value
+    assert (error.step, error.local_step, error.replay, error.rank) == (1, 2, 1, 0)
+    assert (error.entry, error.micro_batch) == ("grad:fc1.weight", 0)
+    assert (error.elements, error.bit_histogram, error.bundle) == (1, {22: 1}, None)
+    assert "entry='grad:fc1.weight'" in str(error) and "bit 22: 1" in str(error)
+    # raised before the optimizer step, with the state as the step began
+    assert torch.equal(loop.model.fc1.weight, weight)
+    assert loop.model.fc1.weight.grad is None and loop.tokens == 8
+
+
+def test_every_micro_batch_is_checked() -> None:
+    """TorchTitan replays only the first micro-batch; the second one's fault is found too."""
+    loop = Loop(micro_batches=2)
+    check = loop.check()
+    spec = "kind=bitflip,op=aten.mm,module=fc1,phase=backward,nth=3,index=5,bit=22"
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 0):
+        check.run_step(batch(0))
+    error = caught.value
+    assert (error.entry, error.micro_batch, error.replay) == ("grad:fc1.weight#1", 1, 1)
+    assert error.elements == 1  # the sum of two micro-batches: one element, its own bits
+
+
+def test_a_fault_in_a_later_replay_names_that_replay_and_a_fault_in_the_reference_too() -> None:
+    loop = Loop()
+    check = loop.check(num_steps=-1, num_replays=3)
+    spec = "kind=bitflip,op=aten.mm,module=fc1,phase=backward,nth=2,index=5,bit=22"
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 0):
+        check.run_step(batch(0))
+    assert (caught.value.replay, caught.value.entry, caught.value.elements) == (
+        2,
+        "grad:fc1.weight",
+        1,
+    )
+    # In the reference: every replay differs from it, the evidence execution sides with them,
+    # so the reference's values (never copied) cannot be compared bit by bit.
+    spec = spec.replace("nth=2", "nth=0")
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 1):
+        check.run_step(batch(1))
+    assert (caught.value.replay, caught.value.entry) == (1, "grad:fc1.weight")
+    assert caught.value.elements is None and caught.value.bit_histogram is None
+
+
+def test_clean_steps_never_fire_and_the_run_equals_one_without_the_check() -> None:
+    """50 checked steps with 2 replays each: same losses, parameters, buffers, generators and
+    token count as the loop alone, so only the last execution's effects are kept."""
+    runs = []
+    for checked in (False, True):
+        seeded()
+        loop = Loop(micro_batches=2)
+        check = loop.check(num_steps=-1, num_replays=2)
+        losses = []
+        for i in range(50):
+            loss = check.run_step(batch(i)) if checked else loop.train_step(batch(i))
+            losses.append(loss)
+        runs.append((loop, losses, generators(), check.checked_steps))
+    (plain, plain_losses, plain_rng, _), (loop, losses, rng, checked_steps) = runs
+    assert checked_steps == 50
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(plain.model.state_dict().values(), loop.model.state_dict().values())
+    )
+    assert int(loop.model.norm.num_batches_tracked) == 100  # 50 steps x 2 micro-batches
+    assert loop.tokens == plain.tokens == 400
+    assert same_generators(plain_rng, rng)
+
+
+def test_restores_generators_buffers_and_scalars_between_executions() -> None:
+    """A scalar left out of ``scalars`` is not restored: the replay sees another count and the
+    check names it; registered, the step passes."""
+    loop = Loop()
+    seeded()
+    before = generators()
+    unregistered = ReplayCheck(
+        model=loop.model,
+        optimizer=loop.optimizer,
+        train_step=lambda b: loop.train_step(b) + 0 * loop.tokens,
+        state={"tokens": _TokenState(loop)},
+    )
+    with pytest.raises(SDCReplayMismatch) as caught:
+        unregistered.run_step(batch(0))
+    assert caught.value.entry == "state:tokens.count"
+    assert loop.tokens == 24  # never restored: reference, replay and evidence execution counted
+    assert same_generators(generators(), before)
+    assert int(loop.model.norm.num_batches_tracked) == 0
+    assert torch.equal(loop.model.norm.running_mean, torch.zeros(16))
+    loop.tokens = 0
+    loop.check().run_step(batch(0))
+    assert loop.tokens == 8 and int(loop.model.norm.num_batches_tracked) == 1
+
+
+class _TokenState:
+    """The counter as a state object: in the signature, but restoring it is not the check's."""
+
+    def __init__(self, loop: Loop):
+        self.loop = loop
+
+    def state_dict(self) -> dict:
+        return {"count": self.loop.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_the_schedule_checks_num_steps_then_again_after_reset() -> None:
+    loop = Loop()
+    check = loop.check(num_steps=2)
+    for i in range(4):
+        check.run_step(batch(i))
+    assert check.checked_steps == 2 and not check.due
+    check.reset_schedule()  # as after a checkpoint load
+    assert check.due
+    check.run_step(batch(4))
+    assert check.checked_steps == 3
+
+
+def test_gradients_carried_into_a_checked_step_are_refused() -> None:
+    loop = Loop()
+    loop.model.fc1.weight.grad = torch.ones_like(loop.model.fc1.weight)
+    with pytest.raises(SdcReplayError, match="gradients accumulated before it"):
+        loop.check().run_step(batch(0))
+    with pytest.raises(SdcReplayError, match="num_steps=0"):
+        loop.check(num_steps=0)
+    with pytest.raises(SdcReplayError, match="Workload, or model="):
+        ReplayCheck(model=loop.model)
+
+
+# ---------------------------------------------------------------------------
+# UpdateDetector on builtin:tiny-llama
+
+BIAS = "kind=bias,op=aten.mm,module=layers.0.attn.wq,phase=backward,step=10,index=69,scale=1e4"
+
+
+def small_llama() -> Workload:
+    return build_workload("builtin:tiny-llama", dict(SMALL))
+
+
+def run_detector(spec: str | None, steps: int = 14, **options) -> UpdateDetector:
+    workload = small_llama()
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5, **options)
+    for i in range(steps):
+        with injected(workload.model, workload.optimizer, spec, i):
+            detector.run_step(workload.get_batch(i))
+    return detector
+
+
+def test_a_transient_bias_fault_is_recomputed_and_the_clean_run_continues() -> None:
+    detector = run_detector(BIAS + ",nth=0")  # fires in the first execution only
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.reasons, alarm.classification, alarm.recomputes) == (
+        10,
+        ["grad_spike"],
+        "transient",
+        1,
+    )
+    metrics = detector.metrics()
+    assert {k: metrics[k] for k in ("steps", "detections", "recomputes", "transient")} == {
+        "steps": 14,
+        "detections": 1,
+        "recomputes": 1,
+        "transient": 1,
+    }
+    assert metrics["overhead_ms"] >= metrics["recompute_ms"] > 0
+    # the recompute was kept: the run equals one that never had the fault
+    clean = run_detector(None)
+    assert clean.alarms == []
+    assert alarm.recomputed is not None
+    for a, b in zip(
+        clean.workload.model.state_dict().values(), detector.workload.model.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+
+
+def test_a_sticky_bias_fault_is_persistent_when_another_device_disagrees() -> None:
+    opinion = ReplicaOpinion(small_llama)
+    with pytest.raises(PersistentFaultError) as caught:
+        run_detector(BIAS, second_opinion=opinion)
+    alarm = caught.value.alarm
+    assert (alarm.step, alarm.reasons, alarm.classification) == (10, ["grad_spike"], "persistent")
+    assert alarm.recomputed is not None and alarm.recomputed.result == alarm.original.result
+    assert opinion.last is not None and opinion.last.loss == pytest.approx(alarm.original.loss)
+    assert "rolled back" in str(caught.value)
+
+
+def weighted_llama() -> Workload:
+    """tiny-llama whose batches carry a loss weight: a weight of 1000 is a genuine anomaly
+    (the data asks for it), which every device computes alike."""
+    workload = small_llama()
+
+    def train_step(batch):
+        loss = workload.loss(batch) * batch.get("weight", 1.0)
+        loss.backward()
+        workload.optimizer.step()
+        workload.optimizer.zero_grad()
+        return loss
+
+    workload.train_step = train_step
+    return workload
+
+
+def test_a_reproducible_alarm_another_device_confirms_is_correct() -> None:
+    workload = weighted_llama()
+    opinion = ReplicaOpinion(weighted_llama)
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5, second_opinion=opinion)
+    for i in range(12):
+        batch = workload.get_batch(i)
+        detector.run_step({**batch, "weight": 1000.0} if i == 10 else batch)
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.reasons, alarm.classification) == (
+        10,
+        ["loss_spike", "grad_spike"],
+        "correct",
+    )
+    assert opinion.last is not None and opinion.last.loss == alarm.original.loss
+    assert detector.metrics()["correct"] == 1
+
+
+def test_without_a_second_opinion_repeated_reproducible_alarms_become_persistent() -> None:
+    """A sticky fault from step 10 on: each alarm reproduces; isolated ones pass as correct,
+    the second in a row is persistent (the fault's element is not large in every step)."""
+    sticky = BIAS.replace("step=10,", "")
+    workload = small_llama()
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5, persistent_after=2)
+    with pytest.raises(PersistentFaultError) as caught:
+        for i in range(20):
+            with injected(workload.model, workload.optimizer, sticky if i >= 10 else None, i):
+                detector.run_step(workload.get_batch(i))
+    *earlier, last = detector.alarms
+    assert caught.value.alarm is last and last.classification == "persistent"
+    assert earlier and all(a.classification == "correct" for a in earlier)
+    assert earlier[0].step >= 10 and earlier[-1].step == last.step - 1
+
+
+def test_a_fault_on_every_recompute_hits_the_cap() -> None:
+    # a new element each time: every execution differs from the one before
+    workload = small_llama()
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5, max_recomputes=2)
+    specs = [BIAS + f",nth={2 * n},index={69 + n}" for n in range(3)]
+    for i in range(10):
+        detector.run_step(workload.get_batch(i))
+    injector = Injector(parse_specs(specs, include_env=False), "cpu")
+    with pytest.raises(RecomputeLimitError, match="2 recomputes of step 10"):
+        with OperatorMode(workload.model, workload.optimizer, [injector], 10):
+            detector.run_step(workload.get_batch(10))
+    assert detector.metrics()["recomputes"] == 2
+
+
+def test_clean_training_raises_no_alarm() -> None:
+    detector = run_detector(None, steps=40)
+    assert detector.alarms == [] and detector.metrics()["detections"] == 0
+
+
+# ---------------------------------------------------------------------------
+# With a ring Recorder: the failing step as a bundle that replay and bisect start from
+
+WQ = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=2,index=69,bit=22"
+
+
+def test_replay_check_bundle_is_reproduced_by_replay_and_localized_by_bisect(tmp_path, cli):
+    """The fault fires in the reference execution only (nth=0) on 'device' cpu:1: the
+    evidence execution the bundle holds is clean, and the same spec on cpu:1 reproduces the
+    divergence from it."""
+    spec = WQ + ",nth=0,device=cpu:1"
+    workload = small_llama()
+    recorder = Recorder(
+        tmp_path / "alarm.bundle",
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        state=workload.state,
+        workload_kwargs=dict(SMALL),
+        device_label="cpu:1",
+        ring=4,
+    )
+    check = ReplayCheck(workload, num_steps=-1, recorder=recorder)
+    with pytest.raises(SDCReplayMismatch) as caught:
+        for i in range(4):
+            with injected(workload.model, workload.optimizer, spec, i, label="cpu:1"):
+                check.run_step(workload.get_batch(i))
+    error = caught.value
+    assert (error.step, error.entry, error.replay, error.elements) == (2, "loss", 1, None)
+    bundle = Path(error.bundle)
+    assert bundle == tmp_path / "alarm.bundle" and str(bundle) in str(error)
+    about = json.loads(cli("info", bundle, "--json").stdout)
+    assert about["trigger"]["source"] == "ReplayCheck" and about["trigger"]["step"] == 2
+
+    replayed = cli(
+        "replay", bundle, "--device", "cpu:0", "--device", "cpu:1", "--inject", spec, "--json"
+    )
+    assert replayed.exit_code == 1, replayed.output
+    devices = {d["device"]: d for d in json.loads(replayed.stdout)["devices"]}
+    assert devices["cpu:0"]["verdict"] == "match"
+    assert devices["cpu:1"]["first_divergence"]["step"] == 2
+    assert devices["cpu:1"]["first_divergence"]["name"] == "forward:layers.0.attn.wq"
+
+    bisected = cli(
+        "bisect",
+        bundle,
+        "--suspect",
+        "cpu:1",
+        "--reference",
+        "cpu:0",
+        "--step",
+        "2",
+        "--inject",
+        spec,
+        "--out",
+        tmp_path / "report",
+        "--json",
+    )
+    assert bisected.exit_code == 1, bisected.output
+    report = json.loads(bisected.stdout)
+    assert (report["step"], report["phase"], report["module"], report["op"]) == (
+        2,
+        "forward",
+        "layers.0.attn.wq",
+        "aten.mm.default",
+    )
+    assert report["elements"]["indices"] == [69] and report["bits"]["histogram"] == {"22": 1}
+
+
+# ---------------------------------------------------------------------------
+# Two ranks, launched as torchrun launches them
+
+RANKS_SCRIPT = """
+import json, sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sdcreplay.capture import OperatorMode
+from sdcreplay.faults import Injector, parse_specs
+from sdcreplay.online import ReplayCheck, SDCReplayMismatch
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential()
+model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
+model.add_module("act", torch.nn.Tanh())
+model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
+ddp = DistributedDataParallel(model)
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+def train_step(batch):
+    x, y = batch
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+check = ReplayCheck(model=ddp, optimizer=optimizer, train_step=train_step, num_steps=-1)
+# rank 1 is the defective one: its replay of step 2 computes fc1 wrongly
+specs = [sys.argv[2]] if rank == 1 else []
+result = {"rank": rank, "steps": 0}
+for step in range(4):
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    batch = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+    injector = Injector(parse_specs(specs, include_env=False), "cpu")
+    try:
+        with OperatorMode(model, optimizer, [injector], step):
+            check.run_step(batch)
+        result["steps"] += 1
+    except SDCReplayMismatch as error:
+        result.update(step=error.step, replay=error.replay, failing_rank=error.rank,
+                      entry=error.entry, elements=error.elements,
+                      histogram=error.bit_histogram, fired=len(injector.fired))
+        break
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as out:
+    json.dump(result, out)
+dist.destroy_process_group()
+"""
+
+
+def test_two_gloo_ranks_agree_on_the_mismatching_rank(tmp_path: Path) -> None:
+    """DDP all-reduces the gradients, so every rank's gradients differ after rank 1's fault;
+    its loss (before the all-reduce) differs on rank 1 only, first in the step: every rank
+    names rank 1."""
+    script = tmp_path / "train.py"
+    script.write_text(RANKS_SCRIPT)
+    spec = "kind=bitflip,op=aten.mm,module=fc1,phase=forward,step=2,nth=1,index=5,bit=22"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(tmp_path),
+            spec,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and result["steps"] == 2
+        assert (result["step"], result["replay"], result["failing_rank"]) == (2, 1, 1)
+        assert result["entry"] == "loss"
+    assert results[1]["fired"] == 1 and results[0]["fired"] == 0
+    assert results[0]["elements"] == results[1]["elements"] == 1  # rank 1's loss, shared

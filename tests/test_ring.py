@@ -1,0 +1,260 @@
+"""Recorder(ring=K): the last K steps in bounded memory, written as a bundle only on demand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SMALL, SMALL_ARGS
+
+import sdcreplay
+from sdcreplay import Bundle, Recorder
+from sdcreplay.errors import SdcReplayError
+from sdcreplay.snapshot import TrainingSnapshot
+from sdcreplay.tensorio import map_tensors
+from sdcreplay.workload import build_workload
+
+K = 4
+TINY = {**SMALL, "dim": 16, "seq_len": 4, "batch_size": 1}  # 200 steps in a few seconds
+# Recorded on the "defective" device itself (no device= key: it fires while recording).
+PLANTED = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=7,index=5,bit=13"
+
+
+def ring_loop(path: Path, steps: int, kwargs: dict = TINY, **recorder_kwargs):
+    """A user's loop under a ring Recorder; returns it (open) and ring_nbytes after each step."""
+    kwargs = dict(kwargs, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    rec = Recorder(
+        path,
+        workload="builtin:tiny-llama",
+        model=workload.model,
+        optimizer=workload.optimizer,
+        workload_kwargs=kwargs,
+        ring=K,
+        **recorder_kwargs,
+    )
+    held = []
+    for index in range(steps):
+        batch = workload.get_batch(index)
+        with rec.step(batch):
+            workload.run_step(batch)
+        held.append(rec.ring_nbytes)
+    return rec, workload, held
+
+
+def tensor_bytes(nest) -> int:
+    sizes: list[int] = []
+    map_tensors(nest, lambda t: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
+
+
+def step_bytes(bundle: Bundle, index: int) -> int:
+    """What the ring holds for a step, from the bundle it wrote: batch and RNG tensors, NumPy's
+    key words, the signature's characters."""
+    batch, rng = bundle.load_step(index)
+    entries = bundle.signature_log().steps[index]
+    return (
+        tensor_bytes(batch)
+        + rng.cpu.nbytes
+        + np.asarray(rng.numpy[1]).nbytes
+        + sum(len(name) + len(digest) for name, digest in entries)
+    )
+
+
+def test_memory_is_bounded_over_200_steps_by_two_snapshots_and_2k_minus_1_steps(tmp_path):
+    rec, workload, held = ring_loop(tmp_path / "ring.bundle", 199)
+    assert not (tmp_path / "ring.bundle").exists()  # nothing written without a dump
+    assert not list(tmp_path.iterdir())
+    # Windows open at steps 0, 4, 8...: after step 198 they are 192-195 and 196-198.
+    assert rec.ring_steps == list(range(192, 199))
+    # Periodic once both windows start after step 0 (with Adam's state): it stops growing.
+    assert held[3 * K :] == held[2 * K : len(held) - K]
+    path = rec.dump("bound check")
+    rec.close()
+    bundle = Bundle.open(path)
+    assert bundle.step_indices == list(range(192, 199))
+    # A snapshot: parameters, buffers (once each), the optimizer's state tensors.
+    model, optimizer = workload.model, workload.optimizer
+    snapshot = (
+        tensor_bytes(list(model.parameters()))
+        + tensor_bytes(list(model.buffers()))
+        + tensor_bytes(optimizer.state_dict()["state"])
+    )
+    steps = [step_bytes(bundle, index) for index in bundle.step_indices]
+    assert held[-1] == max(held) == 2 * snapshot + sum(steps)
+    assert max(held[:K]) < snapshot + K * steps[0]  # the first window: before Adam's state
+    assert min(held[2 * K :]) == snapshot + K * steps[0]  # right after the old window is dropped
+
+
+def test_dump_replays_bit_for_bit_and_says_why(tmp_path, cli):
+    rec, _, _ = ring_loop(tmp_path / "run.bundle", 10, kwargs=SMALL)
+    first = rec.dump("loss spike at step 9", source="UpdateDetector")
+    second = rec.dump("asked again")
+    rec.close()
+    assert (first, second) == (tmp_path / "run.bundle", tmp_path / "run-2.bundle")
+    assert rec.dumps == [first, second]
+    info = cli("info", first, "--json")
+    assert info.exit_code == 0, info.stderr
+    about = json.loads(info.stdout)
+    assert about["trigger"] == {
+        "reason": "loss spike at step 9",
+        "source": "UpdateDetector",
+        "step": 9,
+        "ring": K,
+    }
+    assert [step["index"] for step in about["steps"]] == [4, 5, 6, 7, 8, 9]
+    assert about["complete"] and about["trusted"]
+    assert about["verification"]["status"] == "passed"  # step 4 re-executed from the snapshot
+    shown = cli("info", first).stderr
+    assert "written because" in shown and "loss spike at step 9" in shown
+    assert "UpdateDetector" in shown
+    replayed = cli("replay", first, "--json")
+    assert replayed.exit_code == 0, replayed.stderr
+    assert json.loads(replayed.stdout)["consensus"]["verdict"] == "correct"
+    assert Bundle.open(second).manifest.trigger.reason == "asked again"
+
+
+def test_a_dump_before_k_steps_holds_every_step(tmp_path):
+    rec, _, _ = ring_loop(tmp_path / "early.bundle", 2, kwargs=SMALL)
+    path = rec.dump("early")
+    rec.close()
+    bundle = Bundle.open(path)
+    assert bundle.step_indices == [0, 1]
+    assert bundle.manifest.trigger.to_json() == {
+        "reason": "early",
+        "source": "user",
+        "step": 1,
+        "ring": K,
+    }
+    assert sdcreplay.compare_logs(
+        bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")
+    ).identical
+
+
+def test_dump_refuses_without_a_ring_or_a_completed_step(tmp_path):
+    workload = build_workload("builtin:tiny-llama", dict(SMALL, seed=0))
+    plain = Recorder(
+        tmp_path / "plain.bundle",
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        workload_kwargs=dict(SMALL, seed=0),
+    )
+    with pytest.raises(SdcReplayError, match="needs a ring buffer"):
+        plain.dump("no ring")
+    plain.abandon()
+    ring = Recorder(
+        tmp_path / "ring.bundle",
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        ring=2,
+    )
+    with pytest.raises(SdcReplayError, match="no completed step"):
+        ring.dump("too early")
+    ring.close()
+    with pytest.raises(SdcReplayError, match="not a number of steps"):
+        Recorder(
+            tmp_path / "x.bundle", "builtin:tiny-llama", workload.model, workload.optimizer, ring=0
+        )
+
+
+def test_planted_fault_inside_the_window_is_localized_by_bisect(tmp_path, cli):
+    """`record --ring` on a defective device: the bundle written at the end holds the faulty step
+    7, replay disagrees there, and bisect names the operator, element and bit."""
+    out = tmp_path / "ring.bundle"
+    recorded = cli(
+        "record", "builtin:tiny-llama", *SMALL_ARGS, "--steps", "10", "--out", out,
+        "--ring", str(K), "--dump-on", "end", "--inject", PLANTED, "--json",
+    )  # fmt: skip
+    assert recorded.exit_code == 0, recorded.stderr
+    summary = json.loads(recorded.stdout)
+    assert summary["bundle"] == str(out)
+    assert summary["ring"]["size"] == K
+    assert summary["ring"]["dumps"] == [
+        {
+            "bundle": str(out),
+            "trigger": {"reason": "the run ended", "source": "record", "step": 9, "ring": K},
+        }
+    ]
+    assert Bundle.open(out).step_indices == [4, 5, 6, 7, 8, 9]
+    replayed = cli("replay", out, "--json")
+    assert replayed.exit_code == 1, replayed.stderr
+    first = json.loads(replayed.stdout)["devices"][0]["first_divergence"]
+    assert (first["step"], first["name"]) == (7, "forward:layers.0.attn.wq")
+    bisected = cli(
+        "bisect", out, "--suspect", "cpu:1", "--reference", "cpu:0", "--step", "7",
+        "--inject", PLANTED + ",device=cpu:1", "--out", tmp_path / "report", "--json",
+    )  # fmt: skip
+    assert bisected.exit_code == 1, bisected.stderr
+    report = json.loads(bisected.stdout)
+    assert (report["step"], report["module"], report["op"]) == (
+        7,
+        "layers.0.attn.wq",
+        "aten.mm.default",
+    )
+    assert report["elements"]["indices"] == [5]
+    assert report["bits"]["histogram"] == {"13": 1}
+
+
+def test_record_ring_without_an_alarm_writes_nothing_and_says_so(tmp_path, cli):
+    out = tmp_path / "quiet.bundle"
+    recorded = cli(
+        "record", "builtin:tiny-llama", *SMALL_ARGS, "--steps", "6", "--out", out,
+        "--ring", "3",
+    )  # fmt: skip
+    assert recorded.exit_code == 0, recorded.stderr
+    assert "nothing written" in recorded.stderr
+    assert not out.exists()
+
+
+def test_a_step_stopped_before_the_optimizer_keeps_the_ring_one_that_changed_state_clears_it(
+    tmp_path,
+):
+    rec, workload, _ = ring_loop(tmp_path / "stopped.bundle", 6, kwargs=SMALL)
+    batch = workload.get_batch(6)
+    with pytest.raises(RuntimeError), rec.step(batch):
+        workload.loss(batch).backward()
+        raise RuntimeError("a detector stopped the step before the optimizer")
+    workload.optimizer.zero_grad()  # as a detector leaves it: no gradient carried in
+    with rec.step(batch):  # the same step again, under the same index
+        workload.run_step(batch)
+    assert rec.ring_steps == list(range(7))  # windows 0-3 and 4-6
+    bundle = Bundle.open(rec.dump("after a stopped step"))
+    assert sdcreplay.compare_logs(
+        bundle.signature_log(), sdcreplay.replay_on_device(bundle, "cpu")
+    ).identical
+    batch = workload.get_batch(7)
+    with pytest.raises(RuntimeError), rec.step(batch):
+        workload.run_step(batch)  # the optimizer stepped: the state moved on
+        raise RuntimeError("failed after the optimizer step")
+    with rec.step(batch):
+        workload.run_step(batch)
+    assert rec.ring_steps == [7]  # nothing before it leads to the state it began from
+    rec.close()
+
+
+def test_rewind_takes_back_the_last_step_to_record_its_recompute(tmp_path):
+    rec, workload, _ = ring_loop(tmp_path / "rewind.bundle", 5, kwargs=SMALL)
+    before = TrainingSnapshot.take(workload.model, workload.optimizer, workload.state)
+    batch = workload.get_batch(5)
+    with rec.step(batch):
+        workload.run_step(batch)
+    alarmed = Bundle.open(rec.dump("alarm at step 5"))
+    before.restore()  # the detector rolls back ...
+    rec.rewind()  # ... and the ring forgets the step it rolled back
+    assert rec.ring_steps == [0, 1, 2, 3, 4]
+    with rec.step(batch):  # the recompute, recorded as step 5
+        workload.run_step(batch)
+    recomputed = Bundle.open(rec.dump("after the recompute"))
+    rec.close()
+    assert alarmed.step_indices == recomputed.step_indices == list(range(6))
+    assert alarmed.signature_log().steps == recomputed.signature_log().steps  # same device
+    with pytest.raises(SdcReplayError, match="no completed step"):
+        fresh = Recorder(
+            tmp_path / "fresh.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
+            ring=2,
+        )  # fmt: skip
+        fresh.rewind()
