@@ -81,7 +81,6 @@ class Site:
     phase: str
     nth: int
     numel: int
-    columns: int  # extent of the last dimension (a burst's row)
     width: int  # bits per element
     mantissa: int  # of them, the mantissa's
 
@@ -95,8 +94,7 @@ class SiteList:
         self.sites: list[Site] = []
 
     def on_call(self, site: CallSite, func, args, kwargs, out):
-        before, key = self.keys[:], site.key
-        self.keys.append(key)
+        key = site.key
         target = out[0] if isinstance(out, (tuple, list)) and out else out
         alias = func._schema.returns[0].alias_info if func._schema.returns else None
         if (
@@ -106,11 +104,11 @@ class SiteList:
             and (alias is None or alias.is_write)
         ):
             spec = FaultSpec(kind="bitflip", op=key[0], module=key[1], phase=key[2])
-            nth = sum(1 for earlier in before if spec.matches_key(*earlier))
-            columns = target.shape[-1] if target.dim() else 1
+            nth = sum(1 for earlier in self.keys if spec.matches_key(*earlier))
             width = 8 * target.element_size()
             mantissa = round(-math.log2(torch.finfo(target.dtype).eps))
-            self.sites.append(Site(*key, nth, target.numel(), columns, width, mantissa))
+            self.sites.append(Site(*key, nth, target.numel(), width, mantissa))
+        self.keys.append(key)
         return out
 
 
@@ -613,21 +611,21 @@ def markdown(summary: dict, costs: dict, args: argparse.Namespace) -> str:
         "(wall / CPU) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    plain = costs.get("plain")
-    if plain:
-        lines.append(f"| plain | - | - | - | - | - | {plain['wall_ms']:.1f} ms | 1.00 / 1.00 |")
-    for detector, entry in summary.items():
-        clean, cost = entry["clean"], costs.get(detector)
-        per_step = clean["alarms"] / clean["steps"] if clean["steps"] else math.nan
-        lines.append(
-            f"| {detector} | {clean['runs']} | {clean['steps']} | "
-            f"{_rate(clean['runs_with_alarm'], clean['runs'])} | {100 * per_step:.2f}% | "
-            f"{_rate(entry['all']['runs_alarmed_before_firing'], entry['all']['trials'])} | "
-            + (
-                f"{cost['wall_ms']:.1f} ms | {cost['wall_ratio']:.2f} / {cost['cpu_ratio']:.2f} |"
-                if cost
-                else "- | - |"
+    for name, cost in costs.items():
+        entry = summary.get(name)
+        if entry and entry["clean"]["steps"]:
+            clean = entry["clean"]
+            alarms = (
+                f"{clean['runs']} | {clean['steps']} | "
+                f"{_rate(clean['runs_with_alarm'], clean['runs'])} | "
+                f"{100 * clean['alarms'] / clean['steps']:.2f}% | "
+                f"{_rate(entry['all']['runs_alarmed_before_firing'], entry['all']['trials'])}"
             )
+        else:
+            alarms = "- | - | - | - | -"
+        lines.append(
+            f"| {name} | {alarms} | {cost['wall_ms']:.1f} ms | "
+            f"{cost['wall_ratio']:.2f} / {cost['cpu_ratio']:.2f} |"
         )
     return "\n".join(lines)
 
