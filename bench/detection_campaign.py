@@ -654,8 +654,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write every trial and the summary here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.trials, args.steps, args.clean_runs = 1, 12, 2
-        args.warmup, args.overhead_blocks, args.block_steps = 3, 2, 3
+        args.trials, args.steps, args.clean_runs = 1, 10, 2
+        args.warmup, args.overhead_blocks, args.block_steps = 3, 1, 2
     args.detectors = [name.strip() for name in args.detectors.split(",") if name.strip()]
     unknown = [name for name in args.detectors if name not in DETECTORS]
     if unknown:
