@@ -336,7 +336,9 @@ class Updates:
     def __init__(self, workload: Workload, args: argparse.Namespace):
         from sdcreplay.online import UpdateDetector
 
-        self.detector = UpdateDetector(workload, alpha=args.alpha, warmup=args.warmup)
+        self.detector = UpdateDetector(
+            workload, alpha=args.alpha, warmup=args.warmup, spike_steps=args.spike_steps
+        )
 
     def run(self, step: int, batch) -> dict | None:
         from sdcreplay.online import PersistentFaultError, RecomputeLimitError
@@ -433,6 +435,7 @@ def run_trial(
         "detected": bool(after),
         "steps_to_alarm": after[0]["step"] - first if after and first is not None else None,
         "classification": after[0].get("classification") if after else None,
+        "reasons": sorted({r.split(":")[0] for r in after[0].get("reasons", [])}) if after else [],
         "persistent": any(a.get("classification") == "persistent" for a in after),
         "false_alarms": len(alarms) - len(after),
     }
@@ -553,6 +556,7 @@ def _group(rows: list[dict]) -> dict:
     fired = [r for r in rows if r["first_fired"] is not None]
     visible = [r for r in rows if r["visible"] is not None]
     classified = Counter(r["classification"] for r in rows if r["classification"])
+    reasons = Counter(reason for r in rows for reason in r["reasons"])
     return {
         "trials": len(rows),
         "fired": len(fired),
@@ -563,6 +567,7 @@ def _group(rows: list[dict]) -> dict:
         "visible": len(visible),
         "visible_detected": sum(r["detected"] for r in visible),
         "first_classified": dict(classified),
+        "reasons": dict(reasons),
     }
 
 
@@ -589,7 +594,8 @@ def markdown(summary: dict, costs: dict, args: argparse.Namespace) -> str:
             )
     lines += [
         "",
-        "| detector | mode, phase or bits | trials | fired | detected (of fired) | classified |",
+        "| detector | mode, phase or bits | trials | fired | detected (of fired) | classified "
+        "(alarm reasons) |",
         "| --- | --- | ---: | ---: | ---: | --- |",
     ]
     for detector, entry in summary.items():
@@ -600,6 +606,12 @@ def markdown(summary: dict, costs: dict, args: argparse.Namespace) -> str:
                 )
                 if group["persistent"]:
                     classes += f"; persistent later: {group['persistent']}"
+                if group["reasons"]:
+                    classes += (
+                        " ("
+                        + ", ".join(f"{k} {v}" for k, v in sorted(group["reasons"].items()))
+                        + ")"
+                    )
                 lines.append(
                     f"| {detector} | {value} | {group['trials']} | {group['fired']} | "
                     f"{_rate(group['detected'], group['fired'])} | {classes or '-'} |"
@@ -646,6 +658,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.05, help="UpdateDetector's alpha")
     parser.add_argument("--warmup", type=int, default=10, help="UpdateDetector's warm-up")
+    parser.add_argument(
+        "--spike-steps",
+        type=int,
+        default=10,
+        help="UpdateDetector's spike rule: 10x the largest loss/gradient norm of this many "
+        "first steps (Megatron: 100; the campaign's runs are shorter)",
+    )
     parser.add_argument("--overhead-blocks", type=int, default=8)
     parser.add_argument("--block-steps", type=int, default=5)
     parser.add_argument(
