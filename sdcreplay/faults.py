@@ -132,6 +132,10 @@ class FaultSpec:
                 f"A mask is a positive number of at most 64 bits, {example}.",
             )
 
+    @property
+    def mask_text(self) -> str | None:
+        return None if self.mask is None else f"{self.mask:#x}"
+
     def __str__(self) -> str:
         defaults = FaultSpec(kind=self.kind)
         parts = [f"kind={self.kind}"] + [
@@ -140,10 +144,6 @@ class FaultSpec:
             if f.name != "kind" and getattr(self, f.name) != getattr(defaults, f.name)
         ]
         return ",".join(parts)
-
-    @property
-    def mask_text(self) -> str | None:
-        return None if self.mask is None else f"{self.mask:#x}"
 
     def applies_to(self, device_label: str) -> bool:
         return self.device is None or self.device == device_label
