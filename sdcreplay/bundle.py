@@ -451,8 +451,9 @@ class Trigger(Record):
     """Why a ring buffer's bundle was written (``Recorder(ring=K).dump``): absent in a bundle
     recorded step by step."""
 
+    REASON_LIMIT: ClassVar[int] = 4096
     RULES: ClassVar[dict[str, Check]] = {
-        "reason": text(4096),
+        "reason": text(REASON_LIMIT),
         "source": text(64),
         "step": integer(0, 2**31 - 1),
         "ring": integer(1, 2**31 - 1),

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import threading
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -156,6 +156,32 @@ def hyper_items(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, Signatu
             yield f"hyper:{name}", value
 
 
+@contextlib.contextmanager
+def observed_backward(
+    before: Callable[[torch.Tensor], None], after: Callable[[], None]
+) -> Iterator[None]:
+    """While open, each ``backward()`` of one number calls ``before(loss)`` and then, once the
+    gradients are in, ``after()``.
+
+    It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls), so
+    the user's code is not touched.
+    """
+    original = torch.autograd.backward
+
+    def backward(tensors, *args, **kwargs):
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            before(tensors)
+        result = original(tensors, *args, **kwargs)
+        after()
+        return result
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
 class SignatureCapture:
     """Hooks a model and optimizer once; they record only inside an open step.
 
@@ -279,28 +305,10 @@ class SignatureCapture:
             for name, param in self.model.named_parameters():
                 self._add(f"grad:{name}", param.grad)
 
-    @contextlib.contextmanager
-    def backward_capture(self) -> Iterator[None]:
-        """While open, each ``backward()`` records its loss before and the gradients after it.
-
-        It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls),
-        so the user's code is not touched; the loss is the scalar handed to
-        backward (a GradScaler's scaled loss under AMP).
-        """
-        original = torch.autograd.backward
-
-        def backward(tensors, *args, **kwargs):
-            if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-                self.record_loss(tensors)
-            result = original(tensors, *args, **kwargs)
-            self.record_gradients()
-            return result
-
-        torch.autograd.backward = backward
-        try:
-            yield
-        finally:
-            torch.autograd.backward = original
+    def backward_capture(self) -> contextlib.AbstractContextManager[None]:
+        """While open, each ``backward()`` records its loss before and the gradients after it
+        (the loss is the scalar handed to backward: a GradScaler's scaled loss under AMP)."""
+        return observed_backward(self.record_loss, self.record_gradients)
 
     def close_window(self) -> None:
         """The step's own code is over (the block exited): later forwards are not the step's."""

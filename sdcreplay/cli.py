@@ -165,6 +165,8 @@ def command(renderer: Callable[[Output, Any], None]):
 class DumpOn(str, Enum):
     """What may write a ring buffer's bundle (`record --ring K --dump-on ...`)."""
 
+    update = "update"
+    replay = "replay"
     end = "end"
 
 
@@ -244,14 +246,16 @@ def record(
         typer.Option(
             min=1,
             help="Keep only the last K steps in memory and write the bundle only when --dump-on "
-            "asks (docs/online.md).",
+            "asks (docs/recording.md).",
         ),
     ] = None,
     dump_on: Annotated[
         list[DumpOn] | None,
         typer.Option(
             "--dump-on",
-            help="With --ring, what writes the ring's bundle (repeatable): end (the run ended).",
+            help="With --ring, what writes the ring's bundle (repeatable): update (an "
+            "UpdateDetector alarm; the default), replay (a ReplayCheck of every step "
+            "disagrees), end (the run ended).",
         ),
     ] = None,
     json_mode: JsonOpt = False,
@@ -289,7 +293,7 @@ def record(
             verify=verify,
             on_step=on_step,
             ring=ring,
-            dump_at_end=DumpOn.end in (dump_on or []),
+            dump_on=[choice.value for choice in dump_on or []] or (["update"] if ring else []),
         )
 
 

@@ -22,15 +22,17 @@ import contextlib
 import math
 import threading
 import time
+import weakref
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .capture import _own_work, grads_entering, state_object_items
+from .capture import _own_work, grads_entering, observed_backward, state_object_items
 from .determinism import capture_rng, restore_rng
 from .digest import Digester, SignatureValue
 from .errors import SdcReplayError
@@ -123,8 +125,7 @@ class Difference:
 
     position: int
     entry: str
-    reference: str | None  # digest; None: the reference has no entry there
-    actual: str | None  # digest; None: the execution ended before this entry
+    reference: str | None  # its digest there; None: the reference has no entry there
     micro_batch: int | None  # the backward (0-based) it came from; None: end-of-step entries
 
 
@@ -175,15 +176,13 @@ class _Probe:
         expected = self.reference[position] if position < len(self.reference) else None
         if expected == (name, digest):
             return
-        same_entry = expected is not None and expected[0] == name
         self.difference = Difference(
             position,
             name if expected is None else expected[0],
             None if expected is None else expected[1],
-            digest if same_entry or expected is None else None,
             micro_batch,
         )
-        if same_entry:
+        if expected is not None and expected[0] == name:
             self.kept = _copied(self._values[name])
 
     def finish(self) -> None:
@@ -193,7 +192,7 @@ class _Probe:
         if reference is not None and self.difference is None:
             if len(self.entries) < len(reference):
                 name, digest = reference[len(self.entries)]
-                self.difference = Difference(len(self.entries), name, digest, None, None)
+                self.difference = Difference(len(self.entries), name, digest, None)
 
 
 def _copied(value: SignatureValue) -> torch.Tensor | None:
@@ -203,27 +202,19 @@ def _copied(value: SignatureValue) -> torch.Tensor | None:
         return value.detach().clone()
 
 
-@contextlib.contextmanager
-def _probing_backward(probe: _Probe, model: torch.nn.Module) -> Iterator[None]:
+def _probing_backward(
+    probe: _Probe, model: torch.nn.Module
+) -> contextlib.AbstractContextManager[None]:
     """While open, each ``backward()`` adds its loss before and every gradient after it."""
-    original = torch.autograd.backward
     parameters = list(model.named_parameters())
 
-    def backward(tensors, *args, **kwargs):
-        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            probe.add("loss", tensors)
-        result = original(tensors, *args, **kwargs)
+    def gradients() -> None:
         for name, param in parameters:
             probe.add(f"grad:{name}", param.grad)
         probe.flush(probe.backwards)
         probe.backwards += 1
-        return result
 
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
+    return observed_backward(lambda loss: probe.add("loss", loss), gradients)
 
 
 # ---------------------------------------------------------------------------
@@ -325,16 +316,25 @@ class ReplayCheck:
         self.checked_steps = 0
         self._probe: _Probe | None = None
         self._on_optimizer: Callable[[], None] | None = None
-        # Registered now, so it runs before hooks added later (an OperatorMode's) and an
-        # execution it stops leaves them untouched.
-        self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
+        # A global hook runs before every optimizer's own pre-hooks (an OperatorMode's, a
+        # Recorder's), so an execution it stops leaves them untouched. It holds the check
+        # weakly and goes when the check does (or at close()).
+        self._hook = register_optimizer_step_pre_hook(_weakly(self._optimizer_begins))
+        weakref.finalize(self, self._hook.remove)
 
     def reset_schedule(self) -> None:
         """Check the next ``num_steps`` steps again (after a checkpoint load, as TorchTitan)."""
         self.local_step = 0
 
     def close(self) -> None:
+        """Remove the optimizer hook (also done when the check is garbage collected)."""
         self._hook.remove()
+
+    def __enter__(self) -> ReplayCheck:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def due(self) -> bool:
@@ -405,7 +405,7 @@ class ReplayCheck:
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
         probe = self._probe
-        if probe is None or probe.finished:
+        if optimizer is not self.workload.optimizer or probe is None or probe.finished:
             return
         self._end_entries(probe)
         if self._on_optimizer is None:
@@ -464,6 +464,7 @@ class ReplayCheck:
                     source="ReplayCheck",
                 )
             )
+            self.recorder.rewind()  # the step is undone: the ring ends where training stands
             with _own_work():
                 before.restore()
         else:
@@ -484,6 +485,18 @@ class ReplayCheck:
         )
 
 
+def _weakly(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+    """A global hook calling ``method`` while its object lives, without keeping it alive."""
+    alive = weakref.WeakMethod(method)
+
+    def hook(optimizer, args, kwargs) -> None:
+        bound = alive()
+        if bound is not None:
+            bound(optimizer, args, kwargs)
+
+    return hook
+
+
 class _Baseline:
     """What a checked forward/backward may change, as the step began; gradients by contract
     (None, or zeroed in place), never copied."""
@@ -493,7 +506,8 @@ class _Baseline:
         with _own_work():
             self.snapshot = TrainingSnapshot.take(model, None, state, grads=False, params=False)
             self.scalars = {name: (s, copy_state(s.get())) for name, s in scalars.items()}
-        self.had_grad = {name: p.grad is not None for name, p in model.named_parameters()}
+        # the entry gradients themselves (None or zero by contract), never their values
+        self.entry_grads = {name: p.grad for name, p in model.named_parameters()}
 
     def restore(self) -> None:
         with _own_work():
@@ -502,12 +516,11 @@ class _Baseline:
                 scalar.set(copy_state(value))
             with torch.no_grad():
                 for name, param in self.model.named_parameters():
-                    if not self.had_grad[name]:
-                        param.grad = None
-                    elif param.grad is not None:
-                        param.grad.zero_()
-                    else:
-                        param.grad = torch.zeros_like(param)
+                    entry = self.entry_grads[name]
+                    if param.grad is not entry:  # the same tensor (CUDA graphs hold its address)
+                        param.grad = entry
+                    if entry is not None:
+                        entry.zero_()
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -531,19 +544,27 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if _distributed(group) else 0
 
 
+def _highest(value: int, group: Any) -> int:
+    """The largest of every rank's ``value`` (an all-reduce MAX; the value itself alone)."""
+    if not _distributed(group):
+        return value
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":  # its collectives take device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _own_work():
+        flag = torch.tensor([value], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return int(flag.item())
+
+
 def _first_rank(local: dict | None, group: Any) -> dict | None:
     """The mismatch every rank reports: the one whose first differing entry comes first in the
     step (a fault upstream of a collective shows first where it happened), then lowest rank."""
     if not _distributed(group):
         return None if local is None else {**local, "rank": 0}
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # its collectives take device tensors only
-        device = torch.device("cuda", torch.cuda.current_device())
+    if not _highest(0 if local is None else 1, group):
+        return None
     with _own_work():
-        flag = torch.tensor([0 if local is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if not int(flag.item()):
-            return None
         summary = (
             None if local is None else {"replay": local["replay"], **vars(local["difference"])}
         )
@@ -646,6 +667,12 @@ class RecomputeLimitError(SdcReplayError):
         )
 
 
+PEER_ALARM = "peer"
+"""The reason on a rank that raised no alarm itself but rolls back with one that did."""
+
+# What a recompute showed, ordered so that the largest over the ranks decides for all.
+_PASSED, _REPEATED, _OTHER = 0, 1, 2
+
 SecondOpinion = Callable[[Alarm, TrainingSnapshot, Any], bool]
 """``(alarm, snapshot before the step, batch) -> True`` when another device, from the same
 state, reproduces the alarmed result (so it was correct)."""
@@ -704,6 +731,7 @@ class UpdateDetector:
         snapshot_device: torch.device | str | None = None,
         recorder: Any = None,
         start_step: int = 0,
+        group: Any = None,
     ):
         if alpha < 0 or sigmas < 0 or not 0 <= ema_decay < 1 or window < 2:
             raise SdcReplayError(
@@ -721,6 +749,7 @@ class UpdateDetector:
         self.spike_factor, self.spike_steps = spike_factor, spike_steps
         self.max_recomputes, self.persistent_after = max_recomputes, persistent_after
         self.second_opinion = second_opinion
+        self.group = group
         self.snapshot_device = snapshot_device
         self.recorder = recorder
         self.next_step = start_step
@@ -731,10 +760,18 @@ class UpdateDetector:
         self._overhead = 0.0
         self._recompute_seconds = 0.0
         self._grad_norms: dict[str, float] | None = None
+        self._step_seconds = 0.0
         self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
 
     def close(self) -> None:
+        """Remove the optimizer hook."""
         self._hook.remove()
+
+    def __enter__(self) -> UpdateDetector:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def metrics(self) -> dict[str, float | int]:
         """Counters to log: ``steps``, ``detections`` (alarms raised), ``recomputes``,
@@ -760,38 +797,57 @@ class UpdateDetector:
         step = self.next_step if step is None else step
         self.next_step = step + 1
         self._counts["steps"] += 1
-        started = time.perf_counter()
-        model, optimizer = self.workload.model, self.workload.optimizer
-        with _own_work():
-            snapshot = TrainingSnapshot.take(
-                model, optimizer, self.workload.state, device=self.snapshot_device
-            )
-        ran = time.perf_counter()
-        recording = self.recorder.step(batch) if self.recorder is not None else None
-        with recording if recording is not None else contextlib.nullcontext():
-            loss, original = self._observe(batch, snapshot)
-        judged = time.perf_counter()
-        reasons = self.reasons(original)
-        if not reasons:
-            self._reproducible_in_a_row = 0
-            self._accept(original)
-            self._overhead += (ran - started) + (time.perf_counter() - judged)
-            return loss
-        self._counts["detections"] += 1
-        alarm = Alarm(step, reasons, original=original)
-        self.alarms.append(alarm)
+        started, step_seconds = time.perf_counter(), 0.0
         try:
+            with _own_work():
+                snapshot = TrainingSnapshot.take(
+                    self.workload.model,
+                    self.workload.optimizer,
+                    self.workload.state,
+                    device=self.snapshot_device,
+                )
+            recording = self.recorder.step(batch) if self.recorder is not None else None
+            with recording if recording is not None else contextlib.nullcontext():
+                loss, original = self._observe(batch, snapshot)
+            step_seconds = self._step_seconds
+            reasons = self.reasons(original)
+            if not _highest(int(bool(reasons)), self.group):  # every rank agrees: no alarm
+                self._reproducible_in_a_row = 0
+                self._accept(original)
+                return loss
+            reasons = reasons or [PEER_ALARM]  # rolled back with the rank that alarmed
+            self._counts["detections"] += 1
+            alarm = Alarm(step, reasons, original=original)
+            self.alarms.append(alarm)
             return self._resolve(batch, snapshot, alarm, loss)
-        finally:
-            self._overhead += (ran - started) + (time.perf_counter() - judged)
+        finally:  # everything but the loop's own step (the first execution) is overhead
+            self._overhead += time.perf_counter() - started - step_seconds
+
+    def judge(self, seen: Observation, *, step: int) -> Alarm | None:
+        """Judge a step the detector did not run (a Trainer callback's): a clean one joins the
+        baselines; an alarm is dumped (with a recorder), neither rolled back nor recomputed."""
+        self._counts["steps"] += 1
+        self.next_step = step + 1
+        reasons = self.reasons(seen)
+        if not reasons:
+            self._accept(seen)
+            return None
+        self._counts["detections"] += 1
+        alarm = Alarm(step, reasons, original=seen)
+        self.alarms.append(alarm)
+        if self.recorder is not None:
+            self._dump(alarm)
+        return alarm
 
     def _observe(self, batch: Any, snapshot: TrainingSnapshot) -> tuple[Any, Observation]:
         self._grad_norms = {}
+        started = time.perf_counter()
         try:
             loss = self.workload.run_step(batch)
             grad_norms = self._grad_norms
         finally:
             self._grad_norms = None
+            self._step_seconds = time.perf_counter() - started
         return loss, observe(self.workload.model, snapshot, loss, grad_norms)
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
@@ -802,7 +858,9 @@ class UpdateDetector:
                 (n, p.grad) for n, p in self.workload.model.named_parameters() if p.grad is not None
             ]
             if named:
-                norms = torch.stack([torch.linalg.vector_norm(g.double()) for _, g in named])
+                norms = torch.stack(
+                    [torch.linalg.vector_norm(g, dtype=torch.float64) for _, g in named]
+                )
                 self._grad_norms.update(zip([n for n, _ in named], norms.tolist()))
 
     def reasons(self, seen: Observation) -> list[str]:
@@ -853,8 +911,11 @@ class UpdateDetector:
     def _resolve(
         self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, loss: Any
     ) -> torch.Tensor | None:
-        """Recompute until an execution passes (transient) or repeats its predecessor
-        (reproducible), at most ``max_recomputes`` times."""
+        """Recompute until every rank's execution passes (transient, or correct on a rank that
+        only followed another's alarm), or one repeats its predecessor (reproducible), at most
+        ``max_recomputes`` times. Every decision is agreed by all ranks, so they run the same
+        executions (their collectives match). Recomputes run outside the recorder, whose ring
+        keeps the alarmed execution as the evidence until the verdict."""
         previous = alarm.original
         assert previous is not None
         started = time.perf_counter()
@@ -866,54 +927,88 @@ class UpdateDetector:
                 self._counts["recomputes"] += 1
                 loss, again = self._observe(batch, snapshot)
                 alarm.recomputed = again
-                if again.result != previous.result and not self.reasons(again):
-                    return self._settle(alarm, "transient", again, loss)
-                if again.result == previous.result:
-                    return self._reproducible(batch, snapshot, alarm, again, loss)
+                repeated = again.result == previous.result
+                outcome = _PASSED if not self.reasons(again) else _REPEATED if repeated else _OTHER
+                agreed = _highest(outcome, self.group)
+                if agreed == _PASSED:
+                    if repeated:  # this rank only followed: its step was right
+                        return self._correct(alarm, again, loss)
+                    return self._transient(batch, snapshot, alarm, again, loss)
+                if agreed == _REPEATED:
+                    return self._reproducible(batch, snapshot, alarm, again, loss, outcome)
                 previous = again
+            self._give_up(snapshot, alarm)
+            raise RecomputeLimitError(alarm, self.max_recomputes)
         finally:
             self._recompute_seconds += time.perf_counter() - started
-        self._dump(alarm)
-        with _own_work():
-            snapshot.restore()
-        raise RecomputeLimitError(alarm, self.max_recomputes)
 
-    def _reproducible(
-        self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, seen: Observation, loss: Any
+    def _transient(
+        self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, kept: Observation, loss: Any
     ) -> torch.Tensor | None:
-        self._reproducible_in_a_row += 1
-        if self.second_opinion is not None:
-            confirmed = self.second_opinion(alarm, snapshot, batch)
-        else:
-            confirmed = self._reproducible_in_a_row < self.persistent_after
-        if confirmed:
-            return self._settle(alarm, "correct", seen, loss)
-        alarm.classification = "persistent"
-        self._counts["persistent"] += 1
-        self._dump(alarm)
-        with _own_work():
-            snapshot.restore()
-        raise PersistentFaultError(alarm)
-
-    def _settle(
-        self, alarm: Alarm, classification: Classification, kept: Observation, loss: Any
-    ) -> torch.Tensor | None:
-        alarm.classification = classification
-        self._counts[classification] += 1
-        if classification == "transient":
-            self._reproducible_in_a_row = 0
+        """Keep the recompute. With a recorder: dump the alarmed execution, take it back, and
+        record the step once more so the ring holds what training goes on from."""
+        self._reproducible_in_a_row = 0
+        self._classify(alarm, "transient")
+        if self.recorder is not None:
             self._dump(alarm)
+            self.recorder.rewind()
+            with _own_work():
+                snapshot.restore()
+            with self.recorder.step(batch):
+                loss, kept = self._observe(batch, snapshot)
         self._accept(kept)
         return loss
 
+    def _correct(self, alarm: Alarm, kept: Observation, loss: Any) -> torch.Tensor | None:
+        self._classify(alarm, "correct")
+        self._accept(kept)
+        return loss
+
+    def _reproducible(
+        self,
+        batch: Any,
+        snapshot: TrainingSnapshot,
+        alarm: Alarm,
+        seen: Observation,
+        loss: Any,
+        outcome: int,
+    ) -> torch.Tensor | None:
+        """The same result again (on some rank): correct if another device agrees (or,
+        without one, unless it keeps happening), else persistent: roll back and raise, on
+        every rank."""
+        confirmed = True
+        if outcome == _REPEATED:
+            self._reproducible_in_a_row += 1
+            if self.second_opinion is not None:
+                confirmed = self.second_opinion(alarm, snapshot, batch)
+            else:
+                confirmed = self._reproducible_in_a_row < self.persistent_after
+        if not _highest(int(not confirmed), self.group):
+            original = alarm.original
+            if outcome == _PASSED and original is not None and seen.result != original.result:
+                return self._transient(batch, snapshot, alarm, seen, loss)
+            return self._correct(alarm, seen, loss)
+        self._classify(alarm, "persistent")
+        self._give_up(snapshot, alarm)
+        raise PersistentFaultError(alarm)
+
+    def _classify(self, alarm: Alarm, classification: Classification) -> None:
+        alarm.classification = classification
+        self._counts[classification] += 1
+
+    def _give_up(self, snapshot: TrainingSnapshot, alarm: Alarm) -> None:
+        """Dump the alarmed step, then the state as before it (the ring's too)."""
+        if self.recorder is not None:
+            self._dump(alarm)
+            self.recorder.rewind()
+        with _own_work():
+            snapshot.restore()
+
     def _dump(self, alarm: Alarm) -> None:
-        """A bundle of the window ending with the alarmed step as it first ran (the recorder
-        holds that execution; the recomputes ran outside it)."""
-        if self.recorder is None or alarm.bundle is not None:
-            return
+        assert self.recorder is not None
         path = self.recorder.dump(
-            f"UpdateDetector: step {alarm.step} {', '.join(alarm.reasons)}"
-            + (f" ({alarm.classification})" if alarm.classification else ""),
+            f"UpdateDetector: step {alarm.step} {', '.join(alarm.reasons)} "
+            f"({alarm.classification or 'unresolved'})",
             source="UpdateDetector",
         )
         alarm.bundle = str(path)
@@ -926,7 +1021,9 @@ def observe(
     with _own_work():
         names = [name for name, _ in model.named_parameters()]
         updates = [
-            torch.linalg.vector_norm(p.detach().double() - before.params[n].to(p.device))
+            torch.linalg.vector_norm(
+                p.detach() - before.params[n].to(p.device), dtype=torch.float64
+            )
             for n, p in model.named_parameters()
         ]
         update_norms = dict(zip(names, torch.stack(updates).tolist())) if updates else {}

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 from . import determinism
@@ -47,11 +48,24 @@ from .bundle import (
     checkpoint_reference,
     load_checkpoint,
 )
-from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
+from .capture import (
+    OperatorMode,
+    SignatureCapture,
+    _own_work,
+    grads_entering,
+    state_digests,
+)
 from .devices import torch_device
 from .digest import algorithm_for
 from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
 from .faults import Injector, parse_specs
+from .online import (
+    PersistentFaultError,
+    RecomputeLimitError,
+    ReplayCheck,
+    SDCReplayMismatch,
+    UpdateDetector,
+)
 from .replay import ReplaySession
 from .ring import HeldStep, StepRing, model_state_dict
 from .signature import is_program_entry
@@ -330,8 +344,8 @@ class Recorder:
         if self._capture.step_open and not self._continues_held_steps():
             self._ring.clear()  # the previous step raised mid-way and left the state changed
         if self._ring.wants_snapshot(grads):
-            self._ring.open_window(
-                TrainingSnapshot.take(
+            with _own_work():  # not the step's operators (an OperatorMode may be active)
+                snapshot = TrainingSnapshot.take(
                     self.model,
                     self.optimizer,
                     self.state_objects,
@@ -339,7 +353,7 @@ class Recorder:
                     rng=False,
                     device="cpu",
                 )
-            )
+            self._ring.open_window(snapshot)
 
     def _continues_held_steps(self) -> bool:
         """Are parameters and buffers as the last held step left them (a step that raised
@@ -414,9 +428,15 @@ class Recorder:
                     seconds=step.seconds,
                 )
             writer.set_trigger(
-                Trigger(reason=reason, source=source, step=held[-1].index, ring=self._ring.size)
+                Trigger(
+                    reason=_shortened(reason, Trigger.REASON_LIMIT),
+                    source=_shortened(source, 64),
+                    step=held[-1].index,
+                    ring=self._ring.size,
+                )
             )
-            self._verify_dump(writer)
+            with _disable_current_modes():  # a fault injector's mode around the loop's step
+                self._verify_dump(writer)
         except BaseException:
             writer.abort()
             raise
@@ -460,6 +480,11 @@ class Recorder:
             self.close()
         else:
             self.abandon()
+
+
+def _shortened(text: str, limit: int) -> str:
+    """At most ``limit`` characters (a detector's reason may name every parameter)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
@@ -551,7 +576,7 @@ class RecordSummary:
     size_bytes: int
     final_loss: float | None
     verification: dict
-    ring: dict | None = None  # {size, peak_nbytes, dumps: [{bundle, trigger, seconds}]}
+    ring: dict | None = None  # {size, peak_nbytes, dumps: [{bundle, trigger}], stopped}
 
     exit_code = 0  # a recording is never a finding
 
@@ -586,18 +611,18 @@ def record(
     verify: bool | str = True,
     on_step: Callable[[int, float | None], None] | None = None,
     ring: int | None = None,
-    step_with: Callable[[Workload, Recorder], Callable[[Any], torch.Tensor | None]] | None = None,
-    dump_at_end: bool = False,
+    dump_on: Sequence[str] = (),
 ) -> RecordSummary:
     """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
 
     ``inject`` corrupts the recording device as a defective GPU would; the
     bundle does not say so, exactly like one recorded on a defective GPU.
     ``ring``: keep only the last ``ring`` steps in memory and write a bundle when
-    something asks for one: ``step_with(workload, recorder)`` returns the function that
-    runs each step in place of the workload's own (a detector that dumps on an alarm),
-    ``dump_at_end`` dumps the last steps when the run ends.
+    ``dump_on`` asks (DUMP_ON): ``update`` / ``replay``, an ``UpdateDetector`` /
+    ``ReplayCheck`` (every step) drives each step and dumps on an alarm (a mismatch, a
+    persistent fault or a recompute limit also ends the run); ``end``, when the run ends.
     """
+    detecting = _check_dump_on(ring, dump_on, inject)
     kwargs = dict(kwargs or {})
     if accepts_seed(workload):
         kwargs.setdefault("seed", seed)
@@ -628,8 +653,8 @@ def record(
         inject=inject,
         ring=ring,
     )
-    run_step = built.run_step if step_with is None else step_with(built, recorder)
-    peak_nbytes = 0
+    detector = _detector(detecting, built, recorder)
+    peak_nbytes, stopped = 0, None
     with recorder:
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
@@ -639,16 +664,26 @@ def record(
                 if chain
                 else contextlib.nullcontext()
             )
-            with recorder.step(batch):  # its checks run before the step, outside the operator mode
-                injector.before_step(index, built.model)
-                with mode:
-                    loss = run_step(batch)
+            if detector is not None:  # it opens the recorder's step itself
+                try:
+                    with mode:
+                        loss = detector.run_step(batch)
+                except (SDCReplayMismatch, PersistentFaultError, RecomputeLimitError) as alarm:
+                    stopped = f"step {index}: {alarm.message}"
+                    break
+            else:
+                with recorder.step(batch):  # its checks run before the step, outside the mode
+                    injector.before_step(index, built.model)
+                    with mode:
+                        loss = built.run_step(batch)
             peak_nbytes = max(peak_nbytes, recorder.ring_nbytes)
             loss_value = None if loss is None else float(loss.detach())
             if on_step is not None:
                 on_step(index, loss_value)
-        if dump_at_end and ring is not None:
+        if "end" in dump_on and stopped is None:
             recorder.dump("the run ended", source="record")
+        if detector is not None:
+            detector.close()
     bundle_path = recorder.path if ring is None else next(iter(recorder.dumps), None)
     for miss in injector.unmatched():
         raise FaultSpecError(
@@ -669,13 +704,48 @@ def record(
         size_bytes=0 if opened is None else opened.size_bytes(),
         final_loss=loss_value,
         verification={} if opened is None else opened.verification.to_json(),
-        ring=None if ring is None else _ring_summary(recorder, ring, peak_nbytes),
+        ring=None if ring is None else _ring_summary(recorder, ring, peak_nbytes, stopped),
     )
 
 
-def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int) -> dict:
+DUMP_ON = ("update", "replay", "end")
+"""What writes a ring recording's bundle: an UpdateDetector alarm, a ReplayCheck mismatch,
+the end of the run."""
+
+
+def _check_dump_on(ring: int | None, dump_on: Sequence[str], inject: Sequence[str]) -> str | None:
+    """The detector named in ``dump_on`` (or None), once the combination is known to work."""
+    unknown = sorted(set(dump_on) - set(DUMP_ON))
+    detectors = [name for name in DUMP_ON[:2] if name in dump_on]
+    problem, hint = None, "--dump-on is update, replay or end (with --ring K)."
+    if unknown:
+        problem = f"--dump-on {unknown[0]!r} is not one of {', '.join(DUMP_ON)}"
+    elif dump_on and ring is None:
+        problem = "--dump-on needs --ring: without a ring every step is written anyway"
+    elif len(detectors) > 1:
+        problem = "--dump-on update and replay together: one detector drives each step"
+        hint = "Choose one detector (end may go with either)."
+    elif detectors and any(spec.kind == "memflip" for spec in parse_specs(inject)):
+        problem = "a memflip fault corrupts memory between steps, outside a detector's step"
+        hint = "With a detector, inject operator faults (bitflip, bias, nan...) instead."
+    if problem is not None:
+        raise SdcReplayError(problem, hint)
+    return detectors[0] if detectors else None
+
+
+def _detector(
+    name: str | None, built: Workload, recorder: Recorder
+) -> UpdateDetector | ReplayCheck | None:
+    if name == "update":
+        return UpdateDetector(built, recorder=recorder)
+    if name == "replay":
+        return ReplayCheck(built, recorder=recorder, num_steps=-1)
+    return None
+
+
+def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int, stopped: str | None) -> dict:
     dumps = []
     for path in recorder.dumps:
         trigger = Bundle.open(path, verify=False).manifest.trigger
         dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
-    return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps}
+    return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps, "stopped": stopped}

@@ -227,14 +227,16 @@ def _render_ring_record(output: Output, summary: RecordSummary, ring: dict) -> N
     )
     if not ring["dumps"]:
         output.say(f"{held}; no alarm: nothing written.")
-        return
-    output.say(f"{held}; {len(ring['dumps'])} bundle(s) written:")
+    else:
+        output.say(f"{held}; {len(ring['dumps'])} bundle(s) written:")
     for dump in ring["dumps"]:
         trigger = dump["trigger"]
         output.say(
-            f"  {dump['bundle']}: {trigger['reason']} ({trigger['source']}, at step "
-            f"{trigger['step']})"
+            f"  {escape(dump['bundle'])}: {escape(trigger['reason'])} ({trigger['source']}, "
+            f"at step {trigger['step']})"
         )
+    if ring["stopped"]:
+        output.say(f"The detector ended the run at {escape(ring['stopped'])}")
 
 
 def _verification_text(verification: dict) -> str:

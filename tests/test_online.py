@@ -8,7 +8,9 @@ so ``nth=0`` is the reference execution's call and ``nth=1`` the replay's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import math
 import os
 import random
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.optim.optimizer as optimizer_module
 from conftest import REPO, SMALL
 
 from sdcreplay.capture import OperatorMode
@@ -40,7 +43,7 @@ class Loop:
     """A user's loop with its own step: dropout and BatchNorm (RNG, buffers), a token counter
     outside every module, Python and NumPy noise, optional gradient accumulation."""
 
-    def __init__(self, micro_batches: int = 1, seed: int = 0):
+    def __init__(self, micro_batches: int = 1, seed: int = 0, set_to_none: bool = True):
         torch.manual_seed(seed)
         self.model = torch.nn.Sequential()
         self.model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
@@ -49,6 +52,7 @@ class Loop:
         self.model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.micro_batches = micro_batches
+        self.set_to_none = set_to_none
         self.tokens = 0
 
     def train_step(self, batch) -> torch.Tensor:
@@ -61,7 +65,7 @@ class Loop:
             self.tokens += xs.shape[0]
             total = total + loss.detach()
         self.optimizer.step()
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
         return total
 
     def check(self, **options) -> ReplayCheck:
@@ -118,6 +122,16 @@ def test_a_fault_in_the_replay_only_is_named_exactly() -> None:
     # raised before the optimizer step, with the state as the step began
     assert torch.equal(loop.model.fc1.weight, weight)
     assert loop.model.fc1.weight.grad is None and loop.tokens == 8
+
+
+def test_a_check_built_inside_an_operator_mode_stops_executions_before_its_hooks() -> None:
+    """The mode's optimizer pre-hook never runs for a stopped execution (else it would believe
+    the replay's forward is in the optimizer, and a forward fault would not fire there)."""
+    loop = Loop()
+    spec = "kind=bitflip,op=aten.mm,module=fc2,phase=forward,nth=1,index=0,bit=22"
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 0):
+        loop.check().run_step(batch(0))
+    assert (caught.value.entry, caught.value.replay, caught.value.elements) == ("loss", 1, 1)
 
 
 def test_every_micro_batch_is_checked() -> None:
@@ -214,6 +228,17 @@ class _TokenState:
         pass
 
 
+def test_zeroed_gradients_stay_the_same_tensors() -> None:
+    """Gradients entering as zeros are zeroed in place between executions, never copied or
+    replaced (CUDA graphs hold their addresses)."""
+    loop = Loop(set_to_none=False)
+    loop.train_step(batch(0))
+    grads = [p.grad for p in loop.model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+    loop.check(num_replays=2).run_step(batch(1))
+    assert all(p.grad is g for p, g in zip(loop.model.parameters(), grads))
+
+
 def test_the_schedule_checks_num_steps_then_again_after_reset() -> None:
     loop = Loop()
     check = loop.check(num_steps=2)
@@ -224,6 +249,20 @@ def test_the_schedule_checks_num_steps_then_again_after_reset() -> None:
     assert check.due
     check.run_step(batch(4))
     assert check.checked_steps == 3
+
+
+def test_a_check_leaves_no_optimizer_hook_behind() -> None:
+    hooks = optimizer_module._global_optimizer_pre_hooks
+    gc.collect()  # the checks of earlier tests, and their hooks
+    before = len(hooks)
+    loop = Loop()
+    with loop.check() as check:
+        check.run_step(batch(0))
+        assert len(hooks) == before + 1
+    assert len(hooks) == before
+    loop.check()  # dropped at once: collected with its hook
+    gc.collect()
+    assert len(hooks) == before
 
 
 def test_gradients_carried_into_a_checked_step_are_refused() -> None:
@@ -365,6 +404,21 @@ def test_clean_training_raises_no_alarm() -> None:
 # ---------------------------------------------------------------------------
 # With a ring Recorder: the failing step as a bundle that replay and bisect start from
 
+
+def ring_recorder(workload: Workload, path: Path, **options) -> Recorder:
+    """A ring Recorder of the small tiny-llama's last 4 steps."""
+    return Recorder(
+        path,
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        state=workload.state,
+        workload_kwargs=dict(SMALL),
+        ring=4,
+        **options,
+    )
+
+
 WQ = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=2,index=69,bit=22"
 
 
@@ -374,16 +428,7 @@ def test_replay_check_bundle_is_reproduced_by_replay_and_localized_by_bisect(tmp
     divergence from it."""
     spec = WQ + ",nth=0,device=cpu:1"
     workload = small_llama()
-    recorder = Recorder(
-        tmp_path / "alarm.bundle",
-        "builtin:tiny-llama",
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        workload_kwargs=dict(SMALL),
-        device_label="cpu:1",
-        ring=4,
-    )
+    recorder = ring_recorder(workload, tmp_path / "alarm.bundle", device_label="cpu:1")
     check = ReplayCheck(workload, num_steps=-1, recorder=recorder)
     with pytest.raises(SDCReplayMismatch) as caught:
         for i in range(4):
@@ -444,7 +489,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdcreplay.capture import OperatorMode
 from sdcreplay.faults import Injector, parse_specs
-from sdcreplay.online import ReplayCheck, SDCReplayMismatch
+from sdcreplay.online import ReplayCheck, SDCReplayMismatch, UpdateDetector
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank = dist.get_rank()
@@ -464,59 +509,155 @@ def train_step(batch):
     optimizer.zero_grad()
     return loss
 
-check = ReplayCheck(model=ddp, optimizer=optimizer, train_step=train_step, num_steps=-1)
-# rank 1 is the defective one: its replay of step 2 computes fc1 wrongly
-specs = [sys.argv[2]] if rank == 1 else []
-result = {"rank": rank, "steps": 0}
-for step in range(4):
-    generator = torch.Generator().manual_seed(100 * rank + step)
-    batch = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
-    injector = Injector(parse_specs(specs, include_env=False), "cpu")
-    try:
-        with OperatorMode(model, optimizer, [injector], step):
-            check.run_step(batch)
-        result["steps"] += 1
-    except SDCReplayMismatch as error:
-        result.update(step=error.step, replay=error.replay, failing_rank=error.rank,
-                      entry=error.entry, elements=error.elements,
-                      histogram=error.bit_histogram, fired=len(injector.fired))
-        break
+def run(detector, spec, steps):
+    specs = [spec] if rank == 1 else []  # rank 1 is the defective one
+    result = {"rank": rank, "steps": 0}
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        batch = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+        injector = Injector(parse_specs(specs, include_env=False), "cpu")
+        try:
+            with OperatorMode(model, optimizer, [injector], step):
+                detector.run_step(batch)
+            result["steps"] += 1
+        except SDCReplayMismatch as error:
+            result.update(step=error.step, replay=error.replay, failing_rank=error.rank,
+                          entry=error.entry, elements=error.elements,
+                          histogram=error.bit_histogram, fired=len(injector.fired))
+            break
+    detector.close()
+    return result
+
+replay = run(ReplayCheck(model=ddp, optimizer=optimizer, train_step=train_step, num_steps=-1),
+             sys.argv[2], 4)
+detector = UpdateDetector(model=ddp, optimizer=optimizer, train_step=train_step, warmup=3,
+                          spike_steps=3, sigmas=6.0)
+update = run(detector, sys.argv[3], 10)
+update["alarms"] = [[a.step, a.reasons, a.classification] for a in detector.alarms]
+update["weights"] = [p.sum().item() for p in model.parameters()]
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as out:
-    json.dump(result, out)
+    json.dump({"replay": replay, "update": update}, out)
 dist.destroy_process_group()
 """
 
 
-def test_two_gloo_ranks_agree_on_the_mismatching_rank(tmp_path: Path) -> None:
+# Rank 1's replay of step 2 computes fc1 wrongly; later its step 6 gradient once.
+RANK_FAULTS = (
+    "kind=bitflip,op=aten.mm,module=fc1,phase=forward,step=2,nth=1,index=5,bit=22",
+    "kind=bias,op=aten.mm,module=fc1,phase=backward,step=6,nth=0,index=5,scale=1e4",
+)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """The script above on 2 gloo ranks, launched as torchrun launches them: ReplayCheck for
+    4 steps, then UpdateDetector for 10 more."""
+    out = tmp_path_factory.mktemp("ranks")
+    script = out / "train.py"
+    script.write_text(RANKS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", str(script), str(out), *RANK_FAULTS]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_gloo_ranks_agree_on_the_mismatching_rank(two_ranks: list[dict]) -> None:
     """DDP all-reduces the gradients, so every rank's gradients differ after rank 1's fault;
     its loss (before the all-reduce) differs on rank 1 only, first in the step: every rank
     names rank 1."""
-    script = tmp_path / "train.py"
-    script.write_text(RANKS_SCRIPT)
-    spec = "kind=bitflip,op=aten.mm,module=fc1,phase=forward,step=2,nth=1,index=5,bit=22"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            str(tmp_path),
-            spec,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    results = [ranks["replay"] for ranks in two_ranks]
     for rank, result in enumerate(results):
         assert result["rank"] == rank and result["steps"] == 2
         assert (result["step"], result["replay"], result["failing_rank"]) == (2, 1, 1)
         assert result["entry"] == "loss"
     assert results[1]["fired"] == 1 and results[0]["fired"] == 0
     assert results[0]["elements"] == results[1]["elements"] == 1  # rank 1's loss, shared
+
+
+def test_two_gloo_ranks_roll_back_and_recompute_together(two_ranks: list[dict]) -> None:
+    """Rank 1's gradient fault reaches rank 0 through DDP's all-reduce; both roll back and
+    recompute (the same collectives on both), both classify it transient, and the run goes on
+    with the ranks' weights still equal."""
+    results = [ranks["update"] for ranks in two_ranks]
+    for result in results:
+        assert result["steps"] == 10
+        assert [(step, kind) for step, _, kind in result["alarms"]] == [(6, "transient")]
+        assert "grad_spike" in result["alarms"][0][1]
+    assert results[0]["weights"] == results[1]["weights"]
+
+
+def test_update_detector_dumps_the_alarmed_step_and_training_goes_on_from_the_recompute(
+    tmp_path, cli
+):
+    workload = small_llama()
+    recorder = ring_recorder(workload, tmp_path / "update.bundle")
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5, recorder=recorder)
+    for i in range(14):
+        with injected(workload.model, workload.optimizer, BIAS + ",nth=0" if i == 10 else None, i):
+            detector.run_step(workload.get_batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.classification) == (10, "transient")
+    assert recorder.ring_steps == [8, 9, 10, 11, 12, 13]  # step 10 once: the kept execution
+    clean = run_detector(None)  # the recompute was kept and recorded: the same training
+    for a, b in zip(
+        clean.workload.model.state_dict().values(), workload.model.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    about = json.loads(cli("info", alarm.bundle, "--json").stdout)
+    assert (about["trigger"]["source"], about["trigger"]["step"]) == ("UpdateDetector", 10)
+    # the bundle holds the execution that alarmed: a clean replay diverges from it at step 10
+    replayed = cli("replay", alarm.bundle, "--json")
+    assert replayed.exit_code == 1, replayed.output
+    first = json.loads(replayed.stdout)["devices"][0]["first_divergence"]
+    assert (first["step"], first["phase"]) == (10, "backward")
+
+
+def test_the_loops_in_docs_online_run(tmp_path: Path, monkeypatch) -> None:
+    """The two complete loops of docs/online.md, as a user would paste them."""
+    text = (REPO / "docs" / "online.md").read_text()
+    loops = [block for block in text.split("```python\n")[1:] if "for step in range" in block]
+    assert len(loops) == 2
+    monkeypatch.chdir(tmp_path)
+    for block in loops:
+        exec(compile(block.split("```")[0], "docs/online.md", "exec"), {"__name__": "docs"})
+    assert not (tmp_path / "alarm.bundle").exists()  # clean: the ring never had to dump
+
+
+def test_nan_in_the_gradients_alarms_without_warmup_and_is_recomputed_away() -> None:
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=2,nth=0,index=3"
+    detector = run_detector(spec, steps=4)
+    (alarm,) = detector.alarms
+    assert alarm.step == 2 and alarm.classification == "transient"
+    assert "nonfinite:grad:layers.0.mlp.w2.weight" in alarm.reasons
+    assert all(reason.startswith("nonfinite:") for reason in alarm.reasons)
+    assert all(math.isfinite(p.sum().item()) for p in detector.workload.model.parameters())
+
+
+def test_an_unusual_update_norm_alarms_by_parameter() -> None:
+    """Plain SGD: the update is the gradient; a x100 gradient element in fc1 moves fc1's update
+    norm far outside its recent spread, and only fc1's (spikes are off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
+    model.add_module("act", torch.nn.Tanh())
+    model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    detector = UpdateDetector(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        spike_steps=10**9,
+        sigmas=6.0,  # random batches: 3 sigmas alarms once on a clean step here (correct)
+    )
+    spec = "kind=bias,op=aten.mm,module=fc1,phase=backward,step=30,nth=0,index=5,scale=100"
+    for i in range(32):
+        with injected(model, optimizer, spec, i):
+            detector.run_step(batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.reasons, alarm.classification) == (
+        30,
+        ["update:fc1.weight"],
+        "transient",
+    )

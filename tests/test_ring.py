@@ -203,10 +203,56 @@ def test_record_ring_without_an_alarm_writes_nothing_and_says_so(tmp_path, cli):
     out = tmp_path / "quiet.bundle"
     recorded = cli(
         "record", "builtin:tiny-llama", *SMALL_ARGS, "--steps", "6", "--out", out,
-        "--ring", "3",
+        "--ring", "3", "--json",
     )  # fmt: skip
     assert recorded.exit_code == 0, recorded.stderr
-    assert "nothing written" in recorded.stderr
+    assert "no alarm: nothing written" in recorded.stderr  # the UpdateDetector watched
+    summary = json.loads(recorded.stdout)
+    assert (summary["bundle"], summary["steps"], summary["size_bytes"]) == (None, 6, 0)
+    assert summary["ring"]["dumps"] == [] and summary["ring"]["stopped"] is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_record_ring_with_a_detector_writes_the_alarm_bundle(tmp_path, cli):
+    """--inject plants a NaN in step 5's first execution only: the UpdateDetector alarms, its
+    recompute is clean (transient) and the run goes on; the bundle ends with the alarmed step."""
+    out = tmp_path / "alarm.bundle"
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=5,nth=0,index=5"
+    recorded = cli(
+        "record", "builtin:tiny-llama", *SMALL_ARGS, "--steps", "8", "--out", out,
+        "--ring", str(K), "--dump-on", "update", "--inject", spec, "--json",
+    )  # fmt: skip
+    assert recorded.exit_code == 0, recorded.stderr
+    summary = json.loads(recorded.stdout)
+    assert (summary["bundle"], summary["steps"]) == (str(out), 8)
+    (dump,) = summary["ring"]["dumps"]
+    trigger = dump["trigger"]
+    assert (trigger["source"], trigger["step"], trigger["ring"]) == ("UpdateDetector", 5, K)
+    assert trigger["reason"].startswith("UpdateDetector: step 5 nonfinite:loss")
+    assert trigger["reason"].endswith("(transient)")
+    assert Bundle.open(out).step_indices == [0, 1, 2, 3, 4, 5]
+    replayed = cli("replay", out, "--json")
+    assert replayed.exit_code == 1, replayed.stderr
+    first = json.loads(replayed.stdout)["devices"][0]["first_divergence"]
+    assert (first["step"], first["name"]) == (5, "forward:layers.0.mlp.w1")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--dump-on", "end"], "--dump-on needs --ring"),
+        (["--ring", "2", "--dump-on", "update", "--dump-on", "replay"], "together"),
+        (
+            ["--ring", "2", "--inject", "kind=memflip,param=output.weight,step=1,index=0,bit=3"],
+            "memflip",
+        ),
+    ],
+)
+def test_record_refuses_dump_on_combinations_that_cannot_work(tmp_path, cli, options, message):
+    out = tmp_path / "refused.bundle"
+    result = cli("record", "builtin:tiny-llama", *SMALL_ARGS, "--out", out, *options)
+    assert result.exit_code == 3, result.stderr
+    assert message in result.stderr and "Hint:" in result.stderr
     assert not out.exists()
 
 

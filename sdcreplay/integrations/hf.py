@@ -1,0 +1,176 @@
+"""A Hugging Face ``transformers.Trainer`` callback: ring buffer and update detector on.
+
+```python
+from sdcreplay.integrations.hf import SdcReplayCallback
+
+trainer = Trainer(model=model, args=args, train_dataset=ds,
+                  callbacks=[SdcReplayCallback("alarm.bundle", "mytrain:make_workload",
+                                               workload_kwargs={"seed": 0}, ring=16)])
+trainer.train()  # an alarm writes alarm.bundle (then alarm-2.bundle...) and stops training
+```
+The workload named is what ``sdcreplay replay`` rebuilds: a factory that builds the same
+model and Trainer and returns ``trainer_workload(trainer)``, whose ``train_step`` is the
+Trainer's update step. Contract and limits: docs/online.md, "Callbacks".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..errors import SdcReplayError
+from ..workload import Workload
+from .watch import StepWatch
+
+SCHEDULER = "scheduler"  # the Trainer's learning-rate scheduler, a state object of the bundle
+
+
+def _one_update_per_batch(args: Any) -> None:
+    if args.gradient_accumulation_steps != 1:
+        raise SdcReplayError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: the callback "
+            "records one micro-batch per optimizer step",
+            "Train with gradient_accumulation_steps=1 (a larger per-device batch instead).",
+        )
+
+
+class SdcReplayCallback(TrainerCallback):
+    """Records the last ``ring`` steps in memory; on an ``UpdateDetector`` alarm writes them
+    as a bundle at ``path`` and (``stop_on_alarm``) stops training.
+
+    ``workload`` and ``workload_kwargs`` name the factory replay calls (see the module
+    docstring); ``detector``: ``UpdateDetector`` keyword arguments. ``alarms`` lists the
+    alarms, each with its bundle.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        workload: str,
+        *,
+        workload_kwargs: dict | None = None,
+        ring: int = 8,
+        detector: Mapping[str, Any] | None = None,
+        stop_on_alarm: bool = True,
+        verify: bool | str = True,
+    ):
+        self.path, self.workload = Path(path), workload
+        self.workload_kwargs = dict(workload_kwargs or {})
+        self.ring, self.detector = ring, dict(detector or {})
+        self.stop_on_alarm, self.verify = stop_on_alarm, verify
+        self.watch: StepWatch | None = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._awaiting_batch = False
+
+    @property
+    def alarms(self) -> list:
+        return [] if self.watch is None else self.watch.alarms
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        _one_update_per_batch(args)
+        scheduler = kwargs.get("lr_scheduler")
+        self.watch = StepWatch(
+            self.path,
+            self.workload,
+            model,
+            getattr(optimizer, "optimizer", optimizer),  # accelerate's wrapper holds it
+            workload_kwargs=self.workload_kwargs,
+            state={SCHEDULER: getattr(scheduler, "scheduler", scheduler)} if scheduler else {},
+            ring=self.ring,
+            detector=self.detector,
+            verify=self.verify,
+            start_step=state.global_step,
+        )
+        # The batch reaches the callback only as the model's arguments: the step is recorded
+        # from the first forward after on_step_begin (nothing draws random numbers between).
+        self._hooks = [
+            model.register_forward_pre_hook(self._forward_begins, prepend=True, with_kwargs=True),
+            model.register_forward_hook(self._forward_ends),
+        ]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._awaiting_batch = True
+
+    def _forward_begins(self, module, args, kwargs) -> None:
+        if self._awaiting_batch and self.watch is not None:
+            self._awaiting_batch = False
+            self.watch.begin(dict(kwargs) if not args else {"args": args, **kwargs})
+
+    def _forward_ends(self, module, args, output) -> None:
+        if self.watch is not None and self.watch.in_step and isinstance(output, Mapping):
+            self.watch.saw_loss(output.get("loss"))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.watch is not None and self.watch.in_step:
+            self.watch.before_optimizer()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.watch is None:
+            return
+        alarm = self.watch.end()
+        if alarm is not None and self.stop_on_alarm:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.watch is not None:
+            self.watch.close()
+
+
+def trainer_workload(trainer: Trainer) -> Workload:
+    """The Workload replay rebuilds from a Trainer built as for training (not trained).
+
+    Its optimizer and scheduler are the Trainer's own (``create_optimizer_and_scheduler``
+    for ``args.max_steps``); ``train_step(batch)`` is one update step of the Trainer's loop:
+    ``model(**batch)["loss"]``, backward, gradient clipping at ``max_grad_norm``, optimizer
+    and scheduler steps, ``zero_grad``. ``batch`` is what the model received (the callback
+    records exactly that). ``get_batch(i)`` is the i-th batch of the Trainer's dataloader
+    (its order under ``args.seed``), for ``sdcreplay record`` and ``doctor``.
+    """
+    args = trainer.args
+    _one_update_per_batch(args)
+    if args.max_steps <= 0:
+        raise SdcReplayError(
+            "the Trainer has no max_steps: its scheduler's length depends on the dataset",
+            "Build the Trainer with TrainingArguments(max_steps=N), as for training.",
+        )
+    trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
+    model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
+    if model is None or optimizer is None or scheduler is None:
+        raise SdcReplayError(
+            "the Trainer built no model, optimizer or scheduler to replay with",
+            "Give the Trainer its model (not model_init) and the default optimizer set-up.",
+        )
+    batches: list[Any] = []
+
+    def train_step(batch: Any) -> torch.Tensor:
+        model.train()
+        loss = model(**batch)["loss"]
+        loss.backward()
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        model.zero_grad()
+        return loss.detach()
+
+    def get_batch(index: int) -> Any:
+        if not batches:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(args.seed)
+                batches.extend(trainer.get_train_dataloader())
+        batch = dict(batches[index % len(batches)])
+        _, items = trainer.get_batch_samples(iter([batch]), 1, args.device)
+        if trainer.model_accepts_loss_kwargs and items is not None:
+            batch["num_items_in_batch"] = items
+        return batch
+
+    return Workload(
+        model, optimizer, get_batch, train_step=train_step, state={SCHEDULER: scheduler}
+    )

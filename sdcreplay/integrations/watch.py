@@ -1,0 +1,146 @@
+"""What both trainer callbacks do, without either framework.
+
+A trainer runs its own step, so no detector can drive it (nor roll it back and
+recompute it): the callbacks *observe* each step instead. ``StepWatch`` opens a
+ring ``Recorder`` step when the framework hands over the batch, notes the
+gradient norms and a copy of the parameters just before the optimizer's update,
+and when the step ends gives ``UpdateDetector.observe`` the loss, gradient norms
+and update norms. On an alarm the detector dumps the ring (the alarmed step is
+its last one) and the callback stops training (``stop_on_alarm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..capture import _own_work, grads_entering
+from ..errors import SdcReplayError
+from ..online import Alarm, UpdateDetector, observe
+from ..recorder import Recorder
+from ..snapshot import TrainingSnapshot
+
+
+def _run_by_the_trainer(batch: Any) -> None:
+    raise SdcReplayError(
+        "this UpdateDetector judges steps a trainer runs; it cannot run one itself",
+        "Call its judge() from the callback, or build an UpdateDetector with the loop's "
+        "train_step to let it drive (and recompute) steps.",
+    )
+
+
+class _StepAbandoned(Exception):
+    """Thrown into a step the framework never ended (it raised between two callbacks)."""
+
+
+class StepWatch:
+    """A ring Recorder around each step a framework runs, and an UpdateDetector judging it.
+
+    ``workload`` (with ``workload_kwargs``) is what replay calls to rebuild the model,
+    optimizer and a ``train_step`` equal to the trainer's (docs/online.md, "Callbacks");
+    ``ring`` the steps kept; ``detector`` keyword arguments of ``UpdateDetector``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        workload: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        workload_kwargs: dict | None = None,
+        state: Mapping[str, Any] | None = None,
+        ring: int = 8,
+        detector: Mapping[str, Any] | None = None,
+        verify: bool | str = True,
+        start_step: int = 0,
+    ):
+        self.model, self.optimizer = model, optimizer
+        self.recorder = Recorder(
+            path,
+            workload,
+            model,
+            optimizer,
+            state=state,
+            workload_kwargs=workload_kwargs,
+            ring=ring,
+            verify=verify,
+            start_step=start_step,
+        )
+        self.detector = UpdateDetector(
+            model=model,
+            optimizer=optimizer,
+            train_step=_run_by_the_trainer,
+            recorder=self.recorder,
+            **dict(detector or {}),
+        )
+        self.step_index = start_step
+        self._open: contextlib.AbstractContextManager | None = None
+        self._loss: torch.Tensor | None = None
+        self._grad_norms: dict[str, float] = {}
+        self._before: TrainingSnapshot | None = None
+
+    @property
+    def alarms(self) -> list[Alarm]:
+        return self.detector.alarms
+
+    @property
+    def in_step(self) -> bool:
+        return self._open is not None
+
+    def begin(self, batch: Any, *, clear_grads: bool = False) -> None:
+        """The step starts with ``batch`` (as the model receives it); ``clear_grads``: drop the
+        previous step's gradients first (a framework that zeroes them only before backward)."""
+        self._abandon_open_step()
+        if clear_grads and grads_entering(self.model) != "none":
+            self.optimizer.zero_grad(set_to_none=True)
+        self._loss, self._grad_norms, self._before = None, {}, None
+        step = self.recorder.step(batch)
+        step.__enter__()
+        self._open = step
+
+    def saw_loss(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._loss is None:
+            self._loss = loss.detach()
+
+    def before_optimizer(self) -> None:
+        """Gradients as the optimizer will use them; parameters before its update."""
+        with _own_work(), torch.no_grad():
+            grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+            if grads:
+                norms = torch.stack([torch.linalg.vector_norm(g.double()) for _, g in grads])
+                self._grad_norms = dict(zip([n for n, _ in grads], norms.tolist()))
+            self._before = TrainingSnapshot.take(self.model, None, {}, grads=False, rng=False)
+
+    def end(self) -> Alarm | None:
+        """The step ended: record it, then judge it (an alarm dumps the ring first)."""
+        step, self._open = self._open, None
+        if step is None:
+            return None
+        step.__exit__(None, None, None)
+        index, self.step_index = self.step_index, self.step_index + 1
+        if self._before is None:  # the optimizer did not step: no update to judge
+            return None
+        seen = observe(self.model, self._before, self._loss, self._grad_norms)
+        self._before = None
+        alarm = self.detector.judge(seen, step=index)
+        if alarm is not None:
+            warnings.warn(f"sdcreplay: {alarm.describe()}", stacklevel=2)
+        return alarm
+
+    def _abandon_open_step(self) -> None:
+        """A step the framework began but never ended (an exception between two callbacks) is
+        no evidence: the Recorder discards it at the next step."""
+        step, self._open = self._open, None
+        if step is not None:
+            step.__exit__(_StepAbandoned, _StepAbandoned(), None)
+
+    def close(self) -> None:
+        self._abandon_open_step()
+        self.detector.close()
+        self.recorder.close()

@@ -1,0 +1,161 @@
+"""The trainer callbacks: a tiny model trained by the framework's own Trainer, a fault planted
+in one step, the alarm bundle the callback writes, and its replay."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import sdcreplay
+from sdcreplay import Bundle
+from sdcreplay.capture import OperatorMode
+from sdcreplay.faults import Injector, parse_specs
+
+HERE = Path(__file__).resolve().parent
+RING = 4
+FAULTY_STEP = 3
+
+
+class Defect:
+    """The recording device's defect: an Injector under an OperatorMode during one step (what
+    `sdcreplay record --inject` does), entered and left by trainer callback events."""
+
+    def __init__(self, spec: str):
+        self.spec, self.mode = spec, None
+
+    def enter(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if step == FAULTY_STEP:
+            injector = Injector(parse_specs([self.spec]), "cpu")
+            self.mode = OperatorMode(model, optimizer, [injector], step)
+            self.mode.__enter__()
+
+    def leave(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+
+def check_alarm_bundle(path: Path, source_entry: str) -> None:
+    """Written because of the alarm at the faulty step; the workload reproduces every clean
+    step bit for bit and the faulty one diverges where the fault was planted."""
+    bundle = Bundle.open(path)
+    assert bundle.complete and bundle.trusted
+    assert bundle.step_indices == list(range(FAULTY_STEP + 1))  # fewer than 2K: all held
+    trigger = bundle.manifest.trigger
+    assert (trigger.source, trigger.step, trigger.ring) == ("UpdateDetector", FAULTY_STEP, RING)
+    assert trigger.reason.startswith(f"UpdateDetector: step {FAULTY_STEP} nonfinite:")
+    assert bundle.verification.status == "passed"  # step 0 re-executed through the workload
+    replayed = sdcreplay.replay_on_device(bundle, "cpu")
+    first = sdcreplay.compare_logs(bundle.signature_log(), replayed).first
+    assert (first.step, first.name) == (FAULTY_STEP, source_entry)
+
+
+def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.syspath_prepend(str(HERE))
+    from hf_workload import make_trainer
+    from transformers import TrainerCallback
+
+    from sdcreplay.integrations.hf import SdcReplayCallback
+
+    defect = Defect(
+        "kind=nan,op=aten.mm,module=model.layers.0.self_attn.q_proj,phase=forward,"
+        f"step={FAULTY_STEP},index=0"
+    )
+
+    class DefectCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            defect.enter(state.global_step, model, optimizer.optimizer)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            defect.leave()
+
+    out = tmp_path / "hf-alarm.bundle"
+    callback = SdcReplayCallback(
+        out,
+        f"{HERE / 'hf_workload.py'}:make_workload",
+        workload_kwargs={"seed": 0, "max_steps": 8},
+        ring=RING,
+    )
+    trainer = make_trainer(str(tmp_path / "trainer"), callbacks=[DefectCallback(), callback])
+    with pytest.warns(UserWarning, match=f"step {FAULTY_STEP}: nonfinite"):
+        trainer.train()
+    assert trainer.state.global_step == FAULTY_STEP + 1  # stopped at the alarm
+    assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
+    assert sorted(os.listdir(tmp_path)) == ["hf-alarm.bundle", "trainer"]
+    check_alarm_bundle(out, "forward:model.layers.0.self_attn.q_proj")
+
+
+def test_lightning_callback_writes_an_alarm_bundle_that_replays(tmp_path, monkeypatch):
+    lightning = pytest.importorskip("lightning")
+    monkeypatch.syspath_prepend(str(HERE))
+    from lightning.pytorch import Callback
+    from lightning_workload import batches, make_module
+
+    from sdcreplay.integrations.lightning import SdcReplayCallback
+
+    # Lightning runs the forward inside optimizer.step(closure): named by operator and count.
+    defect = Defect(f"kind=nan,op=aten.addmm,step={FAULTY_STEP},nth=0,index=0")
+
+    class DefectCallback(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            defect.enter(trainer.global_step, pl_module, trainer.optimizers[0])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            defect.leave()
+
+    out = tmp_path / "lightning-alarm.bundle"
+    callback = SdcReplayCallback(
+        out, f"{HERE / 'lightning_workload.py'}:make_workload", workload_kwargs={"seed": 0},
+        ring=RING,
+    )  # fmt: skip
+    trainer = lightning.Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[DefectCallback(), callback],
+    )
+    loader = torch.utils.data.DataLoader(batches(0), batch_size=None)
+    with pytest.warns(UserWarning, match=f"step {FAULTY_STEP}: nonfinite:loss"):
+        trainer.fit(make_module(0), loader)
+    assert trainer.global_step == FAULTY_STEP + 1
+    assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
+    check_alarm_bundle(out, "forward:net.0")
+
+
+def test_lightning_callback_refuses_what_it_cannot_record(tmp_path, monkeypatch):
+    lightning = pytest.importorskip("lightning")
+    monkeypatch.syspath_prepend(str(HERE))
+    from lightning_workload import batches, make_module
+
+    from sdcreplay.errors import SdcReplayError
+    from sdcreplay.integrations.lightning import SdcReplayCallback
+
+    callback = SdcReplayCallback(tmp_path / "x.bundle", "lightning_workload:make_workload")
+    trainer = lightning.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+        callbacks=[callback],
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(batches(0), batch_size=None)
+    with pytest.raises(SdcReplayError, match="accumulate_grad_batches=2"):
+        trainer.fit(make_module(0), loader)
+    assert not (tmp_path / "x.bundle").exists()
+
+
+def test_only_the_integrations_import_transformers_and_lightning():
+    from test_architecture import PACKAGE, _module_name, _third_party
+
+    frameworks = {"transformers", "lightning", "accelerate", "pytorch_lightning"}
+    importers = {
+        _module_name(path) for path in PACKAGE.rglob("*.py") if _third_party(path) & frameworks
+    }
+    assert importers == {"sdcreplay.integrations.hf", "sdcreplay.integrations.lightning"}
