@@ -310,6 +310,17 @@ class SignatureCapture:
         (the loss is the scalar handed to backward: a GradScaler's scaled loss under AMP)."""
         return observed_backward(self.record_loss, self.record_gradients)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing meanwhile, an open step included: another model's step runs in this
+        process (a ring Recorder's verification from inside the loop's step)."""
+        digester, window = self._digester, self._in_forward_window
+        self._digester, self._in_forward_window = None, False
+        try:
+            yield
+        finally:
+            self._digester, self._in_forward_window = digester, window
+
     def close_window(self) -> None:
         """The step's own code is over (the block exited): later forwards are not the step's."""
         self._in_forward_window = False

@@ -639,7 +639,8 @@ class Alarm:
 
 
 class PersistentFaultError(SdcReplayError):
-    """A recompute on this device reproduced a wrong result that another device did not."""
+    """A recompute on this device reproduced a wrong result: another device did not (the second
+    opinion), or, without one, such alarms ended ``persistent_after`` steps in a row."""
 
     def __init__(self, alarm: Alarm):
         self.alarm = alarm
@@ -706,7 +707,8 @@ class UpdateDetector:
     when ``second_opinion`` confirms it elsewhere, ``persistent`` when it does not
     (the step is rolled back and ``PersistentFaultError`` raised). Without a second
     opinion a reproducible alarm is ``correct``, unless the last ``persistent_after``
-    steps all ended in reproducible alarms: then ``persistent``.
+    steps all ended in reproducible alarms: then ``persistent``. Under torch.distributed
+    the ranks of ``group`` agree on every decision, so they run the same executions.
     """
 
     def __init__(

@@ -87,7 +87,9 @@ class Recorder:
     under the names the workload gives them. ``verify`` (True, ``"warn"`` or
     False) checks that the workload's step reproduces the loop's (module
     docstring); ``inject`` is the recording device's faults (`sdcreplay record
-    --inject`), which the check re-executes under too.
+    --inject`), which the check re-executes under too. ``ring=K`` writes nothing while
+    recording: the last K steps stay in memory (ring.py) until ``dump(reason)`` writes them
+    as a bundle at ``path`` (docs/recording.md, "Ring buffer").
     """
 
     def __init__(
@@ -435,7 +437,9 @@ class Recorder:
                     ring=self._ring.size,
                 )
             )
-            with _disable_current_modes():  # a fault injector's mode around the loop's step
+            # Called from inside the loop's step, the verification must not reach it: neither
+            # through a fault injector's mode nor through the capture of the open step.
+            with _disable_current_modes(), self._capture.paused():
                 self._verify_dump(writer)
         except BaseException:
             writer.abort()
@@ -499,6 +503,12 @@ def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
             "a ring buffer's bundle starts from the state at its window's start, not from the "
             "checkpoint",
             "Drop checkpoint= with ring= (the ring embeds its own start state).",
+        )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise SdcReplayError(
+            "a ring buffer under torch.distributed is not supported yet: each rank would dump "
+            "a bundle of its own, whose collectives cannot be replayed without the others",
+            "Record the job step by step (no ring=), or keep the ring to single-process runs.",
         )
 
 

@@ -14,6 +14,7 @@ the last K steps (or every step so far), and holds at most two snapshots and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ class HeldStep:
     grads: str
     seconds: float
 
-    @property
+    @cached_property  # asked after every step, for every held step
     def nbytes(self) -> int:
         """Tensor bytes (batch, RNG states) and signature characters; not Python's overhead."""
         tensors = [self.rng.cpu, self.rng.accelerator]

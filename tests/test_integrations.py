@@ -159,3 +159,31 @@ def test_only_the_integrations_import_transformers_and_lightning():
         _module_name(path) for path in PACKAGE.rglob("*.py") if _third_party(path) & frameworks
     }
     assert importers == {"sdcreplay.integrations.hf", "sdcreplay.integrations.lightning"}
+
+
+def test_lightning_step_that_raises_leaves_nothing_patched(tmp_path, monkeypatch):
+    lightning = pytest.importorskip("lightning")
+    monkeypatch.syspath_prepend(str(HERE))
+    from lightning_workload import Regressor, batches
+
+    from sdcreplay.integrations.lightning import SdcReplayCallback
+
+    class Crashes(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if batch_idx == 2:
+                raise RuntimeError("the loop failed mid-step")
+            return loss
+
+    backward = torch.autograd.backward
+    callback = SdcReplayCallback(tmp_path / "crash.bundle", "lightning_workload:make_workload")
+    trainer = lightning.Trainer(
+        max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="mid-step"):
+        trainer.fit(Crashes(), torch.utils.data.DataLoader(batches(0), batch_size=None))
+    assert torch.autograd.backward is backward  # the recorder's capture let go
+    assert callback.watch.recorder.ring_steps == [0, 1]  # the step cut short is not held
+    assert not (tmp_path / "crash.bundle").exists()

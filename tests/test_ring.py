@@ -304,3 +304,38 @@ def test_rewind_takes_back_the_last_step_to_record_its_recompute(tmp_path):
             ring=2,
         )  # fmt: skip
         fresh.rewind()
+
+
+def test_a_ring_is_refused_under_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    workload = build_workload("builtin:tiny-llama", dict(SMALL, seed=0))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with pytest.raises(SdcReplayError, match="under torch.distributed"):
+            Recorder(
+                tmp_path / "r.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
+                ring=2,
+            )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "r.bundle").exists()
+
+
+def test_a_dump_from_inside_a_step_leaves_that_step_out_and_untouched(tmp_path):
+    rec, workload, _ = ring_loop(tmp_path / "inside.bundle", 5, kwargs=SMALL)
+    batch = workload.get_batch(5)
+    with rec.step(batch):
+        workload.run_step(batch)
+        inside = Bundle.open(rec.dump("alarm raised inside step 5"))  # re-executes step 0 too
+    after = Bundle.open(rec.dump("after the step"))
+    rec.close()
+    assert inside.step_indices == [0, 1, 2, 3, 4]  # step 5 was still open
+    assert inside.manifest.trigger.step == 4 and inside.verification.status == "passed"
+    assert after.step_indices == [0, 1, 2, 3, 4, 5]
+    # Step 5's signature holds the loop's step only, not the verification's backward.
+    assert sdcreplay.compare_logs(
+        after.signature_log(), sdcreplay.replay_on_device(after, "cpu")
+    ).identical

@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..errors import SdcReplayError
 from ..workload import Workload
-from .watch import StepWatch
+from .watch import WatchOptions
 
 SCHEDULER = "scheduler"  # the Trainer's learning-rate scheduler, a state object of the bundle
 
@@ -38,51 +38,22 @@ def _one_update_per_batch(args: Any) -> None:
         )
 
 
-class SdcReplayCallback(TrainerCallback):
+class SdcReplayCallback(WatchOptions, TrainerCallback):
     """Records the last ``ring`` steps in memory; on an ``UpdateDetector`` alarm writes them
-    as a bundle at ``path`` and (``stop_on_alarm``) stops training.
+    as a bundle at ``path`` and (``stop_on_alarm``) stops training (options: WatchOptions)."""
 
-    ``workload`` and ``workload_kwargs`` name the factory replay calls (see the module
-    docstring); ``detector``: ``UpdateDetector`` keyword arguments. ``alarms`` lists the
-    alarms, each with its bundle.
-    """
-
-    def __init__(
-        self,
-        path: str | Path,
-        workload: str,
-        *,
-        workload_kwargs: dict | None = None,
-        ring: int = 8,
-        detector: Mapping[str, Any] | None = None,
-        stop_on_alarm: bool = True,
-        verify: bool | str = True,
-    ):
-        self.path, self.workload = Path(path), workload
-        self.workload_kwargs = dict(workload_kwargs or {})
-        self.ring, self.detector = ring, dict(detector or {})
-        self.stop_on_alarm, self.verify = stop_on_alarm, verify
-        self.watch: StepWatch | None = None
+    def __init__(self, path: str | Path, workload: str, **options: Any):
+        super().__init__(path, workload, **options)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._awaiting_batch = False
-
-    @property
-    def alarms(self) -> list:
-        return [] if self.watch is None else self.watch.alarms
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         _one_update_per_batch(args)
         scheduler = kwargs.get("lr_scheduler")
-        self.watch = StepWatch(
-            self.path,
-            self.workload,
+        self.start_watch(
             model,
             getattr(optimizer, "optimizer", optimizer),  # accelerate's wrapper holds it
-            workload_kwargs=self.workload_kwargs,
             state={SCHEDULER: getattr(scheduler, "scheduler", scheduler)} if scheduler else {},
-            ring=self.ring,
-            detector=self.detector,
-            verify=self.verify,
             start_step=state.global_step,
         )
         # The batch reaches the callback only as the model's arguments: the step is recorded
@@ -98,7 +69,13 @@ class SdcReplayCallback(TrainerCallback):
     def _forward_begins(self, module, args, kwargs) -> None:
         if self._awaiting_batch and self.watch is not None:
             self._awaiting_batch = False
-            self.watch.begin(dict(kwargs) if not args else {"args": args, **kwargs})
+            if args:
+                raise SdcReplayError(
+                    "the model was called with positional arguments; the callback records the "
+                    "keyword inputs a Trainer passes (model(**inputs))",
+                    "Call the model with keyword arguments in compute_loss.",
+                )
+            self.watch.begin(dict(kwargs))
 
     def _forward_ends(self, module, args, output) -> None:
         if self.watch is not None and self.watch.in_step and isinstance(output, Mapping):

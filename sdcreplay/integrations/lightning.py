@@ -15,7 +15,6 @@ is Lightning's automatic optimization of one batch. Contract and limits: docs/on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..errors import SdcReplayError
 from ..workload import Workload
-from .watch import StepWatch
+from .watch import WatchOptions
 
 
 def _supported(trainer: Trainer, module: LightningModule) -> None:
@@ -46,49 +45,18 @@ def _supported(trainer: Trainer, module: LightningModule) -> None:
         )
 
 
-class SdcReplayCallback(Callback):
+class SdcReplayCallback(WatchOptions, Callback):
     """Records the last ``ring`` batches in memory; on an ``UpdateDetector`` alarm writes them
-    as a bundle at ``path`` and (``stop_on_alarm``) stops training.
+    as a bundle at ``path`` and (``stop_on_alarm``) stops training (options: WatchOptions).
 
     Lightning zeroes gradients inside the optimizer's closure, before backward; the callback
     drops them at the start of each batch instead (the same values reach the optimizer), so
     every recorded step starts at an optimizer-step boundary, as a bundle needs.
     """
 
-    def __init__(
-        self,
-        path: str | Path,
-        workload: str,
-        *,
-        workload_kwargs: dict | None = None,
-        ring: int = 8,
-        detector: Mapping[str, Any] | None = None,
-        stop_on_alarm: bool = True,
-        verify: bool | str = True,
-    ):
-        self.path, self.workload = Path(path), workload
-        self.workload_kwargs = dict(workload_kwargs or {})
-        self.ring, self.detector = ring, dict(detector or {})
-        self.stop_on_alarm, self.verify = stop_on_alarm, verify
-        self.watch: StepWatch | None = None
-
-    @property
-    def alarms(self) -> list:
-        return [] if self.watch is None else self.watch.alarms
-
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _supported(trainer, pl_module)
-        self.watch = StepWatch(
-            self.path,
-            self.workload,
-            pl_module,
-            trainer.optimizers[0],
-            workload_kwargs=self.workload_kwargs,
-            ring=self.ring,
-            detector=self.detector,
-            verify=self.verify,
-            start_step=trainer.global_step,
-        )
+        self.start_watch(pl_module, trainer.optimizers[0], start_step=trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.watch is not None:
@@ -109,6 +77,10 @@ class SdcReplayCallback(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watch is not None:
             self.watch.close()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception) -> None:
+        """A step cut short is no evidence: close it (and the recorder's hooks) now."""
+        self.on_train_end(trainer, pl_module)
 
 
 def module_workload(module: LightningModule, get_batch: Callable[[int], Any]) -> Workload:

@@ -144,3 +144,57 @@ class StepWatch:
         self._abandon_open_step()
         self.detector.close()
         self.recorder.close()
+
+
+class WatchOptions:
+    """What both callbacks take, and the StepWatch they start with it once the trainer has
+    built its model and optimizer.
+
+    ``path``: where an alarm's bundle goes; ``workload`` and ``workload_kwargs`` name the
+    factory replay calls (docs/online.md, "Callbacks"); ``ring``: steps kept; ``detector``:
+    ``UpdateDetector`` keyword arguments; ``stop_on_alarm``: stop training after an alarm.
+    ``alarms`` lists the alarms, each with its bundle.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        workload: str,
+        *,
+        workload_kwargs: dict | None = None,
+        ring: int = 8,
+        detector: Mapping[str, Any] | None = None,
+        stop_on_alarm: bool = True,
+        verify: bool | str = True,
+    ):
+        self.path, self.workload = Path(path), workload
+        self.workload_kwargs = dict(workload_kwargs or {})
+        self.ring, self.detector = ring, dict(detector or {})
+        self.stop_on_alarm, self.verify = stop_on_alarm, verify
+        self.watch: StepWatch | None = None
+
+    @property
+    def alarms(self) -> list[Alarm]:
+        return [] if self.watch is None else self.watch.alarms
+
+    def start_watch(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        state: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+    ) -> StepWatch:
+        self.watch = StepWatch(
+            self.path,
+            self.workload,
+            model,
+            optimizer,
+            workload_kwargs=self.workload_kwargs,
+            state=state,
+            ring=self.ring,
+            detector=self.detector,
+            verify=self.verify,
+            start_step=start_step,
+        )
+        return self.watch
