@@ -30,6 +30,7 @@ traces: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/digest.py
 	$(PY) bench/record_overhead.py
+	$(PY) bench/detection_campaign.py
 
 # On a machine with one GPU: the gpu-marked tests, the benchmarks on cuda:0 and an end-to-end
 # record/replay/bisect, in at most 8 minutes; one table (and logs) under $$OUT/gpu-check or

@@ -725,6 +725,7 @@ def bisect(
         },
         bits=forensics.get("bits"),
         pattern=forensics.get("pattern"),
+        fault_model=forensics.get("fault_model"),
         site=asdict(site),
         prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
@@ -855,6 +856,7 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
         )
     summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
     forensics = element_forensics(_input_at(case.args, first), _input_at(suspect_args, first))
+    evidence = ("count", "total", "indices", "positions", "xor", "bits", "pattern", "fault_model")
     return {
         "at_rest": at_rest,
         "summary": summary,
@@ -865,10 +867,7 @@ def _upstream(case: OperatorCase, origins: list[dict], state_differs: list[str])
         "inputs_differ": [
             o["name"] + ("" if o["element"] is None else f"[{o['element']}]") for o in differing
         ],
-        "elements": {
-            k: forensics.get(k)
-            for k in ("count", "total", "indices", "positions", "xor", "bits", "pattern")
-        },
+        "elements": {k: forensics.get(k) for k in evidence},
     }
 
 
@@ -907,6 +906,7 @@ def _state_forensics(work: Path, suspect: str, names: list[str]) -> list[dict]:
                             "actual",
                             "bits",
                             "pattern",
+                            "fault_model",
                         )
                     },
                 }

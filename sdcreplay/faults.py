@@ -27,7 +27,7 @@ from .errors import FaultSpecError
 from .kinds import PhaseName
 from .tensorio import raw_bits
 
-FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip"]
+FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip", "mask", "burst"]
 KINDS: tuple[str, ...] = get_args(FaultKind)
 PHASES: tuple[str, ...] = get_args(PhaseName)
 ENV_VAR = "SDCREPLAY_INJECT"
@@ -45,6 +45,7 @@ class FaultSpec:
     nth: int | None = None
     index: int = 0
     bit: int | None = None
+    mask: int | None = None
     count: int = 1
     scale: float = 1e-3
     p: float = 1.0
@@ -98,11 +99,47 @@ class FaultSpec:
             problem = f"bit={self.bit} is outside 0..63"
         if problem:
             raise FaultSpecError(f"fault spec {text!r}: {problem}")
+        self._validate_mask(text)
+
+    def _validate_mask(self, text: str) -> None:
+        """The XOR mask of ``mask``, ``burst`` and ``memflip``: there, non-zero, at most 64 bits."""
+        example = "e.g. mask=0x00f00000 (four bits of a float32's mantissa)"
+        if self.mask is None:
+            if self.kind == "mask":
+                raise FaultSpecError(
+                    f"fault spec {text!r}: kind=mask needs mask= (the bits to XOR)",
+                    f"Give the mask in hex or decimal, {example}.",
+                )
+            return
+        if self.kind not in ("mask", "burst", "memflip"):
+            raise FaultSpecError(
+                f"fault spec {text!r}: mask= applies to kind=mask, burst and memflip only",
+                f"Use kind=mask for a multi-bit error on one element, or bit= with {self.kind}.",
+            )
+        if self.bit is not None:
+            raise FaultSpecError(
+                f"fault spec {text!r}: give mask= or bit=, not both",
+                f"bit={self.bit} is mask={1 << self.bit:#x}.",
+            )
+        if self.mask == 0:
+            raise FaultSpecError(
+                f"fault spec {text!r}: mask=0 changes no bit", f"Name the bits to flip, {example}."
+            )
+        if not 0 < self.mask < 1 << 64:
+            problem = "is negative" if self.mask < 0 else "does not fit a 64-bit word"
+            raise FaultSpecError(
+                f"fault spec {text!r}: mask={self.mask:#x} {problem}",
+                f"A mask is a positive number of at most 64 bits, {example}.",
+            )
+
+    @property
+    def mask_text(self) -> str | None:
+        return None if self.mask is None else f"{self.mask:#x}"
 
     def __str__(self) -> str:
         defaults = FaultSpec(kind=self.kind)
         parts = [f"kind={self.kind}"] + [
-            f"{f.name}={getattr(self, f.name)}"
+            f"mask={self.mask_text}" if f.name == "mask" else f"{f.name}={getattr(self, f.name)}"
             for f in fields(self)
             if f.name != "kind" and getattr(self, f.name) != getattr(defaults, f.name)
         ]
@@ -127,8 +164,8 @@ def _under(module: str, prefix: str) -> bool:
 
 
 def _convert(annotation: str, value: str):
-    if "int" in annotation:
-        return int(value)
+    if "int" in annotation:  # decimal, or hex with 0x (masks read best in hex)
+        return int(value, 16) if value.lower().lstrip("+-").startswith("0x") else int(value)
     if "float" in annotation:
         return float(value)
     return value
@@ -154,6 +191,7 @@ class Injection:
     op_index: int
     elements: list[int]
     bit: int | None
+    mask: str | None = None  # the XOR mask in hex, for mask, burst and memflip with mask=
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -234,7 +272,15 @@ class Injector:
         elements, bit = changed
         self.fired.append(
             Injection(
-                str(spec), site.step, site.phase, site.module, site.op, site.index, elements, bit
+                str(spec),
+                site.step,
+                site.phase,
+                site.module,
+                site.op,
+                site.index,
+                elements,
+                bit,
+                spec.mask_text,
             )
         )
 
@@ -262,7 +308,17 @@ class Injector:
                 )
             elements, bit = changed
             self.fired.append(
-                Injection(str(spec), step, "state", spec.param, "memory", -1, elements, bit)
+                Injection(
+                    str(spec),
+                    step,
+                    "state",
+                    spec.param,
+                    "memory",
+                    -1,
+                    elements,
+                    bit,
+                    spec.mask_text,
+                )
             )
 
 
@@ -290,17 +346,37 @@ def default_bit(dtype: torch.dtype) -> int:
 
 def flip_bits(tensor: torch.Tensor, elements: list[int], bit: int) -> None:
     """XOR one bit of the storage word of each element (logical flat indices), in place."""
-    words = raw_bits(tensor)
     width = 8 * tensor.element_size()
     if bit >= width:
         raise FaultSpecError(f"bit {bit} does not exist in a {width}-bit {tensor.dtype} element")
-    mask = 1 << bit
-    mask = mask - (1 << width) if mask >= 1 << (width - 1) else mask
     if tensor.dtype == torch.bool and bit != 0:
         raise FaultSpecError("a bool element has only bit 0")
+    xor_words(tensor, elements, 1 << bit)
+
+
+def xor_words(tensor: torch.Tensor, elements: list[int], mask: int) -> None:
+    """XOR ``mask`` into the storage word of each element (logical flat indices), in place."""
+    width = 1 if tensor.dtype == torch.bool else 8 * tensor.element_size()
+    if mask >> width:
+        raise FaultSpecError(
+            f"mask {mask:#x} is wider than the {width}-bit word of a {tensor.dtype} element",
+            f"Use a mask of at most {width} bits (at most {(1 << width) - 1:#x}) for this "
+            "output, or put the fault on an operator with a wider dtype.",
+        )
+    words = raw_bits(tensor)
+    word_width = 8 * tensor.element_size()
+    signed = mask - (1 << word_width) if mask >= 1 << (word_width - 1) else mask
     for element in elements:
         position = _unravel(element, tensor.shape)
-        words[position] = words[position] ^ mask
+        words[position] = words[position] ^ signed
+
+
+def burst_elements(index: int, count: int, shape: torch.Size) -> list[int]:
+    """``index`` and its ``count - 1`` right neighbours along the last dimension, clipped at the
+    end of the row: the elements one row of a tile puts out together."""
+    row = shape[-1] if len(shape) else 1
+    row_end = (index // row + 1) * row
+    return list(range(index, min(index + count, row_end)))
 
 
 def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
@@ -341,10 +417,14 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
     )
     if needed >= numel:
         return None
+    elements = burst_elements(first, spec.count, tensor.shape) if spec.kind == "burst" else [first]
+    if spec.mask is not None:  # mask, and burst or memflip given mask=
+        xor_words(tensor, elements, spec.mask)
+        return elements, None
     bit = spec.bit if spec.bit is not None else default_bit(tensor.dtype)
-    if spec.kind in ("bitflip", "memflip"):
-        flip_bits(tensor, [first], bit)
-        return [first], bit
+    if spec.kind in ("bitflip", "memflip", "burst"):
+        flip_bits(tensor, elements, bit)
+        return elements, bit
     if spec.kind == "pairflip":
         flip_bits(tensor, [first, second], bit)
         return [first, second], bit

@@ -61,8 +61,44 @@ def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int =
         result["max_abs_diff"] = _number(diff.max())
     else:
         result["max_abs_diff"] = 0.0
-    result["pattern"] = _pattern(indices, masks, expected, actual)
+    pattern = _pattern(indices, masks, expected, actual)
+    result["pattern"] = pattern
+    result["fault_model"] = fault_model(indices, masks, width, pattern, expected.shape)
     return result
+
+
+def fault_model(indices: torch.Tensor, masks: torch.Tensor, width: int, pattern: str, shape) -> str:
+    """The damage in the words of a fault model a person recognizes (docs/fault-injection.md).
+
+    One XOR mask on every differing element is a bit error (one bit: a flip;
+    several: a multi-bit mask); neighbouring elements of one row are a burst,
+    as one row of a tile written out together. A swap changes values, not bits.
+    """
+    count = indices.numel()
+    if count == 0:
+        return "none"
+    if pattern == "two elements swapped":
+        return "two elements swapped (values exchanged, no bit error)"
+    distinct = masks.unique()
+    mask = int(distinct[0]) & ((1 << width) - 1) if distinct.numel() == 1 else None
+    if mask is None:
+        change = same = "different XOR masks"
+    elif mask & (mask - 1) == 0:
+        bit = mask.bit_length() - 1
+        change = f"single-bit flip of bit {bit} (mask 0x{mask:0{width // 4}x})"
+        same = f"same mask 0x{mask:0{width // 4}x} (bit {bit})"
+    else:
+        change = f"multi-bit XOR mask 0x{mask:0{width // 4}x}"
+        same = f"same mask 0x{mask:0{width // 4}x}"
+    if count == 1:
+        return f"{change} on 1 element"
+    columns = shape[-1] if len(shape) else 1
+    first, last = int(indices[0]), int(indices[-1])
+    if last - first == count - 1 and first // columns == last // columns:
+        row = _unravel(first, shape)[:-1]
+        where = "" if not row else f" of row {row[0] if len(row) == 1 else list(row)}"
+        return f"burst: {count} neighbouring elements{where}, {same}"
+    return f"{change} on {count} elements ({pattern})"
 
 
 def _value(scalar: torch.Tensor):

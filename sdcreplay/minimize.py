@@ -663,6 +663,7 @@ class MinimizeResult:
     coordinates: dict | None
     bits: dict | None
     pattern: str | None
+    fault_model: dict | None  # forensics.fault_model of a failing trial: original, minimal inputs
     kernels: list[str]
     inject: list[str]
     report: str
@@ -797,6 +798,7 @@ def minimize(
         ),
         bits=failure.get("bits") if failure else None,
         pattern=failure.get("pattern") if failure else None,
+        fault_model=_fault_models(measured.first_failure, minimal),
         kernels=kernels,
         inject=[str(spec) for spec in specs],
         report=str(report_dir),
@@ -899,6 +901,22 @@ def _report_warnings(report: dict, specs: list[FaultSpec]) -> list[str]:
             "it may not reproduce here"
         )
     return warnings
+
+
+def _fault_models(original: dict | None, minimal: Measurement | None) -> dict | None:
+    """The damage a failing trial did, as a fault model, on the original and minimal inputs.
+
+    The original inputs show the defect as training saw it (a whole burst);
+    the minimal inputs may keep only part of it (a burst cut to the row the
+    shrink kept).
+    """
+    if not original:
+        return None
+    shrunk = minimal.first_failure if minimal else None
+    return {
+        "original": original.get("fault_model"),
+        "minimal": shrunk.get("fault_model") if shrunk else None,
+    }
 
 
 def _first_element(failure: dict | None) -> dict | None:

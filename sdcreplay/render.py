@@ -499,6 +499,7 @@ def _call_rows(report: dict) -> list[list[str]]:
                 f"first at {elements['positions'][:4]}",
             ],
             ["pattern", str(report.get("pattern"))],
+            ["fault model", str(report.get("fault_model"))],
             ["bits flipped", bits],
             [
                 "first element",
@@ -536,7 +537,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
                 "upstream",
                 f"{upstream['summary']}; {changed['count']} element(s) of it "
                 f"differ at {changed['positions'][:4]} "
-                f"(XOR {', '.join(changed['xor'][:4])})",
+                f"(XOR {', '.join(changed['xor'][:4])}): {changed.get('fault_model')}",
             ]
         )
     for state in report.get("state") or []:
@@ -545,7 +546,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
             [
                 "state entering step",
                 f"{state['tensor']}: {state['count']} element(s) "
-                f"differ at {state['positions'][:4]} ({bits})",
+                f"differ at {state['positions'][:4]} ({bits}): {state.get('fault_model')}",
             ]
         )
     output.table(f"Bisect: {result.suspect} vs {result.reference}", ["", ""], rows)
@@ -613,10 +614,21 @@ def render_minimize(output: Output, result: MinimizeResult) -> None:
                 f"(XOR {first['xor']})",
             ]
         )
+    rows += _fault_model_rows(result.fault_model)
     output.table(f"Minimize: {result.op} on {result.device}", ["", ""], rows)
     for warning in result.warnings:
         output.warn(warning)
     output.say(f"Ticket: {result.ticket}")
+
+
+def _fault_model_rows(models: dict | None) -> list[list[str]]:
+    """The damage as a fault model; on the minimal inputs too where the shrink changed it."""
+    if not models or not models.get("original"):
+        return []
+    rows = [["fault model", models["original"]]]
+    if models.get("minimal") not in (None, models["original"]):
+        rows.append(["on minimal inputs", models["minimal"]])
+    return rows
 
 
 def _outputs_text(outputs: list[dict]) -> str:

@@ -218,9 +218,19 @@ def ticket_document(result: dict, report: dict) -> dict:
         "coordinates": result.get("coordinates"),
         "bits": result["bits"],
         "pattern": result["pattern"],
+        "fault_model": result.get("fault_model"),
         "bisect": {
             key: report.get(key)
-            for key in ("bundle", "step", "phase", "module", "op_index", "isolated", "pattern")
+            for key in (
+                "bundle",
+                "step",
+                "phase",
+                "module",
+                "op_index",
+                "isolated",
+                "pattern",
+                "fault_model",
+            )
         },
         "commands": result["commands"],
         "reproduce": f"python {REPRO_FILE} --device {result['device']} "
@@ -352,6 +362,7 @@ def render_markdown(doc: dict) -> str:
             + " |",
             *_coordinate_lines(doc.get("coordinates")),
             f"| pattern | {doc['pattern']} |",
+            *_fault_model_lines(doc.get("fault_model")),
             "| flipped bits | "
             + ", ".join(
                 f"bit {b}: {n}" for b, n in (doc["bits"] or {}).get("histogram", {}).items()
@@ -362,6 +373,16 @@ def render_markdown(doc: dict) -> str:
     lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
     lines += _return_process_lines(device)
     return "\n".join(lines)
+
+
+def _fault_model_lines(models: dict | None) -> list[str]:
+    """The damage as the fault model a vendor recognizes, on the original and minimal inputs."""
+    if not models or not models.get("original"):
+        return []
+    lines = [f"| fault model | {models['original']} (original inputs) |"]
+    if models.get("minimal") not in (None, models["original"]):
+        lines.append(f"| fault model, minimal inputs | {models['minimal']} |")
+    return lines
 
 
 def _coordinate_lines(coordinates: dict | None) -> list[str]:

@@ -1086,3 +1086,162 @@ def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path)
     with pytest.raises(SdcReplayError, match=refused) as caught:
         bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
     assert "outside the model, optimizer and the workload's state objects" in caught.value.hint
+
+
+# ---------------------------------------------------------------------------
+# Realistic fault models: multi-bit masks and bursts, named as such.
+
+
+@pytest.mark.parametrize(
+    ("spec", "model"),
+    [
+        ("kind=mask,op=x,index=5,mask=0x00f00000", "multi-bit XOR mask 0x00f00000 on 1 element"),
+        (
+            "kind=bitflip,op=x,index=5,bit=3",
+            "single-bit flip of bit 3 (mask 0x00000008) on 1 element",
+        ),
+        (
+            "kind=burst,op=x,index=24,count=8,mask=0x00f00000",
+            "burst: 8 neighbouring elements of row 3, same mask 0x00f00000",
+        ),
+        (
+            "kind=burst,op=x,index=27,count=8,bit=22",  # clipped at the end of row 3
+            "burst: 5 neighbouring elements of row 3, same mask 0x00400000 (bit 22)",
+        ),
+        (
+            "kind=pairflip,op=x,index=5,count=9,bit=3",
+            "single-bit flip of bit 3 (mask 0x00000008) on 2 elements (two elements, same bit)",
+        ),
+        ("kind=swap,op=x,index=3", "two elements swapped (values exchanged, no bit error)"),
+        (
+            "kind=bias,op=x,index=8,count=4,scale=0.5",
+            "burst: 4 neighbouring elements of row 1, different XOR masks",
+        ),
+    ],
+)
+def test_forensics_names_the_fault_model(spec, model):
+    from sdcreplay.faults import FaultSpec, corrupt
+
+    expected = torch.arange(1, 49, dtype=torch.float32).reshape(6, 8) / 7
+    actual = expected.clone()
+    corrupt(FaultSpec.parse(spec), actual)
+    assert element_forensics(expected, actual)["fault_model"] == model
+
+
+def test_forensics_fault_model_of_other_shapes_and_dtypes():
+    expected = torch.zeros(2, 3, 4, dtype=torch.int64)
+    actual = expected.clone()
+    actual[1, 2, 1:3] ^= -(1 << 63) | 1  # bit 63 and bit 0 of two neighbours
+    assert element_forensics(expected, actual)["fault_model"] == (
+        "burst: 2 neighbouring elements of row [1, 2], same mask 0x8000000000000001"
+    )
+    flat = torch.zeros(10, dtype=torch.bfloat16)
+    hit = flat.clone()
+    hit[4:7] = 1.0
+    assert element_forensics(flat, hit)["fault_model"] == (
+        "burst: 3 neighbouring elements, same mask 0x3f80"
+    )
+    assert element_forensics(flat, flat.clone())["fault_model"] == "none"
+
+
+# The session's SMALL tiny-llama bundle (conftest): attention outputs [16, 32], the MLP's w1
+# [16, 88], weight gradients of w2 [32, 88]. One fault per run, on cpu:1 only.
+MASK_BACKWARD = (
+    "kind=mask,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=1,nth=0,index=40,"
+    "mask=0x00f00000,device=cpu:1"
+)
+BURST_FORWARD = (  # row 3 of w1's output starts at element 264; given via SDCREPLAY_INJECT
+    "kind=burst,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,index=266,count=8,"
+    "mask=0x00f00000,device=cpu:1"
+)
+BURST_ENDING_A_ROW = (  # 4 of the 8 elements fit in row 2 of wq's output (64..95)
+    "kind=burst,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=92,count=8,"
+    "bit=21,device=cpu:1"
+)
+
+
+@pytest.fixture(scope="module")
+def fault_model_cli(_small_bundle_template, tmp_path_factory) -> dict:
+    """``sdcreplay bisect --json`` on each realistic fault (burst: from SDCREPLAY_INJECT)."""
+    from typer.testing import CliRunner
+
+    from sdcreplay.cli import app
+
+    root = tmp_path_factory.mktemp("fault-models")
+    runs = {}
+    for name, inject, env in (
+        ("mask", ["--inject", MASK_BACKWARD], {}),
+        ("burst", [], {"SDCREPLAY_INJECT": BURST_FORWARD}),
+        ("burst_row_end", ["--inject", BURST_ENDING_A_ROW], {}),
+    ):
+        args = ["bisect", str(_small_bundle_template), "--suspect", "cpu:1", "--step", "1"]
+        args += [*inject, "--out", str(root / name), "--json"]
+        runs[name] = CliRunner().invoke(app, args, env={"COLUMNS": "200", **env})
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "where", "elements", "xor", "histogram", "pattern", "model"),
+    [
+        (
+            "mask",
+            MASK_BACKWARD,
+            ("backward", "layers.0.mlp.w2"),
+            [40],
+            ["00f00000"],
+            {"20": 1, "21": 1, "22": 1, "23": 1},
+            "single element",
+            "multi-bit XOR mask 0x00f00000 on 1 element",
+        ),
+        (
+            "burst",
+            BURST_FORWARD,
+            ("forward", "layers.0.mlp.w1"),
+            list(range(266, 274)),
+            ["00f00000"] * 8,
+            {"20": 8, "21": 8, "22": 8, "23": 8},
+            "row segment",
+            "burst: 8 neighbouring elements of row 3, same mask 0x00f00000",
+        ),
+        (
+            "burst_row_end",
+            BURST_ENDING_A_ROW,
+            ("forward", "layers.0.attn.wq"),
+            [92, 93, 94, 95],
+            ["00200000"] * 4,
+            {"21": 4},
+            "row segment",
+            "burst: 4 neighbouring elements of row 2, same mask 0x00200000 (bit 21)",
+        ),
+    ],
+)
+def test_bisect_names_the_mask_and_burst_planted(
+    fault_model_cli,
+    _small_bundle_template,
+    name,
+    spec,
+    where,
+    elements,
+    xor,
+    histogram,
+    pattern,
+    model,
+):
+    result = fault_model_cli[name]
+    assert result.exit_code == 1, result.stderr
+    report = json.loads(result.stdout)
+    fired = only_fired(_small_bundle_template, spec)
+    assert fired["elements"] == elements
+    assert (report["verdict"], report["step"], report["phase"], report["module"]) == (
+        "divergence",
+        1,
+        *where,
+    )
+    assert (report["op"], report["op_index"]) == ("aten.mm.default", fired["op_index"])
+    assert report["isolated"] == "kernel"
+    assert report["elements"]["indices"] == elements
+    assert report["elements"]["count"] == len(elements)
+    assert report["elements"]["xor"] == xor
+    assert report["bits"]["histogram"] == histogram
+    assert (report["pattern"], report["fault_model"]) == (pattern, model)
+    assert f"│ fault model   │ {model}" in result.stderr  # the human summary names it too

@@ -6,6 +6,7 @@ under a real OperatorMode, so every expectation is exact.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -632,6 +633,7 @@ def test_tuple_outputs_corrupt_their_first_tensor():
         "op_index": 0,
         "elements": [0],
         "bit": 31,
+        "mask": None,
     }
 
 
@@ -654,6 +656,8 @@ def test_elements_outside_small_outputs_are_not_recorded_as_fired():
         "kind=bitflip,op=aten.mm,nth=7",
         "kind=bitflip,op=aten.t,module=enc2,phase=backward,nth=1",
         "kind=bitflip,op=aten.mm.default,phase=backward,nth=0",
+        "kind=mask,op=aten.mm,module=head,nth=1,index=2,mask=0x00f00000",
+        "kind=burst,op=aten.mm,phase=backward,nth=3,index=1,count=3,bit=20",
     ],
 )
 def test_isolated_call_fires_as_in_the_full_step(text):
@@ -690,6 +694,7 @@ def test_memflip_corrupts_a_parameter_before_its_step():
         "op_index": -1,
         "elements": [5],
         "bit": 3,
+        "mask": None,
     }
     # it never fires on an operator call
     injector, _ = run_steps([text], steps=(0, 1))
@@ -718,3 +723,218 @@ def test_memflip_of_a_buffer_and_its_errors():
         [FaultSpec.parse("kind=memflip,param=weight,step=0,device=cpu:1")], "cpu:0"
     ).before_step(0, model)
     assert model.weight.tolist() == [1.0] * 4
+
+
+# ---------------------------------------------------------------------------
+# Multi-bit masks and bursts (the realistic fault models)
+
+
+@pytest.mark.parametrize(
+    "text, mask",
+    [
+        ("kind=mask,op=aten.mm,mask=0x00f00000", 0xF00000),
+        ("kind=mask,op=aten.mm,mask=0X00F00000", 0xF00000),
+        ("kind=mask,op=aten.mm,mask=15728640", 0xF00000),
+        ("kind=burst,op=aten.mm,count=8,mask=0x8000000000000000", 1 << 63),
+        ("kind=memflip,param=w,step=1,mask=0x3", 3),
+    ],
+)
+def test_mask_is_read_in_hex_or_decimal_and_written_in_hex(text, mask):
+    parsed = spec(text)
+    assert parsed.mask == mask
+    assert f"mask={mask:#x}" in str(parsed)
+    assert FaultSpec.parse(str(parsed)) == parsed
+
+
+def test_canonical_form_of_mask_and_burst():
+    text = "device=cpu:1,mask=0x00F00000,count=8,index=98,kind=burst,op=aten.mm,step=1"
+    assert (
+        str(spec(text))
+        == "kind=burst,op=aten.mm,step=1,index=98,mask=0xf00000,count=8,device=cpu:1"
+    )
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("kind=mask,op=aten.mm,index=3", ["kind=mask needs mask="]),
+        ("kind=mask,op=aten.mm,mask=0", ["mask=0 changes no bit"]),
+        ("kind=burst,op=aten.mm,mask=0x0", ["mask=0 changes no bit"]),
+        ("kind=mask,op=aten.mm,mask=-4", ["mask=-0x4 is negative"]),
+        ("kind=mask,op=aten.mm,mask=0x10000000000000000", ["does not fit a 64-bit word"]),
+        ("kind=mask,op=aten.mm,mask=0xg1", ["mask='0xg1' is not a valid int"]),
+        ("kind=mask,op=aten.mm,mask=3,bit=2", ["give mask= or bit=, not both"]),
+        ("kind=bitflip,op=aten.mm,mask=3", ["mask= applies to kind=mask, burst and memflip only"]),
+        ("kind=mask,mask=3", ["mask needs op="]),
+        ("kind=burst,mask=3", ["burst needs op="]),
+    ],
+)
+def test_bad_masks_are_refused_with_a_hint(text, words):
+    with pytest.raises(FaultSpecError) as caught:
+        FaultSpec.parse(text)
+    assert caught.value.message.startswith(f"fault spec {text!r}")
+    for word in words:
+        assert word in caught.value.message
+    assert caught.value.hint
+
+
+@pytest.mark.parametrize(
+    "dtype, mask",
+    [
+        (torch.float32, 0x00F00000),
+        (torch.float32, 0xFFFFFFFF),
+        (torch.bfloat16, 0x8041),
+        (torch.float16, 0x0300),
+        (torch.float64, 0x000F000000000000),
+        (torch.int64, 0x8000000000000001),
+        (torch.int32, 0x80000001),
+        (torch.uint8, 0xA5),
+        (torch.bool, 0x1),
+    ],
+)
+def test_mask_xors_exactly_that_mask_into_one_storage_word(dtype, mask):
+    tensor = _sample(dtype)
+    before = tensor.clone()
+    assert corrupt(spec(f"kind=mask,op=aten.mm,index=5,mask={mask:#x}"), tensor) == ([5], None)
+    assert _xor(before, tensor) == [(5, mask)]
+
+
+@pytest.mark.parametrize(
+    "dtype, mask, words",
+    [
+        (
+            torch.float32,
+            1 << 32,
+            "mask 0x100000000 is wider than the 32-bit word of a torch.float32",
+        ),
+        (torch.bfloat16, 0x10000, "wider than the 16-bit word of a torch.bfloat16"),
+        (torch.bool, 0x2, "wider than the 1-bit word of a torch.bool"),
+    ],
+)
+def test_a_mask_wider_than_the_element_is_refused_when_it_fires(dtype, mask, words):
+    tensor = _sample(dtype)
+    before = tensor.clone()
+    with pytest.raises(FaultSpecError, match=words) as caught:
+        corrupt(spec(f"kind=mask,op=aten.mm,mask={mask:#x}"), tensor)
+    assert "at most" in caught.value.hint
+    assert torch.equal(tensor, before)
+
+
+def test_burst_xors_neighbouring_elements_of_one_row():
+    tensor = torch.arange(24, dtype=torch.float32).reshape(3, 8) + 0.5
+    before = tensor.clone()
+    changed = corrupt(spec("kind=burst,op=aten.mm,index=9,count=4,mask=0x00f00000"), tensor)
+    assert changed == ([9, 10, 11, 12], None)
+    assert _xor(before, tensor) == [(i, 0xF00000) for i in (9, 10, 11, 12)]
+
+
+def test_burst_with_a_bit_flips_that_bit_and_defaults_to_the_top_mantissa_bit():
+    tensor = torch.ones(2, 8, dtype=torch.bfloat16)
+    before = tensor.clone()
+    assert corrupt(spec("kind=burst,op=aten.mm,index=1,count=3,bit=2"), tensor) == ([1, 2, 3], 2)
+    assert _xor(before, tensor) == [(i, 1 << 2) for i in (1, 2, 3)]
+    again = torch.ones(2, 8)
+    assert corrupt(spec("kind=burst,op=aten.mm,index=8,count=2"), again) == ([8, 9], 22)
+
+
+@pytest.mark.parametrize(
+    "shape, index, count, elements",
+    [
+        ((3, 8), 13, 8, [13, 14, 15]),  # clipped at the end of row 1
+        ((3, 8), 16, 8, list(range(16, 24))),  # a whole row
+        ((3, 8), 23, 4, [23]),  # the last element of the tensor
+        ((2, 3, 4), 6, 5, [6, 7]),  # rows run along the last dimension
+        ((10,), 7, 5, [7, 8, 9]),  # a 1-D tensor is one row
+        ((), 0, 3, [0]),  # a scalar is one element
+    ],
+)
+def test_burst_is_clipped_at_the_end_of_its_row(shape, index, count, elements):
+    tensor = torch.ones(shape)
+    before = tensor.clone()
+    text = f"kind=burst,op=aten.mm,index={index},count={count},mask=0x1"
+    assert corrupt(spec(text), tensor) == (elements, None)
+    assert [i for i, _ in _xor(before, tensor)] == elements
+
+
+def test_burst_on_a_strided_output_follows_the_logical_rows():
+    base = torch.zeros(8, 4)
+    view = base.t()  # [4, 8], non-contiguous
+    corrupt(spec("kind=burst,op=aten.mm,index=10,count=3,mask=0x1"), view)
+    changed = torch.nonzero(view.contiguous().view(torch.int32)).tolist()
+    assert changed == [[1, 2], [1, 3], [1, 4]]
+
+
+@pytest.mark.parametrize(
+    "text", ["kind=mask,op=aten.mm,index=12,mask=0x3", "kind=burst,op=aten.mm,index=12,count=2"]
+)
+def test_mask_and_burst_outside_the_output_do_not_fire(text):
+    tensor = _sample(torch.float32)
+    before = tensor.clone()
+    assert corrupt(spec(text), tensor) is None
+    assert torch.equal(tensor, before)
+
+
+def test_memflip_with_a_mask_is_a_multi_bit_memory_error():
+    text = "kind=memflip,param=head.0.weight,step=1,index=5,mask=0x00c00003"
+    model, _ = _toy()
+    injector = Injector([FaultSpec.parse(text)], "cpu:0")
+    before = model.head[0].weight.detach().clone()
+    injector.before_step(1, model)
+    assert _xor(before, model.head[0].weight.detach()) == [(5, 0x00C00003)]
+    assert (injector.fired[0].bit, injector.fired[0].mask) == (None, "0xc00003")
+
+
+def test_injector_records_the_mask_and_burst_elements_it_fired():
+    mask = "kind=mask,op=aten.mm,module=head.1,phase=forward,index=6,mask=0x00f00000"
+    burst = "kind=burst,op=aten.mm,module=enc,phase=forward,index=5,count=8,bit=21"
+    injector, spy = run_steps([mask, burst])
+    fired = {f.module: f.to_json() for f in injector.fired}
+    assert fired["head.1"]["elements"] == [6]
+    assert (fired["head.1"]["bit"], fired["head.1"]["mask"]) == (None, "0xf00000")
+    assert fired["enc"]["elements"] == [5, 6, 7]  # outputs are [3, 4]: row 1 ends at 7
+    assert (fired["enc"]["bit"], fired["enc"]["mask"]) == (21, None)
+    # the module saw the corrupted output: the spy (after the injector) has the changed bits
+    enc_out = next(out for site, out in spy.calls if site.module == "enc" and site.op == MM)
+    _, clean_spy = run_steps([])
+    clean_out = next(out for site, out in clean_spy.calls if site.module == "enc" and site.op == MM)
+    assert _xor(clean_out, enc_out) == [(i, 1 << 21) for i in (5, 6, 7)]
+
+
+def test_a_recording_with_a_mask_diverges_where_it_was_planted(cli, tmp_path, small_bundle):
+    """record --inject kind=mask: the bundle differs from a clean one from that call on."""
+    from conftest import SMALL_ARGS
+
+    spec = (
+        "kind=mask,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=101,"
+        "mask=0x00f00000"
+    )
+    out = tmp_path / "masked.bundle"
+    recorded = cli("record", "builtin:tiny-llama", "--steps", "2", "--out", out, *SMALL_ARGS,
+                   "--inject", spec)  # fmt: skip
+    assert recorded.exit_code == 0, recorded.stderr
+    compared = cli("diff", small_bundle, out, "--json")
+    assert compared.exit_code == 1, compared.stderr
+    first = json.loads(compared.stdout)["first_divergence"]
+    assert (first["step"], first["phase"], first["name"]) == (
+        1,
+        "forward",
+        "forward:layers.0.attn.wq",
+    )
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("kind=mask,op=aten.mm,step=1,mask=0", "mask=0 changes no bit"),
+        ("kind=mask,op=aten.mm,step=1,index=3,mask=0x100000000", "wider than the 32-bit word"),
+    ],
+)
+def test_a_bad_mask_on_the_command_line_is_an_error_with_a_hint(cli, tmp_path, spec, words):
+    from conftest import SMALL_ARGS
+
+    out = tmp_path / "refused.bundle"
+    result = cli("record", "builtin:tiny-llama", "--steps", "2", "--out", out, *SMALL_ARGS,
+                 "--inject", spec)  # fmt: skip
+    assert result.exit_code == 3
+    assert "Error:" in result.stderr and words in result.stderr
+    assert "Hint:" in result.stderr and "Traceback" not in result.stderr

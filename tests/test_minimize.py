@@ -105,6 +105,18 @@ def write_report(directory: Path, case: OperatorCase, inject: str) -> Path:
     return directory
 
 
+def unfaulted(call: OperatorCase) -> OperatorCase:
+    """``call`` with the suspect's outputs a fresh copy of the expected ones (not yet faulted)."""
+    return OperatorCase(
+        call.site,
+        call.prior,
+        call.args,
+        call.kwargs,
+        call.expected,
+        [t.clone() for t in call.expected],
+    )
+
+
 @pytest.fixture(scope="session")
 def wq_call() -> OperatorCase:
     return capture_call()
@@ -113,14 +125,7 @@ def wq_call() -> OperatorCase:
 @pytest.fixture
 def report(tmp_path: Path, wq_call: OperatorCase, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("SDCREPLAY_INJECT", raising=False)
-    case = OperatorCase(
-        wq_call.site,
-        wq_call.prior,
-        wq_call.args,
-        wq_call.kwargs,
-        wq_call.expected,
-        [t.clone() for t in wq_call.expected],
-    )
+    case = unfaulted(wq_call)
     return write_report(tmp_path / "report", case, STICKY)
 
 
@@ -130,14 +135,7 @@ def sticky_result(tmp_path_factory: pytest.TempPathFactory, wq_call: OperatorCas
     from conftest import preserved_global_state
 
     directory = tmp_path_factory.mktemp("sticky") / "report"
-    case = OperatorCase(
-        wq_call.site,
-        wq_call.prior,
-        wq_call.args,
-        wq_call.kwargs,
-        wq_call.expected,
-        [t.clone() for t in wq_call.expected],
-    )
+    case = unfaulted(wq_call)
     write_report(directory, case, STICKY)
     with preserved_global_state(), pytest.MonkeyPatch.context() as patch:
         patch.delenv("SDCREPLAY_INJECT", raising=False)
@@ -413,3 +411,77 @@ def test_trials_of_a_view_operator_never_write_the_case_inputs():
     measured = runner.measure([matrix], {}, [original.t()], 5)
     assert measured.failures == 5
     assert torch.equal(raw_bits(matrix), raw_bits(original))
+
+
+# ---------------------------------------------------------------------------
+# Realistic fault models: minimize and its ticket name the mask and the burst.
+
+BURST = (  # row 3 of w1's [16, 88] output starts at element 264
+    "kind=burst,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=1,index=266,count=8,"
+    "mask=0x00f00000,device=cpu:1"
+)
+MASK = f"kind=mask,op=aten.mm,module={MODULE},phase=forward,step=1,index=37,mask=0x81,device=cpu:1"
+
+
+def _expected_model(index: int, count: int, columns: int, mask: str) -> str:
+    """forensics' words for a burst of ``count`` from flat ``index`` in rows of ``columns``."""
+    row, hit = index // columns, min(count, columns - index % columns)
+    if hit == 1:
+        return f"multi-bit XOR mask {mask} on 1 element"
+    return f"burst: {hit} neighbouring elements of row {row}, same mask {mask}"
+
+
+def test_minimize_from_a_real_bisect_names_the_burst(
+    cli, _small_bundle_template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("SDCREPLAY_INJECT", raising=False)
+    bisected = cli(
+        "bisect", _small_bundle_template, "--suspect", "cpu:1", "--step", "1",
+        "--inject", BURST, "--out", tmp_path / "report", "--json",
+    )  # fmt: skip
+    assert bisected.exit_code == 1, bisected.stderr
+    result = cli(
+        "minimize", tmp_path / "report", "--inject", BURST, "--trials", "20",
+        "--out", tmp_path / "ticket", "--json",
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["op"], data["site"]["module"], data["failures"]) == (
+        "aten.mm.default",
+        "layers.0.mlp.w1",
+        20,
+    )
+    original = "burst: 8 neighbouring elements of row 3, same mask 0x00f00000"
+    assert json.loads(bisected.stdout)["fault_model"] == original
+    # the minimal inputs keep the element the burst starts at; the burst fires from there
+    rows, columns = data["input_shapes_minimal"][0][0], data["input_shapes_minimal"][1][1]
+    assert rows * columns > 266
+    minimal = _expected_model(266, 8, columns, "0x00f00000")
+    assert data["fault_model"] == {"original": original, "minimal": minimal}
+    assert (data["first_mismatch"]["index"], data["first_mismatch"]["xor"]) == (266, "00f00000")
+    assert f"│ fault model       │ {original}" in result.stderr
+    ticket = json.loads((tmp_path / "ticket" / "ticket.json").read_text())
+    assert ticket["fault_model"] == data["fault_model"]
+    assert ticket["bisect"]["fault_model"] == original
+    markdown = (tmp_path / "ticket" / "ticket.md").read_text()
+    assert f"| fault model | {original} (original inputs) |" in markdown
+
+
+def test_minimize_names_a_multi_bit_mask(cli, tmp_path: Path, wq_call: OperatorCase):
+    case = unfaulted(wq_call)
+    report = write_report(tmp_path / "report", case, MASK)
+    result = cli("minimize", report, "--inject", MASK, "--trials", "20", "--json")
+    assert result.exit_code == 1, result.stderr
+    data = json.loads(result.stdout)
+    assert data["fault_model"] == {
+        "original": "multi-bit XOR mask 0x00000081 on 1 element",
+        "minimal": "multi-bit XOR mask 0x00000081 on 1 element",
+    }
+    assert (data["first_mismatch"]["index"], data["first_mismatch"]["xor"]) == (37, "00000081")
+    assert data["bits"]["histogram"] == {"0": 1, "7": 1}
+    markdown = (Path(data["ticket"]) / "ticket.md").read_text()
+    assert "| fault model | multi-bit XOR mask 0x00000081 on 1 element (original inputs) |" in (
+        markdown
+    )
+    assert "fault model, minimal inputs" not in markdown  # the same: said once
