@@ -327,12 +327,11 @@ def make_workload(
     def make_block() -> TransformerBlock:
         return TransformerBlock(dim, heads, seq_len, dropout, SwiGLU(dim, hidden))
 
-    model: nn.Module = Transformer(vocab, dim, make_block, layers, tie_embeddings)
+    model = Transformer(vocab, dim, make_block, layers, tie_embeddings)
     options = LoopOptions(grad_clip, warmup_steps, schedule_steps, accumulation, autocast)
-    if parallel is not None:
-        model = data_parallel(model, parallel)
+    wrapped = model if parallel is None else data_parallel(model, parallel)
     workload = language_model_workload(
-        model,
+        wrapped,
         seed=seed,
         seq_len=seq_len,
         batch_size=batch_size,
@@ -341,6 +340,10 @@ def make_workload(
         options=options,
     )
     if parallel is not None:
+        # The step runs through the wrapper (which exchanges the gradients); the model the
+        # bundle, signatures and fault specs name stays the plain one (layers.1.attn.wq...).
+        workload.model = model
+        workload.loss_fn = lambda _model, batch: next_token_loss(wrapped, batch)
         workload.get_batch = rank_shard(workload.get_batch)
     return workload
 
