@@ -80,9 +80,15 @@ class Message:
         return tuple(repr(getattr(self, name)) for name in self.STRUCTURE)
 
     def brief(self) -> str:
-        sizes = ",".join("x".join(map(str, size)) for size in self.input_sizes + self.output_sizes)
-        peer = "" if self.peer is None else f" peer {self.peer}"
-        return f"{self.profiling_name} on process group {self.process_group}{peer} [{sizes}]"
+        """``gloo:all_reduce on process group 0 of float32[16736]`` (the input, else output)."""
+        sizes, dtypes = (
+            (self.input_sizes, self.input_dtypes)
+            if self.input_sizes
+            else (self.output_sizes, self.output_dtypes)
+        )
+        tensors = ", ".join(f"{dtype}{list(size)}" for size, dtype in zip(sizes, dtypes))
+        peer = "" if self.peer is None else f" with peer {self.peer}"
+        return f"{self.profiling_name} on process group {self.process_group}{peer} of {tensors}"
 
 
 @dataclass(frozen=True)
