@@ -101,6 +101,12 @@ class _Layout:
     peer: int | None = None
     p2p: bool = False
 
+    @property
+    def group(self) -> int:
+        """The process group's argument: after the tensors (a list, or outputs then inputs)."""
+        separate = None not in (self.inputs, self.outputs) and self.inputs != self.outputs
+        return 2 if separate else 1
+
 
 LAYOUTS: dict[str, _Layout] = {
     "allreduce_": _Layout("all_reduce", 0, 0),
@@ -176,15 +182,18 @@ def _completed_work(outputs: list[torch.Tensor]) -> Any:
     return create(future).boxed()
 
 
-def _group(script: Any) -> tuple[int, str, str]:
-    """(pg_id, name, backend) of a boxed process group."""
+def _group(script: Any, known: dict[str, tuple[int, str, str]]) -> tuple[int, str, str]:
+    """(pg_id, name, backend) of a boxed process group; ``known``: those looked up before."""
     import torch.distributed as dist
 
     group = dist.ProcessGroup.unbox(script)
     name = group.group_name
-    names = list(dist.distributed_c10d._world.pg_names.values())
-    pg_id = names.index(name) if name in names else -1
-    return pg_id, name, dist.get_backend(group)
+    found = known.get(name)
+    if found is None:
+        names = list(dist.distributed_c10d._world.pg_names.values())
+        pg_id = names.index(name) if name in names else -1
+        found = known[name] = (pg_id, name, dist.get_backend(group))
+    return found
 
 
 def _below_autograd(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -233,6 +242,7 @@ class MessageLog:
         self.violation: MessageOrderError | None = None
         self.step: int | None = None
         self._counters: Counter[tuple[int, str]] = Counter()
+        self._groups: dict[str, tuple[int, str, str]] = {}  # by name, looked up in this step
         self._lock = threading.Lock()
 
     def begin_step(self, step: int, expected: Sequence[Message] | None = None) -> None:
@@ -248,6 +258,7 @@ class MessageLog:
             self.expected = list(expected)
         self.step, self.messages, self.violation = step, [], None
         self._counters.clear()
+        self._groups.clear()
         _active = self
 
     def end_step(self) -> list[Message]:
@@ -286,7 +297,7 @@ class MessageLog:
             return result
 
     def _message(self, layout: _Layout, args: tuple) -> Message:
-        pg_id, name, backend = _group(next(a for a in args if _is_group(a)))
+        pg_id, name, backend = _group(args[layout.group], self._groups)
         inputs = [] if layout.inputs is None else _tensors(args[layout.inputs])
         outputs = [] if layout.outputs is None else _tensors(args[layout.outputs])
         kind = "p2p" if layout.p2p else "collective"
@@ -335,15 +346,6 @@ class MessageLog:
             "a different program, not a device's arithmetic)"
         )
         return self.violation
-
-
-def _is_group(value: Any) -> bool:
-    import torch
-
-    return (
-        isinstance(value, torch.ScriptObject)
-        and value._type().qualified_name() == "__torch__.torch.classes.c10d.ProcessGroup"
-    )
 
 
 def _with_output(message: Message, outputs: list[torch.Tensor]) -> Message:
