@@ -44,6 +44,7 @@ from .bundle import (
     WorkloadRef,
     checkpoint_reference,
     load_checkpoint,
+    part_dir,
 )
 from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
 from .collectives import MessageLog
@@ -205,6 +206,13 @@ class Recorder:
             # digested them a moment ago: its entries are their digests, not hashed again.
             updated = self._capture.updated_state if at_optimizer_step else {}
             self._end_digests = updated or state_digests(self.model)
+
+    @property
+    def own_bundle_path(self) -> Path:
+        """The bundle this process wrote: ``path``, or its rank's part of a job bundle."""
+        if self._job is None:
+            return self.path
+        return self.path / part_dir(self._job.rank)
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
@@ -515,7 +523,7 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    opened = Bundle.open(bundle_path, verify=False)
+    opened = Bundle.open(recorder.own_bundle_path, verify=False)
     return RecordSummary(
         bundle=bundle_path,
         workload=workload,
