@@ -890,6 +890,23 @@ def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) 
         ) from exc
 
 
+def _save_signed(manifest: Manifest | JobManifest, directory: Path, durable: bool) -> None:
+    """Write ``manifest`` into ``directory``; its signature and self-digest are made over the
+    JSON as written."""
+    body = manifest.to_json()
+    body[trust.SIGNATURE] = manifest.signature = trust.sign(body)
+    body[MANIFEST_DIGEST] = manifest.manifest_sha256 = manifest_digest(body)
+    _write_json_atomic(directory / MANIFEST, body, durable)
+
+
+def _move_into_place(partial: Path, final: Path, overwrite: bool) -> None:
+    """Rename a closed recording to its final name (``overwrite``: replacing a bundle there)."""
+    if final.exists() and overwrite:
+        _claim(final, True, "", "")  # still a bundle: it may have changed since
+        shutil.rmtree(final)
+    os.replace(partial, final)
+
+
 class BundleWriter:
     """Writes a bundle step by step; see the module docstring for crash safety.
 
@@ -1024,20 +1041,14 @@ class BundleWriter:
 
     def _save_manifest(self, durable: bool = False) -> None:
         """Atomic after every step (a crashed process leaves a readable bundle); durable at
-        close. The signature and the self-digest are made over the JSON as written."""
-        body = self.manifest.to_json()
-        body[trust.SIGNATURE] = self.manifest.signature = trust.sign(body)
-        body[MANIFEST_DIGEST] = self.manifest.manifest_sha256 = manifest_digest(body)
-        _write_json_atomic(self.path / MANIFEST, body, durable)
+        close."""
+        _save_signed(self.manifest, self.path, durable)
 
     def close(self) -> Path:
         """Mark the bundle complete and move it to its final name."""
         self.manifest.complete = True
         self._save_manifest(durable=True)
-        if self.final_path.exists() and self._overwrite:
-            _claim(self.final_path, True, "", "")  # still a bundle: it may have changed since
-            shutil.rmtree(self.final_path)
-        os.replace(self.path, self.final_path)
+        _move_into_place(self.path, self.final_path, self._overwrite)
         return self.final_path
 
     def abort(self) -> None:
@@ -1567,10 +1578,7 @@ class JobWriter:
         self._save(durable=True)
 
     def _save(self, durable: bool = False) -> None:
-        body = self.manifest.to_json()
-        body[trust.SIGNATURE] = self.manifest.signature = trust.sign(body)
-        body[MANIFEST_DIGEST] = self.manifest.manifest_sha256 = manifest_digest(body)
-        _write_json_atomic(self.path / MANIFEST, body, durable)
+        _save_signed(self.manifest, self.path, durable)
 
     def close(self) -> Path:
         """Tie every (closed) part to the job, mark it complete and give it its name."""
@@ -1581,10 +1589,7 @@ class JobWriter:
             entry.manifest_sha256 = part.manifest.manifest_sha256
         self.manifest.complete = True
         self._save(durable=True)
-        if self.final_path.exists() and self._overwrite:
-            _claim(self.final_path, True, "", "")
-            shutil.rmtree(self.final_path)
-        os.replace(self.path, self.final_path)
+        _move_into_place(self.path, self.final_path, self._overwrite)
         return self.final_path
 
 
