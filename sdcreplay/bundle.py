@@ -1472,8 +1472,8 @@ class JobBundle:
         parts: dict[int, Bundle] = {}
         for entry in manifest.ranks:
             part_path = found / entry.part
-            if not manifest.complete and not os.path.isdir(_existing(part_path)):
-                continue  # the job died before this rank wrote anything
+            if not manifest.complete and not os.path.lexists(_existing(part_path) / MANIFEST):
+                continue  # the job died before this rank wrote its part's manifest
             parts[entry.rank] = _open_part(part_path, manifest, entry, verify)
         return cls(found, manifest, parts)
 
