@@ -23,14 +23,22 @@ import torch.distributed as dist
 SMALL = {"layers": 1, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 
 
-def logging_step(workload, swapped: bool):
-    """The loop's step: the loss through DDP/FSDP2, then two all_reduce calls for logging."""
+def logging_step(workload, variant: str = "recorded"):
+    """The loop's step: the loss through DDP/FSDP2, then two all_reduce calls for logging
+    (the loss, the token count). Another program: ``swapped`` issues them in the other order,
+    ``missing`` leaves out the second, ``extra`` adds a third."""
 
     def train_step(batch):
         loss = workload.loss(batch)
         loss.backward()
         stats = [loss.detach().reshape(1), torch.tensor([batch["tokens"].numel()])]
-        for tensor in reversed(stats) if swapped else stats:
+        stats = {
+            "recorded": stats,
+            "swapped": stats[::-1],
+            "missing": stats[:1],
+            "extra": [*stats, torch.zeros(2)],
+        }[variant]
+        for tensor in stats:
             dist.all_reduce(tensor)
         workload.optimizer.step()
         workload.optimizer.zero_grad()
@@ -54,7 +62,7 @@ def make_workload(seed: int = 0, parallel: str = "ddp"):
     from sdcreplay.workloads.tiny_llama import make_workload as tiny_llama
 
     workload = tiny_llama(seed=seed, parallel=parallel, **SMALL)
-    workload.train_step = logging_step(workload, swapped=False)
+    workload.train_step = logging_step(workload)
     return workload
 
 
@@ -87,18 +95,19 @@ def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None
         messages = [message.to_json() for message in session.last_messages]
         replayed[step.index] = {"signatures_equal": same, "messages": messages}
     session.close()
-    swapped = ReplaySession(part)
-    swapped.workload.train_step = logging_step(swapped.workload, swapped=True)
-    try:
-        swapped.run_step(part.steps[0])
-        order_error = None
-    except MessageOrderError as exc:
-        order_error = exc.message
-    swapped.close()
+    order_errors = {}
+    for variant in ("swapped", "missing", "extra"):
+        other = ReplaySession(part)
+        other.workload.train_step = logging_step(other.workload, variant)
+        try:
+            other.run_step(part.steps[0])
+        except MessageOrderError as exc:
+            order_errors[variant] = exc.message
+        other.close()
     report = {
         "job": str(job),
         "replayed": replayed,
-        "order_error": order_error,
+        "order_errors": order_errors,
         "operator_namespaces": sorted(operators.seen),
     }
     Path(results, f"rank{rank}.json").write_text(json.dumps(report))

@@ -100,14 +100,20 @@ def test_each_rank_replays_its_part_bit_for_bit_with_the_recorded_messages(ddp_j
         assert report["operator_namespaces"] == ["aten", "profiler"]
 
 
-def test_collectives_issued_in_another_order_are_a_message_order_error(ddp_job):
+def test_collectives_in_another_order_or_number_are_a_message_order_error(ddp_job):
     _, directory = ddp_job
+    program = "(another collective order: a different program, not a device's arithmetic)"
     for report in results(directory):
-        assert report["order_error"] == (
-            "step 0, message record_id 1: the record has gloo:all_reduce on process group 0 of "
-            "float32[1], the replay issues gloo:all_reduce on process group 0 of int64[1] "
-            "(another collective order: a different program, not a device's arithmetic)"
-        )
+        assert report["order_errors"] == {
+            "swapped": "step 0, message record_id 1: the record has gloo:all_reduce on process "
+            "group 0 of float32[1], the replay issues gloo:all_reduce on process group 0 of "
+            f"int64[1] {program}",
+            "missing": "step 0, message record_id 2: the record has gloo:all_reduce on process "
+            f"group 0 of int64[1], the replay's step ended without it {program}",
+            "extra": "step 0, message record_id 3: the record's step has 3 messages, the "
+            "replay issues gloo:all_reduce on process group 0 of float32[2] as one more "
+            f"{program}",
+        }
 
 
 def test_a_part_replayed_without_its_peers_is_refused_with_a_hint(ddp_job):
