@@ -69,7 +69,7 @@ def make_workload(seed: int = 0, parallel: str = "ddp"):
 def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None:
     import sdcreplay
     from sdcreplay.bundle import JobBundle
-    from sdcreplay.errors import MessageOrderError
+    from sdcreplay.errors import BundleError, MessageOrderError
     from sdcreplay.replay import ReplaySession
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -104,8 +104,14 @@ def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None
         except MessageOrderError as exc:
             order_errors[variant] = exc.message
         other.close()
+    try:  # the job exists now: rank 0 refuses to write over it, and tells the others
+        sdcreplay.Recorder(out, "builtin:tiny-llama", workload.model, workload.optimizer)
+        existing = None
+    except BundleError as exc:
+        existing = exc.message
     report = {
         "job": str(job),
+        "existing_refused": existing,
         "replayed": replayed,
         "order_errors": order_errors,
         "operator_namespaces": sorted(operators.seen),

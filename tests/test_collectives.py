@@ -116,6 +116,15 @@ def test_collectives_in_another_order_or_number_are_a_message_order_error(ddp_jo
         }
 
 
+def test_a_job_bundle_is_not_overwritten_and_every_rank_says_why(ddp_job):
+    job_path, directory = ddp_job
+    refused = [report["existing_refused"] for report in results(directory)]
+    assert refused == [
+        f"{job_path} already exists",
+        f"rank 0 could not create the job bundle {job_path}: {job_path} already exists",
+    ]
+
+
 def test_a_part_replayed_without_its_peers_is_refused_with_a_hint(ddp_job):
     job_path, _ = ddp_job
     with pytest.raises(SdcReplayError) as refused:
