@@ -733,12 +733,14 @@ def _shown(value: Any) -> str:
     return "missing" if value is _MISSING else json.dumps(value)[:60]
 
 
-def _check_fields(obj: Any, rules: dict[str, Check], where: str = "") -> None:
+def _check_fields(
+    obj: Any, rules: dict[str, Check], where: str = "", document: str = "manifest"
+) -> None:
     for path, check in rules.items():
         value = _lookup(obj, path)
         if not check.test(value):
             raise BundleError(
-                f"manifest is malformed: {where}{path} is {_shown(value)}, "
+                f"{document} is malformed: {where}{path} is {_shown(value)}, "
                 f"expected {check.expected}"
             )
 
@@ -1167,14 +1169,16 @@ class Bundle:
             raise BundleError(f"{MESSAGES} in {self.path} is not a message log")
         found: dict[int, list[Message]] = {}
         for position, record in enumerate(records):
-            _check_fields(record, MESSAGE_FIELDS, f"{MESSAGES} line {position + 1}: ")
+            _check_fields(
+                record, MESSAGE_FIELDS, f"line {position + 1}: ", f"{MESSAGES} in {self.path}"
+            )
             message = Message.from_json(record)
             step = found.setdefault(message.step, [])
-            _require(
-                message.record_id == len(step),
-                f"{MESSAGES}: step {message.step} has record_id {message.record_id} "
-                f"at position {len(step)}",
-            )
+            if message.record_id != len(step):
+                raise BundleError(
+                    f"{MESSAGES} in {self.path} is malformed: step {message.step} has "
+                    f"record_id {message.record_id} at position {len(step)}"
+                )
             step.append(message)
         counted = {step.index: step.messages for step in self.steps if step.messages}
         if {step: len(messages) for step, messages in found.items()} != counted:

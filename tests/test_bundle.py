@@ -957,7 +957,7 @@ def test_a_message_with_a_field_of_the_wrong_form_is_refused_by_name(job: Path):
     )
     bundle_fuzz.rehash(part, MESSAGES)
     retie(job, 0)
-    with pytest.raises(BundleError, match="messages.jsonl.zst line 1: profiling_name is"):
+    with pytest.raises(BundleError, match="malformed: line 1: profiling_name is"):
         JobBundle.open(job).rank(0).messages()
     assert set(MESSAGE_FIELDS) == {f for f in record}
 
