@@ -58,6 +58,26 @@ class OperatorNamespaces:
         return out
 
 
+def resume_at_step_1(part, state_file: Path):
+    """Replay step 0, hand the state over in a file (as bisect does between processes), and
+    replay step 1 in a fresh session: True when it matches the record, else the error."""
+    from sdcreplay.errors import MessageOrderError
+    from sdcreplay.replay import ReplaySession
+
+    first = ReplaySession(part)
+    first.run_step(part.steps[0])
+    first.save_state(state_file)
+    first.close()
+    second = ReplaySession(part)
+    second.load_state(state_file)
+    try:
+        same = second.run_step(part.steps[1]) == part.signature_log().steps[1]
+    except MessageOrderError as exc:
+        same = exc.message
+    second.close()
+    return same
+
+
 def make_workload(seed: int = 0, parallel: str = "ddp"):
     from sdcreplay.workloads.tiny_llama import make_workload as tiny_llama
 
@@ -95,6 +115,7 @@ def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None
         messages = [message.to_json() for message in session.last_messages]
         replayed[step.index] = {"signatures_equal": same, "messages": messages}
     session.close()
+    resumed = resume_at_step_1(part, Path(results, f"state{rank}.h5"))
     order_errors = {}
     for variant in ("swapped", "missing", "extra"):
         other = ReplaySession(part)
@@ -114,6 +135,7 @@ def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None
         "existing_refused": existing,
         "replayed": replayed,
         "order_errors": order_errors,
+        "resumed_step_1": resumed,
         "operator_namespaces": sorted(operators.seen),
     }
     Path(results, f"rank{rank}.json").write_text(json.dumps(report))

@@ -125,6 +125,19 @@ def test_a_job_bundle_is_not_overwritten_and_every_rank_says_why(ddp_job):
     ]
 
 
+def test_a_fresh_ddp_cannot_resume_at_step_1_its_bucket_rebuild_is_missing(ddp_job):
+    """DDP rebuilds its buckets in its second iteration (two broadcasts): a fresh DDP given the
+    state after step 0 runs step 1 as its first iteration, a different program; a DDP job's
+    rank replays from its first recorded step in one process (FSDP2 resumes: test below)."""
+    _, directory = ddp_job
+    for report in results(directory):
+        assert report["resumed_step_1"] == (
+            "step 1, message record_id 0: the record has gloo:broadcast on process group 0 of "
+            "int32[13], the replay issues gloo:all_reduce on process group 0 of float32[16736] "
+            "(another collective order: a different program, not a device's arithmetic)"
+        )
+
+
 def test_a_part_replayed_without_its_peers_is_refused_with_a_hint(ddp_job):
     job_path, _ = ddp_job
     with pytest.raises(SdcReplayError) as refused:
@@ -175,6 +188,8 @@ def test_fsdp2_records_and_replays_bit_for_bit_on_two_ranks(tmp_path):
             assert report["replayed"][str(step)]["messages"] == [
                 m.to_json() for m in recorded[step]
             ]
+        # The state handed over in a file after step 0 resumes step 1 bit for bit.
+        assert report["resumed_step_1"] is True
 
 
 def test_nccl_settings_are_recorded_switches_and_compared_in_cuda_fingerprints(monkeypatch):
