@@ -1000,3 +1000,17 @@ def test_a_partial_job_reads_the_parts_that_have_a_manifest(job: Path):
         (0, 2, True),
         (1, 0, False),
     ]
+
+
+def test_a_job_is_trusted_through_its_signature_as_a_bundle_is(job: Path):
+    from sdcreplay.errors import UntrustedWorkloadError
+
+    opened = JobBundle.open(job)
+    assert opened.manifest.workload.ref.endswith("train.py:make_workload")  # code: needs trust
+    assert opened.trusted
+    opened.require_trusted()
+    rewrite_manifest(job, _set(["created"], "2020-01-01T00:00:00+00:00"))  # signed, then edited
+    edited = JobBundle.open(job)
+    assert not edited.trusted
+    with pytest.raises(UntrustedWorkloadError):
+        edited.require_trusted()
