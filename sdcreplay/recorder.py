@@ -47,6 +47,7 @@ from .bundle import (
     WorkloadRef,
     checkpoint_reference,
     load_checkpoint,
+    part_dir,
 )
 from .capture import (
     OperatorMode,
@@ -55,6 +56,7 @@ from .capture import (
     grads_entering,
     state_digests,
 )
+from .collectives import Message, MessageLog
 from .devices import torch_device
 from .digest import algorithm_for
 from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
@@ -66,6 +68,7 @@ from .online import (
     SDCReplayMismatch,
     UpdateDetector,
 )
+from .jobs import JobRecording, distributed_job
 from .replay import ReplaySession
 from .ring import HeldStep, StepRing, model_state_dict
 from .signature import is_program_entry
@@ -122,9 +125,19 @@ class Recorder:
         self.verify_mode = VERIFY_MODES[verify]
         self._inject = list(inject)
         switches = determinism.enable() if deterministic else determinism.current_switches()
+        workload_ref = WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {}))
+        # Under torch.distributed this rank writes its part of a job bundle at `path`, with
+        # every collective of its steps in a message log (jobs.py, collectives.py). A ring is
+        # refused there (_check_ring), so a job is always recorded step by step.
+        self._job = (
+            JobRecording(Path(path), workload_ref, self.label, overwrite)
+            if distributed_job()
+            else None
+        )
+        self._messages = MessageLog(algorithm_for(self.device.type)) if self._job else None
         self._overwrite = overwrite
         self._bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
-            workload=WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {})),
+            workload=workload_ref,
             device=self.label,
             device_type=self.device.type,
             digest=algorithm_for(self.device.type),
@@ -132,13 +145,18 @@ class Recorder:
             determinism=Switches(**switches),
             fingerprint=determinism.fingerprint(self.device),
             capture=CaptureSettings(max_depth=max_depth, program=True),
+            distributed=self._job.distributed if self._job else None,
         )
         self._ring = None if ring is None else StepRing(ring)
         self._ring_problem: str | None = None  # ring mode: why no dump can pass verification
         self.dumps: list[Path] = []
         self._writer: BundleWriter | None = None
         if self._ring is None:
-            self._writer = BundleWriter(Path(path), overwrite=overwrite, **self._bundle_settings)
+            self._writer = BundleWriter(
+                self._job.part_path if self._job else Path(path),
+                overwrite=overwrite,
+                **self._bundle_settings,
+            )
             objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
             if checkpoint is not None:
                 reference = checkpoint_reference(Path(checkpoint))
@@ -163,7 +181,10 @@ class Recorder:
         self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
         self.steps_written = 0
         self.entries_written = 0
-        self.path: Path = Path(path) if self._writer is None else self._writer.path
+        if self._job is not None:
+            self.path: Path = self._job.path
+        else:
+            self.path = Path(path) if self._writer is None else self._writer.path
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
@@ -187,6 +208,8 @@ class Recorder:
         rng = determinism.capture_rng(self.device)
         stored_batch = map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
         self._capture.begin_step(rng)
+        if self._messages is not None:
+            self._messages.begin_step(self._next_index)
         with self._capture.backward_capture():
             yield
         self._capture.close_window()
@@ -203,10 +226,18 @@ class Recorder:
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
+        messages = self._messages.end_step() if self._messages is not None else None
         seconds = time.perf_counter() - started  # replay derives its hang timeout from it
         if self._writer is not None:
             self._writer.add_step(
-                index, batch, rng, entries, optimizer_step=stepped, grads=grads, seconds=seconds
+                index,
+                batch,
+                rng,
+                entries,
+                optimizer_step=stepped,
+                grads=grads,
+                seconds=seconds,
+                messages=messages,
             )
         elif self._ring is not None:
             self._ring.add(HeldStep(index, batch, rng, entries, stepped, grads, seconds))
@@ -221,6 +252,13 @@ class Recorder:
             updated = self._capture.updated_state if at_optimizer_step else {}
             self._end_digests = updated or state_digests(self.model)
             self._held_end_digests = self._end_digests
+
+    @property
+    def own_bundle_path(self) -> Path:
+        """The bundle this process wrote: ``path``, or its rank's part of a job bundle."""
+        if self._job is None:
+            return self.path
+        return self.path / part_dir(self._job.rank)
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
@@ -262,6 +300,10 @@ class Recorder:
             replayed = session.run_step(record)
             recorded = session.bundle.signature_log().steps[record.index]
             problem = describe_first_difference(recorded, replayed)
+            if problem is None and self._job is not None:
+                problem = describe_message_difference(
+                    session.bundle.messages()[record.index], session.last_messages
+                )
             if problem is None and live_state:
                 problem = self._state_difference(session)
             return problem
@@ -328,6 +370,8 @@ class Recorder:
             self._release()
         if self._writer is not None:
             self.path = self._writer.close()
+        if self._job is not None:
+            self.path = self._job.close()
         return self.path
 
     def abandon(self) -> Path:
@@ -335,6 +379,8 @@ class Recorder:
         bundle."""
         if self._capture.step_open and self._pending is None:
             self._capture.end_step()  # a step that raised mid-way is not evidence
+            if self._messages is not None:
+                self._messages.abandon()
         self._finish_pending()
         self._release()
         return self.path
@@ -560,6 +606,19 @@ def describe_first_difference(
     return f"{first} differs: {cause}"
 
 
+def describe_message_difference(recorded: list[Message], replayed: list[Message]) -> str | None:
+    """The first collective message whose digests differ between the loop's step and the
+    workload's (their order was enforced while the step ran)."""
+    for loop, workload in zip(recorded, replayed):
+        for which in ("input", "output"):
+            if getattr(loop, f"{which}_digest") != getattr(workload, f"{which}_digest"):
+                return (
+                    f"the {which} of collective message {loop.record_id} ({loop.brief()}) "
+                    "differs: the loop's step sends other data than the workload's"
+                )
+    return None
+
+
 def _check_model_matches_checkpoint(model: torch.nn.Module, reference: CheckpointState) -> None:
     model_state, _ = load_checkpoint(reference)
     for name, tensor in model.state_dict().items():
@@ -703,7 +762,8 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    opened = None if bundle_path is None else Bundle.open(bundle_path, verify=False)
+    own = recorder.own_bundle_path if ring is None else bundle_path
+    opened = None if own is None else Bundle.open(own, verify=False)
     return RecordSummary(
         bundle=bundle_path,
         workload=workload,
