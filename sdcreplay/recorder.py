@@ -61,6 +61,7 @@ from .devices import torch_device
 from .digest import algorithm_for
 from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
 from .faults import Injector, parse_specs
+from .jobs import JobRecording, distributed_job
 from .online import (
     PersistentFaultError,
     RecomputeLimitError,
@@ -68,7 +69,6 @@ from .online import (
     SDCReplayMismatch,
     UpdateDetector,
 )
-from .jobs import JobRecording, distributed_job
 from .replay import ReplaySession
 from .ring import HeldStep, StepRing, model_state_dict
 from .signature import is_program_entry
