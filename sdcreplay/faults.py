@@ -50,6 +50,7 @@ class FaultSpec:
     p: float = 1.0
     seed: int = 0
     device: str | None = None
+    rank: int | None = None  # the torch.distributed rank it applies to (default: every process)
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -92,8 +93,12 @@ class FaultSpec:
             problem = f"phase {self.phase!r} is not one of {', '.join(PHASES)}"
         elif not 0.0 <= self.p <= 1.0:
             problem = f"p={self.p} is not a probability"
-        elif self.count < 1 or self.index < 0 or (self.nth is not None and self.nth < 0):
-            problem = "count must be at least 1, index and nth at least 0"
+        elif (
+            self.count < 1
+            or self.index < 0
+            or any(value is not None and value < 0 for value in (self.nth, self.rank))
+        ):
+            problem = "count must be at least 1, index, nth and rank at least 0"
         elif self.bit is not None and not 0 <= self.bit < 64:
             problem = f"bit={self.bit} is outside 0..63"
         if problem:
@@ -108,8 +113,11 @@ class FaultSpec:
         ]
         return ",".join(parts)
 
-    def applies_to(self, device_label: str) -> bool:
-        return self.device is None or self.device == device_label
+    def applies_to(self, device_label: str, rank: int | None = None) -> bool:
+        """``rank``: the process's rank in its torch.distributed job (None: not in one)."""
+        return (self.device is None or self.device == device_label) and (
+            self.rank is None or self.rank == rank
+        )
 
     def matches_key(self, op: str, module: str, phase: str) -> bool:
         """Does a call of ``op`` under ``module`` in ``phase`` match (step and nth aside)?"""
@@ -159,6 +167,13 @@ class Injection:
         return dict(self.__dict__)
 
 
+def distributed_rank() -> int | None:
+    """This process's rank in an initialized torch.distributed job, or None."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
 @dataclass
 class Injector:
     """Corrupts matching operator outputs on one device label (an OperatorMode observer)."""
@@ -167,9 +182,10 @@ class Injector:
     device_label: str
     salt: int = 0
     fired: list[Injection] = field(default_factory=list)
+    rank: int | None = field(default_factory=distributed_rank)
 
     def __post_init__(self) -> None:
-        self.specs = [spec for spec in self.specs if spec.applies_to(self.device_label)]
+        self.specs = [spec for spec in self.specs if spec.applies_to(self.device_label, self.rank)]
         self._draws = [
             random.Random(f"{spec.seed}:{self.salt}:{position}")
             for position, spec in enumerate(self.specs)
