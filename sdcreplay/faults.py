@@ -93,12 +93,10 @@ class FaultSpec:
             problem = f"phase {self.phase!r} is not one of {', '.join(PHASES)}"
         elif not 0.0 <= self.p <= 1.0:
             problem = f"p={self.p} is not a probability"
-        elif (
-            self.count < 1
-            or self.index < 0
-            or any(value is not None and value < 0 for value in (self.nth, self.rank))
-        ):
-            problem = "count must be at least 1, index, nth and rank at least 0"
+        elif self.count < 1 or self.index < 0 or (self.nth is not None and self.nth < 0):
+            problem = "count must be at least 1, index and nth at least 0"
+        elif self.rank is not None and self.rank < 0:
+            problem = f"rank={self.rank} is not a rank (0, 1, ...)"
         elif self.bit is not None and not 0 <= self.bit < 64:
             problem = f"bit={self.bit} is outside 0..63"
         if problem:
