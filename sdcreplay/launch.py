@@ -91,45 +91,75 @@ def _rank_environment(parent: dict[str, str]) -> dict[str, str]:
     return {**parent, **own}
 
 
-def _join_group(task: DeviceTask, backend: str, group_timeout: float) -> None:
+def join_group(device: str, backend: str, group_timeout: float) -> None:
+    """Join the job's default process group (the launcher's environment says where), with a
+    timeout on every collective."""
     import torch
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=group_timeout)
     if backend == "nccl":
-        device = torch.device(task.device)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        target = torch.device(device)
+        torch.cuda.set_device(target)
+        dist.init_process_group("nccl", timeout=timeout, device_id=target)
     else:
         dist.init_process_group("gloo", timeout=timeout)
 
 
 def _rank_entry(task_paths: list[str], parent: dict[str, str], backend: str, timeout: float):
-    """One rank: its task, in the process group; a failure ends the process at once, so the
-    launcher stops the other ranks instead of leaving them waiting in a collective."""
+    """One rank, as the launcher starts it: a supervisor that forks the process running the
+    task and writes how it ended (``TASK.exit``). The launcher itself reports only the first
+    rank it sees fail; this is how every rank's exit status is known, even an ``os._exit``."""
     environment = _rank_environment(parent)
     os.environ.clear()
     os.environ.update(environment)
     path = task_paths[int(os.environ["RANK"])]
+    child = os.fork()
+    if child == 0:
+        _die_with_parent()
+        os._exit(_run_rank(path, backend, timeout))
+    stopped: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:  # the launcher ends the job
+        stopped.append(signum)
+        with contextlib.suppress(OSError):
+            os.kill(child, signum)
+
+    for name in ("SIGTERM", "SIGINT"):
+        signal.signal(getattr(signal, name), forward)
+    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    Path(f"{path}.exit").write_text(json.dumps({"status": status, "stopped": bool(stopped)}))
+    if status != 0:
+        os._exit(status if status > 0 else 128 - status)
+
+
+def _die_with_parent() -> None:
+    """A task process never outlives its supervisor (killed by the launcher after the grace)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _run_rank(path: str, backend: str, timeout: float) -> int:
+    """The task in the process group: its exit status (the worker's)."""
     task = DeviceTask.read(Path(path))
     Path(f"{path}.pid").write_text(str(os.getpid()))
-    os.environ.update(task.environment)
-    status = 0
+    os.environ.update({**task.environment, "SDCREPLAY_DEVICE": task.device})
     try:
-        _join_group(task, backend, timeout)
+        join_group(task.device, backend, timeout)
     except Exception as exc:  # the rendezvous or the backend: this rank's failure
         failure = DeviceFailure(f"could not join the process group ({backend}): {exc}")
         Path(task.result).write_text(json.dumps(DeviceResult(error=failure).to_json()))
-        status = 3
+        return 3
+    status = worker.main(["worker", path])
     if status == 0:
-        status = worker.main(["worker", path])
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    if status != 0:
-        os._exit(status)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    return status
 
 
 # ---------------------------------------------------------------------------
@@ -186,8 +216,23 @@ class _Rank:
     def task(self) -> Path:
         return Path(f"{self.stem}.task.json")
 
+    @property
+    def exit(self) -> Path:
+        return Path(f"{self.task}.exit")
+
     def finished(self) -> bool:
         return self.result.is_file()
+
+    def ending(self) -> tuple[int | None, bool]:
+        """(exit status, whether the launcher stopped it), as its supervisor wrote them."""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            ended = json.loads(self.exit.read_text())
+            return int(ended["status"]), bool(ended["stopped"])
+        return None, False
+
+    def ended_by_itself(self) -> bool:
+        status, stopped = self.ending()
+        return status not in (None, 0) and not stopped
 
     def last_progress(self) -> float:
         with contextlib.suppress(OSError):
@@ -274,16 +319,13 @@ def stopped(failure: DeviceFailure) -> bool:
 
 
 def _first_failure(
-    ranks: list[_Rank],
-    results: dict[int, DeviceResult],
-    failed: dict[int, int],
-    hung: tuple[int, str] | None,
+    ranks: list[_Rank], results: dict[int, DeviceResult], hung: tuple[int, str] | None
 ) -> int | None:
     """The rank whose failure ended the job: the hung one, else one that died without a word
     (its peers' errors follow from its death), else the first to report an error."""
     if hung is not None:
         return hung[0]
-    silent = [r.rank for r in ranks if r.rank in failed and not r.finished()]
+    silent = [r.rank for r in ranks if r.ended_by_itself() and not r.finished()]
     if silent:
         return min(silent)
     reported = [r for r in ranks if results[r.rank].error is not None and r.finished()]
@@ -326,7 +368,7 @@ def run_ranks(
         for rank, label in enumerate(labels)
     ]
     for rank in ranks:
-        for stale in (rank.result, rank.alive, Path(f"{rank.task}.pid")):
+        for stale in (rank.result, rank.alive, rank.exit, Path(f"{rank.task}.pid")):
             stale.unlink(missing_ok=True)
         device_task = DeviceTask(
             reference,
@@ -338,9 +380,9 @@ def run_ranks(
             alive=str(rank.alive),
         )
         rank.task.write_text(json.dumps(device_task.to_json()))
-    failed, hung = _launch(ranks, work_dir, backend, timeout, task.__module__)
-    results = {rank.rank: _own_result(rank, failed.get(rank.rank), hung, timeout) for rank in ranks}
-    first = _first_failure(ranks, results, failed, hung)
+    hung = _launch(ranks, work_dir, backend, timeout, task.__module__)
+    results = {rank.rank: _own_result(rank, hung, timeout) for rank in ranks}
+    first = _first_failure(ranks, results, hung)
     for rank in ranks:  # the ranks the launcher ended because another one failed
         if results[rank.rank].error is None and not rank.finished():
             why = f"{_STOPPED} {first} failed" if first is not None else "ended without a result"
@@ -350,7 +392,7 @@ def run_ranks(
                     f"Rank {first}'s failure is the one to read."
                     if first is not None
                     else f"Its log may say why: {rank.stderr}.",
-                    exit_status=failed.get(rank.rank),
+                    exit_status=rank.ending()[0],
                     log=str(rank.stderr),
                     stderr_tail=processes.tail(rank.stderr),
                 )
@@ -360,9 +402,9 @@ def run_ranks(
 
 def _launch(
     ranks: list[_Rank], work_dir: Path, backend: str, timeout: float, task_module: str
-) -> tuple[dict[int, int], tuple[int, str] | None]:
-    """Start the ranks under the elastic launcher and wait: the exit status of each rank the
-    launcher saw fail, and the (rank, where) the watchdog killed, if it did."""
+) -> tuple[int, str] | None:
+    """Start the ranks under the elastic launcher and wait; the (rank, where) the watchdog
+    killed, if it did (each rank's supervisor wrote how it ended)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -385,22 +427,19 @@ def _launch(
     watchdog = _Watchdog(ranks, timeout)
     watchdog.start()
     paths = [str(rank.task) for rank in ranks]
-    failed: dict[int, int] = {}
     try:
         with _signals_kept(), _launcher_quiet(), processes.caller_main_hidden():
             elastic_launch(config, _rank_entry)(
                 paths, parent, backend, GROUP_TIMEOUT_FACTOR * timeout
             )
-    except ChildFailedError as exc:
-        failed = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+    except ChildFailedError:
+        pass  # every rank's own ending is in its files
     finally:
         watchdog.stop()
-    return failed, watchdog.killed
+    return watchdog.killed
 
 
-def _own_result(
-    rank: _Rank, status: int | None, hung: tuple[int, str] | None, timeout: float
-) -> DeviceResult:
+def _own_result(rank: _Rank, hung: tuple[int, str] | None, timeout: float) -> DeviceResult:
     """What this rank reported, or how it ended by itself; a rank without either is judged
     once every rank's own result is known (it was stopped)."""
     if hung is not None and hung[0] == rank.rank:
@@ -416,11 +455,13 @@ def _own_result(
                 timed_out=timeout,
             )
         )
+    status = rank.ending()[0]
     result = None
     if rank.finished():
         with contextlib.suppress(ValueError, OSError):
             result = DeviceResult.from_json(json.loads(rank.result.read_text()))
-    if result is None and status is not None:  # died without a word: its stderr is all there is
+    if result is None and rank.ended_by_itself():  # died without a word: stderr is all there is
+        assert status is not None
         return DeviceResult(
             error=DeviceFailure(
                 f"rank {rank.rank} ({rank.label}) {processes.exit_description(status)}",

@@ -34,7 +34,22 @@ def _raise() -> None:
     raise IndexError("index out of range in self")
 
 
-MISBEHAVIOURS = {"hang": _hang, "exit": _exit, "kill": _kill, "raise": _raise}
+def _os_exit() -> None:
+    os._exit(7)
+
+
+MISBEHAVIOURS = {"hang": _hang, "exit": _exit, "kill": _kill, "raise": _raise, "os_exit": _os_exit}
+
+
+def _all_reduce_ones() -> None:
+    """A collective the ranks of a job must all reach (its result on stdout, the rank's log)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        ones = torch.ones(1)
+        dist.all_reduce(ones)
+        print(f"all_reduce of ones: {ones.item():g}", flush=True)
 
 
 def make_workload(
@@ -43,11 +58,14 @@ def make_workload(
     on_device: str = "cpu:1",
     at_step: int = 1,
     scalar_loss: bool = True,
+    collective: bool = False,
     **small,
 ) -> Workload:
     """tiny-llama whose ``at_step``-th loss call on ``on_device`` misbehaves (counted from 0).
 
     ``misbehave`` is one of MISBEHAVIOURS, or ``DEVICE=KIND,...`` for one kind per device.
+    ``collective``: every loss call all-reduces a tensor of ones across the job's ranks (after
+    misbehaving, so the other ranks wait in it for the one that misbehaves).
     """
     workload = tiny_llama.make_workload(seed=seed, **small)
     calls = itertools.count()
@@ -59,8 +77,10 @@ def make_workload(
     def loss_fn(model, batch):
         call = next(calls)
         kind = plan.get(os.environ.get("SDCREPLAY_DEVICE", "main"))
-        if kind is not None and call >= at_step:
+        if kind in MISBEHAVIOURS and call >= at_step:
             MISBEHAVIOURS[kind]()
+        if collective:
+            _all_reduce_ones()
         loss = workload.loss_fn(model, batch)
         return loss if scalar_loss else loss.expand(2)
 
