@@ -26,21 +26,25 @@ import h5py
 import numpy as np
 
 from . import trust
+from .collectives import Message
 from .comparable import must_match
 from .errors import BundleError, CheckpointError
 from .safeio import check_json_value, check_self_contained, read_limited, regular_file_inside
-from .signature import SignatureLog, SignatureLogWriter, read_signature_log
+from .signature import SignatureLog, SignatureLogWriter, read_records, read_signature_log
 
 if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
     from .determinism import RngState  # so that `sdcreplay info` runs without torch
 
 SCHEMA = "sdcreplay.bundle/1"
+JOB_SCHEMA = "sdcreplay.job/1"
 MANIFEST = "manifest.json"
 SIGNATURES = "signatures.jsonl.zst"
 MESSAGES = "messages.jsonl.zst"
 STATE = "state.h5"
 PARTIAL_SUFFIX = ".partial"
 MANIFEST_DIGEST = "manifest_sha256"
+RANKS = "ranks"
+MAX_WORLD_SIZE = 1 << 20
 
 
 def sha256_file(path: Path, limit: int | None = None) -> str:
@@ -194,6 +198,8 @@ def written_by_us(path: Path) -> bool:
     if path.is_symlink() or not path.is_dir():
         return False
     names = {entry.name for entry in path.iterdir()}
+    if RANKS in names and names <= _JOB_ENTRIES:
+        return _parts_written_by_us(path / RANKS)
     if not names <= _BUNDLE_ENTRIES:
         return False
     steps = path / "steps"
@@ -217,6 +223,21 @@ def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
         )
 
 
+_JOB_ENTRIES = {MANIFEST, MANIFEST + ".tmp", RANKS}
+
+
+def _parts_written_by_us(ranks: Path) -> bool:
+    """A job's ``ranks/`` holds only rank parts (``000000``, ``000001.partial``...)."""
+    part_name = re.compile(r"\d{6}(\.partial)?")
+    return (
+        not ranks.is_symlink()
+        and ranks.is_dir()
+        and all(
+            part_name.fullmatch(entry.name) and written_by_us(entry) for entry in ranks.iterdir()
+        )
+    )
+
+
 STREAMS = (SIGNATURES, MESSAGES)
 """Append-only files: in a ``.partial`` bundle they may hold a frame the manifest does not list
 yet."""
@@ -233,6 +254,11 @@ MAX_STEP_SECONDS = 7 * 24 * 3600.0
 
 def step_file(index: int) -> str:
     return f"steps/{index:06d}.h5"
+
+
+def part_dir(rank: int) -> str:
+    """Where rank ``rank``'s part lives in a job bundle."""
+    return f"{RANKS}/{rank:06d}"
 
 
 def _is_int(value: Any) -> bool:
@@ -498,6 +524,7 @@ class StepRecord(Record):
         "optimizer_step": BOOL,
         "seconds": optional(number(0, MAX_STEP_SECONDS)),
         "grads": absent_or(choice(*GRADS_ENTERING)),
+        "messages": absent_or(integer(0, 10_000_000)),
     }
     index: int
     file: str
@@ -505,6 +532,23 @@ class StepRecord(Record):
     optimizer_step: bool  # the optimizer stepped in the step; replay does the same
     grads: str = "none"  # what the gradients held when the step began: none | zero | kept
     seconds: float | None = None  # how long it took when recorded: replay's hang timeout
+    messages: int | None = None  # a job's rank part: the step's logged collective messages
+
+
+@dataclass(kw_only=True)
+class DistributedInfo(Record):
+    """A rank's part of a job bundle: which rank of how many, and where its job manifest is."""
+
+    RULES: ClassVar[dict[str, Check]] = {
+        "rank": integer(0, MAX_WORLD_SIZE - 1),
+        "world_size": integer(1, MAX_WORLD_SIZE),
+        "backend": text(64, "[a-z0-9_:]+"),
+        "job": choice("../.."),
+    }
+    rank: int
+    world_size: int
+    backend: str
+    job: str = "../.."  # the job bundle, relative to the part
 
 
 @dataclass(kw_only=True)
@@ -526,6 +570,7 @@ class Manifest(Record):
     steps: list[StepRecord] = field(default_factory=list)
     files: dict[str, FileMeta] = field(default_factory=dict)
     state_objects: list[str] | None = None  # names of the state objects in state.h5
+    distributed: DistributedInfo | None = None  # set in a job bundle's rank part
     signature: str | None = None  # trust.py: HMAC of the rest under the recording user's secret
     verification: Verification = field(
         default_factory=lambda: Verification(
@@ -553,6 +598,8 @@ class Manifest(Record):
             typed["capture"] = CaptureSettings._read(obj["capture"])
         if "verification" in obj:
             typed["verification"] = Verification._read(obj["verification"])
+        if "distributed" in obj:
+            typed["distributed"] = DistributedInfo._read(obj["distributed"])
         return cls._read(obj, **typed)
 
     @property
@@ -628,10 +675,49 @@ MANIFEST_FIELDS: dict[str, Check] = {
         )
     ),
     "signature": optional(text(64, "[0-9a-f]{64}")),
+    "distributed": OPTIONAL_OBJECT,
     "state": OBJECT,
     "state.kind": choice(*STATE_KINDS),
     "files": mapping(text(256), OBJECT),
     "steps": Check(lambda v: isinstance(v, list) and len(v) <= 1_000_000, "a list of steps"),
+}
+
+
+def _sizes(v: Any) -> bool:
+    return (
+        isinstance(v, list)
+        and len(v) <= 65536
+        and all(
+            isinstance(size, list) and len(size) <= 64 and all(_is_int(n) and n >= 0 for n in size)
+            for size in v
+        )
+    )
+
+
+def _dtypes(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 65536 and all(text(64).test(d) for d in v)
+
+
+SEQUENCE = nullable(integer(0, 2**62))
+DIGEST = nullable(text(128))
+
+# One line of a rank's messages.jsonl.zst (collectives.Message; docs/bundle-format.md).
+MESSAGE_FIELDS: dict[str, Check] = {
+    "step": integer(0, 2**31 - 1),
+    "record_id": integer(0, 2**62),
+    "pg_id": integer(-1, MAX_WORLD_SIZE),
+    "process_group": text(256),
+    "collective_seq_id": SEQUENCE,
+    "p2p_seq_id": SEQUENCE,
+    "op_id": integer(0, 2**62),
+    "profiling_name": text(128, r"[A-Za-z0-9_]+:[A-Za-z0-9_]+"),
+    "input_sizes": Check(_sizes, "a list of tensor sizes"),
+    "input_dtypes": Check(_dtypes, "a list of dtype names"),
+    "output_sizes": Check(_sizes, "a list of tensor sizes"),
+    "output_dtypes": Check(_dtypes, "a list of dtype names"),
+    "input_digest": DIGEST,
+    "output_digest": DIGEST,
+    "peer": optional(integer(0, MAX_WORLD_SIZE - 1)),
 }
 
 
@@ -712,6 +798,16 @@ def _validate_manifest(manifest: Any) -> None:
         not manifest.get("state_objects") or STATE in files,
         f"files[{STATE!r}] is missing (the bundle has state objects)",
     )
+    if "distributed" in manifest:
+        distributed = manifest["distributed"]
+        _check_fields(distributed, DistributedInfo.RULES, "distributed.")
+        _require(
+            distributed["rank"] < distributed["world_size"],
+            f"distributed.rank {distributed['rank']} is not below its world_size "
+            f"{distributed['world_size']}",
+        )
+        for position, step in enumerate(manifest["steps"]):
+            _require("messages" in step, f"steps[{position}].messages is missing (a rank part)")
     _require(
         "verification" not in manifest or "status" in manifest["verification"],
         "verification.status is missing (expected one of "
@@ -766,6 +862,34 @@ def load_checkpoint(reference: CheckpointState) -> tuple[dict, dict | None]:
     return obj, None
 
 
+def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) -> None:
+    """Claim ``final`` and its ``partial`` twin, and create ``partial/inner``."""
+    try:
+        _claim(
+            final,
+            overwrite,
+            "",
+            "Choose another --out, or pass --overwrite to replace the old bundle.",
+        )
+        _claim(
+            partial,
+            overwrite,
+            "a leftover partial recording",
+            "It may be the only evidence of a crash: "
+            f"`sdcreplay info {partial}` shows what it holds; "
+            "move it away, or pass --overwrite to replace it.",
+        )
+        if partial.exists():
+            shutil.rmtree(partial)
+        (partial / inner).mkdir(parents=True)
+    except OSError as exc:
+        raise BundleError(
+            f"cannot create the bundle directory {str(partial)[:200]}: {exc.strerror}",
+            "Choose an --out in a writable directory (not under a file or /proc, "
+            "each name at most 255 bytes).",
+        ) from exc
+
+
 class BundleWriter:
     """Writes a bundle step by step; see the module docstring for crash safety.
 
@@ -786,39 +910,21 @@ class BundleWriter:
         fingerprint: dict[str, Any] | None = None,
         capture: CaptureSettings | None = None,
         overwrite: bool = False,
+        distributed: DistributedInfo | None = None,
     ):
         self.final_path = Path(path)
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
-        try:
-            _claim(
-                self.final_path,
-                overwrite,
-                "",
-                "Choose another --out, or pass --overwrite to replace the old bundle.",
-            )
-            _claim(
-                self.path,
-                overwrite,
-                "a leftover partial recording",
-                "It may be the only evidence of a crash: "
-                f"`sdcreplay info {self.path}` shows what it holds; "
-                "move it away, or pass --overwrite to replace it.",
-            )
-            if self.path.exists():
-                shutil.rmtree(self.path)
-            (self.path / "steps").mkdir(parents=True)
-        except OSError as exc:
-            raise BundleError(
-                f"cannot create the bundle directory {str(self.path)[:200]}: {exc.strerror}",
-                "Choose an --out in a writable directory (not under a file or /proc, "
-                "each name at most 255 bytes).",
-            ) from exc
+        _prepare_directory(self.final_path, self.path, overwrite, "steps")
         self._overwrite = overwrite
         # Written only once embed_state or reference_checkpoint has set the state; the
         # optional parts not known yet stay out of the JSON until they are.
         unset = {"state_objects", "verification"} | {
             name
-            for name, value in (("fingerprint", fingerprint), ("capture", capture))
+            for name, value in (
+                ("fingerprint", fingerprint),
+                ("capture", capture),
+                ("distributed", distributed),
+            )
             if value is None
         }
         self.manifest = Manifest(
@@ -831,6 +937,7 @@ class BundleWriter:
             determinism=determinism,
             fingerprint=fingerprint,
             capture=capture or CaptureSettings(),
+            distributed=distributed,
             state=EmbeddedState(),
             absent=frozenset(unset),
         )
@@ -884,9 +991,11 @@ class BundleWriter:
         optimizer_step: bool,
         grads: str = "none",
         seconds: float | None = None,
+        messages: list[Message] | None = None,
     ) -> None:
         """``grads``: what the gradients held as the step began; ``seconds``: how long the step
-        took while recording (replay's timeout comes from it)."""
+        took while recording (replay's timeout comes from it); ``messages``: a rank's logged
+        collectives (a job's part), one frame of the message log per step that has any."""
         from . import tensorio
 
         name = step_file(index)
@@ -895,7 +1004,10 @@ class BundleWriter:
             write_rng(handle.create_group("rng"), rng)
         self._note_file(name)
         self._signatures.append_step(index, entries)
+        if messages:
+            self._messages.append_records([message.to_json() for message in messages])
         self._note_stream_files()
+        unset = {"seconds"} if seconds is None else set()
         self.manifest.steps.append(
             StepRecord(
                 index=index,
@@ -904,7 +1016,8 @@ class BundleWriter:
                 optimizer_step=optimizer_step,
                 grads=grads,
                 seconds=None if seconds is None else round(float(seconds), 6),
-                absent=frozenset({"seconds"}) if seconds is None else frozenset(),
+                messages=None if messages is None else len(messages),
+                absent=frozenset(unset | ({"messages"} if messages is None else set())),
             )
         )
         self._save_manifest()
@@ -944,26 +1057,18 @@ class Bundle:
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> Bundle:
-        path = Path(path)
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        # os.path, not Path: no OSError for names too long or under a file
-        if not os.path.exists(path) and os.path.exists(partial):
-            path = partial
+        path = _existing(path)
         if not os.path.isdir(path):
             raise BundleError(
                 f"{str(path)[:300]} is not a bundle directory",
                 "Give the directory `sdcreplay record --out` wrote.",
             )
-        if not os.path.lexists(path / MANIFEST):
-            raise BundleError(f"{path} has no {MANIFEST}")
-        manifest_path = regular_file_inside(path, MANIFEST)
-        raw = read_limited(manifest_path, MAX_MANIFEST_BYTES, "manifest")
-        try:
-            manifest = json.loads(raw.decode("utf-8"))
-        except RecursionError as exc:
-            raise BundleError(f"{manifest_path} nests deeper than {MAX_JSON_DEPTH} levels") from exc
-        except ValueError as exc:
-            raise BundleError(f"{manifest_path} is not valid JSON: {str(exc)[:200]}") from exc
+        manifest = _read_manifest_json(path)
+        if isinstance(manifest, dict) and manifest.get("schema") == JOB_SCHEMA:
+            raise BundleError(
+                f"{path} is a job bundle (one part per rank), not a single-process bundle",
+                f"Open one rank's part ({path}/{RANKS}/000000) or the job with JobBundle.open.",
+            )
         bundle = cls(path, Manifest.from_json(manifest))
         if verify:
             bundle.verify_files()
@@ -1038,6 +1143,35 @@ class Bundle:
                     f"the manifest says {step.entries}"
                 )
         return log
+
+    def messages(self) -> dict[int, list[Message]]:
+        """The logged collective messages per step (a job's rank part; empty in other bundles).
+
+        Every step the manifest counts messages for must hold exactly that many, in issue order.
+        """
+        meta, records = read_records(
+            regular_file_inside(self.path, MESSAGES), size=self.manifest.files[MESSAGES].size
+        )
+        if meta.get("kind") != "messages":
+            raise BundleError(f"{MESSAGES} in {self.path} is not a message log")
+        found: dict[int, list[Message]] = {}
+        for position, record in enumerate(records):
+            _check_fields(record, MESSAGE_FIELDS, f"{MESSAGES} line {position + 1}: ")
+            message = Message.from_json(record)
+            step = found.setdefault(message.step, [])
+            _require(
+                message.record_id == len(step),
+                f"{MESSAGES}: step {message.step} has record_id {message.record_id} "
+                f"at position {len(step)}",
+            )
+            step.append(message)
+        counted = {step.index: step.messages for step in self.steps if step.messages}
+        if {step: len(messages) for step, messages in found.items()} != counted:
+            raise BundleError(
+                f"{MESSAGES} holds {sum(map(len, found.values()))} messages in steps "
+                f"{sorted(found)}, the manifest counts {sum(counted.values())} in {sorted(counted)}"
+            )
+        return {step.index: found.get(step.index, []) for step in self.steps}
 
     def _open_h5(self, name: str) -> h5py.File:
         """Open a listed HDF5 file, refusing one whose data lives outside it (external data)."""
@@ -1141,6 +1275,329 @@ class Bundle:
         )
 
 
+# --- job bundles: one part per rank under one job manifest -------------------------------------
+
+
+@dataclass(kw_only=True)
+class ProcessGroupRecord(Record):
+    """A process group of the job: its id (creation order), name and member ranks."""
+
+    RULES: ClassVar[dict[str, Check]] = {
+        "pg_id": integer(0, MAX_WORLD_SIZE),
+        "name": text(256),
+        "ranks": Check(
+            lambda v: (
+                isinstance(v, list)
+                and len(v) <= MAX_WORLD_SIZE
+                and all(_is_int(r) and 0 <= r < MAX_WORLD_SIZE for r in v)
+            ),
+            "a list of ranks",
+        ),
+    }
+    pg_id: int
+    name: str
+    ranks: list[int]
+
+
+@dataclass(kw_only=True)
+class RankRecord(Record):
+    """A rank of the job: its device label, its part's directory, and (once the job closed)
+    the SHA-256 its part's manifest has, which ties the part to this job."""
+
+    RULES: ClassVar[dict[str, Check]] = {
+        "rank": integer(0, MAX_WORLD_SIZE - 1),
+        "device": text(64, r"[a-z]+(:\d{1,6})?"),
+        "part": text(64, RANKS + r"/\d{6}"),
+        MANIFEST_DIGEST: nullable(SHA256),
+    }
+    rank: int
+    device: str
+    part: str
+    manifest_sha256: str | None = None
+
+
+@dataclass(kw_only=True)
+class JobManifest(Record):
+    """A job bundle's ``manifest.json`` (schema ``sdcreplay.job/1``)."""
+
+    schema: str = JOB_SCHEMA
+    created: str | None = None
+    complete: bool = False
+    world_size: int
+    backend: str
+    process_groups: list[ProcessGroupRecord]
+    ranks: list[RankRecord]
+    workload: WorkloadRef
+    signature: str | None = None
+    manifest_sha256: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> JobManifest:
+        _validate_job_manifest(obj)
+        return cls._read(
+            obj,
+            workload=WorkloadRef._read(obj["workload"]),
+            process_groups=[ProcessGroupRecord._read(group) for group in obj["process_groups"]],
+            ranks=[RankRecord._read(rank) for rank in obj["ranks"]],
+        )
+
+
+def _list_of_objects(limit: int) -> Check:
+    return Check(
+        lambda v: isinstance(v, list) and len(v) <= limit and all(isinstance(x, dict) for x in v),
+        f"a list of at most {limit} objects",
+    )
+
+
+JOB_FIELDS: dict[str, Check] = {
+    "schema": choice(JOB_SCHEMA),
+    MANIFEST_DIGEST: SHA256,
+    "created": optional(text(64)),
+    "complete": BOOL,
+    "world_size": integer(1, MAX_WORLD_SIZE),
+    "backend": text(64, "[a-z0-9_:]+"),
+    "process_groups": _list_of_objects(1 << 16),
+    "ranks": _list_of_objects(MAX_WORLD_SIZE),
+    "workload": OBJECT,
+    "workload.ref": MANIFEST_FIELDS["workload.ref"],
+    "workload.kwargs": MANIFEST_FIELDS["workload.kwargs"],
+    "signature": optional(text(64, "[0-9a-f]{64}")),
+}
+
+
+def _validate_job_manifest(manifest: Any) -> None:
+    _require(isinstance(manifest, dict), "not a JSON object")
+    check_json_value(manifest, MANIFEST, MAX_JSON_DEPTH)
+    _check_fields(manifest, {"schema": choice(JOB_SCHEMA), MANIFEST_DIGEST: SHA256})
+    if manifest[MANIFEST_DIGEST] != manifest_digest(manifest):
+        raise BundleError(
+            "the job manifest does not match its own SHA-256 (damaged or edited by hand)",
+            "Restore the bundle from a copy or record it again; "
+            "a bundle is evidence and is not edited.",
+        )
+    _check_fields(manifest, JOB_FIELDS)
+    for position, group in enumerate(manifest["process_groups"]):
+        _check_fields(group, ProcessGroupRecord.RULES, f"process_groups[{position}].")
+    world_size = manifest["world_size"]
+    for position, rank in enumerate(manifest["ranks"]):
+        _check_fields(rank, RankRecord.RULES, f"ranks[{position}].")
+        _require(rank["rank"] == position, f"ranks[{position}].rank is {rank['rank']}")
+        _require(
+            rank["part"] == part_dir(position),
+            f"ranks[{position}].part is {rank['part']!r}, expected {part_dir(position)!r}",
+        )
+        _require(
+            not manifest["complete"] or rank.get(MANIFEST_DIGEST) is not None,
+            f"ranks[{position}].{MANIFEST_DIGEST} is missing in a complete job",
+        )
+    _require(
+        len(manifest["ranks"]) == world_size,
+        f"{len(manifest['ranks'])} ranks listed for world_size {world_size}",
+    )
+
+
+def _read_manifest_json(path: Path) -> Any:
+    if not os.path.lexists(path / MANIFEST):
+        raise BundleError(f"{path} has no {MANIFEST}")
+    manifest_path = regular_file_inside(path, MANIFEST)
+    raw = read_limited(manifest_path, MAX_MANIFEST_BYTES, "manifest")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError as exc:
+        raise BundleError(f"{manifest_path} nests deeper than {MAX_JSON_DEPTH} levels") from exc
+    except ValueError as exc:
+        raise BundleError(f"{manifest_path} is not valid JSON: {str(exc)[:200]}") from exc
+
+
+def _existing(path: str | Path) -> Path:
+    """``path``, or its ``.partial`` twin where only a recording cut off left that."""
+    path = Path(path)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    # os.path, not Path: no OSError for names too long or under a file
+    if not os.path.exists(path) and os.path.exists(partial):
+        return partial
+    return path
+
+
+def is_job_bundle(path: str | Path) -> bool:
+    """Whether ``path`` (or its ``.partial``) is a job bundle: its manifest's schema says so."""
+    found = _existing(path)
+    try:
+        manifest = _read_manifest_json(found) if os.path.isdir(found) else None
+    except (BundleError, OSError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("schema") == JOB_SCHEMA
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """A rank of a job bundle and where its part lies."""
+
+    rank: int
+    device: str
+    part: Path
+
+
+class JobBundle:
+    """A validated job bundle: its manifest, and every rank part that exists, each validated
+    as a bundle of its own and tied to the job (its rank, and its manifest's SHA-256 once the
+    job closed). A ``.partial`` job reads the parts that exist, each with its completed steps.
+    """
+
+    def __init__(self, path: Path, manifest: JobManifest, parts: dict[int, Bundle]):
+        self.path = path
+        self.manifest = manifest
+        self._parts = parts
+
+    @classmethod
+    def open(cls, path: str | Path, verify: bool = True) -> JobBundle:
+        found = _existing(path)
+        if not os.path.isdir(found):
+            raise BundleError(
+                f"{str(found)[:300]} is not a bundle directory",
+                "Give the directory `sdcreplay record --nproc N --out` wrote.",
+            )
+        manifest = JobManifest.from_json(_read_manifest_json(found))
+        parts: dict[int, Bundle] = {}
+        for entry in manifest.ranks:
+            part_path = found / entry.part
+            if not manifest.complete and not os.path.isdir(_existing(part_path)):
+                continue  # the job died before this rank wrote anything
+            parts[entry.rank] = _open_part(part_path, manifest, entry, verify)
+        return cls(found, manifest, parts)
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
+
+    @property
+    def backend(self) -> str:
+        return self.manifest.backend
+
+    @property
+    def process_groups(self) -> list[ProcessGroupRecord]:
+        return self.manifest.process_groups
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest.complete
+
+    @property
+    def ranks(self) -> list[RankPart]:
+        return [RankPart(r.rank, r.device, self.path / r.part) for r in self.manifest.ranks]
+
+    @property
+    def parts(self) -> dict[int, Bundle]:
+        """The parts that exist, by rank (all of them in a complete job)."""
+        return dict(self._parts)
+
+    def rank(self, rank: int) -> Bundle:
+        """Rank ``rank``'s part, validated as a bundle."""
+        part = self._parts.get(rank)
+        if part is None:
+            raise BundleError(
+                f"the job {self.path} has no part for rank {rank} "
+                f"(it has {sorted(self._parts)} of world size {self.world_size})",
+                "A job cut off before that rank wrote a step holds none of its data; "
+                "record the job again.",
+            )
+        return part
+
+    @property
+    def trusted(self) -> bool:
+        return trust.is_trusted(self.manifest.workload.ref, self.manifest.to_json())
+
+    def require_trusted(self) -> None:
+        trust.require_trusted(self.manifest.workload.ref, self.manifest.to_json())
+
+
+def _open_part(path: Path, job: JobManifest, entry: RankRecord, verify: bool) -> Bundle:
+    """A rank's part: a bundle whose ``distributed`` names this rank of this job."""
+    part = Bundle.open(path, verify=verify)
+    info = part.manifest.distributed
+    if info is None or (info.rank, info.world_size) != (entry.rank, job.world_size):
+        raise BundleError(
+            f"{entry.part} is not rank {entry.rank} of a {job.world_size}-rank job "
+            f"(its manifest says {None if info is None else info.to_json()})"
+        )
+    if entry.manifest_sha256 is not None and part.manifest.manifest_sha256 != entry.manifest_sha256:
+        raise BundleError(
+            f"{entry.part}'s manifest is not the one the job manifest lists "
+            "(a part from another job, or edited)"
+        )
+    if (part.manifest.workload.ref, part.manifest.workload.kwargs) != (
+        job.workload.ref,
+        job.workload.kwargs,
+    ):
+        raise BundleError(f"{entry.part} names another workload than its job manifest")
+    return part
+
+
+class JobWriter:
+    """Rank 0's side of a job bundle: the job manifest, written at the start (so a job cut off
+    mid-step reads as the parts that exist) and at ``close`` (every part's manifest SHA-256).
+    Each rank writes its own part with a ``BundleWriter`` at ``part_path(rank)``."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        world_size: int,
+        backend: str,
+        process_groups: list[ProcessGroupRecord],
+        devices: list[str],
+        workload: WorkloadRef,
+        overwrite: bool = False,
+    ):
+        self.final_path = Path(path)
+        self.path = job_partial_path(self.final_path)
+        self._overwrite = overwrite
+        _prepare_directory(self.final_path, self.path, overwrite, RANKS)
+        self.manifest = JobManifest(
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            world_size=world_size,
+            backend=backend,
+            process_groups=process_groups,
+            ranks=[
+                RankRecord(rank=rank, device=device, part=part_dir(rank))
+                for rank, device in enumerate(devices)
+            ],
+            workload=workload,
+        )
+        self._save(durable=True)
+
+    def _save(self, durable: bool = False) -> None:
+        body = self.manifest.to_json()
+        body[trust.SIGNATURE] = self.manifest.signature = trust.sign(body)
+        body[MANIFEST_DIGEST] = self.manifest.manifest_sha256 = manifest_digest(body)
+        _write_json_atomic(self.path / MANIFEST, body, durable)
+
+    def close(self) -> Path:
+        """Tie every (closed) part to the job, mark it complete and give it its name."""
+        for entry in self.manifest.ranks:
+            part = Bundle.open(self.path / entry.part, verify=False)
+            if not part.complete:
+                raise BundleError(f"rank {entry.rank}'s part did not close; the job stays partial")
+            entry.manifest_sha256 = part.manifest.manifest_sha256
+        self.manifest.complete = True
+        self._save(durable=True)
+        if self.final_path.exists() and self._overwrite:
+            _claim(self.final_path, True, "", "")
+            shutil.rmtree(self.final_path)
+        os.replace(self.path, self.final_path)
+        return self.final_path
+
+
+def job_partial_path(path: Path) -> Path:
+    return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def part_path(job: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its part (``BundleWriter`` adds ``.partial`` until it
+    closes) while the job at ``job`` is recorded."""
+    return job_partial_path(Path(job)) / part_dir(rank)
+
+
 @dataclass
 class BundleInfo:
     """What ``sdcreplay info`` shows (``sdcreplay.info/1``); every file was verified first."""
@@ -1166,16 +1623,55 @@ class BundleInfo:
     fingerprint: dict | None
     must_match: dict
     trusted: bool
+    ranks: int | None = None  # a job bundle: its world size
+    messages: int | None = None  # a job bundle: messages logged by all its ranks
+    parts: list[dict] | None = None  # a job bundle: per rank its device, steps and messages
 
     exit_code = 0
 
+    JOB_ONLY = ("ranks", "messages", "parts")
+
     def to_json(self) -> dict:
-        return {"schema": "sdcreplay.info/1", **vars(self)}
+        body = {"schema": "sdcreplay.info/1", **vars(self)}
+        if self.ranks is None:
+            body = {key: value for key, value in body.items() if key not in self.JOB_ONLY}
+        return body
 
 
 def describe(path: str | Path) -> BundleInfo:
-    """What ``sdcreplay info`` shows: every file is verified first."""
-    bundle = Bundle.open(path, verify=True)
+    """What ``sdcreplay info`` shows: every file is verified first. A job bundle is described
+    by its first part, with the job's completeness, ranks, messages and parts."""
+    if is_job_bundle(path):
+        return _describe_job(JobBundle.open(path, verify=True))
+    return _describe_bundle(Bundle.open(path, verify=True))
+
+
+def _describe_job(job: JobBundle) -> BundleInfo:
+    parts: list[dict[str, Any]] = []
+    messages = 0
+    for entry in job.ranks:
+        part = job.parts.get(entry.rank)
+        logged = sum(map(len, part.messages().values())) if part is not None else 0
+        messages += logged
+        parts.append(
+            {
+                "rank": entry.rank,
+                "device": entry.device,
+                "steps": len(part.steps) if part is not None else 0,
+                "messages": logged,
+                "complete": part is not None and part.complete,
+            }
+        )
+    if not job.parts:
+        raise BundleError(f"the job {job.path} holds no rank part yet")
+    info = _describe_bundle(job.parts[min(job.parts)])
+    info.bundle, info.bundle_schema, info.complete = str(job.path), JOB_SCHEMA, job.complete
+    info.ranks, info.messages, info.parts = job.world_size, messages, parts
+    info.trusted = job.trusted
+    return info
+
+
+def _describe_bundle(bundle: Bundle) -> BundleInfo:
     manifest = bundle.manifest
     log = bundle.signature_log()
     return BundleInfo(

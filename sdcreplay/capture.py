@@ -530,7 +530,8 @@ class OperatorMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_capture_work, "active", False):
+        if getattr(_capture_work, "active", False) or func.namespace == "c10d":
+            # collectives are messages (collectives.py), not operators to digest or corrupt
             return func(*args, **kwargs)
         site = self._site(func, args)
         for observer in self._before:

@@ -70,3 +70,13 @@ class UntrustedWorkloadError(SdcReplayError):
     """A bundle names code that the person has not said they trust."""
 
     default_hint = "Add --trust-workload if you trust the workload the bundle names."
+
+
+class MessageOrderError(StructureError):
+    """A replayed rank issued another collective than the recorded one at the same place."""
+
+    default_hint = (
+        "The replay runs another program than the record (its collectives, their order, sizes "
+        "or process groups differ): replay with the code, configuration and world size the job "
+        "was recorded with."
+    )

@@ -46,10 +46,12 @@ from .bundle import (
     load_checkpoint,
 )
 from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
+from .collectives import MessageLog
 from .devices import torch_device
 from .digest import algorithm_for
 from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
 from .faults import Injector, parse_specs
+from .jobs import JobRecording, distributed_job
 from .replay import ReplaySession
 from .signature import is_program_entry
 from .tensorio import map_tensors
@@ -100,9 +102,18 @@ class Recorder:
         self.verify_mode = VERIFY_MODES[verify]
         self._inject = list(inject)
         switches = determinism.enable() if deterministic else determinism.current_switches()
+        workload_ref = WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {}))
+        # Under torch.distributed this rank writes its part of a job bundle at `path`, with
+        # every collective of its steps in a message log (jobs.py, collectives.py).
+        self._job = (
+            JobRecording(Path(path), workload_ref, self.label, overwrite)
+            if distributed_job()
+            else None
+        )
+        self._messages = MessageLog(algorithm_for(self.device.type)) if self._job else None
         self._writer = BundleWriter(
-            Path(path),
-            workload=WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {})),
+            self._job.part_path if self._job else Path(path),
+            workload=workload_ref,
             device=self.label,
             device_type=self.device.type,
             digest=algorithm_for(self.device.type),
@@ -111,6 +122,7 @@ class Recorder:
             fingerprint=determinism.fingerprint(self.device),
             capture=CaptureSettings(max_depth=max_depth, program=True),
             overwrite=overwrite,
+            distributed=self._job.distributed if self._job else None,
         )
         objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
         if checkpoint is not None:
@@ -135,7 +147,7 @@ class Recorder:
         self._end_digests: dict[str, str] | None = None
         self.steps_written = 0
         self.entries_written = 0
-        self.path: Path = self._writer.path
+        self.path: Path = self._job.path if self._job else self._writer.path
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
@@ -155,6 +167,8 @@ class Recorder:
         rng = determinism.capture_rng(self.device)
         stored_batch = map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
         self._capture.begin_step(rng)
+        if self._messages is not None:
+            self._messages.begin_step(self._next_index)
         with self._capture.backward_capture():
             yield
         self._capture.close_window()
@@ -171,9 +185,17 @@ class Recorder:
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
+        messages = self._messages.end_step() if self._messages is not None else None
         seconds = time.perf_counter() - started  # replay derives its hang timeout from it
         self._writer.add_step(
-            index, batch, rng, entries, optimizer_step=stepped, grads=grads, seconds=seconds
+            index,
+            batch,
+            rng,
+            entries,
+            optimizer_step=stepped,
+            grads=grads,
+            seconds=seconds,
+            messages=messages,
         )
         self.steps_written += 1
         self.entries_written += len(entries)
@@ -219,6 +241,10 @@ class Recorder:
             replayed = session.run_step(record)
             recorded = session.bundle.signature_log().steps[record.index]
             problem = describe_first_difference(recorded, replayed)
+            if problem is None and self._job is not None:
+                problem = describe_message_difference(
+                    session.bundle.messages()[record.index], session.last_messages
+                )
             if problem is None:
                 problem = self._state_difference(session)
             return problem
@@ -281,6 +307,8 @@ class Recorder:
         finally:
             self._release()
         self.path = self._writer.close()
+        if self._job is not None:
+            self.path = self._job.close()
         return self.path
 
     def abandon(self) -> Path:
@@ -288,6 +316,8 @@ class Recorder:
         bundle."""
         if self._capture.step_open and self._pending is None:
             self._capture.end_step()  # a step that raised mid-way is not evidence
+            if self._messages is not None:
+                self._messages.abandon()
         self._finish_pending()
         self._release()
         return self.path
@@ -354,6 +384,19 @@ def describe_first_difference(
             "transform or autocast), or this device computed differently in one of the two runs"
         )
     return f"{first} differs: {cause}"
+
+
+def describe_message_difference(recorded: list, replayed: list) -> str | None:
+    """The first collective message whose digests differ between the loop's step and the
+    workload's (their order was enforced while the step ran)."""
+    for loop, workload in zip(recorded, replayed):
+        for which in ("input", "output"):
+            if getattr(loop, f"{which}_digest") != getattr(workload, f"{which}_digest"):
+                return (
+                    f"the {which} of collective message {loop.record_id} ({loop.brief()}) "
+                    "differs: the loop's step sends other data than the workload's"
+                )
+    return None
 
 
 def _check_model_matches_checkpoint(model: torch.nn.Module, reference: CheckpointState) -> None:

@@ -20,6 +20,7 @@ import torch
 from . import determinism
 from .bundle import Bundle, CheckpointState, StepRecord, verify_checkpoint, write_state
 from .capture import OperatorMode, OperatorObserver, SignatureCapture
+from .collectives import Message, MessageLog
 from .compare import RECORD, Consensus, DeviceVerdict, vote
 from .devices import torch_device, validate_label
 from .digest import algorithm_for
@@ -47,6 +48,9 @@ class ReplaySession:
         repeat: int = 0,
     ):
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+        self.recorded_messages: dict[int, list[Message]] = {}
+        self.message_log = self._message_log()
+        self.last_messages: list[Message] = []  # the last replayed step's collective messages
         self.injector = Injector(parse_specs(inject), device, salt=repeat)
         self.label = device
         self.device = torch_device(device)
@@ -84,6 +88,30 @@ class ReplaySession:
             state=self.workload.state,
             program=capture.program,
         )
+
+    def _message_log(self) -> MessageLog | None:
+        """A job's rank part replays among its peers, in the recorded collective order."""
+        info = self.bundle.manifest.distributed
+        if info is None:
+            return None
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size() if dist.is_initialized() else None
+        if world_size != info.world_size:
+            raise SdcReplayError(
+                f"{self.bundle.path} is rank {info.rank} of a {info.world_size}-rank job: its "
+                "collectives need its peers, and this process "
+                + (
+                    "has no process group"
+                    if world_size is None
+                    else f"is in a {world_size}-rank process group"
+                ),
+                f"Replay the whole job (`sdcreplay replay JOB`), or call ReplaySession in each "
+                f"of {info.world_size} ranks started by torchrun, after init_process_group.",
+            )
+        self.recorded_messages = self.bundle.messages()
+        manifest = self.bundle.manifest
+        return MessageLog(manifest.digest or algorithm_for(manifest.device_type))
 
     def _load_state_objects(self) -> None:
         saved = self.bundle.load_state_objects()
@@ -142,11 +170,23 @@ class ReplaySession:
         if self.workload.train_step is None:
             self._set_gradients(record.grads)
         self.capture.begin_step(determinism.capture_rng(self.device))
-        with mode, self.capture.backward_capture():
-            if self.workload.train_step is not None:
-                self.workload.train_step(batch)
-            else:
-                self._default_step(record, batch)
+        log = self.message_log
+        if log is not None:
+            log.begin_step(record.index, self.recorded_messages.get(record.index, []))
+        try:
+            with mode, self.capture.backward_capture():
+                if self.workload.train_step is not None:
+                    self.workload.train_step(batch)
+                else:
+                    self._default_step(record, batch)
+        except Exception as exc:
+            if log is not None:
+                log.abandon()
+                if log.violation is not None and log.violation is not exc:
+                    raise log.violation from exc  # raised inside autograd, maybe rewrapped
+            raise
+        if log is not None:
+            self.last_messages = log.end_step()
         return self.capture.end_step()
 
     def _set_gradients(self, grads: str) -> None:

@@ -92,7 +92,7 @@ class SignatureLogWriter:
         # replay log has no manifest SHA-256 to guard it) from a valid one.
         self._compressor = zstandard.ZstdCompressor(level=3, write_checksum=True)
         self.path.write_bytes(b"")
-        self._append([{"schema": SCHEMA, **meta}])
+        self.append_records([{"schema": SCHEMA, **meta}])
 
     def append_step(self, step: int, entries: list[tuple[str, str]]) -> None:
         # The bytes json.dumps(..., separators=(",", ":")) writes, a few times faster.
@@ -103,7 +103,8 @@ class SignatureLogWriter:
             )
         )
 
-    def _append(self, lines: list[dict]) -> None:
+    def append_records(self, lines: list[dict]) -> None:
+        """One frame of JSON objects, one a line (a step's collective messages, a header)."""
         self._append_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
 
     def _append_text(self, text: str) -> None:
@@ -132,6 +133,24 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
     read as fewer entries.
     """
     path = Path(path)
+    lines = _read_lines(path, size)
+    try:
+        meta = read_header(path, lines)
+        steps: dict[int, list[tuple[str, str]]] = {}
+        for line in lines[1:]:
+            entry = json.loads(line)
+            step, name, digest = entry["step"], entry["name"], entry["digest"]
+            if not (type(step) is int and isinstance(name, str) and isinstance(digest, str)):
+                raise ValueError(f"bad entry {line[:80]!r}")
+            steps.setdefault(step, []).append((name, digest))
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise BundleError(f"signature log {path} is damaged: {exc}") from exc
+    return SignatureLog(meta=meta, steps=steps)
+
+
+def _read_lines(path: Path, size: int | None) -> list[str]:
+    """The log's lines, header first; ``size``: only the first bytes (what a manifest vouches
+    for)."""
     limit = MAX_LOG_BYTES if size is None else size
     raw = read_limited(path, limit, "signature log", prefix=size is not None)
     if size is not None and len(raw) < size:
@@ -144,24 +163,34 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
         raise BundleError(f"signature log {path} holds more than {MAX_ENTRIES} entries")
     if not lines:
         raise BundleError(f"signature log {path} is empty")
+    return lines
+
+
+def read_header(path: Path, lines: list[str]) -> dict:
+    """The first line: the log's schema and metadata (ValueError where it is not JSON)."""
+    meta = json.loads(lines[0])
+    check_json_value(meta, f"the header of signature log {path}")
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+        raise BundleError(
+            f"{path} is not a signature log of schema {SCHEMA} (found {str(meta)[:60]!r})",
+            "Give a bundle directory or a replay log written by this version of sdcreplay.",
+        )
+    return meta
+
+
+def read_records(path: Path, size: int | None = None) -> tuple[dict, list[dict]]:
+    """A log of JSON objects (a bundle's message log): its header and the objects after it."""
+    lines = _read_lines(Path(path), size)
     try:
-        meta = json.loads(lines[0])
-        check_json_value(meta, f"the header of signature log {path}")
-        if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
-            raise BundleError(
-                f"{path} is not a signature log of schema {SCHEMA} (found {str(meta)[:60]!r})",
-                "Give a bundle directory or a replay log written by this version of sdcreplay.",
-            )
-        steps: dict[int, list[tuple[str, str]]] = {}
-        for line in lines[1:]:
-            entry = json.loads(line)
-            step, name, digest = entry["step"], entry["name"], entry["digest"]
-            if not (type(step) is int and isinstance(name, str) and isinstance(digest, str)):
-                raise ValueError(f"bad entry {line[:80]!r}")
-            steps.setdefault(step, []).append((name, digest))
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise BundleError(f"signature log {path} is damaged: {exc}") from exc
-    return SignatureLog(meta=meta, steps=steps)
+        meta = read_header(path, lines)
+        records = [json.loads(line) for line in lines[1:]]
+        for record in records:
+            check_json_value(record, f"a record of {path}")
+    except (ValueError, RecursionError) as exc:
+        raise BundleError(f"log {path} is damaged: {exc}") from exc
+    if not all(isinstance(record, dict) for record in records):
+        raise BundleError(f"log {path} is damaged: a line is not a JSON object")
+    return meta, records
 
 
 def _decompress_frames(path: Path, raw: bytes) -> str:

@@ -312,11 +312,14 @@ def make_workload(
     schedule_steps: int = 0,
     accumulation: int = 1,
     autocast: str | None = None,
+    parallel: str | None = None,
 ) -> Workload:
     """Build tiny-llama on the CPU; the caller moves the model with ``.to()``.
 
     ``grad_clip``, ``warmup_steps``/``schedule_steps``, ``accumulation`` and
     ``autocast`` make the step a real loop's (see :class:`LoopOptions`).
+    ``parallel`` ("ddp" or "fsdp2", in a torch.distributed job) trains data-parallel: the
+    same initial weights on every rank, each rank its own shard of the batches.
     """
     torch.manual_seed(seed)
     hidden = hidden or default_hidden(dim)
@@ -326,8 +329,9 @@ def make_workload(
 
     model = Transformer(vocab, dim, make_block, layers, tie_embeddings)
     options = LoopOptions(grad_clip, warmup_steps, schedule_steps, accumulation, autocast)
-    return language_model_workload(
-        model,
+    wrapped = model if parallel is None else data_parallel(model, parallel)
+    workload = language_model_workload(
+        wrapped,
         seed=seed,
         seq_len=seq_len,
         batch_size=batch_size,
@@ -335,3 +339,47 @@ def make_workload(
         lr=lr,
         options=options,
     )
+    if parallel is not None:
+        # The step runs through the wrapper (which exchanges the gradients); the model the
+        # bundle, signatures and fault specs name stays the plain one (layers.1.attn.wq...).
+        workload.model = model
+        workload.loss_fn = lambda _model, batch: next_token_loss(wrapped, batch)
+        workload.get_batch = rank_shard(workload.get_batch)
+    return workload
+
+
+PARALLEL = ("ddp", "fsdp2")
+
+
+def data_parallel(model: nn.Module, parallel: str) -> nn.Module:
+    """Wrap ``model`` for the job this process is a rank of: DDP, or FSDP2's ``fully_shard``
+    per block and at the root. Both need the model on the rank's device when they wrap it:
+    the CPU under gloo, the current CUDA device otherwise (replay puts it on the same)."""
+    import torch.distributed as dist
+
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel={parallel!r} is not one of {', '.join(PARALLEL)} or None")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"parallel={parallel!r} needs torch.distributed initialized (start the ranks with "
+            "torchrun or `sdcreplay record --nproc N`)"
+        )
+    if dist.get_backend() != "gloo":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    if parallel == "ddp":
+        # The rotary tables are constant buffers: no broadcast of them before every forward.
+        return nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:  # type: ignore[union-attr]
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def rank_shard(get_batch: Callable[[int], dict]) -> Callable[[int], dict]:
+    """Rank r's batch i is batch ``i * world_size + r`` of the one synthetic stream."""
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return lambda index: get_batch(index * world_size + rank)

@@ -1,0 +1,137 @@
+"""A rank's share of recording a job bundle under ``torch.distributed``.
+
+Every rank writes its own part (a complete bundle) into the job's directory; rank 0 writes the
+job manifest, at the start (so a job killed mid-step reads as the parts that exist) and at the
+end, once every rank closed its part. The ranks agree through the process group's key-value
+store, not through collectives: nothing here appears in a rank's message log or waits behind
+NCCL work, and every wait has a timeout. The job's directory must be one all ranks see (a
+shared filesystem when the job spans machines).
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from pathlib import Path
+
+from .bundle import (
+    DistributedInfo,
+    JobWriter,
+    ProcessGroupRecord,
+    WorkloadRef,
+    job_partial_path,
+    part_path,
+)
+from .errors import BundleError, SdcReplayError
+
+CLOSE_TIMEOUT = timedelta(minutes=10)
+"""How long the ranks wait for each other at the start and at close (a rank still computing
+its last step holds the others that long, a dead rank fails the close then)."""
+
+_recordings = itertools.count()
+"""Job recordings started in this process: the ranks create them in the same order, so the
+n-th one's store keys are the same on every rank."""
+
+_OK = "ok"
+
+
+def distributed_job() -> bool:
+    """Is this process a rank of an initialized ``torch.distributed`` job?"""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def process_groups() -> list[ProcessGroupRecord]:
+    """The job's process groups in creation order (``pg_id``, as the message log numbers them)."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    return [
+        ProcessGroupRecord(pg_id=pg_id, name=name, ranks=dist.get_process_group_ranks(group))
+        for pg_id, (group, name) in enumerate(world.pg_names.items())
+    ]
+
+
+class JobRecording:
+    """This rank's part of the job bundle at ``path``: ``part_path`` for its BundleWriter,
+    ``distributed`` for its manifest, ``close()`` once its part closed."""
+
+    def __init__(self, path: Path, workload: WorkloadRef, device: str, overwrite: bool):
+        import torch.distributed as dist
+
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        self.final_path = Path(path)
+        self.path = job_partial_path(self.final_path)
+        self.part_path = part_path(self.final_path, self.rank)
+        self.distributed = DistributedInfo(
+            rank=self.rank, world_size=self.world_size, backend=self.backend
+        )
+        self._store = dist.distributed_c10d._get_default_store()
+        self._prefix = f"sdcreplay/job{next(_recordings)}/"
+        self._store.set(self._key(f"device/{self.rank}"), device)
+        self._writer: JobWriter | None = None
+        if self.rank == 0:
+            self._create(workload, overwrite)
+        problem = self._get("created")
+        if problem != _OK:
+            raise BundleError(f"rank 0 could not create the job bundle {path}: {problem}")
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _get(self, name: str) -> str:
+        self._wait([name], f"waiting for {name!r}")
+        return self._store.get(self._key(name)).decode()
+
+    def _wait(self, names: list[str], what: str) -> None:
+        keys = [self._key(name) for name in names]
+        try:
+            self._store.wait(keys, CLOSE_TIMEOUT)
+        except (RuntimeError, ValueError) as exc:  # the store's timeout or a dead rank
+            missing = [name for name, key in zip(names, keys) if not self._store.check([key])]
+            raise SdcReplayError(
+                f"rank {self.rank} gave up {what} after {CLOSE_TIMEOUT}: no word of {missing}",
+                "A rank died or hangs; its part keeps the steps it completed "
+                f"(`sdcreplay info {self.path}`).",
+            ) from exc
+
+    def _create(self, workload: WorkloadRef, overwrite: bool) -> None:
+        devices = [self._get(f"device/{rank}") for rank in range(self.world_size)]
+        try:
+            self._writer = JobWriter(
+                self.final_path,
+                world_size=self.world_size,
+                backend=self.backend,
+                process_groups=process_groups(),
+                devices=devices,
+                workload=workload,
+                overwrite=overwrite,
+            )
+        except SdcReplayError as exc:
+            self._store.set(self._key("created"), exc.message)
+            raise
+        self._store.set(self._key("created"), _OK)
+
+    def close(self) -> Path:
+        """After this rank's part closed: rank 0 waits for every part (with a timeout), ties
+        them to the job and renames it; the others wait for that. Returns the job's path."""
+        self._store.set(self._key(f"closed/{self.rank}"), _OK)
+        if self._writer is not None:
+            ranks = [f"closed/{rank}" for rank in range(self.world_size)]
+            self._wait(ranks, "waiting for every rank to close its part")
+            self._writer.manifest.process_groups = process_groups()
+            try:
+                self._writer.close()
+            except SdcReplayError as exc:
+                self._store.set(self._key("closed"), exc.message)
+                raise
+            self._store.set(self._key("closed"), _OK)
+        problem = self._get("closed")
+        if problem != _OK:
+            raise BundleError(
+                f"rank 0 could not close the job bundle {self.path}: {problem}",
+                "Every part keeps its steps; `sdcreplay info` on the .partial job shows them.",
+            )
+        return self.final_path
