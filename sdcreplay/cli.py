@@ -232,6 +232,15 @@ def record(
             "that cannot be replayed."
         ),
     ] = True,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Record a torch.distributed job of N ranks on this machine (PyTorch's elastic "
+            "launcher; gloo on cpu, NCCL with rank r on cuda:r). Built-in workloads run DDP "
+            "unless -a parallel=... says otherwise. See docs/distributed.md.",
+        ),
+    ] = None,
     json_mode: JsonOpt = False,
 ):
     """Run WORKLOAD's train_step (if any) for --steps steps; write a deterministic trace bundle.
@@ -242,6 +251,25 @@ def record(
     from .recorder import record as record_bundle
 
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
+    if nproc is not None:
+        from .distributed import record_job
+
+        with output.stages() as progress:
+            progress.update(f"recording {workload} on {nproc} ranks", 0, 1)
+            return record_job(
+                workload,
+                target,
+                nproc=nproc,
+                steps=steps,
+                device=device,
+                seed=seed,
+                kwargs=parse_kwargs(arg or []),
+                checkpoint=checkpoint,
+                overwrite=overwrite,
+                inject=inject or [],
+                max_depth=depth,
+                verify=verify,
+            )
     stage = f"recording {workload}"
     with output.stages() as progress:
         recorded = 0
@@ -312,9 +340,26 @@ def replay(
     ] = None,
     json_mode: JsonOpt = False,
 ):
-    """Replay a bundle bit for bit on one or more devices and vote on every signature."""
+    """Replay a bundle bit for bit on one or more devices and vote on every signature.
+
+    A job bundle (record --nproc) replays every rank: each consecutive group of
+    world-size --device labels is one replica, rank 0 first (default: one replica
+    on the recorded devices); see docs/distributed.md.
+    """
+    from .bundle import is_job_bundle
     from .replay import replay_devices
 
+    if is_job_bundle(bundle):
+        return _replay_job(
+            output,
+            bundle,
+            device,
+            repeats,
+            inject,
+            logs,
+            timeout,
+            trusting(bundle, trust_workload, workload),
+        )
     devices = device or ["cpu"]
     finished: list[str] = []
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
@@ -332,6 +377,24 @@ def replay(
             log_dir=logs,
             on_done=on_done,
             timeout=timeout,
+        )
+
+
+def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust):
+    from .distributed import replay_job
+
+    with trust, output.stages() as progress:
+        progress.update("replaying the job", 0, 1, ", ".join(device or ["recorded devices"]))
+        return replay_job(
+            bundle,
+            device,
+            repeats=repeats,
+            inject=inject or [],
+            log_dir=logs,
+            timeout=timeout,
+            on_done=lambda index, labels: progress.update(
+                "replaying the job", index + 1, None, f"replica {index} ({', '.join(labels)})"
+            ),
         )
 
 
@@ -361,6 +424,15 @@ def bisect(
     plot: Annotated[
         Path | None, typer.Option(help="Heatmap PNG of where in the output tensor the bits differ.")
     ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="For a job bundle: the rank to bisect (e.g. replay's origin_rank). It runs on "
+            "--suspect/--reference while the other ranks replay on their recorded devices to "
+            "serve the collectives.",
+        ),
+    ] = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     json_mode: JsonOpt = False,
@@ -374,6 +446,7 @@ def bisect(
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
         return run_bisect(
             bundle,
+            rank=rank,
             suspect=suspect,
             reference=reference or "cpu:0",
             step=step,
@@ -397,9 +470,16 @@ def diff(
     ] = None,
     json_mode: JsonOpt = False,
 ):
-    """Compare two signature logs: structure first, then the first divergent entry."""
-    from .compare import diff as compare
+    """Compare two signature logs: structure first, then the first divergent entry.
 
+    Two jobs (job bundles, or a job replay's LOGS/replicaN directory) are compared
+    rank by rank, with the origin rank and the first divergent message.
+    """
+    from .compare import diff as compare
+    from .distributed import diff_jobs, is_job_log
+
+    if is_job_log(first) or is_job_log(second):
+        return diff_jobs(first, second)
     return compare(first, second, plot=plot)
 
 

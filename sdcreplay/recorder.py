@@ -44,6 +44,7 @@ from .bundle import (
     WorkloadRef,
     checkpoint_reference,
     load_checkpoint,
+    part_dir,
 )
 from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
 from .collectives import MessageLog
@@ -311,6 +312,11 @@ class Recorder:
             self.path = self._job.close()
         return self.path
 
+    @property
+    def own_bundle(self) -> Path:
+        """The bundle this process wrote: ``path``, or this rank's part of the job at ``path``."""
+        return self.path / part_dir(self._job.rank) if self._job is not None else self.path
+
     def abandon(self) -> Path:
         """Stop after a failure: keep the steps written so far as an incomplete ``.partial``
         bundle."""
@@ -515,7 +521,7 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    opened = Bundle.open(bundle_path, verify=False)
+    opened = Bundle.open(recorder.own_bundle, verify=False)
     return RecordSummary(
         bundle=bundle_path,
         workload=workload,
