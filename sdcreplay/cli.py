@@ -82,11 +82,13 @@ TrustedWorkloadOpt = Annotated[
 def trusting(bundle: Path, trust_workload: bool, workload: str | None):
     """Trust, while the command runs, the references given on its command line (reading the
     bundle runs nothing)."""
-    from .bundle import Bundle
+    from .bundle import Bundle, JobBundle, is_job_bundle
     from .trust import granting
 
     refs = [workload] if workload else []
-    if trust_workload:
+    if trust_workload and is_job_bundle(bundle):
+        refs.append(JobBundle.open(bundle, verify=False).manifest.workload.ref)
+    elif trust_workload:
         refs.append(Bundle.open(bundle, verify=False).workload_ref)
     return granting(refs)
 

@@ -35,7 +35,7 @@ from .compare import RECORD, Comparison, Consensus, compare_logs, vote
 from .devices import torch_device, validate_label
 from .errors import BundleError, DeviceError, SdcReplayError, StructureError
 from .faults import distributed_rank, parse_specs
-from .launch import GROUP_TIMEOUT_FACTOR, backend_for, join_group, run_ranks, stopped
+from .launch import GROUP_TIMEOUT_FACTOR, backend_for, followed, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
 from .recorder import RecordSummary, record
 from .replay import DeviceRun, caveat_for, default_log_dir, progress_timeout, replay_on_device
@@ -380,32 +380,30 @@ def record_job(
 
 
 def ranks_failure(what: str, results: dict[int, DeviceResult]) -> SdcReplayError | None:
-    """One error naming every rank that failed by itself (the stopped ones after them), or
-    None. A rank that issued another collective than the record is a StructureError."""
+    """One error naming the rank that failed first (the others failed after it), or None.
+    A rank that issued another collective than the record is a StructureError."""
     failures = {rank: r.error for rank, r in sorted(results.items()) if r.error is not None}
     if not failures:
         return None
-    own = {rank: f for rank, f in failures.items() if not stopped(f)}
-    order = {rank: f for rank, f in failures.items() if f.kind == "MessageOrderError"}
+    order = [f for f in failures.values() if f.kind == "MessageOrderError"]
     if order:
-        rank, failure = next(iter(order.items()))
-        return StructureError(f"rank {rank}: {failure.message}", failure.hint)
-    causes = own or failures
+        return StructureError(order[0].message, order[0].hint)
+    causes = {rank: f for rank, f in failures.items() if not followed(f)} or failures
     text = "; ".join(_failure_text(failure) for failure in causes.values())
     others = sorted(set(failures) - set(causes))
-    ended = f" (ranks {others} were stopped after it)" if others else ""
+    after = f" (then rank{'s' if len(others) > 1 else ''} {others} ended)" if others else ""
     logs = ", ".join(f.log for f in causes.values() if f.log)
-    first = next(iter(causes.values()))
-    return SdcReplayError(
-        f"{what} failed: {text}{ended}",
-        f"{first.hint or ''} Logs: {logs}.".strip(),
-    )
+    hint = next(iter(causes.values())).hint or ""
+    return SdcReplayError(f"{what} failed: {text}{after}", f"{hint} Logs: {logs}.".strip())
 
 
 def _failure_text(failure: DeviceFailure) -> str:
+    """Its message, with its exit status and, where the message does not say why (a process
+    that died without a word), its last stderr line."""
     status = "" if failure.exit_status is None else f" [exit status {failure.exit_status}]"
-    tail = failure.stderr_tail.splitlines()[-1] if failure.stderr_tail else ""
-    return f"{failure.message}{status}" + (f": {tail}" if tail else "")
+    last = failure.stderr_tail.splitlines()[-1] if failure.stderr_tail else ""
+    said = not last or last.split(": ", 1)[-1][:60] in failure.message
+    return f"{failure.message}{status}" + ("" if said else f": {last}")
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ A rank that dies (a signal, ``os._exit``) or raises makes the launcher stop
 the others; a job where no rank made progress for the timeout is stuck, and
 the rank that progressed least (the one the others wait for in a collective)
 is killed. Every rank then has a `DeviceResult`: its value, its own failure,
-or that it was stopped when another rank failed first (`stopped`).
+or that it failed after another rank failed first (`followed`).
 """
 
 from __future__ import annotations
@@ -310,12 +310,13 @@ def _launcher_quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-_STOPPED = "was stopped when rank"
+_AFTER = "after rank"
 
 
-def stopped(failure: DeviceFailure) -> bool:
-    """This rank did not fail by itself: the launcher ended it after another rank failed."""
-    return _STOPPED in failure.message
+def followed(failure: DeviceFailure) -> bool:
+    """This rank failed only after another one did: the launcher stopped it, or its collective
+    lost the peer that had failed first."""
+    return f"({_AFTER} " in failure.message or f"stopped {_AFTER} " in failure.message
 
 
 def _first_failure(
@@ -383,9 +384,14 @@ def run_ranks(
     hung = _launch(ranks, work_dir, backend, timeout, task.__module__)
     results = {rank.rank: _own_result(rank, hung, timeout) for rank in ranks}
     first = _first_failure(ranks, results, hung)
-    for rank in ranks:  # the ranks the launcher ended because another one failed
-        if results[rank.rank].error is None and not rank.finished():
-            why = f"{_STOPPED} {first} failed" if first is not None else "ended without a result"
+    for rank in ranks:
+        failure = results[rank.rank].error
+        if failure is not None and first is not None and rank.rank != first:
+            results[rank.rank] = DeviceResult(
+                error=replace(failure, message=f"{failure.message} ({_AFTER} {first} failed)")
+            )
+        elif failure is None and not rank.finished():  # the launcher ended it
+            why = f"was stopped {_AFTER} {first} failed" if first is not None else "ended early"
             results[rank.rank] = DeviceResult(
                 error=DeviceFailure(
                     f"rank {rank.rank} ({rank.label}) {why} (it was at {rank.where()})",

@@ -39,17 +39,20 @@ def _os_exit() -> None:
 
 
 MISBEHAVIOURS = {"hang": _hang, "exit": _exit, "kill": _kill, "raise": _raise, "os_exit": _os_exit}
+SWAP = "swap"  # not a misbehaviour of its own: the two collectives of ``collective`` swap order
 
 
-def _all_reduce_ones() -> None:
-    """A collective the ranks of a job must all reach (its result on stdout, the rank's log)."""
+def _all_reduce_ones(swap: bool) -> None:
+    """Two collectives the ranks of a job must all reach, a tensor of ones of size 1 then one of
+    size 2 (``swap``: the other way round); the first sum on stdout, the rank's log."""
     import torch
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        ones = torch.ones(1)
-        dist.all_reduce(ones)
-        print(f"all_reduce of ones: {ones.item():g}", flush=True)
+        ones = [torch.ones(1), torch.ones(2)]
+        for tensor in reversed(ones) if swap else ones:
+            dist.all_reduce(tensor)
+        print(f"all_reduce of ones: {ones[0].item():g}", flush=True)
 
 
 def make_workload(
@@ -64,8 +67,9 @@ def make_workload(
     """tiny-llama whose ``at_step``-th loss call on ``on_device`` misbehaves (counted from 0).
 
     ``misbehave`` is one of MISBEHAVIOURS, or ``DEVICE=KIND,...`` for one kind per device.
-    ``collective``: every loss call all-reduces a tensor of ones across the job's ranks (after
-    misbehaving, so the other ranks wait in it for the one that misbehaves).
+    ``collective``: every loss call all-reduces two tensors of ones across the job's ranks
+    (after misbehaving, so the other ranks wait in them for the one that misbehaves; ``swap``
+    issues them in the other order).
     """
     workload = tiny_llama.make_workload(seed=seed, **small)
     calls = itertools.count()
@@ -80,7 +84,7 @@ def make_workload(
         if kind in MISBEHAVIOURS and call >= at_step:
             MISBEHAVIOURS[kind]()
         if collective:
-            _all_reduce_ones()
+            _all_reduce_ones(swap=kind == SWAP and call >= at_step)
         loss = workload.loss_fn(model, batch)
         return loss if scalar_loss else loss.expand(2)
 
