@@ -257,7 +257,7 @@ def record(
         from .distributed import record_job
 
         with output.stages() as progress:
-            progress.update(f"recording {workload} on {nproc} ranks", 0, 1)
+            progress.update(f"recording {workload} on {nproc} ranks")
             return record_job(
                 workload,
                 target,
@@ -383,10 +383,13 @@ def replay(
 
 
 def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust):
+    """Replay a job bundle, replica after replica (docs/distributed.md)."""
+    from .bundle import JobBundle
     from .distributed import replay_job
 
+    replicas = max(1, len(device or []) // JobBundle.open(bundle, verify=False).world_size)
     with trust, output.stages() as progress:
-        progress.update("replaying the job", 0, 1, ", ".join(device or ["recorded devices"]))
+        progress.update("replaying the job's replicas", 0, replicas, "recorded devices")
         return replay_job(
             bundle,
             device,
@@ -395,7 +398,7 @@ def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, 
             log_dir=logs,
             timeout=timeout,
             on_done=lambda index, labels: progress.update(
-                "replaying the job", index + 1, None, f"replica {index} ({', '.join(labels)})"
+                "replaying the job's replicas", index + 1, replicas, ", ".join(labels)
             ),
         )
 

@@ -7,6 +7,8 @@ report a rank that dies.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,14 @@ from conftest import SMALL, SMALL_ARGS, preserved_global_state
 
 from sdcreplay.bundle import JobBundle
 from sdcreplay.collectives import Message
-from sdcreplay.distributed import NO_ORIGIN, find_origin, record_job, replica_devices
+from sdcreplay.distributed import (
+    NO_ORIGIN,
+    Origin,
+    diff_jobs,
+    find_origin,
+    record_job,
+    replica_devices,
+)
 from sdcreplay.errors import DeviceError
 from sdcreplay.faults import Injector, parse_specs
 
@@ -211,3 +220,22 @@ def test_a_fault_spec_with_a_rank_applies_only_on_that_rank():
     assert Injector(specs, "cpu", rank=2).specs == specs
     assert Injector(specs, "cpu", rank=1).specs == []
     assert Injector(specs, "cpu", rank=None).specs == []  # not in a job at all
+
+
+@pytest.mark.slow
+def test_a_replica_started_by_torchrun_is_compared_by_diff(misbehaving_job, tmp_path):
+    """The multi-node command line of docs/distributed.md, on one node: torchrun starts the
+    ranks, `python -m sdcreplay.distributed` replays each one's part, diff compares the logs.
+    The fault flips a forward bit on rank 1 only; no message carries it (the workload's
+    collectives sum tensors of ones), so the rank whose signatures alone differ is the origin."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    logs = tmp_path / "logs"
+    fault = "kind=bitflip,op=aten.mm,phase=forward,step=1,nth=0,index=0,bit=22,rank=1"
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m"]
+    command += ["sdcreplay.distributed", str(misbehaving_job), str(logs), "--inject", fault]
+    ran = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    comparison = diff_jobs(misbehaving_job, logs)
+    assert [c.identical for c in comparison.ranks.values()] == [True, False]
+    assert comparison.ranks[1].first.step == 1
+    assert comparison.origin == Origin(1, None, [])
