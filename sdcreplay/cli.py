@@ -253,25 +253,23 @@ def record(
     from .recorder import record as record_bundle
 
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
+    options: dict[str, Any] = {
+        "steps": steps,
+        "device": device,
+        "seed": seed,
+        "kwargs": parse_kwargs(arg or []),
+        "checkpoint": checkpoint,
+        "overwrite": overwrite,
+        "inject": inject or [],
+        "max_depth": depth,
+        "verify": verify,
+    }
     if nproc is not None:
         from .distributed import record_job
 
         with output.stages() as progress:
             progress.update(f"recording {workload} on {nproc} ranks")
-            return record_job(
-                workload,
-                target,
-                nproc=nproc,
-                steps=steps,
-                device=device,
-                seed=seed,
-                kwargs=parse_kwargs(arg or []),
-                checkpoint=checkpoint,
-                overwrite=overwrite,
-                inject=inject or [],
-                max_depth=depth,
-                verify=verify,
-            )
+            return record_job(workload, target, nproc=nproc, **options)
     stage = f"recording {workload}"
     with output.stages() as progress:
         recorded = 0
@@ -282,20 +280,7 @@ def record(
             progress.update(stage, recorded, steps, "" if loss is None else f"loss {loss:.4f}")
 
         progress.update(stage, 0, steps)
-        return record_bundle(
-            workload,
-            target,
-            steps=steps,
-            device=device,
-            seed=seed,
-            kwargs=parse_kwargs(arg or []),
-            checkpoint=checkpoint,
-            overwrite=overwrite,
-            inject=inject or [],
-            max_depth=depth,
-            verify=verify,
-            on_step=on_step,
-        )
+        return record_bundle(workload, target, on_step=on_step, **options)
 
 
 @command(render_info)

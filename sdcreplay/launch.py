@@ -194,11 +194,12 @@ def _rank_logs_class():
 
 
 @dataclass
-class _Rank:
+class _Rank(processes.Liveness):
+    """One rank's files: ``<stem>.task.json``, ``.result.json``, ``.stderr.txt``, ..."""
+
     rank: int
     label: str
     stem: Path
-    started: float
 
     @property
     def result(self) -> Path:
@@ -207,10 +208,6 @@ class _Rank:
     @property
     def stderr(self) -> Path:
         return Path(f"{self.stem}.stderr.txt")
-
-    @property
-    def alive(self) -> Path:
-        return Path(f"{self.stem}.alive")
 
     @property
     def task(self) -> Path:
@@ -233,16 +230,6 @@ class _Rank:
     def ended_by_itself(self) -> bool:
         status, stopped = self.ending()
         return status not in (None, 0) and not stopped
-
-    def last_progress(self) -> float:
-        with contextlib.suppress(OSError):
-            return max(self.started, self.alive.stat().st_mtime)
-        return self.started
-
-    def where(self) -> str:
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            return self.alive.read_text()[:80] or "start-up"
-        return "start-up"
 
     def pid(self) -> int | None:
         with contextlib.suppress(OSError, ValueError):
@@ -364,9 +351,10 @@ def run_ranks(
             "Choose a --logs/--out directory that can be written.",
         ) from exc
     now = time.time()
+    stems = [work_dir / f"{kind}-rank{rank}" for rank in range(len(labels))]
     ranks = [
-        _Rank(rank, label, work_dir / f"{kind}-rank{rank}", now)
-        for rank, label in enumerate(labels)
+        _Rank(Path(f"{stem}.alive"), now, rank, label, stem)
+        for rank, (label, stem) in enumerate(zip(labels, stems))
     ]
     for rank in ranks:
         for stale in (rank.result, rank.alive, rank.exit, Path(f"{rank.task}.pid")):

@@ -134,10 +134,9 @@ def retry_hint(status: int) -> str:
 
 
 @dataclass
-class _DeviceProcess:
-    process: multiprocessing.process.BaseProcess
-    result: Path
-    stderr: Path
+class Liveness:
+    """A task's liveness file (`worker.Heartbeat`), as the process that watches it reads it."""
+
     alive: Path
     started: float
 
@@ -150,6 +149,13 @@ class _DeviceProcess:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             return self.alive.read_text()[:80] or "start-up"
         return "start-up"
+
+
+@dataclass
+class _DeviceProcess(Liveness):
+    process: multiprocessing.process.BaseProcess
+    result: Path
+    stderr: Path
 
 
 def _stop(process, grace: float = 5.0) -> None:
@@ -209,7 +215,7 @@ def run_device_processes(
         task_path.write_text(json.dumps(device_task.to_json()))
         alive.unlink(missing_ok=True)
         process = start(task_path, stderr, label, task.__module__)
-        running[label] = _DeviceProcess(process, result, stderr, alive, time.time())
+        running[label] = _DeviceProcess(alive, time.time(), process, result, stderr)
     results: dict[str, DeviceResult] = {}
     try:
         while running:
