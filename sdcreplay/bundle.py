@@ -1388,7 +1388,7 @@ def _validate_job_manifest(manifest: Any) -> None:
         )
         _require(
             not manifest["complete"] or rank.get(MANIFEST_DIGEST) is not None,
-            f"ranks[{position}].{MANIFEST_DIGEST} is missing in a complete job",
+            f"ranks[{position}].{MANIFEST_DIGEST} is null in a complete job",
         )
     _require(
         len(manifest["ranks"]) == world_size,

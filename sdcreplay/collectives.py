@@ -26,7 +26,7 @@ import hashlib
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import MessageOrderError
@@ -80,9 +80,15 @@ class Message:
         return tuple(repr(getattr(self, name)) for name in self.STRUCTURE)
 
     def brief(self) -> str:
-        sizes = ",".join("x".join(map(str, size)) for size in self.input_sizes + self.output_sizes)
-        peer = "" if self.peer is None else f" peer {self.peer}"
-        return f"{self.profiling_name} on process group {self.process_group}{peer} [{sizes}]"
+        """``gloo:all_reduce on process group 0 of float32[16736]`` (the input, else output)."""
+        sizes, dtypes = (
+            (self.input_sizes, self.input_dtypes)
+            if self.input_sizes
+            else (self.output_sizes, self.output_dtypes)
+        )
+        tensors = ", ".join(f"{dtype}{list(size)}" for size, dtype in zip(sizes, dtypes))
+        peer = "" if self.peer is None else f" with peer {self.peer}"
+        return f"{self.profiling_name} on process group {self.process_group}{peer} of {tensors}"
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,12 @@ class _Layout:
     outputs: int | None
     peer: int | None = None
     p2p: bool = False
+
+    @property
+    def group(self) -> int:
+        """The process group's argument: after the tensors (a list, or outputs then inputs)."""
+        separate = None not in (self.inputs, self.outputs) and self.inputs != self.outputs
+        return 2 if separate else 1
 
 
 LAYOUTS: dict[str, _Layout] = {
@@ -151,34 +163,45 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _wait(result: Any) -> None:
-    """Wait for the call's Work (in the result, or the result itself) to complete."""
+def _work_of(result: Any) -> Any:
+    """The call's Work (the result, or the last item of a result tuple), unboxed; or None."""
     import torch
 
-    works = [item for item in (result if isinstance(result, tuple) else (result,))]
-    for work in works:
-        if isinstance(work, torch.ScriptObject):
-            torch._C._distributed_c10d.Work.unbox(work).wait()
+    work = result[-1] if isinstance(result, tuple) and result else result
+    if not isinstance(work, torch.ScriptObject):
+        return None
+    return torch._C._distributed_c10d.Work.unbox(work)
 
 
-def _completed_work(outputs: list[torch.Tensor]) -> Any:
+def _with_work(result: Any, future: Any) -> Any:
+    """``result`` with its Work replaced by one that completes with ``future``."""
+    import torch
+
+    create = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
+    work = create(future).boxed()
+    return (*result[:-1], work) if isinstance(result, tuple) else work
+
+
+def _done(value: Any) -> Any:
     import torch
 
     future: torch.futures.Future = torch.futures.Future()
-    future.set_result(outputs)
-    create = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
-    return create(future).boxed()
+    future.set_result(value)
+    return future
 
 
-def _group(script: Any) -> tuple[int, str, str]:
-    """(pg_id, name, backend) of a boxed process group."""
+def _group(script: Any, known: dict[str, tuple[int, str, str]]) -> tuple[int, str, str]:
+    """(pg_id, name, backend) of a boxed process group; ``known``: those looked up before."""
     import torch.distributed as dist
 
     group = dist.ProcessGroup.unbox(script)
     name = group.group_name
-    names = list(dist.distributed_c10d._world.pg_names.values())
-    pg_id = names.index(name) if name in names else -1
-    return pg_id, name, dist.get_backend(group)
+    found = known.get(name)
+    if found is None:
+        names = list(dist.distributed_c10d._world.pg_names.values())
+        pg_id = names.index(name) if name in names else -1
+        found = known[name] = (pg_id, name, dist.get_backend(group))
+    return found
 
 
 def _below_autograd(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -227,6 +250,8 @@ class MessageLog:
         self.violation: MessageOrderError | None = None
         self.step: int | None = None
         self._counters: Counter[tuple[int, str]] = Counter()
+        self._groups: dict[str, tuple[int, str, str]] = {}  # by name, looked up in this step
+        self._pending: list[Any] = []  # futures that complete once an output is digested
         self._lock = threading.Lock()
 
     def begin_step(self, step: int, expected: Sequence[Message] | None = None) -> None:
@@ -242,11 +267,16 @@ class MessageLog:
             self.expected = list(expected)
         self.step, self.messages, self.violation = step, [], None
         self._counters.clear()
+        self._groups.clear()
+        self._pending = []
         _active = self
 
     def end_step(self) -> list[Message]:
-        """Close the step: its messages; a recorded call the replay did not issue is raised."""
+        """Close the step: its messages, every output digested (a call nobody waited for is
+        waited for here); a recorded call the replay did not issue is raised."""
         self.abandon()
+        for future in self._pending:
+            future.wait()
         if self.violation is not None:
             raise self.violation
         expected = self.expected
@@ -265,22 +295,45 @@ class MessageLog:
             _active = None
 
     def call(self, layout: _Layout, op: Any, args: tuple, kwargs: dict) -> Any:
-        """Log one call: its input digest, the check against the record, the call, its output."""
+        """Log one call: its input digest, the check against the record, the call; its output
+        is digested when the call completes (``_digest_on_completion``)."""
         with self._lock:
             message = self._message(layout, args)
             self._check(message)
             result = _below_autograd(op, args, kwargs)
-            if layout.outputs is not None:
-                _wait(result)
-                outputs = _tensors(args[layout.outputs])
-                message = _with_output(message, outputs)
-                if layout.p2p:  # gloo's recv Work blocks on a second wait: hand back a done one
-                    result = _completed_work(outputs)
+            position = len(self.messages)
             self.messages.append(message)
+        if layout.outputs is None:
             return result
+        return self._digest_on_completion(result, position, _tensors(args[layout.outputs]))
+
+    def _digest_on_completion(self, result: Any, position: int, outputs: list) -> Any:
+        """Hand back a Work that completes once the output is digested, so whoever waits for
+        the call (DDP's reducer through its future, ``dist.all_reduce`` through ``wait``)
+        reads it only after; the step does not wait for it (DDP overlaps its buckets with the
+        backward). A Work without a future (gloo's recv) is waited for here instead."""
+        work = _work_of(result)
+        try:
+            future = work.get_future() if work is not None else _done(outputs)
+        except RuntimeError:  # no future for this Work (gloo's send/recv)
+            work.wait()  # a second wait on gloo's recv would block: hand back a done Work
+            future = _done(outputs)
+
+        def digest(done: Any) -> Any:
+            value = done.value()  # the call's error, if it failed, reaches the waiter
+            self._set_output(position, _digest(outputs))
+            return value
+
+        chained = future.then(digest)
+        self._pending.append(chained)
+        return _with_work(result, chained)
+
+    def _set_output(self, position: int, output_digest: str | None) -> None:
+        with self._lock:
+            self.messages[position] = replace(self.messages[position], output_digest=output_digest)
 
     def _message(self, layout: _Layout, args: tuple) -> Message:
-        pg_id, name, backend = _group(next(a for a in args if _is_group(a)))
+        pg_id, name, backend = _group(args[layout.group], self._groups)
         inputs = [] if layout.inputs is None else _tensors(args[layout.inputs])
         outputs = [] if layout.outputs is None else _tensors(args[layout.outputs])
         kind = "p2p" if layout.p2p else "collective"
@@ -331,16 +384,3 @@ class MessageLog:
         return self.violation
 
 
-def _is_group(value: Any) -> bool:
-    import torch
-
-    return (
-        isinstance(value, torch.ScriptObject)
-        and value._type().qualified_name() == "__torch__.torch.classes.c10d.ProcessGroup"
-    )
-
-
-def _with_output(message: Message, outputs: list[torch.Tensor]) -> Message:
-    from dataclasses import replace
-
-    return replace(message, output_digest=_digest(outputs))

@@ -26,6 +26,13 @@ RESULT_AFFECTING = (
     "cublas",
     "cudnn",
     "nccl",
+    # NCCL's settings (determinism.NCCL_SETTINGS), in CUDA processes' fingerprints only
+    "nccl.algo",
+    "nccl.proto",
+    "nccl.min_nchannels",
+    "nccl.max_nchannels",
+    "nccl.nvls_enable",
+    "nccl.cross_nic",
 )
 
 

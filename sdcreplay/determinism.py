@@ -28,8 +28,17 @@ SWITCH_ENV_VARS = (
     "NCCL_PROTO",
     "NCCL_MIN_NCHANNELS",
     "NCCL_MAX_NCHANNELS",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_CROSS_NIC",
     "NVIDIA_TF32_OVERRIDE",
 )
+# NCCL's result-affecting settings as fingerprint properties of a CUDA process: the reduction
+# order follows the algorithm, protocol and channels, and NVLS reductions differ between calls.
+NCCL_SETTINGS = {
+    f"nccl.{name.removeprefix('NCCL_').lower()}": name
+    for name in SWITCH_ENV_VARS
+    if name.startswith("NCCL_")
+}
 # Recorded for the ticket and for a human reading `info`, never enforced.
 INFO_ENV_VARS = (
     "OMP_NUM_THREADS",
@@ -328,6 +337,7 @@ def _gpu_fingerprint(device: torch.device) -> dict:
         "cublas": _loaded_library_version("libcublas.so"),
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "nccl": _nccl_version(),
+        **{prop: os.environ.get(name) for prop, name in NCCL_SETTINGS.items()},
     }
 
 

@@ -40,6 +40,8 @@ from typing import NamedTuple
 import torch
 import xxhash
 
+from .tensorio import local_shard
+
 __all__ = [
     "CPU_ALGORITHM",
     "DEVICE_ALGORITHM",
@@ -86,9 +88,11 @@ def algorithm_for(device_type: str) -> str:
 
 
 def tensor_digest(value: SignatureValue) -> str:
-    """The signature entry of one value; synchronous (a device tensor's digest is fetched)."""
+    """The signature entry of one value; synchronous (a device tensor's digest is fetched).
+    A DTensor's is its shard's on this rank (a rank digests its own bits, never gathering)."""
     if not isinstance(value, torch.Tensor):
         return _scalar_digest(value)
+    value = local_shard(value)
     if value.is_cpu and value.nbytes > EXACT_MAX_BYTES and _plain_in_memory(value):
         return _hex(_xxh3_in_place(value))
     tensor = _plain(value)
@@ -233,6 +237,7 @@ class Digester:
         if not isinstance(value, torch.Tensor):
             self._entries.append((name, tensor_digest(value)))
             return
+        value = local_shard(value)
         # The same tensor is often captured twice in a step (a container returns its
         # last child's output; a gradient reaches both branches of a residual): hash it once.
         key = (value._version, value.dtype, value.shape, value.stride(), value.storage_offset())

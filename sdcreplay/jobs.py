@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from .bundle import (
     DistributedInfo,
@@ -135,3 +136,48 @@ class JobRecording:
                 "Every part keeps its steps; `sdcreplay info` on the .partial job shows them.",
             )
         return self.final_path
+
+
+def shard_like(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """A rank's saved shards (plain tensors) as DTensors laid out like ``live``'s (FSDP2's
+    parameters), so that ``load_state_dict`` takes them; other entries unchanged. No
+    communication: each rank loads what it saved."""
+    from torch.distributed.tensor import DTensor
+
+    def like(name: str, value: Any) -> Any:
+        reference = live.get(name)
+        if not isinstance(reference, DTensor) or isinstance(value, DTensor):
+            return value
+        return DTensor.from_local(
+            value.to(reference.to_local().device),
+            reference.device_mesh,
+            reference.placements,
+            run_check=False,
+            shape=reference.shape,
+            stride=reference.stride(),
+        )
+
+    return {name: like(name, value) for name, value in saved.items()}
+
+
+def shard_optimizer_state_like(saved: dict, optimizer: Any) -> dict:
+    """An optimizer state_dict whose per-parameter tensors shaped like a DTensor parameter's
+    shard become DTensors laid out like it (FSDP2's AdamW moments)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state = {
+        index: shard_like(
+            values,
+            {
+                name: params[index]
+                for name, value in values.items()
+                if index < len(params) and _same_shape_as_shard(value, params[index])
+            },
+        )
+        for index, values in saved["state"].items()
+    }
+    return {**saved, "state": state}
+
+
+def _same_shape_as_shard(value: Any, param: Any) -> bool:
+    to_local = getattr(param, "to_local", None)
+    return to_local is not None and getattr(value, "shape", None) == to_local().shape

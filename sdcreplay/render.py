@@ -228,6 +228,21 @@ def _verification_text(verification: dict) -> str:
     }[verification["status"]]
 
 
+def _job_rows(about: BundleInfo) -> list[list[str]]:
+    """A job bundle's ranks and messages; the rows after them describe its lowest part."""
+    if about.ranks is None or about.parts is None:
+        return []
+    parts = "; ".join(
+        f"rank {p['rank']} on {p['device']}: {p['steps']} steps, {p['messages']} messages"
+        + ("" if p["complete"] else " (incomplete)")
+        for p in about.parts
+    )
+    return [
+        ["ranks", f"{about.ranks} ({parts})"],
+        ["messages", f"{about.messages} in all ranks (the other rows: the lowest rank's part)"],
+    ]
+
+
 def render_info(output: Output, about: BundleInfo) -> None:
     env, state = about.environment, about.state
     state_text = (
@@ -252,6 +267,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
                 f"torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
                 f"Python {env['python']}",
             ],
+            *_job_rows(about),
             ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
             ["signature entries", str(about.entries)],
             ["state", state_text],

@@ -26,6 +26,7 @@ from .devices import torch_device, validate_label
 from .digest import algorithm_for
 from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, WorkloadError
 from .faults import Injector, parse_specs
+from .jobs import shard_like, shard_optimizer_state_like
 from .kinds import DeviceRunVerdict, DeviceVerdictName
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .signature import SignatureLog, read_signature_log, write_signature_log
@@ -67,6 +68,10 @@ class ReplaySession:
         )
         self.workload.model.to(self.device)
         model_state, optimizer_state = self.bundle.load_state()
+        if self.message_log is not None:  # a rank's part holds its shards of FSDP2's DTensors
+            model_state = shard_like(model_state, self.workload.model.state_dict())
+            if optimizer_state is not None:
+                optimizer_state = shard_optimizer_state_like(optimizer_state, self.optimizer)
         try:
             self.workload.model.load_state_dict(model_state)
             if optimizer_state is not None:

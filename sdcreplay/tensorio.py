@@ -62,9 +62,16 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank, without communication; any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
 def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> h5py.Dataset:
-    """Store the values in logical order; shape, dtype and strides in attributes."""
-    source = tensor.detach()
+    """Store the values in logical order; shape, dtype and strides in attributes. A DTensor
+    (FSDP2) is stored as this rank's shard: a job bundle's part holds its rank's data."""
+    source = local_shard(tensor).detach()
     flat = source.cpu().contiguous()
     if flat.dtype in _NATIVE:
         data = flat.numpy()

@@ -30,7 +30,16 @@ import zstandard
 from conftest import preserved_global_state
 from typer.testing import CliRunner
 
-from sdcreplay.bundle import MANIFEST, MANIFEST_DIGEST, SIGNATURES, Bundle, manifest_digest
+from sdcreplay.bundle import (
+    MANIFEST,
+    MANIFEST_DIGEST,
+    MESSAGE_FIELDS,
+    MESSAGES,
+    SIGNATURES,
+    Bundle,
+    JobBundle,
+    manifest_digest,
+)
 from sdcreplay.cli import app
 from sdcreplay.compare import compare_logs
 from sdcreplay.errors import SdcReplayError
@@ -321,19 +330,23 @@ def _frames(raw: bytes) -> list[bytes]:
     return texts
 
 
-def log_edit(bundle: Path, rng: random.Random) -> str:
-    path = bundle / SIGNATURES
+def _edit_log(bundle: Path, name: str, fields: list[str], rng: random.Random) -> str:
+    """Edit the zstd frames of one of a bundle's JSON-line logs, then make the manifest vouch
+    for the file as it is now."""
+    path = bundle / name
     frames = [text.decode().splitlines() for text in _frames(path.read_bytes())]
     edit = rng.choice(["meta", "entry", "checksum", "drop", "merge"])
+    if len(frames) < 2 and edit in ("entry", "drop"):
+        edit = "meta"
     if edit == "meta":
         meta = json.loads(frames[0][0])
-        meta[rng.choice(["device_type", "schema", "extra"])] = pool_value(rng)
+        meta[rng.choice(["device_type", "schema", "kind", "extra"])] = pool_value(rng)
         frames[0][0] = json.dumps(meta)
     elif edit == "entry":
         frame = rng.choice(frames[1:])
         position = rng.randrange(len(frame))
         entry = json.loads(frame[position])
-        entry[rng.choice(["step", "name", "digest"])] = pool_value(rng)
+        entry[rng.choice(fields)] = pool_value(rng)
         frame[position] = json.dumps(entry)
     elif edit == "drop":
         frame = rng.choice(frames[1:])
@@ -346,8 +359,17 @@ def log_edit(bundle: Path, rng: random.Random) -> str:
             compressor.compress(("\n".join(lines) + "\n").encode()) for lines in frames if lines
         )
     )
-    rehash(bundle, SIGNATURES)
-    return f"log {edit}"
+    rehash(bundle, name)
+    return f"{name} {edit}"
+
+
+def log_edit(bundle: Path, rng: random.Random) -> str:
+    return _edit_log(bundle, SIGNATURES, ["step", "name", "digest"], rng)
+
+
+def messages_edit(bundle: Path, rng: random.Random) -> str:
+    """A rank part's message log (a job bundle)."""
+    return _edit_log(bundle, MESSAGES, sorted(MESSAGE_FIELDS), rng)
 
 
 SEMANTIC: dict[str, Callable[[Path, random.Random], str]] = {
@@ -473,3 +495,40 @@ def original_verdict(original: Path) -> str:
         if compare_logs(read_signature_log(original / SIGNATURES), log).identical
         else "divergent"
     )
+
+
+# -- job bundles -----------------------------------------------------------------------------------
+
+
+def job_edit(job: Path, rng: random.Random) -> str:
+    """A semantic mutation of the job manifest, or of one rank's part; a part's new manifest
+    SHA-256 is written into the job manifest, so the job still vouches for it."""
+    if rng.random() < 0.3:
+        return "job " + rng.choice([manifest_value, manifest_delete])(job, rng)
+    manifest = load_manifest(job)
+    rank = rng.randrange(len(manifest["ranks"]))
+    part = job / manifest["ranks"][rank]["part"]
+    what = rng.choice([*SEMANTIC.values(), messages_edit])(part, rng)
+    manifest["ranks"][rank][MANIFEST_DIGEST] = load_manifest(part).get(MANIFEST_DIGEST)
+    save_manifest(job, manifest)
+    return f"rank {rank}: {what}"
+
+
+def judge_job(job: Path, seconds: int = 60) -> Outcome:
+    """What sdcreplay does with a job bundle: ``info --json``, then every part's messages."""
+    try:
+        with time_limit(seconds):
+            refused = _cli(CliRunner(), "info", str(job), "--json")
+            if refused is not None:
+                return refused
+            try:
+                opened = JobBundle.open(job)
+                for rank in opened.parts.values():
+                    rank.messages()
+            except SdcReplayError as exc:
+                return Outcome("error", f"messages: {exc.message}")
+            except Exception as exc:  # the bug this oracle exists to find
+                return Outcome("traceback", f"messages: {type(exc).__name__}: {str(exc)[:200]}")
+            return Outcome("verdict", "read")
+    except Hang:
+        return Outcome("hang", f"no answer within {seconds} s")

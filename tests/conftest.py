@@ -161,3 +161,26 @@ def run_exe(tmp_path: Path):
         )
 
     return run
+
+
+def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 240):
+    """Start ``script`` on ``nproc`` ranks as torchrun does (gloo on this machine)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", str(nproc), str(script), *args]
+    return subprocess.run(
+        command, cwd=script.parent, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Recorded once per session by a user's script under torchrun: 2 ranks of DDP tiny-llama,
+    2 steps, then replayed in the same ranks (tests/job_script.py). (job bundle, results)."""
+    root = tmp_path_factory.mktemp("ddp-job")
+    script = root / "train.py"
+    shutil.copy(Path(__file__).with_name("job_script.py"), script)
+    results = root / "results"
+    results.mkdir()
+    done = run_torchrun(script, 2, str(root / "job.bundle"), str(results), "ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "job.bundle", results

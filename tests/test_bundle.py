@@ -26,9 +26,12 @@ from hypothesis import strategies as st
 import sdcreplay
 from sdcreplay import determinism
 from sdcreplay.bundle import (
+    JOB_FIELDS,
     MANIFEST,
     MANIFEST_DIGEST,
     MANIFEST_FIELDS,
+    MESSAGE_FIELDS,
+    MESSAGES,
     SCHEMA,
     SIGNATURES,
     STATE,
@@ -36,10 +39,15 @@ from sdcreplay.bundle import (
     Bundle,
     BundleWriter,
     CaptureSettings,
+    DistributedInfo,
     EmbeddedState,
     Environment,
     FileMeta,
+    JobBundle,
+    JobManifest,
     Manifest,
+    ProcessGroupRecord,
+    RankRecord,
     StepRecord,
     Switches,
     Verification,
@@ -47,8 +55,10 @@ from sdcreplay.bundle import (
     _readable_json,
     checkpoint_reference,
     describe,
+    is_job_bundle,
     load_checkpoint,
     manifest_digest,
+    written_by_us,
 )
 from sdcreplay.errors import BundleError, CheckpointError, SdcReplayError
 
@@ -358,9 +368,21 @@ def test_every_typed_field_has_a_validation_rule():
     ]
     missing += [
         f"{cls.__name__}.{name}"
-        for cls in (*STATE_KINDS.values(), FileMeta, StepRecord)
+        for cls in (
+            *STATE_KINDS.values(),
+            FileMeta,
+            StepRecord,
+            DistributedInfo,
+            RankRecord,
+            ProcessGroupRecord,
+        )
         for name in cls.names()
         if name not in cls.RULES and name != "kind"
+    ]
+    missing += [
+        f"JobManifest.{name}"
+        for name in JobManifest.names()
+        if name not in JOB_FIELDS and name != MANIFEST_DIGEST
     ]
     assert missing == []
 
@@ -774,3 +796,184 @@ def test_the_manifest_is_written_one_line_per_step(tmp_path: Path):
     assert json.loads(text) == writer.manifest.to_json()
     step_lines = [line for line in text.splitlines() if line.startswith('    {"index": ')]
     assert [json.loads(line.rstrip(","))["index"] for line in step_lines] == [0, 1, 2]
+
+
+# --- job bundles (one part per rank; recorded once per session by tests/job_script.py) -------
+
+
+@pytest.fixture
+def job(tmp_path: Path, ddp_job: tuple[Path, Path]) -> Path:
+    """A private copy of the session's 2-rank DDP job bundle, free to damage."""
+    target = tmp_path / "job.bundle"
+    shutil.copytree(ddp_job[0], target)
+    return target
+
+
+def retie(job: Path, rank: int) -> None:
+    """Make the job manifest vouch for rank ``rank``'s part as it is now."""
+    part = json.loads((job / f"ranks/{rank:06d}" / MANIFEST).read_text())
+    rewrite_manifest(job, _set(["ranks", rank, MANIFEST_DIGEST], part[MANIFEST_DIGEST]))
+
+
+def test_a_job_bundle_is_a_job_manifest_over_complete_rank_parts(job: Path):
+    assert sorted(p.name for p in job.iterdir()) == [MANIFEST, "ranks"]
+    assert sorted(p.name for p in (job / "ranks").iterdir()) == ["000000", "000001"]
+    manifest = json.loads((job / MANIFEST).read_text())
+    assert list(manifest) == [
+        "schema",
+        "created",
+        "complete",
+        "world_size",
+        "backend",
+        "process_groups",
+        "ranks",
+        "workload",
+        "signature",
+        MANIFEST_DIGEST,
+    ]
+    assert (manifest["schema"], manifest["world_size"], manifest["backend"]) == (
+        "sdcreplay.job/1",
+        2,
+        "gloo",
+    )
+    assert manifest["process_groups"] == [{"pg_id": 0, "name": "0", "ranks": [0, 1]}]
+    assert JobManifest.from_json(manifest).to_json() == manifest
+    for rank in (0, 1):
+        part = json.loads((job / f"ranks/{rank:06d}" / MANIFEST).read_text())
+        assert manifest["ranks"][rank] == {
+            "rank": rank,
+            "device": "cpu",
+            "part": f"ranks/{rank:06d}",
+            MANIFEST_DIGEST: part[MANIFEST_DIGEST],
+        }
+        assert part["schema"] == SCHEMA
+        assert part["distributed"] == {
+            "rank": rank,
+            "world_size": 2,
+            "backend": "gloo",
+            "job": "../..",
+        }
+        assert [step["messages"] for step in part["steps"]] == [3, 5]
+        assert part["workload"] == manifest["workload"]
+    assert is_job_bundle(job)
+    assert written_by_us(job)
+
+
+def test_a_part_opens_alone_and_a_job_is_not_a_single_bundle(job: Path, small_bundle: Path):
+    with pytest.raises(BundleError, match="is a job bundle") as refused:
+        Bundle.open(job)
+    assert "ranks/000000" in refused.value.hint
+    part = Bundle.open(job / "ranks/000001")
+    assert [len(messages) for messages in part.messages().values()] == [3, 5]
+    assert not is_job_bundle(small_bundle)
+    assert not is_job_bundle(job / "missing")
+    assert Bundle.open(small_bundle).messages() == {0: [], 1: []}
+
+
+def test_overwrite_replaces_only_a_job_bundle_sdcreplay_wrote(job: Path):
+    (job / "ranks" / "notes.txt").write_text("mine")
+    assert not written_by_us(job)
+
+
+JOB_EDITS = {
+    "world-size": (_set(["world_size"], 3), "2 ranks listed for world_size 3"),
+    "part-elsewhere": (_set(["ranks", 1, "part"], "ranks/000000"), r"ranks\[1\]\.part"),
+    "rank-numbering": (_set(["ranks", 1, "rank"], 0), r"ranks\[1\]\.rank is 0"),
+    "complete-untied": (
+        _set(["ranks", 0, MANIFEST_DIGEST], None),
+        r"ranks\[0\]\.manifest_sha256 is null in a complete job",
+    ),
+    "part-digest-missing": (_delete(["ranks", 0, MANIFEST_DIGEST]), "manifest_sha256 is missing"),
+    "part-of-another-job": (
+        lambda m: m["ranks"][0].update({MANIFEST_DIGEST: m["ranks"][1][MANIFEST_DIGEST]}),
+        "ranks/000000's manifest is not the one the job manifest lists",
+    ),
+    "backend-a-number": (_set(["backend"], 5), "backend is 5"),
+    "groups-not-a-list": (_set(["process_groups"], {}), "process_groups"),
+    "group-ranks-strings": (
+        _set(["process_groups", 0, "ranks"], ["0"]),
+        r"process_groups\[0\]\.ranks",
+    ),
+    "device-label": (_set(["ranks", 0, "device"], "tpu:x"), r"ranks\[0\]\.device"),
+    "another-workload": (
+        _set(["workload", "kwargs", "seed"], 1),
+        "ranks/000000 names another workload than its job manifest",
+    ),
+    "schema": (_set(["schema"], "sdcreplay.job/2"), "unsupported bundle schema"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(JOB_EDITS))
+def test_hand_edited_job_manifests_raise_bundle_error(job: Path, edit: str):
+    change, message = JOB_EDITS[edit]
+    rewrite_manifest(job, change)
+    with pytest.raises(BundleError, match=message):
+        describe(job)
+
+
+PART_EDITS = {
+    "rank-swapped": (
+        _set(["distributed", "rank"], 0),
+        r"ranks/000001 is not rank 1 of a 2-rank job",
+    ),
+    "rank-beyond-world": (
+        _set(["distributed", "rank"], 5),
+        "distributed.rank 5 is not below its world_size 2",
+    ),
+    "job-elsewhere": (_set(["distributed", "job"], "/"), "distributed.job"),
+    "messages-uncounted": (
+        _delete(["steps", 0, "messages"]),
+        r"steps\[0\]\.messages is missing \(a rank part\)",
+    ),
+    "messages-miscounted": (
+        _set(["steps", 0, "messages"], 4),
+        r"holds 8 messages in steps \[0, 1\], the manifest counts 9 in \[0, 1\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(PART_EDITS))
+def test_hand_edited_rank_parts_raise_bundle_error(job: Path, edit: str):
+    change, message = PART_EDITS[edit]
+    rewrite_manifest(job / "ranks/000001", change)
+    retie(job, 1)
+    with pytest.raises(BundleError, match=message):
+        describe(job)
+
+
+def test_a_message_with_a_field_of_the_wrong_form_is_refused_by_name(job: Path):
+    import bundle_fuzz
+
+    part = job / "ranks/000000"
+    frames = [
+        text.decode().splitlines() for text in bundle_fuzz._frames((part / MESSAGES).read_bytes())
+    ]
+    record = json.loads(frames[1][0])
+    record["profiling_name"] = "all_reduce with no backend"
+    frames[1][0] = json.dumps(record)
+    compressor = bundle_fuzz.zstandard.ZstdCompressor(write_checksum=True)
+    (part / MESSAGES).write_bytes(
+        b"".join(compressor.compress(("\n".join(f) + "\n").encode()) for f in frames)
+    )
+    bundle_fuzz.rehash(part, MESSAGES)
+    retie(job, 0)
+    with pytest.raises(BundleError, match="messages.jsonl.zst line 1: profiling_name is"):
+        JobBundle.open(job).rank(0).messages()
+    assert set(MESSAGE_FIELDS) == {f for f in record}
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_fuzz_job_bundles_never_give_a_traceback(ddp_job, seed: int):
+    import random
+
+    import bundle_fuzz
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "job.bundle"
+        shutil.copytree(ddp_job[0], path)
+        what = bundle_fuzz.job_edit(path, random.Random(seed))
+        outcome = bundle_fuzz.judge_job(path)
+        assert not outcome.is_bug, f"{what}: {outcome.detail}"

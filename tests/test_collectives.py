@@ -1,0 +1,160 @@
+"""Multi-rank recording on real torch.distributed (gloo, ranks started as torchrun starts them).
+
+A user's script (tests/job_script.py, copied into tmp_path) records data-parallel tiny-llama
+with a Recorder in every rank, then replays its part in the same ranks: the job bundle, its
+message logs, the bit-for-bit replay with the same messages, and a replay whose collectives
+come in another order.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sdcreplay.bundle import JobBundle, is_job_bundle
+from sdcreplay.errors import SdcReplayError
+from sdcreplay.replay import ReplaySession
+from tests.conftest import SMALL, run_torchrun
+
+STEP0 = ["gloo:all_reduce"] * 3  # DDP's one gradient bucket, then the loop's loss and tokens
+# DDP rebuilds its buckets at the second iteration: rank 0 broadcasts the new order first.
+STEP1 = ["gloo:broadcast", "gloo:broadcast"] + STEP0
+
+
+def small_llama_parameters() -> int:
+    from sdcreplay.workloads.tiny_llama import make_workload
+
+    return sum(p.numel() for p in make_workload(**SMALL).model.parameters())
+
+
+def results(directory: Path) -> list[dict]:
+    return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_a_ddp_job_bundle_logs_every_bucket_and_collective_of_every_rank(ddp_job):
+    job_path, _ = ddp_job
+    assert is_job_bundle(job_path)
+    job = JobBundle.open(job_path)
+    assert (job.world_size, job.backend, job.complete) == (2, "gloo", True)
+    assert [(g.pg_id, g.name, g.ranks) for g in job.process_groups] == [(0, "0", [0, 1])]
+    assert [(r.rank, r.device, r.part) for r in job.ranks] == [
+        (0, "cpu", job_path / "ranks/000000"),
+        (1, "cpu", job_path / "ranks/000001"),
+    ]
+    logs = [job.rank(rank).messages() for rank in (0, 1)]
+    bucket = [[small_llama_parameters()]]
+    for rank, log in enumerate(logs):
+        part = job.rank(rank)
+        assert part.verified  # the first step re-executed by both ranks together
+        assert (part.manifest.distributed.rank, part.manifest.distributed.world_size) == (rank, 2)
+        assert [m.profiling_name for m in log[0]] == STEP0
+        assert [m.profiling_name for m in log[1]] == STEP1
+        assert [m.input_sizes for m in log[0]] == [bucket, [[1]], [[1]]]
+        assert [m.input_dtypes for m in log[0]] == [["float32"], ["float32"], ["int64"]]
+        assert [(m.record_id, m.collective_seq_id, m.op_id) for m in log[1]] == [
+            (i, i, i) for i in range(5)
+        ]
+        assert all(m.pg_id == 0 and m.p2p_seq_id is None for m in log[0] + log[1])
+    for step, position in ((0, 0), (1, 2)):  # the gradient bucket of each step
+        sent = [log[step][position] for log in logs]
+        assert sent[0].input_digest != sent[1].input_digest  # each rank its own data shard
+        assert sent[0].output_digest == sent[1].output_digest  # the same sum on every rank
+    tokens = logs[0][0][2]  # every rank's batch has 2 x 9 tokens: the sum is 36
+    assert (tokens.input_digest, tokens.output_digest) == (
+        "=int64:0000000000000012",
+        "=int64:0000000000000024",
+    )
+
+
+def test_info_json_on_a_job_bundle_gives_its_ranks_and_messages(ddp_job, cli):
+    job_path, _ = ddp_job
+    result = cli("info", job_path, "--json")
+    assert result.exit_code == 0, result.stderr
+    about = json.loads(result.stdout)
+    assert (about["schema"], about["bundle_schema"]) == ("sdcreplay.info/1", "sdcreplay.job/1")
+    assert (about["ranks"], about["messages"], about["complete"]) == (2, 16, True)
+    assert about["parts"] == [
+        {"rank": rank, "device": "cpu", "steps": 2, "messages": 8, "complete": True}
+        for rank in (0, 1)
+    ]
+
+
+def test_each_rank_replays_its_part_bit_for_bit_with_the_recorded_messages(ddp_job):
+    job_path, directory = ddp_job
+    job = JobBundle.open(job_path)
+    for rank, report in enumerate(results(directory)):
+        recorded = job.rank(rank).messages()
+        assert report["job"] == str(job_path)
+        for step in ("0", "1"):
+            assert report["replayed"][step]["signatures_equal"] is True
+            assert report["replayed"][step]["messages"] == [
+                m.to_json() for m in recorded[int(step)]
+            ]
+        # Bisect's operator mode passes collectives through: it names aten operators and
+        # DDP's profiler range, never a c10d call.
+        assert report["operator_namespaces"] == ["aten", "profiler"]
+
+
+def test_collectives_issued_in_another_order_are_a_message_order_error(ddp_job):
+    _, directory = ddp_job
+    for report in results(directory):
+        assert report["order_error"] == (
+            "step 0, message record_id 1: the record has gloo:all_reduce on process group 0 of "
+            "float32[1], the replay issues gloo:all_reduce on process group 0 of int64[1] "
+            "(another collective order: a different program, not a device's arithmetic)"
+        )
+
+
+def test_a_part_replayed_without_its_peers_is_refused_with_a_hint(ddp_job):
+    job_path, _ = ddp_job
+    with pytest.raises(SdcReplayError) as refused:
+        ReplaySession(JobBundle.open(job_path).rank(1))
+    assert refused.value.message.endswith(
+        "ranks/000001 is rank 1 of a 2-rank job: its collectives need its peers, and this "
+        "process has no process group"
+    )
+    assert "started by torchrun, after init_process_group" in refused.value.hint
+
+
+def test_a_job_killed_mid_step_keeps_every_ranks_completed_steps(tmp_path):
+    script = tmp_path / "train.py"
+    shutil.copy(Path(__file__).with_name("job_script.py"), script)
+    (tmp_path / "results").mkdir()
+    job_path = tmp_path / "job.bundle"
+    done = run_torchrun(script, 2, str(job_path), str(tmp_path / "results"), "ddp", "2")
+    assert done.returncode != 0  # rank 1 exited with status 17 inside step 2
+    assert not job_path.exists()
+    job = JobBundle.open(job_path)  # reads job.bundle.partial
+    assert job.path == tmp_path / "job.bundle.partial"
+    assert not job.complete
+    for rank in (0, 1):
+        part = job.rank(rank)
+        assert not part.complete
+        assert part.step_indices == [0, 1]
+        assert [len(messages) for messages in part.messages().values()] == [3, 5]
+
+
+def test_fsdp2_records_and_replays_bit_for_bit_on_two_ranks(tmp_path):
+    script = tmp_path / "train.py"
+    shutil.copy(Path(__file__).with_name("job_script.py"), script)
+    (tmp_path / "results").mkdir()
+    done = run_torchrun(script, 2, str(tmp_path / "job.bundle"), str(tmp_path / "results"), "fsdp2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = JobBundle.open(tmp_path / "job.bundle")
+    # Root and one block: all-gather both in forward, the block's again in backward, then
+    # reduce-scatter the gradients (block, root), then the loop's two all_reduce calls.
+    names = ["gloo:_allgather_base"] * 3 + ["gloo:_reduce_scatter_base"] * 2
+    names += ["gloo:all_reduce"] * 2
+    for rank, report in enumerate(results(tmp_path / "results")):
+        part = job.rank(rank)
+        assert part.verified
+        recorded = part.messages()
+        for step in (0, 1):
+            assert [m.profiling_name for m in recorded[step]] == names
+            assert report["replayed"][str(step)]["signatures_equal"] is True
+            assert report["replayed"][str(step)]["messages"] == [
+                m.to_json() for m in recorded[step]
+            ]
