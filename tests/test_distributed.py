@@ -239,3 +239,20 @@ def test_a_replica_started_by_torchrun_is_compared_by_diff(misbehaving_job, tmp_
     assert [c.identical for c in comparison.ranks.values()] == [True, False]
     assert comparison.ranks[1].first.step == 1
     assert comparison.origin == Origin(1, None, [])
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_record_and_replay_bit_for_bit(cli, tmp_path):
+    bundle = tmp_path / "fsdp.bundle"
+    recorded = run_json(
+        cli, "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "2", *SMALL_ARGS,
+        "-a", "parallel=fsdp2", "--out", bundle, code=0,
+    )  # fmt: skip
+    assert recorded["kwargs"]["parallel"] == "fsdp2"
+    job = JobBundle.open(bundle)
+    names = {
+        m.profiling_name for steps in [job.rank(0).messages()] for ms in steps.values() for m in ms
+    }
+    assert names == {"gloo:_allgather_base", "gloo:_reduce_scatter_base"}
+    replayed = run_json(cli, "replay", bundle, "--logs", tmp_path / "logs", *TIMEOUT, code=0)
+    assert replayed["verdict"] == "correct" and replayed["origin_rank"] is None
