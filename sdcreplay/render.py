@@ -605,7 +605,9 @@ def render_bisect(output: Output, result: BisectResult) -> None:
                 f"differ at {state['positions'][:4]} ({bits})",
             ]
         )
-    output.table(f"Bisect: {result.suspect} vs {result.reference}", ["", ""], rows)
+    rank = result.findings.get("rank")
+    of_rank = "" if rank is None else f"rank {rank} of the job on "
+    output.table(f"Bisect: {of_rank}{result.suspect} vs {result.reference}", ["", ""], rows)
     if report.get("next"):
         output.say(report["next"])
     output.say(f"Report: {result.report}")
