@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from . import determinism
-from .bundle import Bundle, CheckpointState, JobBundle, is_job_bundle, verify_checkpoint
+from .bundle import (
+    Bundle,
+    CheckpointState,
+    JobBundle,
+    claim_output,
+    is_job_bundle,
+    job_partial_path,
+    verify_checkpoint,
+)
 from .collectives import Message
 from .compare import RECORD, Comparison, Consensus, compare_logs, vote
 from .devices import torch_device, validate_label
@@ -335,6 +343,7 @@ def record_job(
     if workload.startswith("builtin:"):
         kwargs.setdefault("parallel", "ddp")
     parse_specs(inject)
+    claim_output(out, job_partial_path(out), overwrite)
     labels = rank_devices(device, nproc)
     arguments = {
         "workload": workload,

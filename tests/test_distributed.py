@@ -256,3 +256,17 @@ def test_fsdp2_ranks_record_and_replay_bit_for_bit(cli, tmp_path):
     assert names == {"gloo:_allgather_base", "gloo:_reduce_scatter_base"}
     replayed = run_json(cli, "replay", bundle, "--logs", tmp_path / "logs", *TIMEOUT, code=0)
     assert replayed["verdict"] == "correct" and replayed["origin_rank"] is None
+
+
+def test_job_commands_refuse_what_cannot_work_before_starting_ranks(cli, job4, small_bundle):
+    refusals = [
+        (("record", "builtin:tiny-llama", "--nproc", "2", "--out", job4), "already exists"),
+        (("bisect", job4), "is a job of 4 ranks: say which rank to bisect"),
+        (("bisect", job4, "--rank", "1", "--repeats", "2"), "--repeats is for a single"),
+        (("bisect", small_bundle, "--rank", "1"), "--rank 1 is for a job bundle"),
+        (("replay", job4, "-d", "cpu:0", "-d", "cpu:1"), "2 device labels for a job of 4"),
+    ]
+    for args, needle in refusals:
+        result = cli(*args)
+        assert result.exit_code == 3, result.output
+        assert needle in result.stderr and "Hint:" in result.stderr, result.stderr
