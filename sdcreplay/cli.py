@@ -469,6 +469,11 @@ def diff(
     from .distributed import diff_jobs, is_job_log
 
     if is_job_log(first) or is_job_log(second):
+        if plot is not None:
+            raise SdcReplayError(
+                "--plot draws one process's log; these are jobs",
+                "Plot one rank: diff JOB/ranks/00000R LOGS/replicaN/rankR.r0.sig.zst --plot P.",
+            )
         return diff_jobs(first, second)
     return compare(first, second, plot=plot)
 
