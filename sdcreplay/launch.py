@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -115,9 +116,15 @@ def _rank_entry(task_paths: list[str], parent: dict[str, str], backend: str, tim
     os.environ.update(environment)
     path = task_paths[int(os.environ["RANK"])]
     child = os.fork()
-    if child == 0:
-        _die_with_parent()
-        os._exit(_run_rank(path, backend, timeout))
+    if child == 0:  # never returns into the launcher's code: that is the supervisor's
+        status = 3
+        try:
+            _die_with_parent()
+            status = _run_rank(path, backend, timeout)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
     stopped: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:  # the launcher ends the job
