@@ -207,6 +207,13 @@ class Recorder:
             updated = self._capture.updated_state if at_optimizer_step else {}
             self._end_digests = updated or state_digests(self.model)
 
+    @property
+    def own_bundle_path(self) -> Path:
+        """The bundle this process wrote: ``path``, or its rank's part of a job bundle."""
+        if self._job is None:
+            return self.path
+        return self.path / part_dir(self._job.rank)
+
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
         does)."""
@@ -311,11 +318,6 @@ class Recorder:
         if self._job is not None:
             self.path = self._job.close()
         return self.path
-
-    @property
-    def own_bundle(self) -> Path:
-        """The bundle this process wrote: ``path``, or this rank's part of the job at ``path``."""
-        return self.path / part_dir(self._job.rank) if self._job is not None else self.path
 
     def abandon(self) -> Path:
         """Stop after a failure: keep the steps written so far as an incomplete ``.partial``
@@ -521,7 +523,7 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    opened = Bundle.open(recorder.own_bundle, verify=False)
+    opened = Bundle.open(recorder.own_bundle_path, verify=False)
     return RecordSummary(
         bundle=bundle_path,
         workload=workload,

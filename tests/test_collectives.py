@@ -13,7 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from sdcreplay import determinism
 from sdcreplay.bundle import JobBundle, is_job_bundle
 from sdcreplay.errors import SdcReplayError
 from sdcreplay.replay import ReplaySession
@@ -158,3 +160,28 @@ def test_fsdp2_records_and_replays_bit_for_bit_on_two_ranks(tmp_path):
             assert report["replayed"][str(step)]["messages"] == [
                 m.to_json() for m in recorded[step]
             ]
+
+
+def test_nccl_settings_are_recorded_switches_and_compared_in_cuda_fingerprints(monkeypatch):
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.delenv("NCCL_CROSS_NIC", raising=False)
+    env = determinism.current_switches()["env"]
+    assert (env["NCCL_ALGO"], env["NCCL_NVLS_ENABLE"], env["NCCL_CROSS_NIC"]) == ("Tree", "0", None)
+    assert determinism.NCCL_SETTINGS == {
+        "nccl.algo": "NCCL_ALGO",
+        "nccl.proto": "NCCL_PROTO",
+        "nccl.min_nchannels": "NCCL_MIN_NCHANNELS",
+        "nccl.max_nchannels": "NCCL_MAX_NCHANNELS",
+        "nccl.nvls_enable": "NCCL_NVLS_ENABLE",
+        "nccl.cross_nic": "NCCL_CROSS_NIC",
+    }
+    # A CUDA process's fingerprint carries them (_gpu_fingerprint); a CPU one does not.
+    assert not any(
+        name.startswith("nccl.") for name in determinism.fingerprint(torch.device("cpu"))
+    )
+    recorded = {"nccl.algo": "Tree", "nccl.nvls_enable": "1", "gpu.name": "H100"}
+    here = {**recorded, "nccl.nvls_enable": "0"}
+    assert determinism.fingerprint_differences(recorded, here) == [
+        "nccl.nvls_enable: recorded '1', here '0'"
+    ]
