@@ -382,3 +382,5 @@ class MessageLog:
             "a different program, not a device's arithmetic)"
         )
         return self.violation
+
+
