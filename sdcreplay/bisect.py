@@ -44,9 +44,9 @@ from .compare import RECORD, Divergence, compare_logs
 from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
 from .digest import tensor_digest
-from .distributed import ranks_failure, recorded_log, replay_job
+from .distributed import ranks_failure, recorded_log, replay_job, this_rank
 from .errors import SdcReplayError, StructureError
-from .faults import Injector, distributed_rank, parse_specs
+from .faults import Injector, parse_specs
 from .forensics import element_forensics, words
 from .kinds import BisectVerdict, Isolation
 from .launch import run_ranks
@@ -370,9 +370,10 @@ def run_rank_bisect_task(
 ) -> dict:
     """One rank of a job bisect: rank ``rank`` runs bisect's ``task``; every other rank
     replays its own part up to step ``serve_until`` to serve the collectives."""
-    if distributed_rank() == rank:
+    mine = this_rank()
+    if mine == rank:
         return task_function(task)(device=device, **arguments)
-    session = ReplaySession(JobBundle.open(job).rank(distributed_rank() or 0), device)
+    session = ReplaySession(JobBundle.open(job).rank(mine), device)
     try:
         for record in session.steps_until(serve_until):
             HEARTBEAT.beat(f"serving step {record.index}")

@@ -205,7 +205,8 @@ def read_messages(path: Path) -> Messages:
 # Inside a rank.
 
 
-def _this_rank() -> int:
+def this_rank() -> int:
+    """This process's rank; a rank task outside a job is the tool's mistake."""
     rank = distributed_rank()
     if rank is None:
         raise SdcReplayError("a rank task ran outside a torch.distributed job")
@@ -254,7 +255,7 @@ def run_rank_replay_task(
     last_step: int | None = None,
 ) -> dict:
     """One rank of a replica: replay its part ``repeats`` times; signature and message logs."""
-    rank = _this_rank()
+    rank = this_rank()
     part = JobBundle.open(job).rank(rank)
     logs, message_logs, injected = [], [], []
     warnings: list[str] = []
