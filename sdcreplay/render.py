@@ -450,6 +450,14 @@ def render_job_replay(output: Output, report: JobReplayReport) -> None:
 
 
 def _render_origin(output: Output, origin: Origin) -> None:
+    """Which rank went wrong first (docs/distributed.md), as a table."""
+    if not origin.diverged and origin.first_divergent_message is None:
+        return
+    if origin.origin_rank is not None:
+        who = f"[bold red]rank {origin.origin_rank}[/]"
+    else:
+        who = "no single rank (several differ at once, or only a collective's output)"
+    rows = [["origin rank", who]]
     message = origin.first_divergent_message
     if message is not None:
         sequence = (
@@ -457,17 +465,18 @@ def _render_origin(output: Output, origin: Origin) -> None:
             if message["collective_seq_id"] is not None
             else f"p2p_seq_id {message['p2p_seq_id']}"
         )
-        output.say(
-            f"First divergent message: step {message['step']}, {message['profiling_name']} "
-            f"({sequence}, process group {message['process_group']}), its {message['which']} "
-            f"on rank {message['rank']}"
+        rows.append(
+            [
+                "first divergent message",
+                f"step {message['step']}, {message['profiling_name']} ({sequence}, process "
+                f"group {message['process_group']}): its {message['which']} on rank "
+                f"{message['rank']}",
+            ]
         )
-    if origin.origin_rank is not None:
-        output.say(f"Origin: [bold red]rank {origin.origin_rank}[/] computed wrong first")
-    elif origin.diverged:
-        output.say("Origin: no single rank (several differ at the first divergent message)")
-    if origin.spread_ranks:
-        output.say(f"Spread to ranks {', '.join(map(str, origin.spread_ranks))}")
+    else:
+        rows.append(["first divergent message", "none: no message differs"])
+    rows.append(["spread to ranks", ", ".join(map(str, origin.spread_ranks)) or "-"])
+    output.table("Where the job first left the record", ["", ""], rows)
 
 
 def render_diff(output: Output, comparison: Comparison | JobComparison) -> None:

@@ -126,6 +126,9 @@ def test_a_bitflip_on_rank_2_of_4_is_its_origin_and_bisect_names_the_operator(cl
     assert replayed["suspects"] == ["cpu:4", "cpu:5", "cpu:6", "cpu:7"]
     diffed = run_json(cli, "diff", job4, tmp_path / "logs" / "replica1", code=1)
     assert diffed["origin_rank"] == 2 and diffed["first_divergent_message"] == first
+    table = cli("diff", job4, tmp_path / "logs" / "replica1").stderr
+    assert "origin rank" in table and "rank 2" in table and "spread to ranks" in table
+    assert "step 0, gloo:all_reduce (collective_seq_id 0" in table
 
     report = run_json(
         cli, "bisect", job4, "--rank", "2", "--suspect", "cpu:2", "--reference", "cpu:0",
