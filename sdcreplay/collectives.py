@@ -382,5 +382,3 @@ class MessageLog:
             "a different program, not a device's arithmetic)"
         )
         return self.violation
-
-

@@ -41,7 +41,7 @@ from .bundle import (
 from .collectives import Message
 from .compare import RECORD, Comparison, Consensus, compare_logs, vote
 from .devices import torch_device, validate_label
-from .errors import BundleError, DeviceError, SdcReplayError, StructureError
+from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, StructureError
 from .faults import distributed_rank, parse_specs
 from .launch import GROUP_TIMEOUT_FACTOR, backend_for, followed, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
@@ -309,6 +309,17 @@ class JobRecordSummary(RecordSummary):
         return {**super().to_json(), "world_size": self.world_size, "ranks": self.ranks}
 
 
+def check_fault_ranks(inject: Sequence[str], world_size: int) -> None:
+    """Refuse a fault spec (``--inject`` or SDCREPLAY_INJECT) for a rank the job does not have."""
+    for spec in parse_specs(inject):
+        if spec.rank is not None and spec.rank >= world_size:
+            raise FaultSpecError(
+                f"fault spec {str(spec)!r} names rank {spec.rank}, but the job has ranks "
+                f"0..{world_size - 1}",
+                "Give rank= one of the job's ranks (`sdcreplay info JOB` lists them).",
+            )
+
+
 def rank_devices(device: str, nproc: int) -> list[str]:
     """The ranks' labels for ``record --device D --nproc N``: rank r on ``cuda:r`` (as torchrun's
     LOCAL_RANK), or every rank on the CPU."""
@@ -343,7 +354,7 @@ def record_job(
     kwargs = dict(kwargs or {})
     if workload.startswith("builtin:"):
         kwargs.setdefault("parallel", "ddp")
-    parse_specs(inject)
+    check_fault_ranks(inject, nproc)
     claim_output(out, job_partial_path(out), overwrite)
     labels = rank_devices(device, nproc)
     arguments = {
@@ -571,12 +582,12 @@ def replay_job(
     """
     job = JobBundle.open(bundle)
     first = _check_job(job)
-    parse_specs(inject)
+    check_fault_ranks(inject, job.world_size)
     replicas = replica_devices(job, devices)
     log_dir = Path(log_dir) if log_dir else default_log_dir(job.path)
     timeout = timeout or max(progress_timeout(job.rank(part.rank)) for part in job.ranks)
     runs: dict[int, list[DeviceRun]] = {part.rank: [] for part in job.ranks}
-    replica_messages: list[dict[int, Messages]] = []
+    replica_messages: list[dict[int, list[Messages]]] = []
     for index, labels in enumerate(replicas):
         directory = log_dir / f"replica{index}"
         arguments = {
@@ -616,9 +627,11 @@ def _same(arguments: dict) -> Callable[[int], dict]:
     return lambda _: arguments
 
 
-def _rank_run(part: Bundle, label: str, result: DeviceResult) -> tuple[DeviceRun, Messages | None]:
-    """One rank's run in a replica, its logs with its messages, and its first repeat's
-    messages."""
+def _rank_run(
+    part: Bundle, label: str, result: DeviceResult
+) -> tuple[DeviceRun, list[Messages] | None]:
+    """One rank's run in a replica (its logs with its messages among their entries), and each
+    repeat's messages."""
     value = result.value or {}
     run = DeviceRun(
         label,
@@ -638,7 +651,7 @@ def _rank_run(part: Bundle, label: str, result: DeviceResult) -> tuple[DeviceRun
     run.differences = determinism.fingerprint_differences(
         part.manifest.fingerprint, run.fingerprint
     )
-    return run, message_logs[0]
+    return run, message_logs
 
 
 def _write_replica_index(
@@ -670,7 +683,7 @@ def _report(
     job: JobBundle,
     replicas: list[list[str]],
     runs: dict[int, list[DeviceRun]],
-    replica_messages: list[dict[int, Messages]],
+    replica_messages: list[dict[int, list[Messages]]],
     repeats: int,
     log_dir: Path,
     last_step: int | None,
@@ -691,31 +704,18 @@ def _report(
             if consensus is not None and run.device in consensus.voters:
                 run.judgement = consensus.voters[run.device]
         ranks.append(RankReplay(part.rank, runs[part.rank], consensus))
+    recorded = _upto(recorded_messages, last_step)
     replica_reports = []
     origins = []
     for index, labels in enumerate(replicas):
-        diverged = {
-            rank.rank
-            for rank in ranks
-            if rank.runs[index].error is None
-            and not compare_logs(
-                record_logs[rank.rank],
-                rank.runs[index].logs[0],
-                sorted(record_logs[rank.rank].steps),
-            ).identical
-        }
-        messages = replica_messages[index]
-        origin = (
-            find_origin(_upto(recorded_messages, last_step), messages, diverged)
-            if len(messages) == job.world_size
-            else NO_ORIGIN
-        )
+        repeat, origin = _replica_origin(ranks, index, record_logs, recorded, replica_messages)
         origins.append(origin)
         replica_reports.append(
             {
                 "index": index,
                 "devices": labels,
                 "log_dir": str(log_dir / f"replica{index}"),
+                "repeat": repeat,
                 **origin.to_json(),
             }
         )
@@ -730,6 +730,36 @@ def _report(
         caveat_for(job.rank(0)),
         list(inject),
     )
+
+
+def _replica_origin(
+    ranks: list[RankReplay],
+    index: int,
+    record_logs: dict[int, SignatureLog],
+    recorded: dict[int, Messages],
+    replica_messages: list[dict[int, list[Messages]]],
+) -> tuple[int | None, Origin]:
+    """The origin in replica ``index``'s first repeat that left the record (its ranks repeat
+    together), and that repeat; (None, NO_ORIGIN) when a rank failed or none left it."""
+    messages = replica_messages[index]
+    if len(messages) < len(ranks):
+        return None, NO_ORIGIN
+    for repeat in range(len(next(iter(messages.values())))):
+        diverged = {
+            rank.rank
+            for rank in ranks
+            if not compare_logs(
+                record_logs[rank.rank],
+                rank.runs[index].logs[repeat],
+                sorted(record_logs[rank.rank].steps),
+            ).identical
+        }
+        origin = find_origin(
+            recorded, {r: found[repeat] for r, found in messages.items()}, diverged
+        )
+        if origin.diverged:
+            return repeat, origin
+    return None, NO_ORIGIN
 
 
 def _upto(messages: dict[int, Messages], last_step: int | None) -> dict[int, Messages]:

@@ -111,6 +111,7 @@ def test_a_bitflip_on_rank_2_of_4_is_its_origin_and_bisect_names_the_operator(cl
     )  # fmt: skip
     clean, faulty = replayed["replicas"]
     assert clean["origin_rank"] is None and clean["spread_ranks"] == []  # bit for bit
+    assert (clean["repeat"], faulty["repeat"]) == (None, 0)
     assert faulty["devices"] == ["cpu:4", "cpu:5", "cpu:6", "cpu:7"]
     assert replayed["origin_rank"] == 2
     assert replayed["spread_ranks"] == [0, 1, 3]
@@ -268,6 +269,7 @@ def test_job_commands_refuse_what_cannot_work_before_starting_ranks(cli, job4, s
         (("bisect", job4, "--rank", "1", "--repeats", "2"), "--repeats is for a single"),
         (("bisect", small_bundle, "--rank", "1"), "--rank 1 is for a job bundle"),
         (("replay", job4, "-d", "cpu:0", "-d", "cpu:1"), "2 device labels for a job of 4"),
+        (("replay", job4, "--inject", f"{FAULT},rank=4"), "but the job has ranks 0..3"),
     ]
     for args, needle in refusals:
         result = cli(*args)
