@@ -44,7 +44,7 @@ from .compare import RECORD, Divergence, compare_logs
 from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
 from .digest import tensor_digest
-from .distributed import ranks_failure, recorded_log, replay_job, this_rank
+from .distributed import ranks_failure, recorded_log, replay_job, require_own_gpus, this_rank
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
 from .forensics import element_forensics, words
@@ -908,6 +908,7 @@ def _run_in_job(
     on their recorded devices: its value, or the error that stops the bisect."""
     rank = rank or 0
     labels = [label if r == rank else part.device for r, part in enumerate(job.ranks)]
+    require_own_gpus(labels)
     runs_step = task is not run_fetch_task or arguments.get("op_index") is not None
     job_arguments = {
         "job": str(job.path),

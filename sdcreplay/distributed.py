@@ -431,6 +431,16 @@ def _failure_text(failure: DeviceFailure) -> str:
 # Replay.
 
 
+def require_own_gpus(labels: list[str]) -> None:
+    """NCCL refuses two ranks of a job on one GPU; say so before starting them."""
+    gpus = [label for label in labels if label.startswith("cuda")]
+    if len(set(gpus)) != len(gpus):
+        raise DeviceError(
+            f"two ranks of one job would share a GPU: {labels}",
+            "Give each rank of a replica its own cuda:N (NCCL needs one GPU per rank).",
+        )
+
+
 def replica_devices(job: JobBundle, devices: Sequence[str] | None) -> list[list[str]]:
     """The labels of each replica, rank by rank: consecutive groups of ``world_size`` labels
     (``--device`` order), or one replica on the recorded devices."""
@@ -446,6 +456,8 @@ def replica_devices(job: JobBundle, devices: Sequence[str] | None) -> list[list[
             "recorded devices.",
         )
     groups = [labels[start : start + size] for start in range(0, len(labels), size)]
+    for group in groups:
+        require_own_gpus(group)
     for rank in range(size):
         column = [group[rank] for group in groups]
         if len(set(column)) != len(column):

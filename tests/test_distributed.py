@@ -213,6 +213,8 @@ def test_device_labels_map_to_replicas_in_groups_of_world_size(job4):
     assert replica_devices(job, labels) == [labels[:4], labels[4:]]
     with pytest.raises(DeviceError, match="6 device labels for a job of 4 ranks"):
         replica_devices(job, labels[:6])
+    with pytest.raises(DeviceError, match="two ranks of one job would share a GPU"):
+        replica_devices(job, ["cuda:0", "cuda:1", "cuda:1", "cuda:2"])  # NCCL: one GPU a rank
     with pytest.raises(DeviceError, match="rank 0 would replay on cpu:0 in two replicas"):
         replica_devices(
             job, ["cpu:0", "cpu:1", "cpu:2", "cpu:3", "cpu:0", "cpu:5", "cpu:6", "cpu:7"]
