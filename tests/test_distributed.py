@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SMALL, SMALL_ARGS, preserved_global_state
 
 from sdcreplay.bundle import JobBundle
@@ -277,3 +278,22 @@ def test_job_commands_refuse_what_cannot_work_before_starting_ranks(cli, job4, s
         result = cli(*args)
         assert result.exit_code == 3, result.output
         assert needle in result.stderr and "Hint:" in result.stderr, result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL: a GPU a rank)"
+)
+def test_nccl_ranks_record_and_replay_bit_for_bit(cli, tmp_path):
+    bundle = tmp_path / "nccl.bundle"
+    recorded = run_json(
+        cli, "record", "builtin:tiny-llama", "--nproc", "2", "--device", "cuda", "--steps", "2",
+        *SMALL_ARGS, "--out", bundle, code=0,
+    )  # fmt: skip
+    assert [rank["device"] for rank in recorded["ranks"]] == ["cuda:0", "cuda:1"]
+    names = {
+        m.profiling_name for ms in JobBundle.open(bundle).rank(0).messages().values() for m in ms
+    }
+    assert "nccl:all_reduce" in names
+    replayed = run_json(cli, "replay", bundle, "--logs", tmp_path / "logs", *TIMEOUT, code=0)
+    assert replayed["verdict"] == "correct"
