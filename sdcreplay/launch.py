@@ -245,7 +245,8 @@ class _Rank(processes.Liveness):
 
 
 class _Watchdog(threading.Thread):
-    """Kills the rank the others wait for when no unfinished rank progressed for ``timeout``."""
+    """Kills the rank the others wait for when no unfinished rank progressed for ``timeout``:
+    the one whose last beat is oldest (ranks beat as they issue each collective)."""
 
     def __init__(self, ranks: list[_Rank], timeout: float):
         super().__init__(name="sdcreplay-rank-watchdog", daemon=True)
@@ -253,10 +254,18 @@ class _Watchdog(threading.Thread):
         self.killed: tuple[int, str] | None = None  # (rank, where it was)
         self._done = threading.Event()
 
+    def stale(self, rank: _Rank) -> bool:
+        """No progress for the timeout; before its first step, a rank may take as long as a
+        device process may to start (the rendezvous and loading the job come first)."""
+        allowed = self.timeout
+        if rank.where() == "start-up":
+            allowed = max(allowed, processes.STARTUP_SECONDS)
+        return time.time() - rank.last_progress() > allowed
+
     def run(self) -> None:
         while not self._done.wait(0.1) and self.killed is None:
             waiting = [rank for rank in self.ranks if not rank.finished()]
-            if not waiting or time.time() - max(r.last_progress() for r in waiting) <= self.timeout:
+            if not waiting or not all(self.stale(rank) for rank in waiting):
                 continue
             laggard = min(waiting, key=lambda r: r.last_progress())
             pid = laggard.pid()

@@ -52,9 +52,15 @@ def job4(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def misbehaving_job(tmp_path_factory) -> Path:
     """2 ranks of a workload with two explicit all-reduces per step; replayed on cpu:1 it swaps
-    them from its second step on, on cpu:3 it kills itself there (recorded on cpu: neither)."""
+    them from its second step on, on cpu:3 it kills itself there, on cpu:5 it hangs there
+    (recorded on cpu: none of these)."""
     out = tmp_path_factory.mktemp("misjob") / "mis.bundle"
-    kwargs = {**SMALL, "collective": True, "misbehave": "cpu:1=swap,cpu:3=kill", "at_step": 1}
+    kwargs = {
+        **SMALL,
+        "collective": True,
+        "misbehave": "cpu:1=swap,cpu:3=kill,cpu:5=hang",
+        "at_step": 1,
+    }
     with preserved_global_state():
         record_job(f"{MISBEHAVING}:make_workload", out, nproc=2, steps=2, kwargs=kwargs, timeout=60)
     return out
@@ -174,6 +180,15 @@ def test_a_rank_killed_mid_replay_is_reported_and_the_others_end(cli, misbehavin
         "Error: the replay failed: rank 1 (cpu:3) killed by signal SIGKILL [exit status -9] "
         "(then rank [0] ended)" in result.stderr
     ), result.stderr
+
+
+def test_a_rank_that_hangs_mid_replay_is_killed_and_the_others_end(cli, misbehaving_job):
+    result = cli("replay", misbehaving_job, "-d", "cpu:4", "-d", "cpu:5", "--timeout", "5")
+    assert result.exit_code == 3, result.output
+    assert (
+        "Error: the replay failed: rank 1 (cpu:5) made no progress for 5 s (at step 1 (repeat 0)) "
+        "while the other ranks waited, and was killed [exit status -9] (then rank [0] ended)"
+    ) in result.stderr.replace("\n", " ")
 
 
 def message(rank: int, op_id: int, input_digest: str, output_digest: str, step: int = 0):
