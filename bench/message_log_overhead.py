@@ -4,20 +4,26 @@
     python bench/message_log_overhead.py --layers 2 --dim 64 --seq-len 32 --batch-size 4
 
 The script starts itself on 2 ranks as torchrun does (gloo on this machine). Every rank
-trains the same DDP model in alternating blocks of steps (plain, logged, logged, plain, ...)
-after a warm-up, so drift in the machine's speed hits both modes alike. A logged step is
+trains the same DDP model in alternating blocks of steps (plain, logged, dispatch_mode,
+dispatch_mode, logged, plain, ...) after a warm-up, so drift in the machine's speed hits
+every mode alike. A logged step is
 everything ``collectives.MessageLog`` adds to a step: the c10d kernels at the Autograd key,
 the digest of each bucket before the all-reduce, the wait for its completion (the reducer
 would wait for it a moment later anyway) and the digest after. The kernels are installed in
 both modes (they stay installed for the process once a log opened), so the plain mode pays
 their pass-through too, as any step outside a logged one does.
 
-Rank 0 prints the medians per mode and their ratio (logged / plain), wall and CPU time.
+A third mode runs the step under a pass-through ``TorchDispatchMode`` (it only calls each
+operator): what intercepting the collectives with a dispatch mode would cost at the least,
+since every aten call of the step would enter Python.
+
+Rank 0 prints the medians per mode and their ratios to plain, wall and CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -25,6 +31,8 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,11 +44,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--blocks", type=int, default=12, help="blocks per mode (alternating)")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks per mode (alternating)")
     parser.add_argument("--steps", type=int, default=5, help="steps per block")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
+
+
+MODES = ("plain", "logged", "dispatch_mode")
+
+
+class PassThrough(TorchDispatchMode):
+    """Calls every operator and does nothing else."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def launch(argv: list[str]) -> int:
@@ -76,34 +94,33 @@ def run_rank(args: argparse.Namespace) -> None:
     index = 0
     messages: list[int] = []
 
-    def step(logged: bool) -> tuple[float, float]:
-        nonlocal index, messages
+    def step(mode: str) -> tuple[float, float]:
+        nonlocal index
         batch = workload.get_batch(index)
         index += 1
         wall, cpu = time.perf_counter(), time.process_time()
-        if logged:
+        if mode == "logged":
             log.begin_step(index)
-        workload.run_step(batch)
-        if logged:
+        with PassThrough() if mode == "dispatch_mode" else contextlib.nullcontext():
+            workload.run_step(batch)
+        if mode == "logged":
             messages.append(len(log.end_step()))
         return time.perf_counter() - wall, time.process_time() - cpu
 
     for number in range(args.warmup):
-        step(logged=number % 2 == 1)
-    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for block in range(args.blocks * 2):
-        logged = block % 4 in (1, 2)  # plain, logged, logged, plain: ABBA
-        times[logged].extend(step(logged) for _ in range(args.steps))
+        step(MODES[number % len(MODES)])
+    times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+    order = [*MODES, *reversed(MODES)]  # plain, logged, dispatch_mode, dispatch_mode, ...
+    for block in range(args.blocks * len(MODES)):
+        mode = order[block % len(order)]
+        times[mode].extend(step(mode) for _ in range(args.steps))
     if dist.get_rank() == 0:
-        report = {"config": kwargs, "steps_per_mode": len(times[False])}
+        report: dict = {"config": kwargs, "steps_per_mode": len(times["plain"])}
         for clock, position in (("wall", 0), ("cpu", 1)):
-            plain = statistics.median(t[position] for t in times[False])
-            logged_median = statistics.median(t[position] for t in times[True])
-            report[clock] = {
-                "plain_ms": round(plain * 1e3, 3),
-                "logged_ms": round(logged_median * 1e3, 3),
-                "ratio": round(logged_median / plain, 4),
-            }
+            medians = {mode: statistics.median(t[position] for t in times[mode]) for mode in MODES}
+            report[clock] = {f"{mode}_ms": round(value * 1e3, 3) for mode, value in medians.items()}
+            for mode in MODES[1:]:
+                report[clock][f"{mode}_ratio"] = round(medians[mode] / medians["plain"], 4)
         report["messages_per_logged_step"] = sorted(set(messages))
         print(json.dumps(report, indent=1))
     dist.destroy_process_group()

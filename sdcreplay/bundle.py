@@ -733,12 +733,14 @@ def _shown(value: Any) -> str:
     return "missing" if value is _MISSING else json.dumps(value)[:60]
 
 
-def _check_fields(obj: Any, rules: dict[str, Check], where: str = "") -> None:
+def _check_fields(
+    obj: Any, rules: dict[str, Check], where: str = "", document: str = "manifest"
+) -> None:
     for path, check in rules.items():
         value = _lookup(obj, path)
         if not check.test(value):
             raise BundleError(
-                f"manifest is malformed: {where}{path} is {_shown(value)}, "
+                f"{document} is malformed: {where}{path} is {_shown(value)}, "
                 f"expected {check.expected}"
             )
 
@@ -896,6 +898,23 @@ def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) 
         ) from exc
 
 
+def _save_signed(manifest: Manifest | JobManifest, directory: Path, durable: bool) -> None:
+    """Write ``manifest`` into ``directory``; its signature and self-digest are made over the
+    JSON as written."""
+    body = manifest.to_json()
+    body[trust.SIGNATURE] = manifest.signature = trust.sign(body)
+    body[MANIFEST_DIGEST] = manifest.manifest_sha256 = manifest_digest(body)
+    _write_json_atomic(directory / MANIFEST, body, durable)
+
+
+def _move_into_place(partial: Path, final: Path, overwrite: bool) -> None:
+    """Rename a closed recording to its final name (``overwrite``: replacing a bundle there)."""
+    if final.exists() and overwrite:
+        _claim(final, True, "", "")  # still a bundle: it may have changed since
+        shutil.rmtree(final)
+    os.replace(partial, final)
+
+
 class BundleWriter:
     """Writes a bundle step by step; see the module docstring for crash safety.
 
@@ -1030,20 +1049,14 @@ class BundleWriter:
 
     def _save_manifest(self, durable: bool = False) -> None:
         """Atomic after every step (a crashed process leaves a readable bundle); durable at
-        close. The signature and the self-digest are made over the JSON as written."""
-        body = self.manifest.to_json()
-        body[trust.SIGNATURE] = self.manifest.signature = trust.sign(body)
-        body[MANIFEST_DIGEST] = self.manifest.manifest_sha256 = manifest_digest(body)
-        _write_json_atomic(self.path / MANIFEST, body, durable)
+        close."""
+        _save_signed(self.manifest, self.path, durable)
 
     def close(self) -> Path:
         """Mark the bundle complete and move it to its final name."""
         self.manifest.complete = True
         self._save_manifest(durable=True)
-        if self.final_path.exists() and self._overwrite:
-            _claim(self.final_path, True, "", "")  # still a bundle: it may have changed since
-            shutil.rmtree(self.final_path)
-        os.replace(self.path, self.final_path)
+        _move_into_place(self.path, self.final_path, self._overwrite)
         return self.final_path
 
     def abort(self) -> None:
@@ -1162,14 +1175,16 @@ class Bundle:
             raise BundleError(f"{MESSAGES} in {self.path} is not a message log")
         found: dict[int, list[Message]] = {}
         for position, record in enumerate(records):
-            _check_fields(record, MESSAGE_FIELDS, f"{MESSAGES} line {position + 1}: ")
+            _check_fields(
+                record, MESSAGE_FIELDS, f"line {position + 1}: ", f"{MESSAGES} in {self.path}"
+            )
             message = Message.from_json(record)
             step = found.setdefault(message.step, [])
-            _require(
-                message.record_id == len(step),
-                f"{MESSAGES}: step {message.step} has record_id {message.record_id} "
-                f"at position {len(step)}",
-            )
+            if message.record_id != len(step):
+                raise BundleError(
+                    f"{MESSAGES} in {self.path} is malformed: step {message.step} has "
+                    f"record_id {message.record_id} at position {len(step)}"
+                )
             step.append(message)
         counted = {step.index: step.messages for step in self.steps if step.messages}
         if {step: len(messages) for step, messages in found.items()} != counted:
@@ -1467,8 +1482,8 @@ class JobBundle:
         parts: dict[int, Bundle] = {}
         for entry in manifest.ranks:
             part_path = found / entry.part
-            if not manifest.complete and not os.path.isdir(_existing(part_path)):
-                continue  # the job died before this rank wrote anything
+            if not manifest.complete and not os.path.lexists(_existing(part_path) / MANIFEST):
+                continue  # the job died before this rank wrote its part's manifest
             parts[entry.rank] = _open_part(part_path, manifest, entry, verify)
         return cls(found, manifest, parts)
 
@@ -1573,10 +1588,7 @@ class JobWriter:
         self._save(durable=True)
 
     def _save(self, durable: bool = False) -> None:
-        body = self.manifest.to_json()
-        body[trust.SIGNATURE] = self.manifest.signature = trust.sign(body)
-        body[MANIFEST_DIGEST] = self.manifest.manifest_sha256 = manifest_digest(body)
-        _write_json_atomic(self.path / MANIFEST, body, durable)
+        _save_signed(self.manifest, self.path, durable)
 
     def close(self) -> Path:
         """Tie every (closed) part to the job, mark it complete and give it its name."""
@@ -1587,10 +1599,7 @@ class JobWriter:
             entry.manifest_sha256 = part.manifest.manifest_sha256
         self.manifest.complete = True
         self._save(durable=True)
-        if self.final_path.exists() and self._overwrite:
-            _claim(self.final_path, True, "", "")
-            shutil.rmtree(self.final_path)
-        os.replace(self.path, self.final_path)
+        _move_into_place(self.path, self.final_path, self._overwrite)
         return self.final_path
 
 

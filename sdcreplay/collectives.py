@@ -89,7 +89,8 @@ class Message:
         )
         tensors = ", ".join(f"{dtype}{list(size)}" for size, dtype in zip(sizes, dtypes))
         peer = "" if self.peer is None else f" with peer {self.peer}"
-        return f"{self.profiling_name} on process group {self.process_group}{peer} of {tensors}"
+        of = f" of {tensors}" if tensors else ""
+        return f"{self.profiling_name} on process group {self.process_group}{peer}{of}"
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,7 @@ class MessageLog:
     """
 
     def __init__(self, digest_algorithm: str, expected: Sequence[Message] | None = None):
-        self.digest_algorithm = digest_algorithm
+        self.digest_algorithm = digest_algorithm  # the bundle's; tensor_digest picks it by device
         self.expected = None if expected is None else list(expected)
         self.messages: list[Message] = []
         self.violation: MessageOrderError | None = None

@@ -94,8 +94,9 @@ class JobRecording:
             missing = [name for name, key in zip(names, keys) if not self._store.check([key])]
             raise SdcReplayError(
                 f"rank {self.rank} gave up {what} after {CLOSE_TIMEOUT}: no word of {missing}",
-                "A rank died or hangs; its part keeps the steps it completed "
-                f"(`sdcreplay info {self.path}`).",
+                "Every rank creates and closes its Recorder (a job bundle has one part per "
+                "rank); otherwise a rank died or hangs, and each part keeps the steps it "
+                f"completed (`sdcreplay info {self.path}`).",
             ) from exc
 
     def _create(self, workload: WorkloadRef, overwrite: bool) -> None:
@@ -110,8 +111,8 @@ class JobRecording:
                 workload=workload,
                 overwrite=overwrite,
             )
-        except SdcReplayError as exc:
-            self._store.set(self._key("created"), exc.message)
+        except Exception as exc:  # the other ranks wait for word of it: tell them, then raise
+            self._store.set(self._key("created"), getattr(exc, "message", None) or repr(exc))
             raise
         self._store.set(self._key("created"), _OK)
 
@@ -125,8 +126,8 @@ class JobRecording:
             self._writer.manifest.process_groups = process_groups()
             try:
                 self._writer.close()
-            except SdcReplayError as exc:
-                self._store.set(self._key("closed"), exc.message)
+            except Exception as exc:
+                self._store.set(self._key("closed"), getattr(exc, "message", None) or repr(exc))
                 raise
             self._store.set(self._key("closed"), _OK)
         problem = self._get("closed")

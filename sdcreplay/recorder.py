@@ -47,7 +47,7 @@ from .bundle import (
     part_dir,
 )
 from .capture import OperatorMode, SignatureCapture, grads_entering, state_digests
-from .collectives import MessageLog
+from .collectives import Message, MessageLog
 from .devices import torch_device
 from .digest import algorithm_for
 from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
@@ -394,7 +394,7 @@ def describe_first_difference(
     return f"{first} differs: {cause}"
 
 
-def describe_message_difference(recorded: list, replayed: list) -> str | None:
+def describe_message_difference(recorded: list[Message], replayed: list[Message]) -> str | None:
     """The first collective message whose digests differ between the loop's step and the
     workload's (their order was enforced while the step ran)."""
     for loop, workload in zip(recorded, replayed):

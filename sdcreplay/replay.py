@@ -67,11 +67,7 @@ class ReplaySession:
             self.bundle.workload_ref, self.bundle.workload_kwargs
         )
         self.workload.model.to(self.device)
-        model_state, optimizer_state = self.bundle.load_state()
-        if self.message_log is not None:  # a rank's part holds its shards of FSDP2's DTensors
-            model_state = shard_like(model_state, self.workload.model.state_dict())
-            if optimizer_state is not None:
-                optimizer_state = shard_optimizer_state_like(optimizer_state, self.optimizer)
+        model_state, optimizer_state = self._as_sharded(*self.bundle.load_state())
         try:
             self.workload.model.load_state_dict(model_state)
             if optimizer_state is not None:
@@ -93,6 +89,16 @@ class ReplaySession:
             state=self.workload.state,
             program=capture.program,
         )
+
+    def _as_sharded(self, model: dict, optimizer: dict | None) -> tuple[dict, dict | None]:
+        """A job's rank part holds its shards of FSDP2's DTensors: lay them out as the live
+        model's and optimizer's are, so that load_state_dict takes them."""
+        if self.message_log is None:
+            return model, optimizer
+        model = shard_like(model, self.model.state_dict())
+        if optimizer is not None:
+            optimizer = shard_optimizer_state_like(optimizer, self.optimizer)
+        return model, optimizer
 
     def _message_log(self) -> MessageLog | None:
         """A job's rank part replays among its peers, in the recorded collective order."""
@@ -221,6 +227,9 @@ class ReplaySession:
             optimizer = read_tree(handle["optimizer"]) if "optimizer" in handle else None
             objects = {name: read_tree(handle["objects"][name]) for name in self.workload.state}
             grads = read_tree(handle["grads"])
+        model, optimizer = self._as_sharded(model, optimizer)
+        if self.message_log is not None:
+            grads = shard_like(grads, dict(self.model.named_parameters()))
         self.model.load_state_dict(model)
         if optimizer is not None:
             self.optimizer.load_state_dict(optimizer)

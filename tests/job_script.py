@@ -23,14 +23,22 @@ import torch.distributed as dist
 SMALL = {"layers": 1, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 
 
-def logging_step(workload, swapped: bool):
-    """The loop's step: the loss through DDP/FSDP2, then two all_reduce calls for logging."""
+def logging_step(workload, variant: str = "recorded"):
+    """The loop's step: the loss through DDP/FSDP2, then two all_reduce calls for logging
+    (the loss, the token count). Another program: ``swapped`` issues them in the other order,
+    ``missing`` leaves out the second, ``extra`` adds a third."""
 
     def train_step(batch):
         loss = workload.loss(batch)
         loss.backward()
         stats = [loss.detach().reshape(1), torch.tensor([batch["tokens"].numel()])]
-        for tensor in reversed(stats) if swapped else stats:
+        stats = {
+            "recorded": stats,
+            "swapped": stats[::-1],
+            "missing": stats[:1],
+            "extra": [*stats, torch.zeros(2)],
+        }[variant]
+        for tensor in stats:
             dist.all_reduce(tensor)
         workload.optimizer.step()
         workload.optimizer.zero_grad()
@@ -50,18 +58,38 @@ class OperatorNamespaces:
         return out
 
 
+def resume_at_step_1(part, state_file: Path):
+    """Replay step 0, hand the state over in a file (as bisect does between processes), and
+    replay step 1 in a fresh session: True when it matches the record, else the error."""
+    from sdcreplay.errors import MessageOrderError
+    from sdcreplay.replay import ReplaySession
+
+    first = ReplaySession(part)
+    first.run_step(part.steps[0])
+    first.save_state(state_file)
+    first.close()
+    second = ReplaySession(part)
+    second.load_state(state_file)
+    try:
+        same = second.run_step(part.steps[1]) == part.signature_log().steps[1]
+    except MessageOrderError as exc:
+        same = exc.message
+    second.close()
+    return same
+
+
 def make_workload(seed: int = 0, parallel: str = "ddp"):
     from sdcreplay.workloads.tiny_llama import make_workload as tiny_llama
 
     workload = tiny_llama(seed=seed, parallel=parallel, **SMALL)
-    workload.train_step = logging_step(workload, swapped=False)
+    workload.train_step = logging_step(workload)
     return workload
 
 
 def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None:
     import sdcreplay
     from sdcreplay.bundle import JobBundle
-    from sdcreplay.errors import MessageOrderError
+    from sdcreplay.errors import BundleError, MessageOrderError
     from sdcreplay.replay import ReplaySession
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -87,18 +115,27 @@ def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None
         messages = [message.to_json() for message in session.last_messages]
         replayed[step.index] = {"signatures_equal": same, "messages": messages}
     session.close()
-    swapped = ReplaySession(part)
-    swapped.workload.train_step = logging_step(swapped.workload, swapped=True)
-    try:
-        swapped.run_step(part.steps[0])
-        order_error = None
-    except MessageOrderError as exc:
-        order_error = exc.message
-    swapped.close()
+    resumed = resume_at_step_1(part, Path(results, f"state{rank}.h5"))
+    order_errors = {}
+    for variant in ("swapped", "missing", "extra"):
+        other = ReplaySession(part)
+        other.workload.train_step = logging_step(other.workload, variant)
+        try:
+            other.run_step(part.steps[0])
+        except MessageOrderError as exc:
+            order_errors[variant] = exc.message
+        other.close()
+    try:  # the job exists now: rank 0 refuses to write over it, and tells the others
+        sdcreplay.Recorder(out, "builtin:tiny-llama", workload.model, workload.optimizer)
+        existing = None
+    except BundleError as exc:
+        existing = exc.message
     report = {
         "job": str(job),
+        "existing_refused": existing,
         "replayed": replayed,
-        "order_error": order_error,
+        "order_errors": order_errors,
+        "resumed_step_1": resumed,
         "operator_namespaces": sorted(operators.seen),
     }
     Path(results, f"rank{rank}.json").write_text(json.dumps(report))

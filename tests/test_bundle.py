@@ -957,7 +957,7 @@ def test_a_message_with_a_field_of_the_wrong_form_is_refused_by_name(job: Path):
     )
     bundle_fuzz.rehash(part, MESSAGES)
     retie(job, 0)
-    with pytest.raises(BundleError, match="messages.jsonl.zst line 1: profiling_name is"):
+    with pytest.raises(BundleError, match="malformed: line 1: profiling_name is"):
         JobBundle.open(job).rank(0).messages()
     assert set(MESSAGE_FIELDS) == {f for f in record}
 
@@ -977,3 +977,26 @@ def test_fuzz_job_bundles_never_give_a_traceback(ddp_job, seed: int):
         what = bundle_fuzz.job_edit(path, random.Random(seed))
         outcome = bundle_fuzz.judge_job(path)
         assert not outcome.is_bug, f"{what}: {outcome.detail}"
+
+
+def test_a_partial_job_reads_the_parts_that_have_a_manifest(job: Path):
+    def cut_off(manifest: dict) -> None:
+        manifest["complete"] = False
+        for rank in manifest["ranks"]:
+            rank[MANIFEST_DIGEST] = None
+
+    rewrite_manifest(job, cut_off)
+    partial = job.with_name("job.bundle.partial")
+    job.rename(partial)
+    (partial / "ranks/000001" / MANIFEST).unlink()  # rank 1 died before writing its manifest
+    opened = JobBundle.open(job)
+    assert (opened.path, opened.complete, sorted(opened.parts)) == (partial, False, [0])
+    with pytest.raises(BundleError, match="has no part for rank 1") as refused:
+        opened.rank(1)
+    assert "holds none of its data" in refused.value.hint
+    about = describe(job)
+    assert (about.complete, about.ranks, about.messages) == (False, 2, 8)
+    assert [(p["rank"], p["steps"], p["complete"]) for p in about.parts or []] == [
+        (0, 2, True),
+        (1, 0, False),
+    ]

@@ -100,12 +100,40 @@ def test_each_rank_replays_its_part_bit_for_bit_with_the_recorded_messages(ddp_j
         assert report["operator_namespaces"] == ["aten", "profiler"]
 
 
-def test_collectives_issued_in_another_order_are_a_message_order_error(ddp_job):
+def test_collectives_in_another_order_or_number_are_a_message_order_error(ddp_job):
+    _, directory = ddp_job
+    program = "(another collective order: a different program, not a device's arithmetic)"
+    for report in results(directory):
+        assert report["order_errors"] == {
+            "swapped": "step 0, message record_id 1: the record has gloo:all_reduce on process "
+            "group 0 of float32[1], the replay issues gloo:all_reduce on process group 0 of "
+            f"int64[1] {program}",
+            "missing": "step 0, message record_id 2: the record has gloo:all_reduce on process "
+            f"group 0 of int64[1], the replay's step ended without it {program}",
+            "extra": "step 0, message record_id 3: the record's step has 3 messages, the "
+            "replay issues gloo:all_reduce on process group 0 of float32[2] as one more "
+            f"{program}",
+        }
+
+
+def test_a_job_bundle_is_not_overwritten_and_every_rank_says_why(ddp_job):
+    job_path, directory = ddp_job
+    refused = [report["existing_refused"] for report in results(directory)]
+    assert refused == [
+        f"{job_path} already exists",
+        f"rank 0 could not create the job bundle {job_path}: {job_path} already exists",
+    ]
+
+
+def test_a_fresh_ddp_cannot_resume_at_step_1_its_bucket_rebuild_is_missing(ddp_job):
+    """DDP rebuilds its buckets in its second iteration (two broadcasts): a fresh DDP given the
+    state after step 0 runs step 1 as its first iteration, a different program; a DDP job's
+    rank replays from its first recorded step in one process (FSDP2 resumes: test below)."""
     _, directory = ddp_job
     for report in results(directory):
-        assert report["order_error"] == (
-            "step 0, message record_id 1: the record has gloo:all_reduce on process group 0 of "
-            "float32[1], the replay issues gloo:all_reduce on process group 0 of int64[1] "
+        assert report["resumed_step_1"] == (
+            "step 1, message record_id 0: the record has gloo:broadcast on process group 0 of "
+            "int32[13], the replay issues gloo:all_reduce on process group 0 of float32[16736] "
             "(another collective order: a different program, not a device's arithmetic)"
         )
 
@@ -160,6 +188,8 @@ def test_fsdp2_records_and_replays_bit_for_bit_on_two_ranks(tmp_path):
             assert report["replayed"][str(step)]["messages"] == [
                 m.to_json() for m in recorded[step]
             ]
+        # The state handed over in a file after step 0 resumes step 1 bit for bit.
+        assert report["resumed_step_1"] is True
 
 
 def test_nccl_settings_are_recorded_switches_and_compared_in_cuda_fingerprints(monkeypatch):
