@@ -30,7 +30,7 @@ import h5py
 import torch
 
 from . import determinism
-from .bundle import Bundle, StepRecord
+from .bundle import Bundle, JobBundle, StepRecord, is_job_bundle
 from .capture import (
     CallSite,
     InputOrigin,
@@ -44,16 +44,18 @@ from .compare import RECORD, Divergence, compare_logs
 from .determinism import restore_operator_rng
 from .devices import torch_device, validate_label
 from .digest import tensor_digest
+from .distributed import ranks_failure, recorded_log, replay_job, require_own_gpus, this_rank
 from .errors import SdcReplayError, StructureError
 from .faults import Injector, parse_specs
 from .forensics import element_forensics, words
 from .kinds import BisectVerdict, Isolation
+from .launch import run_ranks
 from .operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from .processes import run_device_processes
-from .replay import ReplaySession, replay_devices
+from .replay import ReplaySession, progress_timeout, replay_devices
 from .signature import SignatureLog, layer_of
 from .tensorio import read_tensor, write_tensor
-from .worker import device_task
+from .worker import HEARTBEAT, device_task, task_function, task_reference
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
@@ -328,14 +330,22 @@ def _refuse_unreproduced(step: int) -> None:
 
 @device_task
 def run_isolate_task(
-    device: str, bundle: str, case_file: str, runs: int, inject: Sequence[str] = ()
+    device: str,
+    bundle: str,
+    case_file: str,
+    runs: int,
+    inject: Sequence[str] = (),
+    rank: int | None = None,
 ) -> dict:
-    """Suspect: run the one call alone from the reference's inputs, ``runs`` times."""
+    """Suspect: run the one call alone from the reference's inputs, ``runs`` times.
+
+    ``rank``: the job rank the call was made on (the call needs no peers, but a fault spec
+    with ``rank=`` fires as it did there)."""
     determinism.apply(Bundle.open(bundle).manifest.determinism.to_json())
     where = torch_device(device)
     case = OperatorCase.read(Path(case_file))
     op = resolve_op(case.op)
-    injector = Injector(parse_specs(inject), device)
+    injector = Injector(parse_specs(inject), device, rank=rank)
     expected = [tensor_digest(v) for v in place(case.expected, where)]
     failures, first_failure = 0, None
     for run in range(runs):
@@ -352,6 +362,25 @@ def run_isolate_task(
         "first_failure": first_failure,
         "kernels": kernel_names(op, case, where),
     }
+
+
+@device_task
+def run_rank_bisect_task(
+    device: str, job: str, rank: int, task: str, arguments: dict, serve_until: int
+) -> dict:
+    """One rank of a job bisect: rank ``rank`` runs bisect's ``task``; every other rank
+    replays its own part up to step ``serve_until`` to serve the collectives."""
+    mine = this_rank()
+    if mine == rank:
+        return task_function(task)(device=device, **arguments)
+    session = ReplaySession(JobBundle.open(job).rank(mine), device)
+    try:
+        for record in session.steps_until(serve_until):
+            HEARTBEAT.beat(f"serving step {record.index}")
+            session.run_step(record)
+    finally:
+        session.close()
+    return {}
 
 
 def _cuda_profile(device: torch.device):
@@ -474,6 +503,66 @@ def _first_divergent_step(
     }
 
 
+def _job_to_bisect(
+    bundle: str | Path, rank: int | None, suspect: str | None, repeats: int
+) -> JobBundle | None:
+    """The job bundle whose rank ``rank`` is bisected, or None for a single-process bundle."""
+    if not is_job_bundle(Path(bundle)):
+        if rank is not None:
+            raise SdcReplayError(
+                f"--rank {rank} is for a job bundle (record --nproc); {bundle} is a single "
+                "process's bundle",
+                "Leave out --rank.",
+            )
+        return None
+    job = JobBundle.open(bundle)
+    if rank is None or not 0 <= rank < job.world_size:
+        raise SdcReplayError(
+            f"{bundle} is a job of {job.world_size} ranks: say which rank to bisect",
+            "Give --rank R, e.g. the origin_rank `sdcreplay replay` named.",
+        )
+    if repeats != 1:
+        raise SdcReplayError(
+            "--repeats is for a single process's bisect: a job's rank runs its step once among "
+            "its peers",
+            "Leave out --repeats (replay with --repeats shows an intermittent rank first).",
+        )
+    return job
+
+
+def _first_divergent_job_step(
+    job: JobBundle,
+    rank: int,
+    suspect: str | None,
+    reference: str,
+    inject: Sequence[str],
+    work: Path,
+) -> tuple[int | None, dict]:
+    """As `_first_divergent_step`, for one rank of a job: a replay of the job with the rank on
+    the reference (and one with it on the suspect); the other ranks on their recorded devices."""
+    recorded = [part.device for part in job.ranks]
+    logs = {}
+    for label in [reference] + ([suspect] if suspect else []):
+        labels = [label if r == rank else device for r, device in enumerate(recorded)]
+        report = replay_job(job.path, labels, inject=inject, log_dir=work / f"replay-{label}")
+        run = report.ranks[rank].runs[0]
+        failed = [run for _, run in report.failed]
+        if failed:
+            error = failed[0].error or {}
+            raise SdcReplayError(
+                f"the job replay with rank {rank} on {label} failed: {error.get('message')}",
+                error.get("hint") or "See the ranks' logs in the work directory.",
+            )
+        logs[label] = run.logs
+    trusted = logs[reference][0]
+    record_first = _first_divergence(trusted, [recorded_log(job.rank(rank))])
+    first = record_first if suspect is None else _first_divergence(trusted, logs[suspect])
+    return (first.step if first else None), {
+        "first_entry": first.brief() if first else None,
+        "record_first_entry": record_first.brief() if record_first else None,
+    }
+
+
 def _first_divergence(trusted: SignatureLog, logs: Sequence[SignatureLog]) -> Divergence | None:
     """The earliest entry, in execution order, where any of ``logs`` differs from ``trusted``."""
     found = []
@@ -488,6 +577,7 @@ def _first_divergence(trusted: SignatureLog, logs: Sequence[SignatureLog]) -> Di
 def bisect(
     bundle: str | Path,
     *,
+    rank: int | None = None,
     suspect: str | None = None,
     reference: str = "cpu:0",
     step: int | None = None,
@@ -500,7 +590,8 @@ def bisect(
 ) -> BisectResult:
     """Find the first corrupted operator call of a step on ``suspect`` (see module docstring)."""
     on_event = on_event or (lambda kind, text: None)
-    opened = Bundle.open(bundle)
+    job = _job_to_bisect(bundle, rank, suspect, repeats)
+    opened = Bundle.open(bundle) if job is None else job.rank(rank or 0)
     if step is not None and step not in opened.step_indices:
         raise SdcReplayError(
             f"the bundle has no step {step} (it has steps {opened.step_indices})",
@@ -515,13 +606,14 @@ def bisect(
         )
     if plot is not None:
         _plotter()
-    out = Path(out) if out else opened.path.with_name(opened.path.name + ".bisect")
+    named = job.path if job is not None else opened.path  # never inside a job bundle
+    out = Path(out) if out else named.with_name(named.name + ".bisect")
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
-    base = {
+    base: dict = {
         "schema": SCHEMA,
-        "bundle": str(opened.path),
+        "bundle": str(named),
         "suspect": suspect or RECORD,
         "reference": reference,
         "inject": list(inject),
@@ -530,10 +622,14 @@ def bisect(
         "determinism": opened.manifest.determinism.to_json(),
         "commands": [_command_line()],
     }
+    if job is not None:
+        base["rank"] = rank
     replayed: dict = {}
     if step is None or suspect is None:
-        found, replayed = _first_divergent_step(
-            opened, suspect, reference, repeats, inject, work, on_event
+        found, replayed = (
+            _first_divergent_step(opened, suspect, reference, repeats, inject, work, on_event)
+            if job is None
+            else _first_divergent_job_step(job, rank or 0, suspect, reference, inject, work)
         )
         step = found if step is None else step
     if step is None or (suspect is None and replayed["first_entry"] is None):
@@ -581,9 +677,15 @@ def bisect(
         "inject": list(inject),
         "work_dir": str(work),
     }
-    entry_state = str(work / ENTRY_STATE_FILE)
     pinned = determinism.pinned_environment(opened.manifest.fingerprint)
-    run = partial(_run_alone, work=work, environment=pinned)
+    alone = partial(_run_alone, work=work, environment=pinned)
+    # A job's rank runs among its peers, which replay the window with it: no saved state.
+    entry_state = str(work / ENTRY_STATE_FILE) if job is None else None
+    run = (
+        alone
+        if job is None
+        else partial(_run_in_job, job=job, rank=rank, work=work, environment=pinned)
+    )
 
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
     ref_log = run("oplog", run_oplog_task, reference, {**common, "save_entry": entry_state})
@@ -676,7 +778,7 @@ def bisect(
         "isolate",
         f"re-running {case.op} alone on {suspect} from {reference}'s inputs ({runs} runs)",
     )
-    isolated = run(
+    isolated = alone(
         "isolate",
         run_isolate_task,
         suspect,
@@ -685,6 +787,7 @@ def bisect(
             "case_file": str(out / OPERATOR_FILE),
             "inject": list(inject),
             "runs": runs,
+            "rank": rank,
         },
     )
     output_index, forensics = _first_differing_output(case)
@@ -789,6 +892,45 @@ def _run_alone(
             error.hint or "See the stderr file in the report's work directory.",
         )
     return result.value or {}
+
+
+def _run_in_job(
+    kind: str,
+    task: Callable[..., dict],
+    label: str,
+    arguments: dict,
+    *,
+    job: JobBundle,
+    rank: int | None,
+    work: Path,
+    environment: dict[str, str],
+) -> dict:
+    """``task`` on rank ``rank`` of the job, on ``label``, its peers serving the collectives
+    on their recorded devices: its value, or the error that stops the bisect."""
+    rank = rank or 0
+    labels = [label if r == rank else part.device for r, part in enumerate(job.ranks)]
+    require_own_gpus(labels)
+    runs_step = task is not run_fetch_task or arguments.get("op_index") is not None
+    job_arguments = {
+        "job": str(job.path),
+        "rank": rank,
+        "task": task_reference(task),
+        "arguments": arguments,
+        "serve_until": arguments["step"] if runs_step else arguments["step"] - 1,
+    }
+    results = run_ranks(
+        kind,
+        run_rank_bisect_task,
+        labels,
+        lambda _: job_arguments,
+        work / f"{kind}-{label.replace(':', '-')}",
+        environment=environment,
+        timeout=progress_timeout(job.rank(rank)),
+    )
+    failure = ranks_failure(f"the {kind} run of rank {rank} on {label}", results)
+    if failure is not None:
+        raise failure
+    return results[rank].value or {}
 
 
 def _trees_equal(a, b) -> bool:

@@ -888,23 +888,29 @@ def load_checkpoint(reference: CheckpointState) -> tuple[dict, dict | None]:
     return obj, None
 
 
+def claim_output(final: Path, partial: Path, overwrite: bool) -> None:
+    """Refuse to record at ``final`` unless it and its ``partial`` twin are free (or bundles
+    ``overwrite`` may replace); a job launcher asks before starting its ranks."""
+    _claim(
+        final,
+        overwrite,
+        "",
+        "Choose another --out, or pass --overwrite to replace the old bundle.",
+    )
+    _claim(
+        partial,
+        overwrite,
+        "a leftover partial recording",
+        "It may be the only evidence of a crash: "
+        f"`sdcreplay info {partial}` shows what it holds; "
+        "move it away, or pass --overwrite to replace it.",
+    )
+
+
 def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) -> None:
     """Claim ``final`` and its ``partial`` twin, and create ``partial/inner``."""
     try:
-        _claim(
-            final,
-            overwrite,
-            "",
-            "Choose another --out, or pass --overwrite to replace the old bundle.",
-        )
-        _claim(
-            partial,
-            overwrite,
-            "a leftover partial recording",
-            "It may be the only evidence of a crash: "
-            f"`sdcreplay info {partial}` shows what it holds; "
-            "move it away, or pass --overwrite to replace it.",
-        )
+        claim_output(final, partial, overwrite)
         if partial.exists():
             shutil.rmtree(partial)
         (partial / inner).mkdir(parents=True)

@@ -83,11 +83,13 @@ TrustedWorkloadOpt = Annotated[
 def trusting(bundle: Path, trust_workload: bool, workload: str | None):
     """Trust, while the command runs, the references given on its command line (reading the
     bundle runs nothing)."""
-    from .bundle import Bundle
+    from .bundle import Bundle, JobBundle, is_job_bundle
     from .trust import granting
 
     refs = [workload] if workload else []
-    if trust_workload:
+    if trust_workload and is_job_bundle(bundle):
+        refs.append(JobBundle.open(bundle, verify=False).manifest.workload.ref)
+    elif trust_workload:
         refs.append(Bundle.open(bundle, verify=False).workload_ref)
     return granting(refs)
 
@@ -258,6 +260,15 @@ def record(
             "disagrees), end (the run ended).",
         ),
     ] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Record a torch.distributed job of N ranks on this machine (PyTorch's elastic "
+            "launcher; gloo on cpu, NCCL with rank r on cuda:r). Built-in workloads run DDP "
+            "unless -a parallel=... says otherwise. See docs/distributed.md.",
+        ),
+    ] = None,
     json_mode: JsonOpt = False,
 ):
     """Run WORKLOAD's train_step (if any) for --steps steps; write a deterministic trace bundle.
@@ -269,6 +280,29 @@ def record(
     from .recorder import record as record_bundle
 
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
+    options: dict[str, Any] = {
+        "steps": steps,
+        "device": device,
+        "seed": seed,
+        "kwargs": parse_kwargs(arg or []),
+        "checkpoint": checkpoint,
+        "overwrite": overwrite,
+        "inject": inject or [],
+        "max_depth": depth,
+        "verify": verify,
+    }
+    if nproc is not None:
+        from .distributed import record_job
+
+        if ring is not None or dump_on:
+            raise SdcReplayError(
+                "--ring and --dump-on record one process; a job (--nproc) is recorded step by step",
+                "Drop --ring/--dump-on, or --nproc.",
+            )
+
+        with output.stages() as progress:
+            progress.update(f"recording {workload} on {nproc} ranks")
+            return record_job(workload, target, nproc=nproc, **options)
     stage = f"recording {workload}"
     with output.stages() as progress:
         recorded = 0
@@ -282,18 +316,10 @@ def record(
         return record_bundle(
             workload,
             target,
-            steps=steps,
-            device=device,
-            seed=seed,
-            kwargs=parse_kwargs(arg or []),
-            checkpoint=checkpoint,
-            overwrite=overwrite,
-            inject=inject or [],
-            max_depth=depth,
-            verify=verify,
             on_step=on_step,
             ring=ring,
             dump_on=[choice.value for choice in dump_on or []] or (["update"] if ring else []),
+            **options,
         )
 
 
@@ -341,9 +367,26 @@ def replay(
     ] = None,
     json_mode: JsonOpt = False,
 ):
-    """Replay a bundle bit for bit on one or more devices and vote on every signature."""
+    """Replay a bundle bit for bit on one or more devices and vote on every signature.
+
+    A job bundle (record --nproc) replays every rank: each consecutive group of
+    world-size --device labels is one replica, rank 0 first (default: one replica
+    on the recorded devices); see docs/distributed.md.
+    """
+    from .bundle import is_job_bundle
     from .replay import replay_devices
 
+    if is_job_bundle(bundle):
+        return _replay_job(
+            output,
+            bundle,
+            device,
+            repeats,
+            inject,
+            logs,
+            timeout,
+            trusting(bundle, trust_workload, workload),
+        )
     devices = device or ["cpu"]
     finished: list[str] = []
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
@@ -361,6 +404,27 @@ def replay(
             log_dir=logs,
             on_done=on_done,
             timeout=timeout,
+        )
+
+
+def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust):
+    """Replay a job bundle, replica after replica (docs/distributed.md)."""
+    from .bundle import JobBundle
+    from .distributed import replay_job
+
+    replicas = max(1, len(device or []) // JobBundle.open(bundle, verify=False).world_size)
+    with trust, output.stages() as progress:
+        progress.update("replaying the job's replicas", 0, replicas, "recorded devices")
+        return replay_job(
+            bundle,
+            device,
+            repeats=repeats,
+            inject=inject or [],
+            log_dir=logs,
+            timeout=timeout,
+            on_done=lambda index, labels: progress.update(
+                "replaying the job's replicas", index + 1, replicas, ", ".join(labels)
+            ),
         )
 
 
@@ -390,6 +454,15 @@ def bisect(
     plot: Annotated[
         Path | None, typer.Option(help="Heatmap PNG of where in the output tensor the bits differ.")
     ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="For a job bundle: the rank to bisect (e.g. replay's origin_rank). It runs on "
+            "--suspect/--reference while the other ranks replay on their recorded devices to "
+            "serve the collectives.",
+        ),
+    ] = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     json_mode: JsonOpt = False,
@@ -403,6 +476,7 @@ def bisect(
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
         return run_bisect(
             bundle,
+            rank=rank,
             suspect=suspect,
             reference=reference or "cpu:0",
             step=step,
@@ -426,9 +500,21 @@ def diff(
     ] = None,
     json_mode: JsonOpt = False,
 ):
-    """Compare two signature logs: structure first, then the first divergent entry."""
-    from .compare import diff as compare
+    """Compare two signature logs: structure first, then the first divergent entry.
 
+    Two jobs (job bundles, or a job replay's LOGS/replicaN directory) are compared
+    rank by rank, with the origin rank and the first divergent message.
+    """
+    from .compare import diff as compare
+    from .distributed import diff_jobs, is_job_log
+
+    if is_job_log(first) or is_job_log(second):
+        if plot is not None:
+            raise SdcReplayError(
+                "--plot draws one process's log; these are jobs",
+                "Plot one rank: diff JOB/ranks/00000R LOGS/replicaN/rankR.r0.sig.zst --plot P.",
+            )
+        return diff_jobs(first, second)
     return compare(first, second, plot=plot)
 
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import MessageOrderError
+from .worker import HEARTBEAT
 
 if TYPE_CHECKING:
     import torch
@@ -301,6 +302,9 @@ class MessageLog:
         with self._lock:
             message = self._message(layout, args)
             self._check(message)
+            # Progress a stuck job's watchdog sees: ranks waiting here beat after a rank stuck
+            # before its call (launch.py kills the rank with the oldest beat).
+            HEARTBEAT.beat(f"step {message.step}, {message.profiling_name} {message.record_id}")
             result = _below_autograd(op, args, kwargs)
             position = len(self.messages)
             self.messages.append(message)

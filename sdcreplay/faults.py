@@ -51,6 +51,7 @@ class FaultSpec:
     p: float = 1.0
     seed: int = 0
     device: str | None = None
+    rank: int | None = None  # the torch.distributed rank it applies to (default: every process)
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -95,6 +96,8 @@ class FaultSpec:
             problem = f"p={self.p} is not a probability"
         elif self.count < 1 or self.index < 0 or (self.nth is not None and self.nth < 0):
             problem = "count must be at least 1, index and nth at least 0"
+        elif self.rank is not None and self.rank < 0:
+            problem = f"rank={self.rank} is not a rank (0, 1, ...)"
         elif self.bit is not None and not 0 <= self.bit < 64:
             problem = f"bit={self.bit} is outside 0..63"
         if problem:
@@ -145,8 +148,11 @@ class FaultSpec:
         ]
         return ",".join(parts)
 
-    def applies_to(self, device_label: str) -> bool:
-        return self.device is None or self.device == device_label
+    def applies_to(self, device_label: str, rank: int | None = None) -> bool:
+        """``rank``: the process's rank in its torch.distributed job (None: not in one)."""
+        return (self.device is None or self.device == device_label) and (
+            self.rank is None or self.rank == rank
+        )
 
     def matches_key(self, op: str, module: str, phase: str) -> bool:
         """Does a call of ``op`` under ``module`` in ``phase`` match (step and nth aside)?"""
@@ -197,6 +203,13 @@ class Injection:
         return dict(self.__dict__)
 
 
+def distributed_rank() -> int | None:
+    """This process's rank in an initialized torch.distributed job, or None."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
 @dataclass
 class Injector:
     """Corrupts matching operator outputs on one device label (an OperatorMode observer)."""
@@ -205,9 +218,10 @@ class Injector:
     device_label: str
     salt: int = 0
     fired: list[Injection] = field(default_factory=list)
+    rank: int | None = field(default_factory=distributed_rank)
 
     def __post_init__(self) -> None:
-        self.specs = [spec for spec in self.specs if spec.applies_to(self.device_label)]
+        self.specs = [spec for spec in self.specs if spec.applies_to(self.device_label, self.rank)]
         self._draws = [
             random.Random(f"{spec.seed}:{self.salt}:{position}")
             for position, spec in enumerate(self.specs)

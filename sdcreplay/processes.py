@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +38,7 @@ UNKNOWN_STEP_TIMEOUT = 3600.0
 _server = None
 
 
-def _process_context(task_module: str):
+def process_context(task_module: str):
     """The forkserver context; its server preloads the first caller's task module and torch."""
     global _server
     if _server is None:
@@ -66,28 +66,34 @@ def _child(task_path: str, stderr_path: str, env: dict, cwd: str) -> None:
 def start(task_path: Path, stderr_path: Path, label: str, task_module: str):
     """Start the device process for one task; ``.exitcode`` is None while it runs."""
     env = {**os.environ, **trust.child_environment(), "SDCREPLAY_DEVICE": label}
-    process = _process_context(task_module).Process(
+    process = process_context(task_module).Process(
         target=_child,
         args=(str(task_path), str(stderr_path), env, os.getcwd()),
         name=f"sdcreplay-{label}",
         daemon=False,
     )
-    # multiprocessing would re-import the caller's script in the child (as it does for
-    # spawn); a script that calls replay_devices() without a __main__ guard would then
-    # run again there. The child needs nothing from it.
+    with caller_main_hidden():
+        process.start()
+    return process
+
+
+@contextlib.contextmanager
+def caller_main_hidden() -> Iterator[None]:
+    """While processes start: multiprocessing would re-import the caller's script in the child
+    (as it does for spawn); a script that calls replay_devices() without a __main__ guard would
+    then run again there. The child needs nothing from it."""
     caller_main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
-        process.start()
+        yield
     finally:
         if caller_main is None:
             del sys.modules["__main__"]
         else:
             sys.modules["__main__"] = caller_main
-    return process
 
 
-def _tail(path: Path, lines: int = 12) -> str:
+def tail(path: Path, lines: int = 12) -> str:
     """The last lines of a device's stderr without traceback frames (those stay in the file)."""
     try:
         with open(path, "rb") as handle:
@@ -100,7 +106,7 @@ def _tail(path: Path, lines: int = 12) -> str:
     return "\n".join(kept[-lines:])
 
 
-def _exit_description(status: int) -> str:
+def exit_description(status: int) -> str:
     if status < 0:
         try:
             return f"killed by signal {signal.Signals(-status).name}"
@@ -109,7 +115,7 @@ def _exit_description(status: int) -> str:
     return f"exited with status {status}"
 
 
-def _retry_hint(status: int) -> str:
+def retry_hint(status: int) -> str:
     """Whether running the device again is worth it, from how its process ended."""
     if status in (-signal.SIGKILL, 137):
         return (
@@ -128,10 +134,9 @@ def _retry_hint(status: int) -> str:
 
 
 @dataclass
-class _DeviceProcess:
-    process: multiprocessing.process.BaseProcess
-    result: Path
-    stderr: Path
+class Liveness:
+    """A task's liveness file (`worker.Heartbeat`), as the process that watches it reads it."""
+
     alive: Path
     started: float
 
@@ -144,6 +149,13 @@ class _DeviceProcess:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             return self.alive.read_text()[:80] or "start-up"
         return "start-up"
+
+
+@dataclass
+class _DeviceProcess(Liveness):
+    process: multiprocessing.process.BaseProcess
+    result: Path
+    stderr: Path
 
 
 def _stop(process, grace: float = 5.0) -> None:
@@ -203,7 +215,7 @@ def run_device_processes(
         task_path.write_text(json.dumps(device_task.to_json()))
         alive.unlink(missing_ok=True)
         process = start(task_path, stderr, label, task.__module__)
-        running[label] = _DeviceProcess(process, result, stderr, alive, time.time())
+        running[label] = _DeviceProcess(alive, time.time(), process, result, stderr)
     results: dict[str, DeviceResult] = {}
     try:
         while running:
@@ -239,7 +251,7 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> DeviceResult | 
                 "A hung device or workload (its log may say where). If the step is just slow, "
                 "give it more time with --timeout SECONDS.",
                 log=str(device.stderr),
-                stderr_tail=_tail(device.stderr),
+                stderr_tail=tail(device.stderr),
                 timed_out=timeout,
             )
         )
@@ -252,9 +264,9 @@ def _poll(label: str, device: _DeviceProcess, timeout: float) -> DeviceResult | 
         # died without a word (signal, os._exit): its last lines of stderr are all there is to say
         result = DeviceResult(
             error=DeviceFailure(
-                f"the {label} process {_exit_description(status)}",
-                _retry_hint(status),
-                stderr_tail=_tail(device.stderr),
+                f"the {label} process {exit_description(status)}",
+                retry_hint(status),
+                stderr_tail=tail(device.stderr),
             )
         )
     if result.error is not None:

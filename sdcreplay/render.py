@@ -27,13 +27,14 @@ from .errors import SdcReplayError
 if TYPE_CHECKING:
     from .bisect import BisectResult
     from .bundle import BundleInfo
-    from .compare import Comparison
+    from .compare import Comparison, Consensus
     from .demo import Demo, DemoStage
+    from .distributed import JobComparison, JobReplayReport, Origin
     from .doctor import DoctorReport
     from .minimize import MinimizeResult
     from .ops import OpsListing
     from .recorder import RecordSummary
-    from .replay import ReplayReport
+    from .replay import DeviceRun, ReplayReport
 
 __all__ = ["Output", "escape", "human_size", "styled"]
 
@@ -339,9 +340,9 @@ def _step_marks(per_step: dict[str, int]) -> str:
     )
 
 
-def _device_rows(report: ReplayReport) -> list[list[str]]:
+def _device_rows(runs: list[DeviceRun], consensus: Consensus | None) -> list[list[str]]:
     rows = []
-    for run in report.devices:
+    for run in runs:
         data = run.to_json()
         first = data["first_divergence"]
         where = f"step {first['step']} {first['name']}" if first else "-"
@@ -359,8 +360,8 @@ def _device_rows(report: ReplayReport) -> list[list[str]]:
                 escape("; ".join(run.differences)) or "-",
             ]
         )
-    if report.consensus is not None:
-        record = report.consensus.voters["record"]
+    if consensus is not None:
+        record = consensus.voters["record"]
         first = record.first_divergence
         rows.insert(
             0,
@@ -376,13 +377,13 @@ def _device_rows(report: ReplayReport) -> list[list[str]]:
     return rows
 
 
-def _device_failures(output: Output, report: ReplayReport) -> None:
-    for run in report.devices:
+def _device_failures(output: Output, runs: list[DeviceRun], prefix: str = "") -> None:
+    for run in runs:
         for warning in run.warnings:
-            output.warn(f"{run.device}: {warning}")
+            output.warn(f"{prefix}{run.device}: {warning}")
         if not run.error:
             continue
-        output.say(f"[bold magenta]{run.device}[/]: {escape(run.error['message'])}")
+        output.say(f"[bold magenta]{prefix}{run.device}[/]: {escape(run.error['message'])}")
         if run.error.get("hint"):
             output.say(f"  Hint: {escape(run.error['hint'])}")
         if run.error.get("stderr_tail"):
@@ -413,7 +414,12 @@ def _consensus_explanation(report: ReplayReport) -> str:
     return explanation
 
 
-def render_replay(output: Output, report: ReplayReport) -> None:
+def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> None:
+    from . import distributed
+
+    if isinstance(report, distributed.JobReplayReport):
+        render_job_replay(output, report)
+        return
     output.table(
         f"Replay of {report.bundle}",
         [
@@ -424,9 +430,9 @@ def render_replay(output: Output, report: ReplayReport) -> None:
             "steps",
             "machine differs from record",
         ],
-        _device_rows(report),
+        _device_rows(report.devices, report.consensus),
     )
-    _device_failures(output, report)
+    _device_failures(output, report.devices)
     if report.consensus is not None:
         consensus = report.consensus
         output.say(f"Verdict: {styled(consensus.verdict)}: {_consensus_explanation(report)}")
@@ -450,7 +456,71 @@ def render_replay(output: Output, report: ReplayReport) -> None:
         output.error(failure)
 
 
-def render_diff(output: Output, comparison: Comparison) -> None:
+def render_job_replay(output: Output, report: JobReplayReport) -> None:
+    """Every rank's runs, then the origin: where the job first left the record."""
+    rows = [
+        [str(rank.rank), *row]
+        for rank in report.ranks
+        for row in _device_rows(rank.runs, rank.consensus)
+    ]
+    output.table(
+        f"Replay of the {report.world_size}-rank job {report.bundle}",
+        ["rank", "device", "verdict", "first divergence", "diverged", "steps", "machine differs"],
+        rows,
+    )
+    for rank in report.ranks:
+        _device_failures(output, rank.runs, prefix=f"rank {rank.rank} ")
+    if report.verdict != "error":
+        suspects = sorted({s for r in report.ranks if r.consensus for s in r.consensus.suspects})
+        who = f" (suspects: {', '.join(suspects)})" if suspects else ""
+        output.say(f"Verdict: {styled(report.verdict)}{who}")
+    _render_origin(output, report.origin)
+    if report.caveat:
+        output.warn(f"caveat: {report.caveat}")
+    output.say(f"Logs: {report.log_dir}")
+    if report.injection_missed:
+        output.warn("no injected fault fired on any rank: check rank=, op=, step= and index=")
+    failure = report.failure()
+    if failure is not None:
+        output.error(failure)
+
+
+def _render_origin(output: Output, origin: Origin) -> None:
+    """Which rank went wrong first (docs/distributed.md), as a table."""
+    if not origin.diverged and origin.first_divergent_message is None:
+        return
+    if origin.origin_rank is not None:
+        who = f"[bold red]rank {origin.origin_rank}[/]"
+    else:
+        who = "no single rank (several differ at once, or only a collective's output)"
+    rows = [["origin rank", who]]
+    message = origin.first_divergent_message
+    if message is not None:
+        sequence = (
+            f"collective_seq_id {message['collective_seq_id']}"
+            if message["collective_seq_id"] is not None
+            else f"p2p_seq_id {message['p2p_seq_id']}"
+        )
+        rows.append(
+            [
+                "first divergent message",
+                f"step {message['step']}, {message['profiling_name']} ({sequence}, process "
+                f"group {message['process_group']}): its {message['which']} on rank "
+                f"{message['rank']}",
+            ]
+        )
+    else:
+        rows.append(["first divergent message", "none: no message differs"])
+    rows.append(["spread to ranks", ", ".join(map(str, origin.spread_ranks)) or "-"])
+    output.table("Where the job first left the record", ["", ""], rows)
+
+
+def render_diff(output: Output, comparison: Comparison | JobComparison) -> None:
+    from . import distributed
+
+    if isinstance(comparison, distributed.JobComparison):
+        _render_job_diff(output, comparison)
+        return
     if comparison.identical:
         output.say(
             f"{styled('identical')}: {comparison.entries} entries over steps "
@@ -460,6 +530,22 @@ def render_diff(output: Output, comparison: Comparison) -> None:
         _render_divergences(output, comparison)
     if comparison.plot is not None:
         output.say(f"Plot: {comparison.plot}")
+
+
+def _render_job_diff(output: Output, comparison: JobComparison) -> None:
+    rows = []
+    for rank, ranked in comparison.ranks.items():
+        first = ranked.first
+        rows.append(
+            [
+                str(rank),
+                styled("identical" if ranked.identical else "divergent"),
+                f"step {first.step} {first.name}" if first else "-",
+                str(len(ranked.divergences)),
+            ]
+        )
+    output.table("Jobs compared rank by rank", ["rank", "", "first divergence", "entries"], rows)
+    _render_origin(output, comparison.origin)
 
 
 def _render_divergences(output: Output, comparison: Comparison) -> None:
@@ -565,7 +651,9 @@ def render_bisect(output: Output, result: BisectResult) -> None:
                 f"differ at {state['positions'][:4]} ({bits}): {state.get('fault_model')}",
             ]
         )
-    output.table(f"Bisect: {result.suspect} vs {result.reference}", ["", ""], rows)
+    rank = result.findings.get("rank")
+    of_rank = "" if rank is None else f"rank {rank} of the job on "
+    output.table(f"Bisect: {of_rank}{result.suspect} vs {result.reference}", ["", ""], rows)
     if report.get("next"):
         output.say(report["next"])
     output.say(f"Report: {result.report}")

@@ -259,12 +259,14 @@ def replay_on_device(
     after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
     apply_switches: bool = True,
     on_step: Callable[[int], None] | None = None,
+    after_step: Callable[[ReplaySession, int], None] | None = None,
 ) -> SignatureLog:
     """Replay the bundle's steps (up to ``last_step``) on one device label in this process.
 
     ``inject`` adds fault specs (``SDCREPLAY_INJECT`` is read too); ``repeat``
     varies the draws of intermittent faults between repeats; ``on_step(index)``
-    is called as each step starts (the device process's liveness signal).
+    is called as each step starts (the device process's liveness signal),
+    ``after_step(session, index)`` as it ends (a rank takes its messages).
     """
     session = ReplaySession(
         bundle,
@@ -280,6 +282,8 @@ def replay_on_device(
             if on_step is not None:
                 on_step(record.index)
             log.steps[record.index] = _run_workload_step(session, record)
+            if after_step is not None:
+                after_step(session, record.index)
         log.meta["injected"] = [injection.to_json() for injection in session.injector.fired]
         log.meta["unmatched"] = session.injector.unmatched()
         return log

@@ -125,6 +125,7 @@ class DeviceFailure:
     log: str | None = None  # its stderr file, traceback included
     stderr_tail: str | None = None  # its last stderr lines, without traceback frames
     timed_out: float | None = None  # the timeout it exceeded, in seconds
+    kind: str | None = None  # the SdcReplayError class the task raised (e.g. MessageOrderError)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -207,7 +208,7 @@ def main(argv: list[str]) -> int:
         status = 0
     except SdcReplayError as exc:
         traceback.print_exc()  # into the device's log file, for whoever debugs it
-        result = DeviceResult(error=DeviceFailure(exc.message, exc.hint))
+        result = DeviceResult(error=DeviceFailure(exc.message, exc.hint, kind=type(exc).__name__))
         status = 3
     except SystemExit as exc:  # workload code called sys.exit(): this device's failure
         traceback.print_exc()

@@ -515,6 +515,7 @@ def test_tasks_and_results_are_typed_json():
         "log": "/e.txt",
         "stderr_tail": "last",
         "timed_out": 3.0,
+        "kind": None,
     }
     with pytest.raises(TaskError, match="the device task has no 'function'"):
         DeviceTask.from_json({"device": "cpu", "result": "/r"})

@@ -1,0 +1,104 @@
+"""Ranks under PyTorch's elastic launcher: a collective across them, a rank that dies in the
+middle of one, a rank that hangs; every rank is reported and nothing waits forever.
+
+The ranks replay a single-process recording of a workload whose every loss call all-reduces a
+tensor of ones across the job (tests/misbehaving.py), so each rank meets the others in a
+collective at every step; one rank misbehaves there on purpose.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import SMALL
+
+from sdcreplay import launch
+from sdcreplay.bundle import Bundle
+from sdcreplay.compare import compare_logs
+from sdcreplay.replay import run_replay_task
+from sdcreplay.signature import read_signature_log
+
+MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
+WORKLOAD = f"{MISBEHAVING}:make_workload"
+
+
+@pytest.fixture(scope="module")
+def collective_bundles(tmp_path_factory) -> dict[str, Path]:
+    """2-step recordings (in this process, so no collective and no misbehaviour) of the workload
+    set to misbehave on cpu:1 at its second step in each way."""
+    from conftest import preserved_global_state
+
+    from sdcreplay import record
+
+    root = tmp_path_factory.mktemp("launch")
+    bundles = {}
+    for misbehave in ("none", "os_exit", "hang"):
+        out = root / f"{misbehave}.bundle"
+        kwargs = {**SMALL, "misbehave": misbehave, "collective": True, "at_step": 1}
+        with preserved_global_state():
+            record(WORKLOAD, out, steps=2, seed=0, kwargs=kwargs)
+        bundles[misbehave] = out
+    return bundles
+
+
+def replay_ranks(bundle: Path, work: Path, labels: list[str], timeout: float = 60.0):
+    return launch.run_ranks(
+        "replay",
+        run_replay_task,
+        labels,
+        lambda rank: {"bundle": str(bundle), "repeats": 1, "log_dir": str(work)},
+        work,
+        timeout=timeout,
+    )
+
+
+def test_ranks_meet_in_a_collective_and_reproduce_the_record(collective_bundles, tmp_path):
+    bundle = collective_bundles["none"]
+    results = replay_ranks(bundle, tmp_path, ["cpu:0", "cpu:1"])
+    record = Bundle.open(bundle).signature_log()
+    for rank in (0, 1):
+        value = results[rank].value
+        assert value is not None, results[rank].error
+        log = read_signature_log(Path(value["logs"][0]))
+        assert compare_logs(record, log).identical
+        # Each rank's own stdout file: both steps' all-reduce summed the two ranks' ones.
+        stdout = (tmp_path / f"replay-rank{rank}.stdout.txt").read_text()
+        assert stdout.count("all_reduce of ones: 2") == 2, stdout
+
+
+def test_a_rank_that_dies_mid_collective_is_reported_and_the_others_end(
+    collective_bundles, tmp_path
+):
+    results = replay_ranks(collective_bundles["os_exit"], tmp_path, ["cpu:0", "cpu:1", "cpu:2"])
+    dead = results[1].error
+    assert dead is not None
+    assert dead.exit_status == 7
+    assert dead.message == "rank 1 (cpu:1) exited with status 7"
+    assert dead.log == str(tmp_path / "replay-rank1.stderr.txt")
+    for rank in (0, 2):  # waiting for rank 1 in the all-reduce: ended, not left hanging
+        error = results[rank].error
+        assert error is not None
+        assert error.message.startswith(f"rank {rank} (cpu:{rank})")
+        assert not error.timed_out
+
+
+def test_a_rank_that_hangs_is_killed_after_the_timeout_and_the_others_end(
+    collective_bundles, tmp_path
+):
+    results = replay_ranks(collective_bundles["hang"], tmp_path, ["cpu:0", "cpu:1"], timeout=4)
+    errors = {rank: result.error for rank, result in results.items()}
+    assert all(error is not None for error in errors.values())
+    hung = [rank for rank, error in errors.items() if error and error.timed_out]
+    assert len(hung) == 1  # the job was stuck: one rank was killed, the launcher ended the other
+    error = errors[hung[0]]
+    assert error is not None and error.timed_out == 4
+    assert error.exit_status == -9
+    assert "made no progress for 4 s (at step 1 (repeat 0))" in error.message
+
+
+def test_rank_labels_are_one_kind_of_device():
+    assert launch.backend_for(["cpu", "cpu:3"]) == "gloo"
+    assert launch.backend_for(["cuda:0", "cuda:1"]) == "nccl"
+    with pytest.raises(launch.LaunchError, match="mix device types"):
+        launch.backend_for(["cpu:0", "cuda:1"])
