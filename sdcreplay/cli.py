@@ -414,7 +414,8 @@ def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, 
 
     replicas = max(1, len(device or []) // JobBundle.open(bundle, verify=False).world_size)
     with trust, output.stages() as progress:
-        progress.update("replaying the job's replicas", 0, replicas, "recorded devices")
+        first = ", ".join(device[: len(device) // replicas]) if device else "recorded devices"
+        progress.update("replaying the job's replicas", 0, replicas, first)
         return replay_job(
             bundle,
             device,

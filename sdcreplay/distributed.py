@@ -46,7 +46,14 @@ from .faults import distributed_rank, parse_specs
 from .launch import GROUP_TIMEOUT_FACTOR, backend_for, followed, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
 from .recorder import RecordSummary, record
-from .replay import DeviceRun, caveat_for, default_log_dir, progress_timeout, replay_on_device
+from .replay import (
+    DeviceRun,
+    caveat_for,
+    default_log_dir,
+    progress_timeout,
+    refuse_unmatched_specs,
+    replay_on_device,
+)
 from .safeio import check_json_value, read_limited
 from .signature import SignatureLog, read_signature_log, write_signature_log
 from .worker import HEARTBEAT, DeviceFailure, DeviceResult, device_task
@@ -259,6 +266,7 @@ def run_rank_replay_task(
     part = JobBundle.open(job).rank(rank)
     logs, message_logs, injected = [], [], []
     warnings: list[str] = []
+    unmatched: list[dict] | None = None
     for repeat in range(repeats):
         messages: Messages = {}
 
@@ -285,7 +293,9 @@ def run_rank_replay_task(
         message_logs.append(f"{stem}.messages.json")
         warnings = log.meta.get("warnings", [])
         injected.append(log.meta.get("injected", []))
+        unmatched = log.meta["unmatched"] if unmatched is None else unmatched
     return {
+        "unmatched": unmatched or [],
         "logs": logs,
         "messages": message_logs,
         "warnings": warnings,
@@ -621,6 +631,9 @@ def replay_job(
         structure = ranks_failure("the replay", results)
         if isinstance(structure, StructureError):
             raise structure
+        refuse_unmatched_specs(
+            [(label, rank, results[rank].value) for rank, label in enumerate(labels)]
+        )
         messages = {}
         for rank, label in enumerate(labels):
             run, found = _rank_run(job.rank(rank), label, results[rank])

@@ -487,32 +487,27 @@ def progress_timeout(bundle: Bundle) -> float:
     return round(STARTUP_SECONDS + STEP_FACTOR * max(times), 1)
 
 
-def _refuse_unmatched_specs(results: dict[str, DeviceResult]) -> None:
-    """A fault spec that selected no call on any device it applies to is a mistake in the spec,
-    not a finding."""
-    finished = {
-        label: result.value for label, result in results.items() if result.value is not None
-    }
-    reports = [value.get("unmatched") for value in finished.values()]
-    complete = [report for report in reports if report is not None]
-    if not reports or len(complete) < len(reports):
+def refuse_unmatched_specs(values: Sequence[tuple[str, int | None, dict | None]]) -> None:
+    """A fault spec that selected no call in any process it applies to is a mistake in the
+    spec, not a finding. ``values``: (device label, rank or None, the task's value or None when
+    it failed) of every process; with a failed one nothing can be concluded."""
+    if not values or any(value is None or value.get("unmatched") is None for *_, value in values):
         return
+    finished = [(label, rank, value) for label, rank, value in values if value is not None]
     by_spec: dict[str, list[str]] = {}
-    for report in complete:
-        for miss in report:
+    for *_, value in finished:
+        for miss in value["unmatched"]:
             by_spec.setdefault(miss["spec"], miss["closest"])
     for spec, closest in by_spec.items():
         applies = [
-            label
-            for label in finished
-            if any(f.applies_to(label) for f in parse_specs([spec], False))
+            (label, rank, value)
+            for label, rank, value in finished
+            if any(f.applies_to(label, rank) for f in parse_specs([spec], False))
         ]
         missed = [
-            label
-            for label in applies
-            if any(m["spec"] == spec for m in finished[label]["unmatched"])
+            entry for entry in applies if any(m["spec"] == spec for m in entry[2]["unmatched"])
         ]
-        if applies and missed == applies:
+        if applies and len(missed) == len(applies):
             raise FaultSpecError(
                 f"fault spec {spec!r} matches no operator call of the replayed steps",
                 "Closest calls: "
@@ -583,7 +578,7 @@ def replay_devices(
     if len(errors) == len(results) and len({error.message for error in errors}) == 1:
         shared = errors[0]  # the same failure everywhere: the tool's, not a device's
         raise SdcReplayError(f"every device failed: {shared.message}", shared.hint)
-    _refuse_unmatched_specs(results)
+    refuse_unmatched_specs([(label, None, result.value) for label, result in results.items()])
     runs = []
     for label in labels:
         error, value = results[label].error, results[label].value or {}

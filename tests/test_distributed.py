@@ -175,7 +175,9 @@ def test_a_rank_killed_mid_replay_is_reported_and_the_others_end(cli, misbehavin
     assert killed["log"] == str(logs / "replica0" / "replay-rank1.stderr.txt")
     other = replayed["ranks"][0]["devices"][0]["error"]  # ended, not left waiting
     assert other["message"].startswith("rank 0 (cpu:2)")
-    assert other["message"].endswith("(after rank 1 failed)")
+    # Its collective either fails on the dead peer ("... (after rank 1 failed)") or the
+    # supervisor stops it first ("was stopped after rank 1 failed (it was at ...)"): a race.
+    assert "after rank 1 failed" in other["message"], other["message"]
     assert (
         "Error: the replay failed: rank 1 (cpu:3) killed by signal SIGKILL [exit status -9] "
         "(then rank [0] ended)" in result.stderr
@@ -278,6 +280,18 @@ def test_fsdp2_ranks_record_and_replay_bit_for_bit(cli, tmp_path):
     assert names == {"gloo:_allgather_base", "gloo:_reduce_scatter_base"}
     replayed = run_json(cli, "replay", bundle, "--logs", tmp_path / "logs", *TIMEOUT, code=0)
     assert replayed["verdict"] == "correct" and replayed["origin_rank"] is None
+
+
+def test_a_fault_spec_that_fires_on_no_rank_it_names_is_an_error_not_a_finding(
+    cli, misbehaving_job
+):
+    spec = "kind=bitflip,op=aten.mm,phase=backward,module=layers.9,rank=1"
+    result = cli("replay", misbehaving_job, "-d", "cpu:0", "-d", "cpu:2", "--inject", spec)
+    assert result.exit_code == 3, result.output
+    error = result.stderr.split("Error: fault spec ")[1]
+    assert "module=layers.9" in error and "rank=1" in error, result.stderr
+    assert "matches no operator call of the replayed steps" in error
+    assert "Hint: Closest calls:" in result.stderr and "Traceback" not in result.output
 
 
 def test_job_commands_refuse_what_cannot_work_before_starting_ranks(cli, job4, small_bundle):
