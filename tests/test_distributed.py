@@ -108,6 +108,21 @@ def test_two_ranks_record_and_replay_bit_for_bit_messages_included(cli, tmp_path
     assert diffed["identical"] and diffed["world_size"] == 2
 
 
+def test_a_job_a_users_torchrun_script_recorded_replays_through_the_cli(cli, ddp_job, tmp_path):
+    """The user's own script (tests/job_script.py, run by torchrun with a Recorder in its loop,
+    its workload a function of that file) is replayed by `sdcreplay replay` through the elastic
+    launcher: every rank bit for bit, its messages (DDP's bucket, two logging all_reduces, the
+    bucket rebuild's broadcasts) equal to the record."""
+    job, _ = ddp_job
+    replayed = run_json(
+        cli, "replay", job, "--trust-workload", "--logs", tmp_path / "logs", *TIMEOUT, code=0
+    )
+    assert replayed["job"] is True and replayed["world_size"] == 2
+    assert replayed["origin_rank"] is None and replayed["first_divergent_message"] is None
+    assert replayed["verdict"] == "correct" and replayed["failed"] == []
+    assert [rank["consensus"]["verdict"] for rank in replayed["ranks"]] == ["correct"] * 2
+
+
 def test_a_bitflip_on_rank_2_of_4_is_its_origin_and_bisect_names_the_operator(cli, job4, tmp_path):
     # Replica 0 (cpu:0-3) replays clean, replica 1 (cpu:4-7) with the fault on its rank 2.
     devices = [arg for n in range(8) for arg in ("-d", f"cpu:{n}")]
