@@ -485,6 +485,23 @@ class RankReplay:
     rank: int
     runs: list[DeviceRun]
     consensus: Consensus | None
+    device: str = ""  # where this rank was recorded
+    record_spread_from: int | None = None  # the record diverged only by the origin's spread
+
+    @property
+    def suspects(self) -> list[str]:
+        """Whom this rank's vote accuses, less the runs a collective only passed corruption to
+        (``spread``)."""
+        if self.consensus is None:
+            return []
+        spread = {run.device for run in self.runs if run.spread_from is not None}
+        if self.record_spread_from is not None:
+            spread.add(RECORD)
+        return [
+            f"{RECORD}:rank{self.rank} ({self.device})" if suspect == RECORD else suspect
+            for suspect in self.consensus.suspects
+            if suspect not in spread
+        ]
 
     @property
     def record_verdict(self) -> str:
@@ -494,9 +511,18 @@ class RankReplay:
     def to_json(self) -> dict:
         return {
             "rank": self.rank,
-            "record": {"verdict": self.record_verdict},
+            "record": {
+                "verdict": "spread" if self.record_spread_from is not None else self.record_verdict,
+                **(
+                    {}
+                    if self.record_spread_from is None
+                    else {"spread_from": self.record_spread_from}
+                ),
+            },
             "devices": [run.to_json() for run in self.runs],
-            "consensus": self.consensus.to_json() if self.consensus else None,
+            "consensus": (
+                {**self.consensus.to_json(), "suspects": self.suspects} if self.consensus else None
+            ),
         }
 
 
@@ -520,6 +546,11 @@ class JobReplayReport:
         if not verdicts:
             return "error"
         return next((v for v in VERDICT_ORDER if v in verdicts), "correct")
+
+    @property
+    def suspects(self) -> list[str]:
+        """The devices a vote accuses, less those a collective only passed corruption to."""
+        return sorted({suspect for rank in self.ranks for suspect in rank.suspects})
 
     @property
     def failed(self) -> list[tuple[int, DeviceRun]]:
@@ -550,7 +581,7 @@ class JobReplayReport:
         return ranks_failure("the replay", results)
 
     def to_json(self) -> dict:
-        suspects = sorted({s for r in self.ranks if r.consensus for s in r.consensus.suspects})
+        suspects = self.suspects
         return {
             "schema": "sdcreplay.replay/1",
             "bundle": self.bundle,
@@ -704,6 +735,22 @@ def _write_replica_index(
     (directory / REPLICA_FILE).write_text(json.dumps(document, indent=1))
 
 
+def _mark_spread(ranks: list[RankReplay], replica: int, origin: Origin) -> None:
+    """A rank that diverged only because a collective brought it the origin rank's corruption
+    is not a suspect: the device it ran on computed what it was given. Without an origin (no
+    single rank went first) every diverging device stays a suspect."""
+    if origin.origin_rank is None:
+        return
+    for rank in ranks:
+        if rank.rank not in origin.spread_ranks:
+            continue
+        run = rank.runs[replica] if replica < len(rank.runs) else None
+        if run is not None and run.error is None and run.verdict in ("persistent", "intermittent"):
+            run.spread_from = origin.origin_rank
+        if rank.record_verdict in ("persistent", "intermittent"):  # the record is the odd one
+            rank.record_spread_from = origin.origin_rank
+
+
 def _report(
     job: JobBundle,
     replicas: list[list[str]],
@@ -728,13 +775,14 @@ def _report(
         for run in runs[part.rank]:
             if consensus is not None and run.device in consensus.voters:
                 run.judgement = consensus.voters[run.device]
-        ranks.append(RankReplay(part.rank, runs[part.rank], consensus))
+        ranks.append(RankReplay(part.rank, runs[part.rank], consensus, part.device))
     recorded = _upto(recorded_messages, last_step)
     replica_reports = []
     origins = []
     for index, labels in enumerate(replicas):
         repeat, origin = _replica_origin(ranks, index, record_logs, recorded, replica_messages)
         origins.append(origin)
+        _mark_spread(ranks, index, origin)
         replica_reports.append(
             {
                 "index": index,

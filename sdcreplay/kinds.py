@@ -24,7 +24,9 @@ class Phase(str, Enum):
 
 # One voter's runs against the majority; a device whose process failed is ``error``.
 DeviceVerdictName = Literal["match", "persistent", "intermittent", "undecided", "incomparable"]
-DeviceRunVerdict = Literal[DeviceVerdictName, "error"]
+# In a job, "spread": a rank's run diverged only after a collective brought it another rank's
+# corruption (that rank is the origin); it is not a suspect.
+DeviceRunVerdict = Literal[DeviceVerdictName, "spread", "error"]
 # The vote over every device (replay's answer).
 ConsensusVerdict = Literal[
     "correct", "transient", "persistent", "recording_suspect", "undecided", "incomparable"

@@ -49,6 +49,7 @@ VERDICT_STYLE = {
     "transient": "yellow",
     "undecided": "yellow",
     "incomparable": "yellow",
+    "spread": "cyan",
     "error": "bold magenta",
 }
 LONGEST_UNBROKEN = 48  # a column is never narrower than its longest word, up to this many cells
@@ -340,7 +341,11 @@ def _step_marks(per_step: dict[str, int]) -> str:
     )
 
 
-def _device_rows(runs: list[DeviceRun], consensus: Consensus | None) -> list[list[str]]:
+def _device_rows(
+    runs: list[DeviceRun], consensus: Consensus | None, record_spread_from: int | None = None
+) -> list[list[str]]:
+    """``record_spread_from``: in a job, the origin rank whose corruption reached this rank's
+    record (the record's verdict is then ``spread``)."""
     rows = []
     for run in runs:
         data = run.to_json()
@@ -348,6 +353,8 @@ def _device_rows(runs: list[DeviceRun], consensus: Consensus | None) -> list[lis
         where = f"step {first['step']} {first['name']}" if first else "-"
         repeats = f"{data['divergent_repeats']}/{data['repeats']}" if run.error is None else "-"
         verdict = styled(run.verdict)
+        if run.spread_from is not None:
+            verdict += f" (from rank {run.spread_from})"
         if run.error and run.error.get("timed_out") is not None:
             verdict += f" (timed out after {run.error['timed_out']:g} s)"
         rows.append(
@@ -363,11 +370,14 @@ def _device_rows(runs: list[DeviceRun], consensus: Consensus | None) -> list[lis
     if consensus is not None:
         record = consensus.voters["record"]
         first = record.first_divergence
+        verdict = styled(record.verdict)
+        if record_spread_from is not None:
+            verdict = f"{styled('spread')} (from rank {record_spread_from})"
         rows.insert(
             0,
             [
                 "record",
-                styled(record.verdict),
+                verdict,
                 f"step {first.step} {first.name}" if first else "-",
                 "-",
                 _step_marks({str(s): n for s, n in record.per_step.items()}),
@@ -461,7 +471,7 @@ def render_job_replay(output: Output, report: JobReplayReport) -> None:
     rows = [
         [str(rank.rank), *row]
         for rank in report.ranks
-        for row in _device_rows(rank.runs, rank.consensus)
+        for row in _device_rows(rank.runs, rank.consensus, rank.record_spread_from)
     ]
     output.table(
         f"Replay of the {report.world_size}-rank job {report.bundle}",
@@ -471,7 +481,7 @@ def render_job_replay(output: Output, report: JobReplayReport) -> None:
     for rank in report.ranks:
         _device_failures(output, rank.runs, prefix=f"rank {rank.rank} ")
     if report.verdict != "error":
-        suspects = sorted({s for r in report.ranks if r.consensus for s in r.consensus.suspects})
+        suspects = report.suspects
         who = f" (suspects: {', '.join(suspects)})" if suspects else ""
         output.say(f"Verdict: {styled(report.verdict)}{who}")
     _render_origin(output, report.origin)

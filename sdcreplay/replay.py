@@ -362,11 +362,14 @@ class DeviceRun:
     differences: list[str] = field(
         default_factory=list
     )  # result-affecting properties unlike the record's
+    spread_from: int | None = None  # in a job: the origin rank whose corruption reached it
 
     @property
     def verdict(self) -> DeviceRunVerdict:
         if self.error is not None:
             return "error"
+        if self.spread_from is not None:
+            return "spread"
         return self.judgement.verdict if self.judgement else "match"
 
     def to_json(self) -> dict:
@@ -387,6 +390,7 @@ class DeviceRun:
             "error": self.error,
             "fingerprint": self.fingerprint,
             "fingerprint_differences": self.differences,
+            **({} if self.spread_from is None else {"spread_from": self.spread_from}),
         }
 
 

@@ -146,7 +146,17 @@ def test_a_bitflip_on_rank_2_of_4_is_its_origin_and_bisect_names_the_operator(cl
     }
     assert first["profiling_name"] == "gloo:all_reduce" and first["input_differs"] == [2]
     assert replayed["verdict"] == "persistent"
-    assert replayed["suspects"] == ["cpu:4", "cpu:5", "cpu:6", "cpu:7"]
+    # Only rank 2's device is accused: the others computed what the all-reduce gave them.
+    assert replayed["suspects"] == ["cpu:6"]
+    runs = [run for rank in replayed["ranks"] for run in rank["devices"]]
+    spread = {run["device"]: run["spread_from"] for run in runs if "spread_from" in run}
+    assert spread == {"cpu:4": 2, "cpu:5": 2, "cpu:7": 2}
+    assert {run["device"]: run["verdict"] for run in runs if run["device"] >= "cpu:4"} == {
+        "cpu:4": "spread",
+        "cpu:5": "spread",
+        "cpu:6": "persistent",
+        "cpu:7": "spread",
+    }
     diffed = run_json(cli, "diff", job4, tmp_path / "logs" / "replica1", code=1)
     assert diffed["origin_rank"] == 2 and diffed["first_divergent_message"] == first
     table = cli("diff", job4, tmp_path / "logs" / "replica1").stderr
@@ -166,6 +176,32 @@ def test_a_bitflip_on_rank_2_of_4_is_its_origin_and_bisect_names_the_operator(cl
     )
     assert report["isolated"] == "kernel"
     assert report["elements"]["indices"] == [3] and report["bits"]["histogram"] == {"22": 1}
+
+
+def test_a_job_recorded_with_a_faulty_rank_accuses_that_ranks_recording_only(cli, tmp_path):
+    """The usual case: the defect was on a recording GPU. Two clean replicas agree with each
+    other against the record on every rank; only rank 1's recording is accused, rank 0's record
+    diverged because the all-reduce brought it rank 1's corruption."""
+    bundle = tmp_path / "bad.bundle"
+    with preserved_global_state():
+        record_job(
+            "builtin:tiny-llama", bundle, nproc=2, steps=2, kwargs=dict(SMALL),
+            inject=[f"{FAULT.replace('step=0', 'step=1')},rank=1"], timeout=60,
+        )  # fmt: skip
+    devices = [arg for n in range(4) for arg in ("-d", f"cpu:{n}")]
+    replayed = run_json(cli, "replay", bundle, *devices, *TIMEOUT, code=1)
+    assert replayed["verdict"] == "recording_suspect"
+    assert replayed["suspects"] == ["record:rank1 (cpu)"]
+    assert replayed["origin_rank"] == 1 and replayed["spread_ranks"] == [0]
+    assert [rank["record"] for rank in replayed["ranks"]] == [
+        {"verdict": "spread", "spread_from": 1},
+        {"verdict": "persistent"},
+    ]
+    runs = [run for rank in replayed["ranks"] for run in rank["devices"]]
+    assert {run["verdict"] for run in runs} == {"match"}
+    table = cli("replay", bundle, *devices, *TIMEOUT).stderr
+    assert "Verdict: recording_suspect (suspects: record:rank1 (cpu))" in table
+    assert "│ 0    │ record │ spread " in table, table
 
 
 def test_two_collectives_swapped_in_a_replay_are_a_structural_divergence(
