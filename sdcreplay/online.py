@@ -217,11 +217,16 @@ def _probing_backward(
     return observed_backward(lambda loss: probe.add("loss", loss), gradients)
 
 
+class TrainingStopped(SdcReplayError):
+    """A detector stopped training at a step: the state is as it was before that step, and the
+    alarm's bundle (with a ring Recorder) holds the evidence. Catch this to stop a loop."""
+
+
 # ---------------------------------------------------------------------------
 # ReplayCheck
 
 
-class SDCReplayMismatch(SdcReplayError):
+class SDCReplayMismatch(TrainingStopped):
     """A replayed execution of a step differed from its reference: raised on every rank,
     before the optimizer step.
 
@@ -634,11 +639,33 @@ class Alarm:
 
     def describe(self) -> str:
         verdict = self.classification or "unresolved"
-        text = f"step {self.step}: {', '.join(self.reasons)} -> {verdict}"
+        text = f"step {self.step}: {summarize_reasons(self.reasons)} -> {verdict}"
         return text + (f" (bundle {self.bundle})" if self.bundle else "")
 
 
-class PersistentFaultError(SdcReplayError):
+def summarize_reasons(reasons: list[str], shown: int = 3) -> str:
+    """Reasons a person can read: a NaN reaches every parameter, so ``nonfinite:grad:NAME``
+    for 40 names becomes ``nonfinite:grad (40 parameters: a, b, c, ...)``."""
+    groups: dict[str, list[str]] = {}
+    for reason in reasons:
+        kind, _, name = reason.rpartition(":")
+        if kind.endswith(("grad", "update")):  # (nonfinite:)grad:NAME, (nonfinite:)update:NAME
+            groups.setdefault(kind, []).append(name)
+        else:
+            groups.setdefault(reason, [])
+    parts = []
+    for kind, names in groups.items():
+        if len(names) == 1:
+            parts.append(f"{kind}:{names[0]}")
+        elif names:
+            more = ", ..." if len(names) > shown else ""
+            parts.append(f"{kind} ({len(names)} parameters: {', '.join(names[:shown])}{more})")
+        else:
+            parts.append(kind)
+    return ", ".join(parts)
+
+
+class PersistentFaultError(TrainingStopped):
     """A recompute on this device reproduced a wrong result: another device did not (the second
     opinion), or, without one, such alarms ended ``persistent_after`` steps in a row."""
 
@@ -655,13 +682,36 @@ class PersistentFaultError(SdcReplayError):
         )
 
 
-class RecomputeLimitError(SdcReplayError):
+class NonFiniteResultError(TrainingStopped):
+    """A step gives NaN/Inf again when recomputed from the same state: there is no transient
+    fault to recompute away, and training cannot go on from a non-finite result. Megatron
+    stops the job on a reproducible NaN too; a second device tells a numerical problem (it
+    gives NaN as well) from a persistent fault (it does not: ``PersistentFaultError``)."""
+
+    def __init__(self, alarm: Alarm):
+        self.alarm = alarm
+        where = (
+            f"`sdcreplay replay {alarm.bundle} --device D` on another device"
+            if alarm.bundle
+            else "the step on another device (second_opinion=; a ring Recorder keeps a bundle)"
+        )
+        super().__init__(
+            f"step {alarm.step} gives NaN/Inf again when recomputed "
+            f"({summarize_reasons(alarm.reasons)}): not a transient fault, and training cannot "
+            "go on from it; the step was rolled back",
+            f"A numerical problem of the model or its data, or a persistent device fault: run "
+            f"{where}; a finite result there accuses this device.",
+        )
+
+
+class RecomputeLimitError(TrainingStopped):
     """Every recompute of a step alarmed with another result: nothing trustworthy to keep."""
 
     def __init__(self, alarm: Alarm, limit: int):
         self.alarm = alarm
         super().__init__(
-            f"{limit} recomputes of step {alarm.step} all alarmed ({', '.join(alarm.reasons)}) "
+            f"{limit} recomputes of step {alarm.step} all alarmed "
+            f"({summarize_reasons(alarm.reasons)}) "
             "and disagreed with each other; the step was rolled back",
             "The device fails intermittently but often: take it out of service"
             + (f" and bisect {alarm.bundle}." if alarm.bundle else "."),
@@ -989,6 +1039,11 @@ class UpdateDetector:
             original = alarm.original
             if outcome == _PASSED and original is not None and seen.result != original.result:
                 return self._transient(batch, snapshot, alarm, seen, loss)
+            nonfinite = any(reason.startswith("nonfinite:") for reason in alarm.reasons)
+            if _highest(int(outcome == _REPEATED and nonfinite), self.group):
+                self._classify(alarm, "correct")  # this device is not accused, yet NaN stays out
+                self._give_up(snapshot, alarm)
+                raise NonFiniteResultError(alarm)
             return self._correct(alarm, seen, loss)
         self._classify(alarm, "persistent")
         self._give_up(snapshot, alarm)
@@ -1009,7 +1064,7 @@ class UpdateDetector:
     def _dump(self, alarm: Alarm) -> None:
         assert self.recorder is not None
         path = self.recorder.dump(
-            f"UpdateDetector: step {alarm.step} {', '.join(alarm.reasons)} "
+            f"UpdateDetector: step {alarm.step} {summarize_reasons(alarm.reasons)} "
             f"({alarm.classification or 'unresolved'})",
             source="UpdateDetector",
         )

@@ -63,10 +63,8 @@ from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMis
 from .faults import Injector, parse_specs
 from .jobs import JobRecording, distributed_job
 from .online import (
-    PersistentFaultError,
-    RecomputeLimitError,
     ReplayCheck,
-    SDCReplayMismatch,
+    TrainingStopped,
     UpdateDetector,
 )
 from .replay import ReplaySession
@@ -647,7 +645,11 @@ class RecordSummary:
     verification: dict
     ring: dict | None = None  # {size, peak_nbytes, dumps: [{bundle, trigger}], stopped}
 
-    exit_code = 0  # a recording is never a finding
+    @property
+    def exit_code(self) -> int:
+        """A recording is no finding; a detector's alarm during it (``--ring``) is (exit 1)."""
+        dumps = self.ring["dumps"] if self.ring else []
+        return 1 if any(dump["trigger"]["source"] != "record" for dump in dumps) else 0
 
     def to_json(self) -> dict:
         return {
@@ -737,7 +739,7 @@ def record(
                 try:
                     with mode:
                         loss = detector.run_step(batch)
-                except (SDCReplayMismatch, PersistentFaultError, RecomputeLimitError) as alarm:
+                except TrainingStopped as alarm:
                     stopped = f"step {index}: {alarm.message}"
                     break
             else:

@@ -28,11 +28,13 @@ from sdcreplay.errors import SdcReplayError
 from sdcreplay.faults import Injector, parse_specs
 from sdcreplay.online import (
     AttributeScalar,
+    NonFiniteResultError,
     PersistentFaultError,
     RecomputeLimitError,
     ReplayCheck,
     ReplicaOpinion,
     SDCReplayMismatch,
+    TrainingStopped,
     UpdateDetector,
 )
 from sdcreplay.recorder import Recorder
@@ -633,6 +635,25 @@ def test_nan_in_the_gradients_alarms_without_warmup_and_is_recomputed_away() -> 
     assert "nonfinite:grad:layers.0.mlp.w2.weight" in alarm.reasons
     assert all(reason.startswith("nonfinite:") for reason in alarm.reasons)
     assert all(math.isfinite(p.sum().item()) for p in detector.workload.model.parameters())
+
+
+def test_a_nan_that_the_recompute_gives_again_stops_training_before_it() -> None:
+    """A sticky NaN is no transient fault (the recompute repeats it) and no device is accused
+    without a second opinion, yet NaN never reaches the parameters: the step is rolled back."""
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=2,index=3"
+    workload = small_llama()
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5)
+    for i in range(2):
+        detector.run_step(workload.get_batch(i))
+    before = [p.detach().clone() for p in workload.model.parameters()]
+    with pytest.raises(NonFiniteResultError) as stopped:
+        with injected(workload.model, workload.optimizer, spec, 2):
+            detector.run_step(workload.get_batch(2))
+    alarm = stopped.value.alarm
+    assert (alarm.step, alarm.classification, alarm.recomputes) == (2, "correct", 1)
+    assert "nonfinite:grad (" in stopped.value.message  # every gradient: summarized
+    assert all(torch.equal(a, b) for a, b in zip(before, workload.model.parameters()))
+    assert isinstance(stopped.value, TrainingStopped) and "another device" in stopped.value.hint
 
 
 def test_an_unusual_update_norm_alarms_by_parameter() -> None:

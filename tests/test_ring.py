@@ -222,7 +222,7 @@ def test_record_ring_with_a_detector_writes_the_alarm_bundle(tmp_path, cli):
         "record", "builtin:tiny-llama", *SMALL_ARGS, "--steps", "8", "--out", out,
         "--ring", str(K), "--dump-on", "update", "--inject", spec, "--json",
     )  # fmt: skip
-    assert recorded.exit_code == 0, recorded.stderr
+    assert recorded.exit_code == 1, recorded.stderr  # an alarm is a finding
     summary = json.loads(recorded.stdout)
     assert (summary["bundle"], summary["steps"]) == (str(out), 8)
     (dump,) = summary["ring"]["dumps"]
