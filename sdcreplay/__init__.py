@@ -13,16 +13,23 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Bundle": "bundle",
+    "JobBundle": "bundle",
     "describe": "bundle",
     "compare_logs": "compare",
     "vote": "compare",
+    "record_job": "distributed",
+    "replay_job": "distributed",
     "SdcReplayError": "errors",
     "WorkloadMismatchError": "errors",
+    "ReplayCheck": "online",
+    "TrainingStopped": "online",
+    "UpdateDetector": "online",
     "Recorder": "recorder",
     "record": "recorder",
     "ReplaySession": "replay",
     "replay_devices": "replay",
     "replay_on_device": "replay",
+    "TrainingSnapshot": "snapshot",
     "SignatureLog": "signature",
     "read_signature_log": "signature",
     "Workload": "workload",
@@ -31,10 +38,15 @@ _EXPORTS = {
 
 __all__ = [
     "Bundle",
+    "JobBundle",
     "Recorder",
+    "ReplayCheck",
     "ReplaySession",
     "SdcReplayError",
     "SignatureLog",
+    "TrainingSnapshot",
+    "TrainingStopped",
+    "UpdateDetector",
     "Workload",
     "WorkloadMismatchError",
     "build_workload",
@@ -42,18 +54,23 @@ __all__ = [
     "describe",
     "read_signature_log",
     "record",
+    "record_job",
     "replay_devices",
+    "replay_job",
     "replay_on_device",
     "vote",
 ]
 
 if TYPE_CHECKING:
-    from .bundle import Bundle, describe
+    from .bundle import Bundle, JobBundle, describe
     from .compare import compare_logs, vote
+    from .distributed import record_job, replay_job
     from .errors import SdcReplayError, WorkloadMismatchError
+    from .online import ReplayCheck, TrainingStopped, UpdateDetector
     from .recorder import Recorder, record
     from .replay import ReplaySession, replay_devices, replay_on_device
     from .signature import SignatureLog, read_signature_log
+    from .snapshot import TrainingSnapshot
     from .workload import Workload, build_workload
 
 
