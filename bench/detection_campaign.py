@@ -341,14 +341,18 @@ class Updates:
         )
 
     def run(self, step: int, batch) -> dict | None:
-        from sdcreplay.online import PersistentFaultError, RecomputeLimitError
+        from sdcreplay.online import (
+            NonFiniteResultError,
+            PersistentFaultError,
+            RecomputeLimitError,
+        )
 
         before = len(self.detector.alarms)
         fatal = True
         try:
             self.detector.run_step(batch, step=step)
             fatal = False
-        except (PersistentFaultError, RecomputeLimitError) as error:
+        except (PersistentFaultError, RecomputeLimitError, NonFiniteResultError) as error:
             alarm = error.alarm
         else:
             if len(self.detector.alarms) == before:
