@@ -243,20 +243,28 @@ class SDCReplayMismatch(TrainingStopped):
         step: int,
         local_step: int,
         replay: int,
-        rank: int,
+        rank: int | None,
         entry: str,
         micro_batch: int | None = None,
         elements: int | None = None,
         bit_histogram: dict[int, int] | None = None,
         bundle: str | None = None,
+        ranks: list[int] | None = None,
     ):
         self.step, self.local_step, self.replay, self.rank = step, local_step, replay, rank
+        self.ranks = [rank] if ranks is None and rank is not None else list(ranks or [])
         self.entry, self.micro_batch = entry, micro_batch
         self.elements, self.bit_histogram, self.bundle = elements, bit_histogram, bundle
         message = (
             f"SDC replay mismatch: step={step}, local_step={local_step}, replay={replay}, "
             f"rank={rank}, entry={entry!r}"
         )
+        if rank is None:
+            message += (
+                f" (ranks {', '.join(map(str, self.ranks))} differ there at once: a collective "
+                "spread it before the first checked entry, so this check cannot tell which "
+                "rank went wrong first)"
+            )
         if elements is not None:
             bits = ", ".join(f"bit {b}: {n}" for b, n in sorted((bit_histogram or {}).items()))
             message += f"; {elements} element(s) differ ({bits})"
@@ -265,6 +273,12 @@ class SDCReplayMismatch(TrainingStopped):
             hint = (
                 f"Replay the failing step on other devices (`sdcreplay replay {bundle} "
                 f"--device ...`) and localize the operator (`sdcreplay bisect {bundle}`)."
+            )
+        elif rank is None:
+            hint = (
+                "Record the job with a Recorder under torchrun (or `sdcreplay record --nproc`) "
+                "and replay it: its message log names the rank whose input to the collective "
+                "went wrong first (docs/distributed.md). Accuse no device before that."
             )
         else:
             hint = (
@@ -465,7 +479,7 @@ class ReplayCheck:
             bundle = str(
                 self.recorder.dump(
                     f"ReplayCheck: step {step} replay {verdict['replay']} differs at "
-                    f"{difference.entry} on rank {verdict['rank']}",
+                    f"{difference.entry} on rank {verdict['rank']}",  # one rank: no job
                     source="ReplayCheck",
                 )
             )
@@ -481,7 +495,8 @@ class ReplayCheck:
             step=step,
             local_step=self.local_step,
             replay=verdict["replay"],
-            rank=verdict["rank"],
+            rank=verdict["rank"] if len(verdict["ranks"]) == 1 else None,
+            ranks=verdict["ranks"],
             entry=difference.entry,
             micro_batch=difference.micro_batch,
             elements=None if forensics is None else forensics["count"],
@@ -564,9 +579,11 @@ def _highest(value: int, group: Any) -> int:
 
 def _first_rank(local: dict | None, group: Any) -> dict | None:
     """The mismatch every rank reports: the one whose first differing entry comes first in the
-    step (a fault upstream of a collective shows first where it happened), then lowest rank."""
+    step (a fault upstream of a collective shows first where it happened). ``ranks``: every
+    rank whose first difference is at that place; more than one means a collective spread it
+    there and no rank can be named (``rank`` is then only the one that shares its details)."""
     if not _distributed(group):
-        return None if local is None else {**local, "rank": 0}
+        return None if local is None else {**local, "rank": 0, "ranks": [0]}
     if not _highest(0 if local is None else 1, group):
         return None
     with _own_work():
@@ -579,9 +596,21 @@ def _first_rank(local: dict | None, group: Any) -> dict | None:
         ((r, s) for r, s in enumerate(gathered) if s is not None),
         key=lambda item: (item[1]["position"], item[0]),
     )
+    place = ("replay", "position", "entry")
+    tied = [
+        r
+        for r, s in enumerate(gathered)
+        if s is not None and all(s[key] == chosen[key] for key in place)
+    ]
     replay = chosen.pop("replay")
     kept = local["kept"] if local is not None and rank == _rank(group) else None
-    return {"rank": rank, "replay": replay, "difference": Difference(**chosen), "kept": kept}
+    return {
+        "rank": rank,
+        "ranks": tied,
+        "replay": replay,
+        "difference": Difference(**chosen),
+        "kept": kept,
+    }
 
 
 def _forensics(difference: Difference, evidence: _Probe, kept: torch.Tensor | None) -> dict | None:

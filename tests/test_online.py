@@ -524,6 +524,7 @@ def run(detector, spec, steps):
             result["steps"] += 1
         except SDCReplayMismatch as error:
             result.update(step=error.step, replay=error.replay, failing_rank=error.rank,
+                          ranks=error.ranks, message=error.message,
                           entry=error.entry, elements=error.elements,
                           histogram=error.bit_histogram, fired=len(injector.fired))
             break
@@ -537,16 +538,20 @@ detector = UpdateDetector(model=ddp, optimizer=optimizer, train_step=train_step,
 update = run(detector, sys.argv[3], 10)
 update["alarms"] = [[a.step, a.reasons, a.classification] for a in detector.alarms]
 update["weights"] = [p.sum().item() for p in model.parameters()]
+spread = run(ReplayCheck(model=ddp, optimizer=optimizer, train_step=train_step, num_steps=-1),
+             sys.argv[4], 4)
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as out:
-    json.dump({"replay": replay, "update": update}, out)
+    json.dump({"replay": replay, "update": update, "spread": spread}, out)
 dist.destroy_process_group()
 """
 
 
-# Rank 1's replay of step 2 computes fc1 wrongly; later its step 6 gradient once.
+# Rank 1's replay of step 2 computes fc1 wrongly; later its step 6 gradient once; then its
+# replay of step 1's fc1 weight gradient, which DDP's all-reduce hands to rank 0 too.
 RANK_FAULTS = (
     "kind=bitflip,op=aten.mm,module=fc1,phase=forward,step=2,nth=1,index=5,bit=22",
     "kind=bias,op=aten.mm,module=fc1,phase=backward,step=6,nth=0,index=5,scale=1e4",
+    "kind=bitflip,op=aten.mm,module=fc1,phase=backward,step=1,nth=1,index=5,bit=22",
 )
 
 
@@ -576,6 +581,19 @@ def test_two_gloo_ranks_agree_on_the_mismatching_rank(two_ranks: list[dict]) -> 
         assert result["entry"] == "loss"
     assert results[1]["fired"] == 1 and results[0]["fired"] == 0
     assert results[0]["elements"] == results[1]["elements"] == 1  # rank 1's loss, shared
+
+
+def test_a_gradient_spread_by_the_all_reduce_accuses_no_rank(two_ranks: list[dict]) -> None:
+    """Rank 1's backward fault reaches both ranks' gradients through DDP's all-reduce before
+    any entry this check sees differs on rank 1 alone: both ranks differ at the same entry, so
+    no rank is named (naming the lowest would accuse rank 0's healthy device)."""
+    results = [ranks["spread"] for ranks in two_ranks]
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and result["steps"] == 1
+        assert (result["step"], result["replay"], result["failing_rank"]) == (1, 1, None)
+        assert result["ranks"] == [0, 1] and result["entry"] == "grad:module.fc1.weight"
+        assert "cannot tell which rank went wrong first" in result["message"]
+    assert results[1]["fired"] == 1 and results[0]["fired"] == 0
 
 
 def test_two_gloo_ranks_roll_back_and_recompute_together(two_ranks: list[dict]) -> None:
