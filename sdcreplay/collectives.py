@@ -237,6 +237,11 @@ def install() -> None:
     _installed.append(library)
 
 
+def log_open() -> bool:
+    """Is a message log open in this process (a recording's or a replay's step)?"""
+    return _active is not None
+
+
 class MessageLog:
     """A rank's messages, step by step: ``begin_step(i)``, the step, ``end_step()``.
 

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .capture import _own_work, grads_entering, observed_backward, state_object_items
+from .collectives import Message, MessageLog, log_open
 from .determinism import capture_rng, restore_rng
-from .digest import Digester, SignatureValue
+from .digest import Digester, SignatureValue, algorithm_for
 from .errors import SdcReplayError
 from .forensics import element_forensics
 from .snapshot import TrainingSnapshot, copy_state
@@ -143,6 +144,10 @@ class _Probe:
     ) -> None:
         self.reference = reference
         self.watch = watch
+        # Under torch.distributed: the execution's collectives up to the optimizer's step, and
+        # the reference's, so the rank whose input to one differs first can be named.
+        self.messages: list[Message] | None = None
+        self.reference_messages: list[Message] | None = None
         self.entries: list[tuple[str, str]] = []
         self.difference: Difference | None = None
         self.kept: torch.Tensor | None = None
@@ -184,6 +189,13 @@ class _Probe:
         )
         if expected is not None and expected[0] == name:
             self.kept = _copied(self._values[name])
+
+    def first_input_difference(self) -> int | None:
+        """Issue order of the first collective whose input differs from the reference's."""
+        if self.messages is None or self.reference_messages is None:
+            return None
+        pairs = enumerate(zip(self.messages, self.reference_messages))
+        return next((i for i, (a, b) in pairs if a.input_digest != b.input_digest), None)
 
     def finish(self) -> None:
         """The execution ended: an entry the reference has beyond the end is a difference."""
@@ -335,6 +347,7 @@ class ReplayCheck:
         self.checked_steps = 0
         self._probe: _Probe | None = None
         self._on_optimizer: Callable[[], None] | None = None
+        self._messages: MessageLog | None = None  # the running execution's, under ranks
         # A global hook runs before every optimizer's own pre-hooks (an OperatorMode's, a
         # Recorder's), so an execution it stops leaves them untouched. It holds the check
         # weakly and goes when the check does (or at close()).
@@ -391,11 +404,13 @@ class ReplayCheck:
         for replay in range(1, self.num_replays):
             baseline.restore()
             probe = _Probe(reference.entries)
+            probe.reference_messages = reference.messages
             self._execute(batch, probe)
             if first is None and probe.difference is not None:
                 first = (replay, probe)
         baseline.restore()
         last = _Probe(reference.entries)
+        last.reference_messages = reference.messages
         try:
             with self._recording(batch):
                 return self._execute(batch, last, keep=lambda: self._agree(first, last))
@@ -409,11 +424,19 @@ class ReplayCheck:
         """Run the step under ``probe``: up to the optimizer's step, or, with ``keep``, through
         it once ``keep()`` (called at the optimizer's step) lets it."""
         self._probe, self._on_optimizer = probe, keep
+        if _distributed(self.group) and not log_open():  # a job recording logs them itself
+            self._messages = MessageLog(algorithm_for(_device_of(self.workload.model).type))
+            self._messages.begin_step(0)
         try:
             with _probing_backward(probe, self.workload.model):
                 loss = self.workload.run_step(batch)
         except _OptimizerReached:
             return None
+        except BaseException:
+            if self._messages is not None:  # the step raised before its optimizer step
+                self._messages.abandon()
+                self._messages = None
+            raise
         finally:
             self._probe, self._on_optimizer = None, None
         if not probe.finished:  # the step did not step the optimizer: it ends here
@@ -432,7 +455,11 @@ class ReplayCheck:
         self._on_optimizer()
 
     def _end_entries(self, probe: _Probe) -> None:
-        """What the step leaves besides gradients: buffers, RNG, scalars, state objects."""
+        """What the step leaves besides gradients: buffers, RNG, scalars, state objects; and
+        the collectives issued so far (the gradients' all-reduces)."""
+        if self._messages is not None:
+            probe.messages = self._messages.end_step()
+            self._messages = None
         model = self.workload.model
         with _own_work():
             for name, buffer in model.named_buffers():
@@ -454,7 +481,12 @@ class ReplayCheck:
         if first is not None:
             replay, probe = first
             assert probe.difference is not None
-            local = {"replay": replay, "difference": probe.difference, "kept": probe.kept}
+            local = {
+                "replay": replay,
+                "difference": probe.difference,
+                "kept": probe.kept,
+                "message": probe.first_input_difference(),
+            }
         verdict = _first_rank(local, self.group)
         if verdict is not None:
             raise _StepAborted(verdict)
@@ -578,31 +610,43 @@ def _highest(value: int, group: Any) -> int:
 
 
 def _first_rank(local: dict | None, group: Any) -> dict | None:
-    """The mismatch every rank reports: the one whose first differing entry comes first in the
-    step (a fault upstream of a collective shows first where it happened). ``ranks``: every
-    rank whose first difference is at that place; more than one means a collective spread it
-    there and no rank can be named (``rank`` is then only the one that shares its details)."""
+    """The mismatch every rank reports. Where a collective's input differs (from the same
+    rank's reference execution): the rank whose input differs at the earliest collective, as
+    the job replay's origin rule; else the one whose first differing entry comes first in the
+    step (a forward fault changes the loss of its own rank before any all-reduce). ``ranks``:
+    every rank at that place; more than one means no rank can be named (``rank`` is then only
+    the one that shares its details)."""
     if not _distributed(group):
         return None if local is None else {**local, "rank": 0, "ranks": [0]}
     if not _highest(0 if local is None else 1, group):
         return None
     with _own_work():
         summary = (
-            None if local is None else {"replay": local["replay"], **vars(local["difference"])}
+            None
+            if local is None
+            else {
+                "replay": local["replay"],
+                "message": local["message"],
+                **vars(local["difference"]),
+            }
         )
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, summary, group=group)
-    rank, chosen = min(
-        ((r, s) for r, s in enumerate(gathered) if s is not None),
-        key=lambda item: (item[1]["position"], item[0]),
-    )
-    place = ("replay", "position", "entry")
+    differing = [(r, s) for r, s in enumerate(gathered) if s is not None]
+    by_message = [(r, s) for r, s in differing if s["message"] is not None]
+    if by_message:
+        rank, chosen = min(by_message, key=lambda item: (item[1]["message"], item[0]))
+        place: tuple[str, ...] = ("replay", "message")
+    else:
+        rank, chosen = min(differing, key=lambda item: (item[1]["position"], item[0]))
+        place = ("replay", "position", "entry")
     tied = [
         r
         for r, s in enumerate(gathered)
         if s is not None and all(s[key] == chosen[key] for key in place)
     ]
     replay = chosen.pop("replay")
+    chosen.pop("message")
     kept = local["kept"] if local is not None and rank == _rank(group) else None
     return {
         "rank": rank,
