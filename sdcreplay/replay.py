@@ -495,9 +495,9 @@ def refuse_unmatched_specs(values: Sequence[tuple[str, int | None, dict | None]]
     """A fault spec that selected no call in any process it applies to is a mistake in the
     spec, not a finding. ``values``: (device label, rank or None, the task's value or None when
     it failed) of every process; with a failed one nothing can be concluded."""
-    if not values or any(value is None or value.get("unmatched") is None for *_, value in values):
-        return
     finished = [(label, rank, value) for label, rank, value in values if value is not None]
+    if not values or len(finished) < len(values) or any("unmatched" not in v for *_, v in finished):
+        return
     by_spec: dict[str, list[str]] = {}
     for *_, value in finished:
         for miss in value["unmatched"]:
