@@ -307,9 +307,9 @@ class MessageLog:
         with self._lock:
             message = self._message(layout, args)
             self._check(message)
-            # Progress a stuck job's watchdog sees: ranks waiting here beat after a rank stuck
-            # before its call (launch.py kills the rank with the oldest beat).
-            HEARTBEAT.beat(f"step {message.step}, {message.profiling_name} {message.record_id}")
+            # Progress a stuck job's watchdog sees: ranks waiting here issued more collectives
+            # than a rank stuck before its call (launch.py kills the one that issued fewest).
+            HEARTBEAT.issuing(f"step {message.step}, {message.profiling_name} {message.record_id}")
             result = _below_autograd(op, args, kwargs)
             position = len(self.messages)
             self.messages.append(message)

@@ -246,7 +246,7 @@ class _Rank(processes.Liveness):
 
 class _Watchdog(threading.Thread):
     """Kills the rank the others wait for when no unfinished rank progressed for ``timeout``:
-    the one whose last beat is oldest (ranks beat as they issue each collective)."""
+    the one that issued fewest collectives, of those the one whose last beat is oldest."""
 
     def __init__(self, ranks: list[_Rank], timeout: float):
         super().__init__(name="sdcreplay-rank-watchdog", daemon=True)
@@ -267,7 +267,7 @@ class _Watchdog(threading.Thread):
             waiting = [rank for rank in self.ranks if not rank.finished()]
             if not waiting or not all(self.stale(rank) for rank in waiting):
                 continue
-            laggard = min(waiting, key=lambda r: r.last_progress())
+            laggard = min(waiting, key=lambda r: (r.collectives_issued(), r.last_progress()))
             pid = laggard.pid()
             if pid is None:
                 continue  # not started yet: the rendezvous has its own timeout

@@ -145,10 +145,19 @@ class Liveness:
             return max(self.started, self.alive.stat().st_mtime)
         return self.started
 
-    def where(self) -> str:
+    def _beat(self) -> list[str]:
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            return self.alive.read_text()[:80] or "start-up"
-        return "start-up"
+            return self.alive.read_text().split("\n")
+        return []
+
+    def where(self) -> str:
+        return (self._beat() or [""])[0][:80] or "start-up"
+
+    def collectives_issued(self) -> int:
+        beat = self._beat()
+        with contextlib.suppress(IndexError, ValueError):
+            return int(beat[1])
+        return 0
 
 
 @dataclass

@@ -8,6 +8,9 @@ collective at every step; one rank misbehaves there on purpose.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +105,35 @@ def test_rank_labels_are_one_kind_of_device():
     assert launch.backend_for(["cuda:0", "cuda:1"]) == "nccl"
     with pytest.raises(launch.LaunchError, match="mix device types"):
         launch.backend_for(["cpu:0", "cuda:1"])
+
+
+def test_the_watchdog_kills_the_rank_that_issued_fewest_collectives_not_the_last_to_beat(
+    tmp_path,
+):
+    """The race CI met: rank 0 issued its collective and waits; slower rank 1 beat after it
+    (its step began) and then stalled before its call. The oldest beat is rank 0's, a healthy
+    rank; the rank the job waits for is the one that issued fewer collectives."""
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+    sleepers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    try:
+        ranks = []
+        beats = {0: ("step 1, gloo:all_reduce 3", 4, 100.0), 1: ("step 1 (repeat 0)", 3, 101.0)}
+        for rank, (where, issued, when) in beats.items():
+            stem = tmp_path / f"replay-rank{rank}"
+            state = launch._Rank(Path(f"{stem}.alive"), 0.0, rank, f"cpu:{rank}", stem)
+            state.alive.write_text(f"{where}\n{issued}")
+            os.utime(state.alive, (when, when))
+            Path(f"{state.task}.pid").write_text(str(sleepers[rank].pid))
+            ranks.append(state)
+        assert ranks[0].last_progress() < ranks[1].last_progress()
+        assert [state.collectives_issued() for state in ranks] == [4, 3]
+        watchdog = launch._Watchdog(ranks, timeout=0.2)
+        watchdog.start()
+        assert sleepers[1].wait(timeout=30) == -9
+        watchdog.stop()
+        assert watchdog.killed == (1, "step 1 (repeat 0)")
+        assert sleepers[0].poll() is None  # the healthy rank was left alone
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
