@@ -128,6 +128,7 @@ class Difference:
     entry: str
     reference: str | None  # its digest there; None: the reference has no entry there
     micro_batch: int | None  # the backward (0-based) it came from; None: end-of-step entries
+    found: str | None = None  # the execution's digest of that entry; None: it has none there
 
 
 class _Probe:
@@ -181,13 +182,15 @@ class _Probe:
         expected = self.reference[position] if position < len(self.reference) else None
         if expected == (name, digest):
             return
+        same_entry = expected is not None and expected[0] == name
         self.difference = Difference(
             position,
             name if expected is None else expected[0],
             None if expected is None else expected[1],
             micro_batch,
+            digest if expected is None or same_entry else None,
         )
-        if expected is not None and expected[0] == name:
+        if same_entry:
             self.kept = _copied(self._values[name])
 
     def first_input_difference(self) -> int | None:
@@ -247,6 +250,9 @@ class SDCReplayMismatch(TrainingStopped):
     ``state:...``); ``elements`` and ``bit_histogram`` (bit -> elements with it flipped)
     compare that tensor of the odd execution with a third execution that agreed with the
     other one (None where it is not a tensor, or the reference was the odd one out).
+    ``evidence`` says which one that third execution agreed with: ``"reference"``,
+    ``"replay"``, or ``"neither"``, a step whose result changes with every execution (state
+    the check does not restore, a non-deterministic kernel), which accuses no device.
     """
 
     def __init__(
@@ -262,11 +268,13 @@ class SDCReplayMismatch(TrainingStopped):
         bit_histogram: dict[int, int] | None = None,
         bundle: str | None = None,
         ranks: list[int] | None = None,
+        evidence: str | None = None,
     ):
         self.step, self.local_step, self.replay, self.rank = step, local_step, replay, rank
         self.ranks = [rank] if ranks is None and rank is not None else list(ranks or [])
         self.entry, self.micro_batch = entry, micro_batch
         self.elements, self.bit_histogram, self.bundle = elements, bit_histogram, bundle
+        self.evidence = evidence
         message = (
             f"SDC replay mismatch: step={step}, local_step={local_step}, replay={replay}, "
             f"rank={rank}, entry={entry!r}"
@@ -280,7 +288,20 @@ class SDCReplayMismatch(TrainingStopped):
         if elements is not None:
             bits = ", ".join(f"bit {b}: {n}" for b, n in sorted((bit_histogram or {}).items()))
             message += f"; {elements} element(s) differ ({bits})"
-        if bundle is not None:
+        if evidence == "neither":
+            message += (
+                "; a third execution agreed with neither: the step's result changes with every "
+                "execution, which by itself accuses no device"
+            )
+        if evidence == "neither":
+            hint = (
+                "Give the check every object the step changes (state={...}: a GradScaler, "
+                "schedulers; scalars={...}: counters), run the step with sdcreplay's "
+                "determinism switches (deterministic algorithms, no non-deterministic "
+                "kernels), and check again; a device is suspect only if the step then still "
+                "differs between executions."
+            )
+        elif bundle is not None:
             message += f"; bundle {bundle}"
             hint = (
                 f"Replay the failing step on other devices (`sdcreplay replay {bundle} "
@@ -432,10 +453,17 @@ class ReplayCheck:
                 loss = self.workload.run_step(batch)
         except _OptimizerReached:
             return None
-        except BaseException:
+        except BaseException as exc:
             if self._messages is not None:  # the step raised before its optimizer step
                 self._messages.abandon()
                 self._messages = None
+            if _unscaled_twice(exc):
+                raise SdcReplayError(
+                    "the step's GradScaler refused to unscale the replayed execution's gradients: "
+                    "it still remembers the stopped execution's unscale_()",
+                    "Give the GradScaler to the check with the loop's other state objects "
+                    "(state={'scaler': scaler}): it is restored between executions.",
+                ) from exc
             raise
         finally:
             self._probe, self._on_optimizer = None, None
@@ -522,7 +550,7 @@ class ReplayCheck:
             self._execute(batch, evidence)
             baseline.restore()
         forensics = _forensics(difference, evidence, verdict.get("kept")) if mine else None
-        forensics = _shared(forensics, verdict["rank"], self.group)
+        forensics = _shared(forensics, verdict["rank"], self.group) or {}
         return SDCReplayMismatch(
             step=step,
             local_step=self.local_step,
@@ -531,10 +559,15 @@ class ReplayCheck:
             ranks=verdict["ranks"],
             entry=difference.entry,
             micro_batch=difference.micro_batch,
-            elements=None if forensics is None else forensics["count"],
-            bit_histogram=None if forensics is None else forensics["histogram"],
+            elements=forensics.get("count"),
+            bit_histogram=forensics.get("histogram"),
             bundle=bundle,
+            evidence=forensics.get("evidence"),
         )
+
+
+def _unscaled_twice(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and "unscale_() has already been called" in str(exc)
 
 
 def _weakly(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
@@ -657,17 +690,22 @@ def _first_rank(local: dict | None, group: Any) -> dict | None:
     }
 
 
-def _forensics(difference: Difference, evidence: _Probe, kept: torch.Tensor | None) -> dict | None:
-    """Compare the odd execution's tensor with the evidence execution's, when the evidence
-    agrees with the reference (so the replay was the odd one)."""
+def _forensics(difference: Difference, evidence: _Probe, kept: torch.Tensor | None) -> dict:
+    """Which execution the evidence execution agrees with at the differing entry; when it is
+    the reference (the replay was the odd one), the replay's tensor compared with its own."""
     digest = dict(evidence.entries).get(difference.entry)
-    if kept is None or evidence.kept is None or digest != difference.reference:
-        return None
+    if digest is None:
+        return {}
+    if digest != difference.reference:
+        return {"evidence": "replay" if digest == difference.found else "neither"}
+    forensics: dict[str, Any] = {"evidence": "reference"}
+    if kept is None or evidence.kept is None:
+        return forensics
     found = element_forensics(evidence.kept, kept)
-    if found["count"] is None:
-        return None
-    histogram = {int(bit): n for bit, n in found["bits"]["histogram"].items()}
-    return {"count": found["count"], "histogram": histogram}
+    if found["count"] is not None:
+        forensics["count"] = found["count"]
+        forensics["histogram"] = {int(b): n for b, n in found["bits"]["histogram"].items()}
+    return forensics
 
 
 def _shared(value: dict | None, owner: int, group: Any) -> dict | None:

@@ -149,6 +149,7 @@ class TrainingSnapshot:
             self.optimizer.load_state_dict(copy_state(self.optimizer_state, None))
         for name, obj in self.state_objects.items():
             obj.load_state_dict(copy_state(self.object_states[name], None))
+            _forget_unscaling(obj)
         if self.rng is not None:
             restore_rng(self.rng, self.device)
 
@@ -170,3 +171,12 @@ def _restore_grad(param: torch.Tensor, saved: torch.Tensor | None) -> None:
         param.grad.copy_(saved)
     else:
         param.grad = saved.to(param.device, copy=True)
+
+
+def _forget_unscaling(obj: Any) -> None:
+    """A GradScaler remembers, per optimizer, that this step already unscaled its gradients
+    (``unscale_`` then refuses to run again until ``update()``); that bookkeeping is not in its
+    ``state_dict``. A snapshot is taken at a step boundary, where there is none, so a step
+    stopped or rolled back after ``unscale_`` must not leave it behind."""
+    if isinstance(obj, torch.amp.GradScaler):
+        obj._per_optimizer_states.clear()  # a defaultdict: each optimizer starts afresh

@@ -120,6 +120,7 @@ def test_a_fault_in_the_replay_only_is_named_exactly() -> None:
     assert (error.step, error.local_step, error.replay, error.rank) == (1, 2, 1, 0)
     assert (error.entry, error.micro_batch) == ("grad:fc1.weight", 0)
     assert (error.elements, error.bit_histogram, error.bundle) == (1, {22: 1}, None)
+    assert error.evidence == "reference" and "agreed with neither" not in str(error)
     assert "entry='grad:fc1.weight'" in str(error) and "bit 22: 1" in str(error)
     # raised before the optimizer step, with the state as the step began
     assert torch.equal(loop.model.fc1.weight, weight)
@@ -166,6 +167,7 @@ def test_a_fault_in_a_later_replay_names_that_replay_and_a_fault_in_the_referenc
         check.run_step(batch(1))
     assert (caught.value.replay, caught.value.entry) == (1, "grad:fc1.weight")
     assert caught.value.elements is None and caught.value.bit_histogram is None
+    assert caught.value.evidence == "replay"
 
 
 def test_clean_steps_never_fire_and_the_run_equals_one_without_the_check() -> None:
@@ -208,6 +210,7 @@ def test_restores_generators_buffers_and_scalars_between_executions() -> None:
     with pytest.raises(SDCReplayMismatch) as caught:
         unregistered.run_step(batch(0))
     assert caught.value.entry == "state:tokens.count"
+    assert caught.value.evidence == "neither"  # 8, 16, 24 tokens: every execution differs
     assert loop.tokens == 24  # never restored: reference, replay and evidence execution counted
     assert same_generators(generators(), before)
     assert int(loop.model.norm.num_batches_tracked) == 0
@@ -276,6 +279,107 @@ def test_gradients_carried_into_a_checked_step_are_refused() -> None:
         loop.check(num_steps=0)
     with pytest.raises(SdcReplayError, match="Workload, or model="):
         ReplayCheck(model=loop.model)
+
+
+class ScaledLoop:
+    """Mixed precision as users write it: float16 autocast, a GradScaler that unscales before
+    clipping, skips the steps whose gradients overflow and grows its scale every 2 steps."""
+
+    def __init__(self, init_scale: float = 2.0**20):
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential()
+        self.model.add_module("fc1", torch.nn.Linear(8, 16, bias=False))
+        self.model.add_module("act", torch.nn.GELU())
+        self.model.add_module("fc2", torch.nn.Linear(16, 4, bias=False))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        # 2**20 overflows float16 gradients: the first steps are skipped and the scale backs off
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+
+    def train_step(self, batch) -> torch.Tensor:
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(self.model(x).float(), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+    def check(self, state: dict | None = None, **options) -> ReplayCheck:
+        return ReplayCheck(
+            model=self.model,
+            optimizer=self.optimizer,
+            train_step=self.train_step,
+            state={"scaler": self.scaler} if state is None else state,
+            **options,
+        )
+
+
+def test_a_gradscaler_step_is_checked_and_the_run_equals_one_without_the_check() -> None:
+    """The stopped executions unscaled the gradients; the replay may unscale them again, and
+    the scaler's scale (backed off, then grown) is the loop's own."""
+    runs = []
+    for checked in (False, True):
+        loop = ScaledLoop()
+        check = loop.check(num_steps=-1, num_replays=2)
+        scales, losses = [], []
+        for i in range(12):
+            losses.append(check.run_step(batch(i)) if checked else loop.train_step(batch(i)))
+            scales.append(loop.scaler.get_scale())
+        runs.append((loop, losses, scales))
+    (plain, plain_losses, plain_scales), (loop, losses, scales) = runs
+    assert scales == plain_scales
+    assert scales[0] < 2.0**20 and max(scales[5:]) > min(scales[:5])  # backed off, then grew
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(plain.model.state_dict().values(), loop.model.state_dict().values())
+    )
+    assert (
+        plain.optimizer.state_dict()["state"][0]["step"]
+        == loop.optimizer.state_dict()["state"][0]["step"]
+    )
+
+
+def test_a_fault_under_a_gradscaler_is_named_and_the_scaler_left_as_the_step_began() -> None:
+    loop = ScaledLoop()
+    check = loop.check(num_steps=-1)
+    for i in range(6):  # past the overflowing steps
+        check.run_step(batch(i))
+    scale = loop.scaler.get_scale()
+    weight = loop.model.fc1.weight.detach().clone()
+    spec = "kind=bitflip,op=aten.mm,module=fc1,phase=backward,nth=1,index=5,bit=12"
+    with pytest.raises(SDCReplayMismatch) as caught, injected(loop.model, loop.optimizer, spec, 6):
+        check.run_step(batch(6))
+    error = caught.value
+    assert (error.step, error.replay, error.entry, error.evidence) == (
+        6,
+        1,
+        "grad:fc1.weight",
+        "reference",
+    )
+    # one float16 element of the backward's mm flipped; the float32 gradient it became, unscaled
+    assert error.elements == 1 and error.bit_histogram
+    assert loop.scaler.get_scale() == scale and torch.equal(loop.model.fc1.weight, weight)
+    check.run_step(batch(6))  # the loop goes on: the scaler unscales this step afresh
+
+
+def test_a_gradscaler_left_out_of_the_state_is_a_clear_error_never_an_accusation() -> None:
+    """Not restored, the scaler refuses the replay's unscale_(): said so. Where the step's
+    gradients overflowed, each execution halves the scale and scales the loss differently:
+    a mismatch whose third execution agrees with neither, which accuses no device."""
+    loop = ScaledLoop(init_scale=2.0**8)
+    with pytest.raises(SdcReplayError, match="GradScaler refused to unscale") as refused:
+        loop.check(state={}).run_step(batch(0))
+    assert "state={'scaler': scaler}" in refused.value.hint
+    with pytest.raises(SDCReplayMismatch) as caught:
+        ScaledLoop().check(state={}).run_step(batch(0))
+    error = caught.value
+    assert (error.entry, error.evidence, error.elements) == ("loss", "neither", None)
+    assert "agreed with neither" in str(error) and "accuses no device" in str(error)
+    assert "GradScaler" in error.hint and "take the device out of service" not in error.hint
 
 
 # ---------------------------------------------------------------------------
