@@ -747,6 +747,7 @@ class Alarm:
     original: Observation | None = None
     recomputed: Observation | None = None
     bundle: str | None = None
+    contradicted_by: str | None = None  # the second opinion's device that computed otherwise
 
     def describe(self) -> str:
         verdict = self.classification or "unresolved"
@@ -777,19 +778,37 @@ def summarize_reasons(reasons: list[str], shown: int = 3) -> str:
 
 
 class PersistentFaultError(TrainingStopped):
-    """A recompute on this device reproduced a wrong result: another device did not (the second
-    opinion), or, without one, such alarms ended ``persistent_after`` steps in a row."""
+    """A recompute on this device reproduced the alarmed result: another device computed
+    otherwise (the second opinion; ``accuses_device``), or, without one, such alarms ended
+    ``persistent_after`` steps in a row, which a training instability does as well, so it
+    accuses no device until a replay elsewhere disagrees."""
 
     def __init__(self, alarm: Alarm):
         self.alarm = alarm
+        self.accuses_device = alarm.contradicted_by is not None
+        keep = (
+            f"`sdcreplay bisect {alarm.bundle}` localizes the operator."
+            if alarm.bundle
+            else "attach a ring Recorder (recorder=) to keep a bundle of the step."
+        )
+        if self.accuses_device:
+            super().__init__(
+                f"persistent fault: {alarm.describe()}; {alarm.contradicted_by} computed "
+                "another result from the same state; the step was rolled back",
+                f"Take this device out of service; {keep}",
+            )
+            return
+        replay = (
+            f"`sdcreplay replay {alarm.bundle} --device ...`"
+            if alarm.bundle
+            else "a replay of the step on another device (attach a ring Recorder, recorder=)"
+        )
         super().__init__(
-            f"persistent fault: {alarm.describe()}; the step was rolled back",
-            "Take this device out of service; "
-            + (
-                f"`sdcreplay bisect {alarm.bundle}` localizes the operator."
-                if alarm.bundle
-                else "attach a ring Recorder (recorder=) to keep a bundle of the step."
-            ),
+            f"persistent alarm: {alarm.describe()}; the step reproduces bit for bit here and no "
+            "other device was asked, which accuses no device by itself (an unstable run "
+            "reproduces too); the step was rolled back",
+            f"Check it on another device: {replay}; this device is suspect only if that one "
+            "disagrees. A second_opinion=ReplicaOpinion(...) does it during training.",
         )
 
 
@@ -816,16 +835,32 @@ class NonFiniteResultError(TrainingStopped):
 
 
 class RecomputeLimitError(TrainingStopped):
-    """Every recompute of a step alarmed with another result: nothing trustworthy to keep."""
+    """Every recompute of a step alarmed with another result: nothing trustworthy to keep.
+    That accuses the device only where the step is deterministic (``accuses_device``):
+    without torch's deterministic algorithms a healthy device may compute every execution
+    differently too."""
 
     def __init__(self, alarm: Alarm, limit: int):
         self.alarm = alarm
-        super().__init__(
+        self.accuses_device = torch.are_deterministic_algorithms_enabled()
+        message = (
             f"{limit} recomputes of step {alarm.step} all alarmed "
             f"({summarize_reasons(alarm.reasons)}) "
-            "and disagreed with each other; the step was rolled back",
-            "The device fails intermittently but often: take it out of service"
-            + (f" and bisect {alarm.bundle}." if alarm.bundle else "."),
+            "and disagreed with each other; the step was rolled back"
+        )
+        bisect = f" and bisect {alarm.bundle}." if alarm.bundle else "."
+        if self.accuses_device:
+            super().__init__(
+                message,
+                "The device fails intermittently but often: take it out of service" + bisect,
+            )
+            return
+        super().__init__(
+            message + "; torch's deterministic algorithms are off, so a healthy device may "
+            "compute each execution differently too: this accuses no device by itself",
+            "Train with sdcreplay's determinism switches (sdcreplay.determinism.enable(), or "
+            "torch.use_deterministic_algorithms(True)); if recomputes still disagree, the "
+            "device fails intermittently: take it out of service" + bisect,
         )
 
 
@@ -1144,6 +1179,9 @@ class UpdateDetector:
             self._reproducible_in_a_row += 1
             if self.second_opinion is not None:
                 confirmed = self.second_opinion(alarm, snapshot, batch)
+                if not confirmed:
+                    device = getattr(self.second_opinion, "device", None)
+                    alarm.contradicted_by = "the second opinion" if device is None else str(device)
             else:
                 confirmed = self._reproducible_in_a_row < self.persistent_after
         if not _highest(int(not confirmed), self.group):

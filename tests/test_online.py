@@ -437,6 +437,9 @@ def test_a_sticky_bias_fault_is_persistent_when_another_device_disagrees() -> No
     assert alarm.recomputed is not None and alarm.recomputed.result == alarm.original.result
     assert opinion.last is not None and opinion.last.loss == pytest.approx(alarm.original.loss)
     assert "rolled back" in str(caught.value)
+    assert caught.value.accuses_device and alarm.contradicted_by == "cpu"
+    assert "cpu computed another result" in str(caught.value)
+    assert caught.value.hint.startswith("Take this device out of service")
 
 
 def weighted_llama() -> Workload:
@@ -486,9 +489,17 @@ def test_without_a_second_opinion_repeated_reproducible_alarms_become_persistent
     assert caught.value.alarm is last and last.classification == "persistent"
     assert earlier and all(a.classification == "correct" for a in earlier)
     assert earlier[0].step >= 10 and earlier[-1].step == last.step - 1
+    # no other device was asked: a persistent alarm, not an accusation
+    assert not caught.value.accuses_device and last.contradicted_by is None
+    assert "accuses no device" in str(caught.value)
+    assert "out of service" not in caught.value.hint and "another device" in caught.value.hint
 
 
-def test_a_fault_on_every_recompute_hits_the_cap() -> None:
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_fault_on_every_recompute_hits_the_cap(deterministic: bool) -> None:
+    """Only a deterministic step accuses the device: otherwise a healthy device may compute
+    every execution differently too, and the error says so."""
+    torch.use_deterministic_algorithms(deterministic)  # put back by conftest's autouse fixture
     # a new element each time: every execution differs from the one before
     workload = small_llama()
     detector = UpdateDetector(workload, warmup=5, spike_steps=5, max_recomputes=2)
@@ -496,10 +507,15 @@ def test_a_fault_on_every_recompute_hits_the_cap() -> None:
     for i in range(10):
         detector.run_step(workload.get_batch(i))
     injector = Injector(parse_specs(specs, include_env=False), "cpu")
-    with pytest.raises(RecomputeLimitError, match="2 recomputes of step 10"):
+    with pytest.raises(RecomputeLimitError, match="2 recomputes of step 10") as caught:
         with OperatorMode(workload.model, workload.optimizer, [injector], 10):
             detector.run_step(workload.get_batch(10))
     assert detector.metrics()["recomputes"] == 2
+    assert caught.value.accuses_device is deterministic
+    assert ("accuses no device" in str(caught.value)) is not deterministic
+    assert caught.value.hint.startswith(
+        "The device fails" if deterministic else "Train with sdcreplay's determinism switches"
+    )
 
 
 def test_clean_training_raises_no_alarm() -> None:
