@@ -253,6 +253,8 @@ class SDCReplayMismatch(TrainingStopped):
     ``evidence`` says which one that third execution agreed with: ``"reference"``,
     ``"replay"``, or ``"neither"``, a step whose result changes with every execution (state
     the check does not restore, a non-deterministic kernel), which accuses no device.
+    ``accuses_device``: one execution was the odd one and torch's deterministic algorithms
+    were on, so nothing but the device explains it.
     """
 
     def __init__(
@@ -269,6 +271,7 @@ class SDCReplayMismatch(TrainingStopped):
         bundle: str | None = None,
         ranks: list[int] | None = None,
         evidence: str | None = None,
+        deterministic: bool = True,
     ):
         self.step, self.local_step, self.replay, self.rank = step, local_step, replay, rank
         self.ranks = [rank] if ranks is None and rank is not None else list(ranks or [])
@@ -288,12 +291,15 @@ class SDCReplayMismatch(TrainingStopped):
         if elements is not None:
             bits = ", ".join(f"bit {b}: {n}" for b, n in sorted((bit_histogram or {}).items()))
             message += f"; {elements} element(s) differ ({bits})"
+        if bundle is not None:
+            message += f"; bundle {bundle}"
+        # Evidence against the device: one execution of a deterministic step was the odd one.
+        self.accuses_device = deterministic and evidence in ("reference", "replay")
         if evidence == "neither":
             message += (
                 "; a third execution agreed with neither: the step's result changes with every "
                 "execution, which by itself accuses no device"
             )
-        if evidence == "neither":
             hint = (
                 "Give the check every object the step changes (state={...}: a GradScaler, "
                 "schedulers; scalars={...}: counters), run the step with sdcreplay's "
@@ -301,8 +307,17 @@ class SDCReplayMismatch(TrainingStopped):
                 "kernels), and check again; a device is suspect only if the step then still "
                 "differs between executions."
             )
+        elif not deterministic:
+            message += (
+                "; torch's deterministic algorithms are off, so a non-deterministic kernel can "
+                "differ like this on a healthy device: this accuses no device by itself"
+            )
+            hint = (
+                "Run the step with sdcreplay's determinism switches "
+                "(sdcreplay.determinism.enable(), or torch.use_deterministic_algorithms(True)) "
+                "and check again; a device is suspect only if it then still differs."
+            )
         elif bundle is not None:
-            message += f"; bundle {bundle}"
             hint = (
                 f"Replay the failing step on other devices (`sdcreplay replay {bundle} "
                 f"--device ...`) and localize the operator (`sdcreplay bisect {bundle}`)."
@@ -563,6 +578,7 @@ class ReplayCheck:
             bit_histogram=forensics.get("histogram"),
             bundle=bundle,
             evidence=forensics.get("evidence"),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
         )
 
 

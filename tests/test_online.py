@@ -107,7 +107,11 @@ def same_generators(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 
 
-def test_a_fault_in_the_replay_only_is_named_exactly() -> None:
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_fault_in_the_replay_only_is_named_exactly(deterministic: bool) -> None:
+    """With torch's deterministic algorithms on, the odd execution accuses the device; off, a
+    non-deterministic kernel could do the same on a healthy one, and the exception says so."""
+    torch.use_deterministic_algorithms(deterministic)  # put back by conftest's autouse fixture
     loop = Loop()
     check = loop.check(num_steps=-1)
     check.run_step(batch(0))
@@ -121,6 +125,9 @@ def test_a_fault_in_the_replay_only_is_named_exactly() -> None:
     assert (error.entry, error.micro_batch) == ("grad:fc1.weight", 0)
     assert (error.elements, error.bit_histogram, error.bundle) == (1, {22: 1}, None)
     assert error.evidence == "reference" and "agreed with neither" not in str(error)
+    assert error.accuses_device is deterministic
+    assert ("accuses no device" in str(error)) is not deterministic
+    assert ("take the device out of service" in error.hint) is deterministic
     assert "entry='grad:fc1.weight'" in str(error) and "bit 22: 1" in str(error)
     # raised before the optimizer step, with the state as the step began
     assert torch.equal(loop.model.fc1.weight, weight)
