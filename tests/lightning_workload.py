@@ -26,9 +26,26 @@ class Regressor(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def make_module(seed: int = 0) -> Regressor:
+class ScheduledRegressor(Regressor):
+    """Warm-up then decay, stepped every batch (interval 'step'), as LLM recipes do; or, with
+    ``interval='epoch'``, Lightning's default, stepped when an epoch ends."""
+
+    def __init__(self, interval: str = "step"):
+        super().__init__()
+        self.interval = interval
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=5e-2, total_steps=64)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": self.interval},
+        }
+
+
+def make_module(seed: int = 0, scheduled: str | None = None) -> Regressor:
     torch.manual_seed(seed)
-    return Regressor()
+    return Regressor() if scheduled is None else ScheduledRegressor(scheduled)
 
 
 def batches(seed: int = 0, count: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -41,7 +58,18 @@ def batches(seed: int = 0, count: int = 16) -> list[tuple[torch.Tensor, torch.Te
     ]
 
 
-def make_workload(seed: int = 0):
-    """What replay rebuilds: the same module; its automatic optimization as train_step."""
+def make_workload(
+    seed: int = 0,
+    scheduled: str | None = None,
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str = "norm",
+):
+    """What replay rebuilds: the same module; its automatic optimization as train_step, with
+    the clipping the Trainer was given."""
     data = batches(seed)
-    return module_workload(make_module(seed), lambda index: data[index % len(data)])
+    return module_workload(
+        make_module(seed, scheduled),
+        lambda index: data[index % len(data)],
+        gradient_clip_val=gradient_clip_val,
+        gradient_clip_algorithm=gradient_clip_algorithm,
+    )

@@ -90,7 +90,32 @@ def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(tmp_path, monke
     check_alarm_bundle(out, "forward:model.layers.0.self_attn.q_proj")
 
 
-def test_lightning_callback_writes_an_alarm_bundle_that_replays(tmp_path, monkeypatch):
+def lightning_trainer(lightning, callbacks: list, max_steps: int = 8, **options):
+    return lightning.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **options,
+    )
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {},
+        {"scheduled": "step", "gradient_clip_val": 0.05},
+        {"scheduled": "step", "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+    ],
+    ids=["plain", "scheduler+clip-norm", "scheduler+clip-value"],
+)
+def test_lightning_callback_writes_an_alarm_bundle_that_replays(tmp_path, monkeypatch, recipe):
+    """Also with a per-batch scheduler and the Trainer's clipping (small enough to clip every
+    step): the bundle holds the scheduler's state, and the workload clips as the Trainer."""
     lightning = pytest.importorskip("lightning")
     monkeypatch.syspath_prepend(str(HERE))
     from lightning.pytorch import Callback
@@ -98,7 +123,55 @@ def test_lightning_callback_writes_an_alarm_bundle_that_replays(tmp_path, monkey
 
     from sdcreplay.integrations.lightning import SdcReplayCallback
 
+    clipping = {k: v for k, v in recipe.items() if k.startswith("gradient_clip")}
+    norms: list[float] = []
+
     # Lightning runs the forward inside optimizer.step(closure): named by operator and count.
+    defect = Defect(f"kind=nan,op=aten.addmm,step={FAULTY_STEP},nth=0,index=0")
+
+    class DefectCallback(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            defect.enter(trainer.global_step, pl_module, trainer.optimizers[0])
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            parameters = [p for p in pl_module.parameters() if p.grad is not None]
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in parameters])))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            defect.leave()
+
+    out = tmp_path / "lightning-alarm.bundle"
+    callback = SdcReplayCallback(
+        out, f"{HERE / 'lightning_workload.py'}:make_workload",
+        workload_kwargs={"seed": 0, **recipe}, ring=RING,
+    )  # fmt: skip
+    trainer = lightning_trainer(lightning, [DefectCallback(), callback], **clipping)
+    loader = torch.utils.data.DataLoader(batches(0), batch_size=None)
+    module = make_module(0, recipe.get("scheduled"))
+    with pytest.warns(UserWarning, match=f"step {FAULTY_STEP}: nonfinite:loss"):
+        trainer.fit(module, loader)
+    assert trainer.global_step == FAULTY_STEP + 1
+    assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
+    check_alarm_bundle(out, "forward:net.0")
+    if recipe:  # clipping changed the gradients; the scheduler state is part of the bundle
+        assert min(norms[:FAULTY_STEP]) > 4 * recipe["gradient_clip_val"]
+        assert Bundle.open(out).state_object_names == ["scheduler"]
+        lrs = [group["lr"] for group in trainer.optimizers[0].param_groups]
+        assert lrs != [2e-3]  # OneCycleLR moved on from its initial max_lr / 25
+
+
+def test_a_lightning_workload_that_clips_otherwise_than_the_trainer_fails_verification(
+    tmp_path, monkeypatch
+):
+    """The Trainer clips, the workload replay rebuilds does not: the alarm bundle's first-step
+    check says so (written in the bundle and warned about; the alarm still stops training)."""
+    lightning = pytest.importorskip("lightning")
+    monkeypatch.syspath_prepend(str(HERE))
+    from lightning.pytorch import Callback
+    from lightning_workload import batches, make_module
+
+    from sdcreplay.integrations.lightning import SdcReplayCallback
+
     defect = Defect(f"kind=nan,op=aten.addmm,step={FAULTY_STEP},nth=0,index=0")
 
     class DefectCallback(Callback):
@@ -108,27 +181,22 @@ def test_lightning_callback_writes_an_alarm_bundle_that_replays(tmp_path, monkey
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             defect.leave()
 
-    out = tmp_path / "lightning-alarm.bundle"
+    out = tmp_path / "x.bundle"
     callback = SdcReplayCallback(
         out, f"{HERE / 'lightning_workload.py'}:make_workload", workload_kwargs={"seed": 0},
         ring=RING,
     )  # fmt: skip
-    trainer = lightning.Trainer(
-        max_steps=8,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[DefectCallback(), callback],
-    )
+    trainer = lightning_trainer(lightning, [DefectCallback(), callback], gradient_clip_val=0.05)
     loader = torch.utils.data.DataLoader(batches(0), batch_size=None)
-    with pytest.warns(UserWarning, match=f"step {FAULTY_STEP}: nonfinite:loss"):
+    with pytest.warns(UserWarning) as warned:
         trainer.fit(make_module(0), loader)
-    assert trainer.global_step == FAULTY_STEP + 1
-    assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
-    check_alarm_bundle(out, "forward:net.0")
+    messages = [str(w.message) for w in warned]
+    assert any("the workload cannot replay the ring's bundle" in m for m in messages), messages
+    verification = Bundle.open(out).verification
+    assert verification.status == "failed", verification
+    # the gradients the step computed match; what the optimizer did with them does not
+    assert verification.problem.startswith("optim:net.0.weight.exp_avg differs: every grad: ")
+    assert "(clipping? a scheduler? an EMA?)" in verification.problem
 
 
 def test_lightning_callback_refuses_what_it_cannot_record(tmp_path, monkeypatch):
@@ -139,16 +207,15 @@ def test_lightning_callback_refuses_what_it_cannot_record(tmp_path, monkeypatch)
     from sdcreplay.errors import SdcReplayError
     from sdcreplay.integrations.lightning import SdcReplayCallback
 
-    callback = SdcReplayCallback(tmp_path / "x.bundle", "lightning_workload:make_workload")
-    trainer = lightning.Trainer(
-        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
-        callbacks=[callback],
-    )  # fmt: skip
     loader = torch.utils.data.DataLoader(batches(0), batch_size=None)
-    with pytest.raises(SdcReplayError, match="accumulate_grad_batches=2"):
-        trainer.fit(make_module(0), loader)
-    assert not (tmp_path / "x.bundle").exists()
+    for module, options, problem in (
+        (make_module(0), {"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
+        (make_module(0, "epoch"), {}, "a scheduler with interval='epoch', frequency=1"),
+    ):
+        callback = SdcReplayCallback(tmp_path / "x.bundle", "lightning_workload:make_workload")
+        with pytest.raises(SdcReplayError, match=problem):
+            lightning_trainer(lightning, [callback], max_steps=2, **options).fit(module, loader)
+        assert not (tmp_path / "x.bundle").exists()
 
 
 def test_only_the_integrations_import_transformers_and_lightning():

@@ -19,30 +19,62 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.core.optimizer import (
+    _configure_optimizers,
+    _configure_schedulers_automatic_opt,
+)
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from ..errors import SdcReplayError
 from ..workload import Workload
 from .watch import WatchOptions
 
+SCHEDULER = "scheduler"  # the learning-rate scheduler, a state object of the bundle
+_LIMITS = "See docs/online.md (Callbacks) for what the Lightning callback supports."
 
-def _supported(trainer: Trainer, module: LightningModule) -> None:
-    problem = None
-    if not module.automatic_optimization:
-        problem = "manual optimization"
-    elif len(trainer.optimizers) != 1:
-        problem = f"{len(trainer.optimizers)} optimizers"
-    elif trainer.lr_scheduler_configs:
-        problem = "a learning-rate scheduler"
-    elif trainer.accumulate_grad_batches != 1:
-        problem = f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
-    elif trainer.gradient_clip_val:
-        problem = f"gradient_clip_val={trainer.gradient_clip_val}"
-    if problem is not None:
-        raise SdcReplayError(
-            f"the callback records automatic optimization with one optimizer, no scheduler, "
-            f"accumulation or clipping; this run has {problem}",
-            "See docs/online.md (Callbacks) for what the Lightning callback supports.",
+
+def _unsupported(problem: str) -> SdcReplayError:
+    return SdcReplayError(
+        "the callback records automatic optimization with one optimizer, at most one "
+        "learning-rate scheduler stepped every batch (interval 'step', frequency 1), "
+        f"clipping by Trainer(gradient_clip_val=...) and no accumulation; this run has {problem}",
+        _LIMITS,
+    )
+
+
+def _step_scheduler(configs: list[LRSchedulerConfig]) -> Any:
+    """The one scheduler Lightning steps at the end of every batch (inside the recorded step);
+    one stepped at an epoch's end or every k batches would change the state between steps in
+    a way a replayed step cannot know about."""
+    if not configs:
+        return None
+    if len(configs) > 1:
+        raise _unsupported(f"{len(configs)} learning-rate schedulers")
+    config = configs[0]
+    if config.reduce_on_plateau:
+        raise _unsupported("a ReduceLROnPlateau scheduler (it steps on a monitored metric)")
+    if config.interval != "step" or config.frequency != 1:
+        raise _unsupported(
+            f"a scheduler with interval={config.interval!r}, frequency={config.frequency} "
+            "(return {'scheduler': ..., 'interval': 'step'} from configure_optimizers)"
         )
+    return config.scheduler
+
+
+def _supported(trainer: Trainer, module: LightningModule) -> Any:
+    """The scheduler to record as state (None: none), once the run is one the callback can
+    record."""
+    if not module.automatic_optimization:
+        raise _unsupported("manual optimization")
+    if len(trainer.optimizers) != 1:
+        raise _unsupported(f"{len(trainer.optimizers)} optimizers")
+    if trainer.accumulate_grad_batches != 1:
+        raise _unsupported(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
+    if is_overridden("configure_gradient_clipping", module):
+        raise _unsupported("its own configure_gradient_clipping (replay runs without a Trainer)")
+    return _step_scheduler(trainer.lr_scheduler_configs)
 
 
 class SdcReplayCallback(WatchOptions, Callback):
@@ -55,8 +87,13 @@ class SdcReplayCallback(WatchOptions, Callback):
     """
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _supported(trainer, pl_module)
-        self.start_watch(pl_module, trainer.optimizers[0], start_step=trainer.global_step)
+        scheduler = _supported(trainer, pl_module)
+        self.start_watch(
+            pl_module,
+            trainer.optimizers[0],
+            state={SCHEDULER: scheduler} if scheduler is not None else {},
+            start_step=trainer.global_step,
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.watch is not None:
@@ -83,24 +120,45 @@ class SdcReplayCallback(WatchOptions, Callback):
         self.on_train_end(trainer, pl_module)
 
 
-def module_workload(module: LightningModule, get_batch: Callable[[int], Any]) -> Workload:
+def module_workload(
+    module: LightningModule,
+    get_batch: Callable[[int], Any],
+    *,
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str = "norm",
+) -> Workload:
     """The Workload replay rebuilds from a LightningModule (built as for training).
 
-    Its optimizer comes from ``configure_optimizers()`` (one optimizer, no scheduler);
-    ``train_step(batch)`` is Lightning's automatic optimization of one batch as the callback
-    records it: gradients dropped, then ``optimizer.step(closure)`` whose closure runs
-    ``training_step(batch, 0)``, ``zero_grad`` and backward (``training_step`` must not
-    depend on ``batch_idx`` or ``self.trainer``).
+    Its optimizer and scheduler come from ``configure_optimizers()`` (one optimizer, at most
+    one scheduler with interval ``'step'``); ``train_step(batch)`` is Lightning's automatic
+    optimization of one batch as the callback records it: gradients dropped, then
+    ``optimizer.step(closure)`` whose closure runs ``training_step(batch, 0)``, ``zero_grad``,
+    backward and the clipping (``gradient_clip_val``/``gradient_clip_algorithm``: pass what the
+    Trainer gets), then ``lr_scheduler_step``. ``training_step`` must not depend on
+    ``batch_idx`` or ``self.trainer``.
     """
-    configured = module.configure_optimizers()
-    optimizer = configured.get("optimizer") if isinstance(configured, Mapping) else configured
-    if not isinstance(optimizer, torch.optim.Optimizer) or (
-        isinstance(configured, Mapping) and configured.keys() - {"optimizer"}
-    ):
+    try:
+        configured: Any = module.configure_optimizers()
+        optimizers, schedulers, monitor = _configure_optimizers(configured)
+        configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+    except MisconfigurationException as exc:
+        raise SdcReplayError(f"configure_optimizers(): {exc}", _LIMITS) from exc
+    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
+        raise _unsupported(f"{len(optimizers)} optimizers from configure_optimizers()")
+    optimizer, scheduler = optimizers[0], _step_scheduler(configs)
+    if gradient_clip_algorithm not in ("norm", "value"):
         raise SdcReplayError(
-            "configure_optimizers() must return one optimizer (or {'optimizer': ...}) here",
-            "See docs/online.md (Callbacks) for what the Lightning callback supports.",
+            f"gradient_clip_algorithm={gradient_clip_algorithm!r}",
+            "Pass 'norm' or 'value', as the Trainer takes.",
         )
+
+    def clip(value: float) -> None:
+        """As Lightning's precision plugin: the optimizer's parameters, group by group."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, value)
+        else:
+            torch.nn.utils.clip_grad_norm_(parameters, value)
 
     def train_step(batch: Any) -> Any:
         module.train()
@@ -116,8 +174,14 @@ def module_workload(module: LightningModule, get_batch: Callable[[int], Any]) ->
                 )
             optimizer.zero_grad()
             module.backward(loss)
+            if gradient_clip_val:
+                clip(gradient_clip_val)
             return loss.detach()
 
-        return optimizer.step(closure)
+        loss = optimizer.step(closure)
+        if scheduler is not None:
+            module.lr_scheduler_step(scheduler, None)
+        return loss
 
-    return Workload(module, optimizer, get_batch, train_step=train_step)
+    state = {SCHEDULER: scheduler} if scheduler is not None else {}
+    return Workload(module, optimizer, get_batch, train_step=train_step, state=state)
