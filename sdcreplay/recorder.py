@@ -174,6 +174,7 @@ class Recorder:
         self._next_index = start_step
         self._first_index = start_step
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
+        self._open_batch: Any = None  # the stored batch of the step whose block is open
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
         self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
@@ -204,17 +205,31 @@ class Recorder:
             )
         started = time.perf_counter()
         rng = determinism.capture_rng(self.device)
-        stored_batch = map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
+        stored_batch = _stored(batch)
         self._capture.begin_step(rng)
         if self._messages is not None:
             self._messages.begin_step(self._next_index)
-        with self._capture.backward_capture():
-            yield
+        self._open_batch = stored_batch
+        try:
+            with self._capture.backward_capture():
+                yield
+        finally:
+            self._open_batch = None
         self._capture.close_window()
         self._pending = (self._next_index, stored_batch, rng, grads, started)
         self._next_index += 1
         if self._capture.optimizer_stepped:
             self._finish_pending()
+
+    def extend_batch(self, micro_batch: Any) -> None:
+        """Add a micro-batch to the open step's batch, a list (a trainer that hands over each
+        micro-batch only as its forward begins: the step's batch is all of them)."""
+        if not isinstance(self._open_batch, list):
+            raise SdcReplayError(
+                "extend_batch() needs an open step whose batch is a list of micro-batches",
+                "Call it inside `with recorder.step([first_micro_batch]):`.",
+            )
+        self._open_batch.append(_stored(micro_batch))
 
     def _finish_pending(self, at_optimizer_step: bool = False) -> None:
         """Write the step that ended; ``at_optimizer_step``: called from the optimizer's hook."""
@@ -528,6 +543,11 @@ class Recorder:
             self.close()
         else:
             self.abandon()
+
+
+def _stored(batch: Any) -> Any:
+    """The recorder's own CPU copy: the loop may reuse or change its batch afterwards."""
+    return map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
 
 
 def _shortened(text: str, limit: int) -> str:

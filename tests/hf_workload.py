@@ -36,13 +36,16 @@ class Tokens(Dataset):
         return {"input_ids": self.tokens[index], "labels": self.tokens[index].clone()}
 
 
-def make_trainer(out_dir: str, *, seed: int = 0, max_steps: int = 8, callbacks=()) -> Trainer:
+def make_trainer(
+    out_dir: str, *, seed: int = 0, max_steps: int = 8, accumulation: int = 1, callbacks=()
+) -> Trainer:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
     args = TrainingArguments(
         output_dir=out_dir,
         max_steps=max_steps,
         per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
         learning_rate=1e-3,
         max_grad_norm=1.0,
         logging_strategy="no",
@@ -58,6 +61,9 @@ def make_trainer(out_dir: str, *, seed: int = 0, max_steps: int = 8, callbacks=(
     )
 
 
-def make_workload(seed: int = 0, max_steps: int = 8):
+def make_workload(seed: int = 0, max_steps: int = 8, accumulation: int = 1):
     """What replay rebuilds: the same model and Trainer, its update step as train_step."""
-    return trainer_workload(make_trainer(tempfile.mkdtemp(), seed=seed, max_steps=max_steps))
+    trainer = make_trainer(
+        tempfile.mkdtemp(), seed=seed, max_steps=max_steps, accumulation=accumulation
+    )
+    return trainer_workload(trainer)

@@ -53,7 +53,12 @@ def check_alarm_bundle(path: Path, source_entry: str) -> None:
     assert (first.step, first.name) == (FAULTY_STEP, source_entry)
 
 
-def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(tmp_path, monkeypatch):
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(
+    tmp_path, monkeypatch, accumulation
+):
+    """With gradient accumulation each recorded step's batch is its micro-batches, every one
+    with the step's num_items_in_batch, and the workload replays the Trainer's update step."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.syspath_prepend(str(HERE))
@@ -78,16 +83,27 @@ def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(tmp_path, monke
     callback = SdcReplayCallback(
         out,
         f"{HERE / 'hf_workload.py'}:make_workload",
-        workload_kwargs={"seed": 0, "max_steps": 8},
+        workload_kwargs={"seed": 0, "max_steps": 8, "accumulation": accumulation},
         ring=RING,
     )
-    trainer = make_trainer(str(tmp_path / "trainer"), callbacks=[DefectCallback(), callback])
+    trainer = make_trainer(
+        str(tmp_path / "trainer"),
+        accumulation=accumulation,
+        callbacks=[DefectCallback(), callback],
+    )
     with pytest.warns(UserWarning, match=f"step {FAULTY_STEP}: nonfinite"):
         trainer.train()
     assert trainer.state.global_step == FAULTY_STEP + 1  # stopped at the alarm
     assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
     assert sorted(os.listdir(tmp_path)) == ["hf-alarm.bundle", "trainer"]
     check_alarm_bundle(out, "forward:model.layers.0.self_attn.q_proj")
+    first, _ = Bundle.open(out).load_step(0)
+    if accumulation == 1:
+        assert sorted(first) == ["input_ids", "labels", "num_items_in_batch"]
+    else:
+        assert len(first) == accumulation  # each micro-batch, the step's item count in each
+        assert len({int(micro["num_items_in_batch"]) for micro in first}) == 1
+        assert int(first[0]["num_items_in_batch"]) == accumulation * 2 * 7  # shifted labels
 
 
 def lightning_trainer(lightning, callbacks: list, max_steps: int = 8, **options):

@@ -17,7 +17,12 @@ import sdcreplay
 from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
 from sdcreplay.bundle import STATE
 from sdcreplay.capture import state_digests
-from sdcreplay.errors import BundleError, CheckpointError, WorkloadMismatchError
+from sdcreplay.errors import (
+    BundleError,
+    CheckpointError,
+    SdcReplayError,
+    WorkloadMismatchError,
+)
 from sdcreplay.workload import build_workload
 
 KIND_ORDER = [
@@ -121,6 +126,33 @@ def test_batches_and_rng_are_stored_exactly(tmp_path: Path):
         batch, rng = bundle.load_step(index)
         assert torch.equal(batch["tokens"], workload.get_batch(index)["tokens"])
         assert rng.cpu.dtype == torch.uint8 and rng.accelerator is None
+
+
+def test_micro_batches_handed_over_one_by_one_are_the_steps_batch(tmp_path: Path):
+    """A trainer shows each micro-batch only as its forward begins: the step opens with the
+    first, the others join it; the stored batch is the list, copied as each one came."""
+    kwargs = dict(SMALL, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    model, opt = workload.model, workload.optimizer
+    rec = Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, opt,
+                   workload_kwargs=kwargs, verify=False)  # fmt: skip
+    parts = [workload.get_batch(i) for i in range(2)]
+    with pytest.raises(SdcReplayError, match="needs an open step"):
+        rec.extend_batch(parts[1])
+    with rec.step([parts[0]]):
+        workload.loss_fn(model, parts[0]).backward()
+        rec.extend_batch(parts[1])
+        parts[1]["tokens"].add_(1)  # the loop's tensor changes later: the copy does not
+        workload.loss_fn(model, parts[1]).backward()
+    opt.step()
+    opt.zero_grad()
+    with rec.step(parts[0]), pytest.raises(SdcReplayError, match="a list of micro-batches"):
+        rec.extend_batch(parts[1])
+    rec.close()
+    stored, _ = Bundle.open(rec.path).load_step(0)
+    assert isinstance(stored, list) and len(stored) == 2
+    assert torch.equal(stored[0]["tokens"], workload.get_batch(0)["tokens"])
+    assert torch.equal(stored[1]["tokens"], workload.get_batch(1)["tokens"])
 
 
 def test_start_step_numbers_the_steps(tmp_path: Path):

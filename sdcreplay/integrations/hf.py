@@ -29,13 +29,10 @@ from .watch import WatchOptions
 SCHEDULER = "scheduler"  # the Trainer's learning-rate scheduler, a state object of the bundle
 
 
-def _one_update_per_batch(args: Any) -> None:
-    if args.gradient_accumulation_steps != 1:
-        raise SdcReplayError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: the callback "
-            "records one micro-batch per optimizer step",
-            "Train with gradient_accumulation_steps=1 (a larger per-device batch instead).",
-        )
+def _micro_batches(batch: Any) -> list[Any]:
+    """A recorded step's batch: the model's keyword arguments, or (gradient accumulation) the
+    list of them, one per micro-batch."""
+    return batch if isinstance(batch, list) else [batch]
 
 
 class SdcReplayCallback(WatchOptions, TrainerCallback):
@@ -46,9 +43,10 @@ class SdcReplayCallback(WatchOptions, TrainerCallback):
         super().__init__(path, workload, **options)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._awaiting_batch = False
+        self._accumulating = False  # gradient accumulation: a step's batch is a list
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        _one_update_per_batch(args)
+        self._accumulating = args.gradient_accumulation_steps > 1
         scheduler = kwargs.get("lr_scheduler")
         self.start_watch(
             model,
@@ -67,15 +65,24 @@ class SdcReplayCallback(WatchOptions, TrainerCallback):
         self._awaiting_batch = True
 
     def _forward_begins(self, module, args, kwargs) -> None:
-        if self._awaiting_batch and self.watch is not None:
+        """Each micro-batch reaches the callback only as the model's arguments: the first
+        forward after on_step_begin opens the step, later ones of the step join its batch
+        under gradient accumulation (a second forward of a custom compute_loss does not: the
+        dump's verification then says the workload's train_step is not the Trainer's)."""
+        watch = self.watch
+        if watch is None or not (self._awaiting_batch or (watch.in_step and self._accumulating)):
+            return
+        if args:
+            raise SdcReplayError(
+                "the model was called with positional arguments; the callback records the "
+                "keyword inputs a Trainer passes (model(**inputs))",
+                "Call the model with keyword arguments in compute_loss.",
+            )
+        if self._awaiting_batch:
             self._awaiting_batch = False
-            if args:
-                raise SdcReplayError(
-                    "the model was called with positional arguments; the callback records the "
-                    "keyword inputs a Trainer passes (model(**inputs))",
-                    "Call the model with keyword arguments in compute_loss.",
-                )
-            self.watch.begin(dict(kwargs))
+            watch.begin([dict(kwargs)] if self._accumulating else dict(kwargs))
+        else:
+            watch.extend(dict(kwargs))
 
     def _forward_ends(self, module, args, output) -> None:
         if self.watch is not None and self.watch.in_step and isinstance(output, Mapping):
@@ -105,13 +112,16 @@ def trainer_workload(trainer: Trainer) -> Workload:
 
     Its optimizer and scheduler are the Trainer's own (``create_optimizer_and_scheduler``
     for ``args.max_steps``); ``train_step(batch)`` is one update step of the Trainer's loop:
-    ``model(**batch)["loss"]``, backward, gradient clipping at ``max_grad_norm``, optimizer
-    and scheduler steps, ``zero_grad``. ``batch`` is what the model received (the callback
-    records exactly that). ``get_batch(i)`` is the i-th batch of the Trainer's dataloader
-    (its order under ``args.seed``), for ``sdcreplay record`` and ``doctor``.
+    for each micro-batch ``model(**micro_batch)["loss"]`` (divided by their number unless the
+    Trainer has the model normalize it by ``num_items_in_batch``) and backward, then gradient
+    clipping at ``max_grad_norm``, optimizer and scheduler steps, ``zero_grad``. ``batch``
+    is what the model received (the callback records exactly that): its keyword arguments,
+    a list of them under gradient accumulation. ``get_batch(i)`` is the i-th update step's
+    batch from the Trainer's dataloader (its order under ``args.seed``), for
+    ``sdcreplay record`` and ``doctor``.
     """
     args = trainer.args
-    _one_update_per_batch(args)
+    accumulation = args.gradient_accumulation_steps
     if args.max_steps <= 0:
         raise SdcReplayError(
             "the Trainer has no max_steps: its scheduler's length depends on the dataset",
@@ -128,26 +138,44 @@ def trainer_workload(trainer: Trainer) -> Workload:
 
     def train_step(batch: Any) -> torch.Tensor:
         model.train()
-        loss = model(**batch)["loss"]
-        loss.backward()
+        micro_batches = _micro_batches(batch)
+        losses = []
+        for inputs in micro_batches:
+            loss = model(**inputs)["loss"]
+            losses.append(loss.detach())
+            if not _scaled_for_accumulation(trainer, inputs):
+                loss = loss / len(micro_batches)
+            loss.backward()
         if args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         model.zero_grad()
-        return loss.detach()
+        return torch.stack(losses).mean()
 
     def get_batch(index: int) -> Any:
         if not batches:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(args.seed)
                 batches.extend(trainer.get_train_dataloader())
-        batch = dict(batches[index % len(batches)])
-        _, items = trainer.get_batch_samples(iter([batch]), 1, args.device)
+        first = index * accumulation
+        samples = [dict(batches[(first + k) % len(batches)]) for k in range(accumulation)]
+        _, items = trainer.get_batch_samples(iter(samples), accumulation, args.device)
         if trainer.model_accepts_loss_kwargs and items is not None:
-            batch["num_items_in_batch"] = items
-        return batch
+            for sample in samples:
+                sample["num_items_in_batch"] = items
+        return samples if accumulation > 1 else samples[0]
 
     return Workload(
         model, optimizer, get_batch, train_step=train_step, state={SCHEDULER: scheduler}
     )
+
+
+def _scaled_for_accumulation(trainer: Trainer, inputs: Mapping) -> bool:
+    """Whether the Trainer leaves a micro-batch's loss as it is (``Trainer.training_step``):
+    the model normalized it by the step's ``num_items_in_batch``, or a ``compute_loss_func``
+    did; else it divides it by the number of micro-batches."""
+    if trainer.loss_is_scaled_for_ga is not None:
+        return bool(trainer.loss_is_scaled_for_ga)
+    given_items = trainer.model_accepts_loss_kwargs and "num_items_in_batch" in inputs
+    return given_items or trainer.compute_loss_func is not None

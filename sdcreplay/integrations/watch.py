@@ -81,7 +81,7 @@ class StepWatch:
         )
         self.step_index = start_step
         self._open: contextlib.AbstractContextManager | None = None
-        self._loss: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
         self._grad_norms: dict[str, float] = {}
         self._before: TrainingSnapshot | None = None
 
@@ -99,14 +99,19 @@ class StepWatch:
         self._abandon_open_step()
         if clear_grads and grads_entering(self.model) != "none":
             self.optimizer.zero_grad(set_to_none=True)
-        self._loss, self._grad_norms, self._before = None, {}, None
+        self._losses, self._grad_norms, self._before = [], {}, None
         step = self.recorder.step(batch)
         step.__enter__()
         self._open = step
 
+    def extend(self, micro_batch: Any) -> None:
+        """Another micro-batch of the open step (its forward begins)."""
+        self.recorder.extend_batch(micro_batch)
+
     def saw_loss(self, loss: Any) -> None:
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._loss is None:
-            self._loss = loss.detach()
+        """A micro-batch's loss: the step's is their mean, as trainers log it."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(()))
 
     def before_optimizer(self) -> None:
         """Gradients as the optimizer will use them; parameters before its update."""
@@ -126,7 +131,8 @@ class StepWatch:
         index, self.step_index = self.step_index, self.step_index + 1
         if self._before is None:  # the optimizer did not step: no update to judge
             return None
-        seen = observe(self.model, self._before, self._loss, self._grad_norms)
+        loss = torch.stack(self._losses).mean() if self._losses else None
+        seen = observe(self.model, self._before, loss, self._grad_norms)
         self._before = None
         alarm = self.detector.judge(seen, step=index)
         if alarm is not None:
