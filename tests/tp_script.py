@@ -1,0 +1,107 @@
+"""A user's tensor-parallel training script as ``torchrun`` starts it (the tests copy it into
+tmp_path).
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 tp_script.py OUT RESULTS``:
+every rank records two steps of an MLP (Linear -> GELU -> Linear) split over the two ranks by
+DTensor's ``parallelize_module`` (fc1 column-wise, fc2 row-wise: the forward's one functional
+all_reduce sums fc2's partial outputs) with a Recorder, then replays the first step again with
+the functional all_reduce issued twice (another program). Each rank writes what it saw to
+RESULTS/rank{r}.json; ``make_workload`` is the workload ``sdcreplay replay`` rebuilds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+WIDTH, HIDDEN, ROWS = 8, 16, 4
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def get_batch(index: int) -> dict:
+    """The same batch on every rank (tensor parallelism splits the weights, not the data)."""
+    generator = torch.Generator().manual_seed(100 + index)
+    return {"x": torch.randn(ROWS, WIDTH, generator=generator)}
+
+
+def loss_fn(model, batch):
+    return model(batch["x"]).pow(2).mean()
+
+
+def make_workload(seed: int = 0):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from sdcreplay import Workload
+
+    torch.manual_seed(seed)
+    mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    model = parallelize_module(MLP(), mesh, plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return Workload(model=model, optimizer=optimizer, get_batch=get_batch, loss_fn=loss_fn)
+
+
+def twice_reduced_step(workload):
+    """Another program: the step's output summed over the ranks once more, functionally."""
+    from torch.distributed import _functional_collectives as funcol
+
+    def train_step(batch):
+        loss = funcol.all_reduce(workload.loss(batch), "sum", dist.group.WORLD) / 2
+        loss.backward()
+        workload.optimizer.step()
+        workload.optimizer.zero_grad()
+        return loss
+
+    return train_step
+
+
+def main(out: str, results: str) -> None:
+    import sdcreplay
+    from sdcreplay.bundle import JobBundle
+    from sdcreplay.errors import MessageOrderError
+    from sdcreplay.replay import ReplaySession
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    workload = make_workload()
+    recorder = sdcreplay.Recorder(
+        out, f"{__file__}:make_workload", workload.model, workload.optimizer
+    )
+    for index in range(2):
+        batch = workload.get_batch(index)
+        with recorder.step(batch):
+            workload.run_step(batch)
+    part = JobBundle.open(recorder.close()).rank(rank)
+    other = ReplaySession(part)
+    other.workload.train_step = twice_reduced_step(other.workload)
+    try:
+        other.run_step(part.steps[0])
+        order_error = None
+    except MessageOrderError as exc:
+        order_error = exc.message
+    other.close()
+    Path(results, f"rank{rank}.json").write_text(json.dumps({"order_error": order_error}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
