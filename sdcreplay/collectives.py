@@ -217,6 +217,9 @@ FUNCTIONAL: dict[str, _Functional] = {
 
 _installed: list[Any] = []  # the torch.library.Library holding the kernels, once installed
 _BELOW_VIEW: list[Any] = []  # the dispatch keys after ADInplaceOrView, once installed
+# Some functional collectives (all_gather_into_tensor) issue a c10d operator: their message
+# is the functional call's, and the c10d kernel passes it through on this thread.
+_issuing = threading.local()
 _active: MessageLog | None = None
 
 
@@ -319,7 +322,7 @@ def _below_autograd(op: Any, args: tuple, kwargs: dict) -> Any:
 
 def _kernel(layout: _Layout, op: Any, *args: Any, **kwargs: Any) -> Any:
     log = _active
-    if log is None:
+    if log is None or getattr(_issuing, "functional", False):
         return _below_autograd(op, args, kwargs)
     return log.call(layout, lambda: _below_autograd(op, args, kwargs), args, kwargs)
 
@@ -330,7 +333,15 @@ def _functional_kernel(layout: _Functional, op: Any, keys: Any, *args: Any, **kw
     log = _active
     if log is None:
         return op.redispatch(below, *args, **kwargs)
-    return log.call(layout, lambda: op.redispatch(below, *args, **kwargs), args, kwargs)
+
+    def issue() -> Any:
+        _issuing.functional = True
+        try:
+            return op.redispatch(below, *args, **kwargs)
+        finally:
+            _issuing.functional = False
+
+    return log.call(layout, issue, args, kwargs)
 
 
 def _wait_kernel(op: Any, keys: Any, tensor: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from .capture import CallSite
 from .errors import FaultSpecError
 from .kinds import PhaseName
-from .tensorio import raw_bits
+from .tensorio import local_shard, raw_bits
 
 FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip", "mask", "burst"]
 KINDS: tuple[str, ...] = get_args(FaultKind)
@@ -415,16 +415,6 @@ def bits_only_alias(tensor: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-def local_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory this rank holds: a DTensor's local shard (a tensor-parallel
-    operator's output, as a dispatch mode sees it, is a DTensor without memory of its own)."""
-    if type(tensor) is torch.Tensor or not torch.distributed.is_available():
-        return tensor
-    from torch.distributed.tensor import DTensor
-
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 @torch.no_grad()
 def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | None] | None:
     """Apply one fault to the memory of ``tensor``; the flat elements touched and the bit.
@@ -432,9 +422,10 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
     The bits change, the metadata does not (see ``bits_only_alias``). Returns
     None (nothing fired) when the elements lie outside the tensor: a defect
     tied to an output position cannot fire where the output is smaller. A
-    DTensor's elements are those of this rank's shard (``local_memory``).
+    DTensor's elements are those of this rank's shard (a tensor-parallel
+    operator's output, as a dispatch mode sees it, has no memory of its own).
     """
-    tensor = local_memory(tensor)
+    tensor = local_shard(tensor)
     numel = tensor.numel()
     tensor = bits_only_alias(tensor)
     first, second = spec.index, spec.index + spec.count

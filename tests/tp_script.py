@@ -5,7 +5,8 @@ tmp_path).
 every rank records two steps of an MLP (Linear -> GELU -> Linear) split over the two ranks by
 DTensor's ``parallelize_module`` (fc1 column-wise, fc2 row-wise: the forward's one functional
 all_reduce sums fc2's partial outputs) with a Recorder, then replays the first step again with
-the functional all_reduce issued twice (another program). Each rank writes what it saw to
+the functional all_reduce issued twice (another program), then logs one call of each other
+functional collective (one left unwaited). Each rank writes what it saw to
 RESULTS/rank{r}.json; ``make_workload`` is the workload ``sdcreplay replay`` rebuilds.
 """
 
@@ -74,6 +75,30 @@ def twice_reduced_step(workload):
     return train_step
 
 
+def functional_calls() -> list[dict]:
+    """One logged step of the other functional collectives on ``arange(4) + rank``; the last
+    all_reduce is never waited for (the step's end waits for it)."""
+    from sdcreplay.collectives import MessageLog
+
+    ops, group, rank = torch.ops._c10d_functional, dist.group.WORLD.group_name, dist.get_rank()
+    x = torch.arange(4.0) + rank
+    log = MessageLog("exact")
+    log.begin_step(0)
+    in_place = x.clone()
+    outputs = [
+        ops.all_gather_into_tensor(x, 2, group),
+        ops.reduce_scatter_tensor(x, "sum", 2, group),
+        ops.all_to_all_single(x, [1 + 2 * rank] * 2, [1, 3], group),  # rank 0 gets 2, 1 gets 6
+        ops.all_reduce_(in_place, "sum", group),
+        *ops.all_reduce_coalesced([x, x[:2] * 2], "sum", group),
+        ops.broadcast(x, 1, group),
+    ]
+    for tensor in outputs:
+        ops.wait_tensor(tensor)
+    ops.all_reduce(x, "max", group)
+    return [message.to_json() for message in log.end_step()]
+
+
 def main(out: str, results: str) -> None:
     import sdcreplay
     from sdcreplay.bundle import JobBundle
@@ -99,7 +124,8 @@ def main(out: str, results: str) -> None:
     except MessageOrderError as exc:
         order_error = exc.message
     other.close()
-    Path(results, f"rank{rank}.json").write_text(json.dumps({"order_error": order_error}))
+    report = {"order_error": order_error, "functional": functional_calls()}
+    Path(results, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
