@@ -3,8 +3,8 @@ torch.distributed (gloo, 2 ranks as torchrun starts them, each job with a timeou
 
 A user's script (tests/tp_script.py, copied into tmp_path) records 2 steps of an MLP split by
 ``parallelize_module`` (ColwiseParallel fc1, RowwiseParallel fc2): the forward's functional
-all_reduce is logged like a c10d collective, replays bit for bit, is enforced in order, and
-names the rank whose input to it was corrupted.
+all_reduce and the loop's two logging all_reduces are logged like c10d collectives, replay bit
+for bit, are enforced in order, and name the rank whose input to one was corrupted.
 """
 
 from __future__ import annotations
@@ -51,30 +51,40 @@ def test_the_functional_all_reduce_of_each_tp_step_is_logged_on_every_rank(tp_jo
     logs = [job.rank(rank).messages() for rank in (0, 1)]
     for log in logs:
         assert sorted(log) == [0, 1]
-        for messages in log.values():  # RowwiseParallel's partial outputs [rows, width] summed
-            numbered = [(m.profiling_name, m.record_id, m.collective_seq_id) for m in messages]
-            assert numbered == [("gloo:all_reduce", 0, 0)] and messages[0].op_id == 0
-            (message,) = messages
-            assert (message.input_sizes, message.output_sizes) == ([[4, 8]], [[4, 8]])
-            assert (message.input_dtypes, message.pg_id, message.process_group) == (
-                ["float32"],
-                0,
-                "0",
+        for messages in log.values():  # fc2's partial outputs [rows, width], loss, rows
+            assert [m.profiling_name for m in messages] == ["gloo:all_reduce"] * 3
+            assert [(m.record_id, m.collective_seq_id, m.op_id) for m in messages] == [
+                (i, i, i) for i in range(3)
+            ]
+            assert [(m.input_sizes, m.output_sizes) for m in messages] == [
+                ([[4, 8]], [[4, 8]]),
+                ([[1]], [[1]]),
+                ([[1]], [[1]]),
+            ]
+            assert [m.input_dtypes for m in messages] == [["float32"], ["float32"], ["int64"]]
+            assert {(m.pg_id, m.process_group) for m in messages} == {(0, "0")}
+            assert (messages[2].input_digest, messages[2].output_digest) == (
+                "=int64:0000000000000004",  # 4 rows on each rank, 8 in all
+                "=int64:0000000000000008",
             )
     for step in (0, 1):
-        sent = [log[step][0] for log in logs]
-        assert sent[0].input_digest != sent[1].input_digest  # each rank's half of fc2
-        assert sent[0].output_digest == sent[1].output_digest is not None  # the same sum
+        for position, differ in ((0, True), (1, False)):  # fc2's halves, the same loss
+            sent = [log[step][position] for log in logs]
+            assert (sent[0].input_digest != sent[1].input_digest) is differ
+            assert sent[0].output_digest == sent[1].output_digest is not None  # the same sum
 
 
-def test_a_functional_collective_the_record_lacks_is_a_message_order_error(tp_job):
+def test_functional_collectives_in_another_order_are_a_message_order_error(tp_job):
     _, ranks = tp_job
+    program = " (another collective order: a different program, not a device's arithmetic)"
     for rank in ranks:
-        assert rank["order_error"] == (
-            "step 0, message record_id 1: the record's step has 1 messages, the replay issues "
-            "gloo:all_reduce on process group 0 of float32[] as one more (another collective "
-            "order: a different program, not a device's arithmetic)"
-        )
+        assert rank["order_errors"] == {
+            "swapped": "step 0, message record_id 1: the record has gloo:all_reduce on process "
+            "group 0 of float32[1], the replay issues gloo:all_reduce on process group 0 of "
+            "int64[1]" + program,
+            "extra": "step 0, message record_id 3: the record's step has 3 messages, the "
+            "replay issues gloo:all_reduce on process group 0 of float32[2] as one more" + program,
+        }
 
 
 def test_every_functional_collective_is_logged_with_its_waited_output(tp_job):

@@ -3,9 +3,10 @@ tmp_path).
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 tp_script.py OUT RESULTS``:
 every rank records two steps of an MLP (Linear -> GELU -> Linear) split over the two ranks by
-DTensor's ``parallelize_module`` (fc1 column-wise, fc2 row-wise: the forward's one functional
-all_reduce sums fc2's partial outputs) with a Recorder, then replays the first step again with
-the functional all_reduce issued twice (another program), then logs one call of each other
+DTensor's ``parallelize_module`` (fc1 column-wise, fc2 row-wise: the forward's functional
+all_reduce sums fc2's partial outputs; the loop then sums the loss and the row count with two
+more, for logging) with a Recorder, then replays the first step again with the two logging
+all_reduces swapped and with a third (other programs), then logs one call of each other
 functional collective (one left unwaited). Each rank writes what it saw to
 RESULTS/rank{r}.json; ``make_workload`` is the workload ``sdcreplay replay`` rebuilds.
 """
@@ -58,16 +59,24 @@ def make_workload(seed: int = 0):
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     model = parallelize_module(MLP(), mesh, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return Workload(model=model, optimizer=optimizer, get_batch=get_batch, loss_fn=loss_fn)
+    workload = Workload(model=model, optimizer=optimizer, get_batch=get_batch, loss_fn=loss_fn)
+    workload.train_step = logging_step(workload)
+    return workload
 
 
-def twice_reduced_step(workload):
-    """Another program: the step's output summed over the ranks once more, functionally."""
+def logging_step(workload, variant: str = "recorded"):
+    """The loop's step: the loss through the split model, then two functional all_reduces for
+    logging (the loss, the row count). Another program: ``swapped`` issues them in the other
+    order, ``extra`` adds a third."""
     from torch.distributed import _functional_collectives as funcol
 
     def train_step(batch):
-        loss = funcol.all_reduce(workload.loss(batch), "sum", dist.group.WORLD) / 2
+        loss = workload.loss(batch)
         loss.backward()
+        stats = [loss.detach().reshape(1), torch.tensor([batch["x"].shape[0]])]
+        stats = {"recorded": stats, "swapped": stats[::-1], "extra": [*stats, torch.zeros(2)]}
+        for tensor in stats[variant]:
+            funcol.all_reduce(tensor, "sum", dist.group.WORLD).wait()
         workload.optimizer.step()
         workload.optimizer.zero_grad()
         return loss
@@ -116,15 +125,16 @@ def main(out: str, results: str) -> None:
         with recorder.step(batch):
             workload.run_step(batch)
     part = JobBundle.open(recorder.close()).rank(rank)
-    other = ReplaySession(part)
-    other.workload.train_step = twice_reduced_step(other.workload)
-    try:
-        other.run_step(part.steps[0])
-        order_error = None
-    except MessageOrderError as exc:
-        order_error = exc.message
-    other.close()
-    report = {"order_error": order_error, "functional": functional_calls()}
+    order_errors = {}
+    for variant in ("swapped", "extra"):
+        other = ReplaySession(part)
+        other.workload.train_step = logging_step(other.workload, variant)
+        try:
+            other.run_step(part.steps[0])
+        except MessageOrderError as exc:
+            order_errors[variant] = exc.message
+        other.close()
+    report = {"order_errors": order_errors, "functional": functional_calls()}
     Path(results, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
