@@ -8,14 +8,16 @@ and logs it with the flight recorder's field names, the digest of the rank's inp
 call and of its output once the call completed.
 
 PyTorch's functional collectives (``_c10d_functional::*``: DTensor's redistribution under
-tensor parallelism, compiled code) call the ProcessGroup from C++, never through a ``c10d``
-operator: they get kernels of their own at the ``ADInplaceOrView`` key, the first key below
+tensor parallelism, compiled code) call the ProcessGroup from C++ (all_gather_into_tensor
+through ``c10d::_allgather_base_``, passed through: one message per functional call), so
+they get kernels of their own at the ``ADInplaceOrView`` key, the first key below
 autograd (``torch.distributed._functional_collectives`` registers their autograd at the
 ``Autograd`` key when imported, and a kernel there would replace it). They return at once, the
 output valid once ``_c10d_functional::wait_tensor`` waited for it: that kernel digests the
 output when the last output tensor of a logged call is waited for (found by its storage, as
 PyTorch's work registry finds it); ``end_step`` waits for and digests what nobody waited for.
-``batch_p2p_ops``, ``isend`` and ``irecv`` are not logged.
+Calls on fake tensors (torch.compile tracing) move nothing and are not logged; neither are
+``batch_p2p_ops``, ``isend`` and ``irecv``.
 
 Why not a ``TorchDispatchMode``: a mode sees every aten call of the step, and a pass-through
 mode alone doubled tiny-llama's step time (measured 2.1x); a Python kernel registered at the
@@ -331,7 +333,7 @@ def _functional_kernel(layout: _Functional, op: Any, keys: Any, *args: Any, **kw
     """At ``ADInplaceOrView``: the call goes on to the next key (the collective's kernel)."""
     below = keys & _BELOW_VIEW[0]
     log = _active
-    if log is None:
+    if log is None or _traced(args):
         return op.redispatch(below, *args, **kwargs)
 
     def issue() -> Any:
@@ -342,6 +344,13 @@ def _functional_kernel(layout: _Functional, op: Any, keys: Any, *args: Any, **kw
             _issuing.functional = False
 
     return log.call(layout, issue, args, kwargs)
+
+
+def _traced(args: tuple) -> bool:
+    """A call on tensors without data (torch.compile tracing the step): nothing moves."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(tensor.is_meta or is_fake(tensor) for tensor in _tensors(args[0]))
 
 
 def _wait_kernel(op: Any, keys: Any, tensor: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,19 @@ def test_every_functional_collective_is_logged_with_its_waited_output(tp_job):
         ]
 
 
+def test_a_compiled_functions_functional_collective_is_logged_once_per_call(tp_job):
+    _, ranks = tp_job
+    for report in ranks:
+        messages = [Message.from_json(m) for m in report["compiled"]]
+        assert [(m.profiling_name, m.record_id, m.input_sizes) for m in messages] == [
+            ("gloo:all_reduce", 0, [[3]]),
+            ("gloo:all_reduce", 1, [[3]]),
+        ]
+        assert {(m.input_digest, m.output_digest) for m in messages} == {
+            (_digest([torch.full((3,), 2.0)]), _digest([torch.full((3,), 4.0)]))
+        }
+
+
 def test_a_tp_job_replays_bit_for_bit_its_functional_collectives_included(cli, tp_job, tmp_path):
     job_path, _ = tp_job
     logs = tmp_path / "logs"

@@ -7,8 +7,9 @@ DTensor's ``parallelize_module`` (fc1 column-wise, fc2 row-wise: the forward's f
 all_reduce sums fc2's partial outputs; the loop then sums the loss and the row count with two
 more, for logging) with a Recorder, then replays the first step again with the two logging
 all_reduces swapped and with a third (other programs), then logs one call of each other
-functional collective (one left unwaited). Each rank writes what it saw to
-RESULTS/rank{r}.json; ``make_workload`` is the workload ``sdcreplay replay`` rebuilds.
+functional collective (one left unwaited) and two calls of a compiled function that sums.
+Each rank writes what it saw to RESULTS/rank{r}.json; ``make_workload`` is the workload
+``sdcreplay replay`` rebuilds.
 """
 
 from __future__ import annotations
@@ -108,6 +109,24 @@ def functional_calls() -> list[dict]:
     return [message.to_json() for message in log.end_step()]
 
 
+def compiled_calls() -> list[dict]:
+    """A logged step calling a torch.compile'd all_reduce twice: the calls dynamo and AOT
+    autograd make on fake tensors while tracing move nothing and are not logged."""
+    from torch.distributed import _functional_collectives as funcol
+
+    from sdcreplay.collectives import MessageLog
+
+    @torch.compile(backend="aot_eager")
+    def doubled_sum(x):
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+    log = MessageLog("exact")
+    log.begin_step(0)
+    for _ in range(2):
+        doubled_sum(torch.ones(3))
+    return [message.to_json() for message in log.end_step()]
+
+
 def main(out: str, results: str) -> None:
     import sdcreplay
     from sdcreplay.bundle import JobBundle
@@ -134,7 +153,11 @@ def main(out: str, results: str) -> None:
         except MessageOrderError as exc:
             order_errors[variant] = exc.message
         other.close()
-    report = {"order_errors": order_errors, "functional": functional_calls()}
+    report = {
+        "order_errors": order_errors,
+        "functional": functional_calls(),
+        "compiled": compiled_calls(),
+    }
     Path(results, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
