@@ -261,8 +261,8 @@ class _Unwaited:
     """A logged functional call whose outputs are not all waited for yet."""
 
     position: int  # in the step's messages
-    outputs: list[torch.Tensor]
-    storages: set[int | None]  # of the outputs not waited for
+    outputs: list[torch.Tensor]  # until digested (then [], so that their memory can go)
+    storages: set[int]  # of the outputs not waited for
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -411,7 +411,7 @@ class MessageLog:
         self._groups: dict[str, tuple[int, str, str]] = {}  # by name, looked up in this step
         self._pending: list[Any] = []  # futures that complete once an output is digested
         self._unwaited: list[_Unwaited] = []  # functional calls of the step
-        self._by_storage: dict[int | None, _Unwaited] = {}  # their outputs not waited for
+        self._by_storage: dict[int, _Unwaited] = {}  # their outputs not waited for
         self._lock = threading.Lock()
 
     def begin_step(self, step: int, expected: Sequence[Message] | None = None) -> None:
@@ -476,7 +476,8 @@ class MessageLog:
 
     def _digest_when_waited(self, outputs: list[torch.Tensor], position: int) -> None:
         """The functional call's output is read once ``wait_tensor`` waited for each tensor."""
-        call = _Unwaited(position, outputs, {_storage_key(t) for t in outputs})
+        storages = {key for key in map(_storage_key, outputs) if key is not None}
+        call = _Unwaited(position, outputs, storages)
         with self._lock:
             self._unwaited.append(call)
             self._by_storage.update((storage, call) for storage in call.storages)
@@ -486,6 +487,8 @@ class MessageLog:
         if not self._by_storage:
             return
         storage = _storage_key(tensor)
+        if storage is None:
+            return
         with self._lock:
             call = self._by_storage.pop(storage, None)
             if call is None:
@@ -493,18 +496,18 @@ class MessageLog:
             call.storages.discard(storage)
             if call.storages:
                 return
-        self._set_output(call.position, _digest(call.outputs))
+            outputs, call.outputs = call.outputs, []
+        self._set_output(call.position, _digest(outputs))
 
     def _wait_functional(self) -> None:
         """Wait for and digest the functional calls of the step nobody waited for."""
         import torch
 
         for call in self._unwaited:
-            if call.storages:
+            if call.outputs:
                 with torch.no_grad():
                     for tensor in call.outputs:
                         torch.ops._c10d_functional.wait_tensor(tensor)
-                call.storages.clear()
                 self._set_output(call.position, _digest(call.outputs))
         self._unwaited, self._by_storage = [], {}
 
