@@ -7,6 +7,18 @@ C++ reducer, FSDP2's all-gathers and reduce-scatters, ``dist.all_reduce``, ``sen
 and logs it with the flight recorder's field names, the digest of the rank's input before the
 call and of its output once the call completed.
 
+PyTorch's functional collectives (``_c10d_functional::*``: DTensor's redistribution under
+tensor parallelism, compiled code) call the ProcessGroup from C++ (all_gather_into_tensor
+through ``c10d::_allgather_base_``, passed through: one message per functional call), so
+they get kernels of their own at the ``ADInplaceOrView`` key, the first key below
+autograd (``torch.distributed._functional_collectives`` registers their autograd at the
+``Autograd`` key when imported, and a kernel there would replace it). They return at once, the
+output valid once ``_c10d_functional::wait_tensor`` waited for it: that kernel digests the
+output when the last output tensor of a logged call is waited for (found by its storage, as
+PyTorch's work registry finds it); ``end_step`` waits for and digests what nobody waited for.
+Calls on fake tensors (torch.compile tracing) move nothing and are not logged; neither are
+``batch_p2p_ops``, ``isend`` and ``irecv``.
+
 Why not a ``TorchDispatchMode``: a mode sees every aten call of the step, and a pass-through
 mode alone doubled tiny-llama's step time (measured 2.1x); a Python kernel registered at the
 ``Autograd`` key of the ``c10d`` operators runs for those calls only. It is installed once per
@@ -25,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +121,18 @@ class _Layout:
         separate = None not in (self.inputs, self.outputs) and self.inputs != self.outputs
         return 2 if separate else 1
 
+    def inputs_of(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        return [] if self.inputs is None else _tensors(args[self.inputs])
+
+    def outputs_of(self, args: tuple, kwargs: dict) -> list[tuple[list[int], str]]:
+        outputs = [] if self.outputs is None else _tensors(args[self.outputs])
+        return [(list(t.shape), _dtype_name(t)) for t in outputs]
+
+    def finish(self, log: MessageLog, result: Any, position: int, args: tuple) -> Any:
+        if self.outputs is None:
+            return result
+        return log._digest_on_completion(result, position, _tensors(args[self.outputs]))
+
 
 LAYOUTS: dict[str, _Layout] = {
     "allreduce_": _Layout("all_reduce", 0, 0),
@@ -135,7 +159,69 @@ LAYOUTS: dict[str, _Layout] = {
 """Every c10d operator that moves data between ranks (torch 2.13 lists these and
 ``check_for_nan``, which does not)."""
 
+
+@dataclass(frozen=True)
+class _Functional:
+    """A functional collective: its group_name's argument, the shape of what it returns."""
+
+    name: str  # as the c10d operator of the same collective is logged
+    group: int
+    rows: str = "same"  # the output's first dimension: same, gather, scatter, splits, out
+    size_arg: int = 1  # gather, scatter: group_size's argument; splits: output_split_sizes'
+
+    p2p = False
+    peer = None
+
+    def inputs_of(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        return _tensors(args[0])
+
+    def outputs_of(self, args: tuple, kwargs: dict) -> list[tuple[list[int], str]]:
+        """Known before the call, so that a replay refuses another collective before issuing."""
+        if self.rows == "out":
+            return [(list(kwargs["out"].shape), _dtype_name(kwargs["out"]))]
+        outputs = []
+        for tensor in _tensors(args[0]):
+            shape = list(tensor.shape)
+            size = args[self.size_arg]
+            if self.rows == "gather":
+                shape[0] *= size
+            elif self.rows == "scatter":
+                shape[0] //= size
+            elif self.rows == "splits" and size:
+                shape[0] = sum(int(rows) for rows in size)
+            outputs.append((shape, _dtype_name(tensor)))
+        return outputs
+
+    def finish(self, log: MessageLog, result: Any, position: int, args: tuple) -> Any:
+        log._digest_when_waited(_tensors(result), position)
+        return result
+
+
+FUNCTIONAL: dict[str, _Functional] = {
+    "all_reduce": _Functional("all_reduce", 2),
+    "all_reduce_": _Functional("all_reduce", 2),
+    "all_reduce_coalesced": _Functional("allreduce_coalesced", 2),
+    "all_reduce_coalesced_": _Functional("allreduce_coalesced", 2),
+    "all_gather_into_tensor": _Functional("_allgather_base", 2, "gather"),
+    "all_gather_into_tensor_out": _Functional("_allgather_base", 2, "out"),
+    "all_gather_into_tensor_coalesced": _Functional("allgather_into_tensor_coalesced", 2, "gather"),
+    "reduce_scatter_tensor": _Functional("_reduce_scatter_base", 3, "scatter", 2),
+    "reduce_scatter_tensor_out": _Functional("_reduce_scatter_base", 3, "out"),
+    "reduce_scatter_tensor_coalesced": _Functional(
+        "reduce_scatter_tensor_coalesced", 3, "scatter", 2
+    ),
+    "all_to_all_single": _Functional("all_to_all_base", 3, "splits"),
+    "broadcast": _Functional("broadcast", 2),
+    "broadcast_": _Functional("broadcast", 2),
+}
+"""The functional collectives of torch 2.13 (with ``wait_tensor``, ``isend``, ``irecv``,
+``batch_p2p_ops`` and ``_wrap_tensor_autograd``), profiling names as their c10d operators'."""
+
 _installed: list[Any] = []  # the torch.library.Library holding the kernels, once installed
+_BELOW_VIEW: list[Any] = []  # the dispatch keys after ADInplaceOrView, once installed
+# Some functional collectives (all_gather_into_tensor) issue a c10d operator: their message
+# is the functional call's, and the c10d kernel passes it through on this thread.
+_issuing = threading.local()
 _active: MessageLog | None = None
 
 
@@ -159,6 +245,24 @@ def _digest(tensors: list[torch.Tensor]) -> str | None:
     if len(digests) == 1:
         return digests[0]
     return "sha256:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The tensor's storage (PyTorch's work registry finds a functional call's Work by it), or
+    None for a tensor without one (a wrapper subclass)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+@dataclass
+class _Unwaited:
+    """A logged functional call whose outputs are not all waited for yet."""
+
+    position: int  # in the step's messages
+    outputs: list[torch.Tensor]  # until digested (then [], so that their memory can go)
+    storages: set[int]  # of the outputs not waited for
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -192,15 +296,20 @@ def _done(value: Any) -> Any:
     return future
 
 
-def _group(script: Any, known: dict[str, tuple[int, str, str]]) -> tuple[int, str, str]:
-    """(pg_id, name, backend) of a boxed process group; ``known``: those looked up before."""
+def _group(group: Any, known: dict[str, tuple[int, str, str]]) -> tuple[int, str, str]:
+    """(pg_id, name, backend) of a boxed process group or a group's name (a functional
+    collective's ``group_name``); ``known``: those looked up before."""
     import torch.distributed as dist
 
-    group = dist.ProcessGroup.unbox(script)
-    name = group.group_name
+    by_name = isinstance(group, str)
+    if not by_name and not isinstance(group, dist.ProcessGroup):
+        group = dist.ProcessGroup.unbox(group)
+    name: str = group if by_name else group.group_name
     found = known.get(name)
     if found is None:
-        names = list(dist.distributed_c10d._world.pg_names.values())
+        if by_name:
+            group = dist.distributed_c10d._resolve_process_group(group)
+        names = [str(n) for n in dist.distributed_c10d._world.pg_names.values()]
         pg_id = names.index(name) if name in names else -1
         found = known[name] = (pg_id, name, dist.get_backend(group))
     return found
@@ -215,13 +324,46 @@ def _below_autograd(op: Any, args: tuple, kwargs: dict) -> Any:
 
 def _kernel(layout: _Layout, op: Any, *args: Any, **kwargs: Any) -> Any:
     log = _active
-    if log is None:
+    if log is None or getattr(_issuing, "functional", False):
         return _below_autograd(op, args, kwargs)
-    return log.call(layout, op, args, kwargs)
+    return log.call(layout, lambda: _below_autograd(op, args, kwargs), args, kwargs)
+
+
+def _functional_kernel(layout: _Functional, op: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+    """At ``ADInplaceOrView``: the call goes on to the next key (the collective's kernel)."""
+    below = keys & _BELOW_VIEW[0]
+    log = _active
+    if log is None or _traced(args):
+        return op.redispatch(below, *args, **kwargs)
+
+    def issue() -> Any:
+        _issuing.functional = True
+        try:
+            return op.redispatch(below, *args, **kwargs)
+        finally:
+            _issuing.functional = False
+
+    return log.call(layout, issue, args, kwargs)
+
+
+def _traced(args: tuple) -> bool:
+    """A call on tensors without data (torch.compile tracing the step): nothing moves."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(tensor.is_meta or is_fake(tensor) for tensor in _tensors(args[0]))
+
+
+def _wait_kernel(op: Any, keys: Any, tensor: torch.Tensor) -> torch.Tensor:
+    result = op.redispatch(keys & _BELOW_VIEW[0], tensor)
+    log = _active
+    if log is not None:
+        log._waited(tensor)
+    return result
 
 
 def install() -> None:
-    """Register the logging kernels for every c10d operator (once per process)."""
+    """Register the logging kernels for every c10d operator and functional collective (once
+    per process)."""
     if _installed:
         return
     import functools
@@ -234,7 +376,16 @@ def install() -> None:
         packet = getattr(torch.ops.c10d, name, None)
         if packet is not None:
             library.impl(name, functools.partial(_kernel, layout, packet.default), "Autograd")
-    _installed.append(library)
+    _BELOW_VIEW.append(torch._C._after_ADInplaceOrView_keyset)
+    functional = torch.library.Library("_c10d_functional", "IMPL")
+    ops = torch.ops._c10d_functional
+    for name, described in FUNCTIONAL.items():
+        if hasattr(ops, name):
+            kernel = functools.partial(_functional_kernel, described, getattr(ops, name).default)
+            functional.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
+    kernel = functools.partial(_wait_kernel, ops.wait_tensor.default)
+    functional.impl("wait_tensor", kernel, "ADInplaceOrView", with_keyset=True)
+    _installed.extend([library, functional])
 
 
 def log_open() -> bool:
@@ -259,6 +410,8 @@ class MessageLog:
         self._counters: Counter[tuple[int, str]] = Counter()
         self._groups: dict[str, tuple[int, str, str]] = {}  # by name, looked up in this step
         self._pending: list[Any] = []  # futures that complete once an output is digested
+        self._unwaited: list[_Unwaited] = []  # functional calls of the step
+        self._by_storage: dict[int, _Unwaited] = {}  # their outputs not waited for
         self._lock = threading.Lock()
 
     def begin_step(self, step: int, expected: Sequence[Message] | None = None) -> None:
@@ -276,14 +429,17 @@ class MessageLog:
         self._counters.clear()
         self._groups.clear()
         self._pending = []
+        self._unwaited, self._by_storage = [], {}
         _active = self
 
     def end_step(self) -> list[Message]:
         """Close the step: its messages, every output digested (a call nobody waited for is
-        waited for here); a recorded call the replay did not issue is raised."""
+        waited for here, a functional one by ``wait_tensor``); a recorded call the replay did
+        not issue is raised."""
         self.abandon()
         for future in self._pending:
             future.wait()
+        self._wait_functional()
         if self.violation is not None:
             raise self.violation
         expected = self.expected
@@ -301,21 +457,59 @@ class MessageLog:
         if _active is self:
             _active = None
 
-    def call(self, layout: _Layout, op: Any, args: tuple, kwargs: dict) -> Any:
-        """Log one call: its input digest, the check against the record, the call; its output
-        is digested when the call completes (``_digest_on_completion``)."""
+    def call(
+        self, layout: _Layout | _Functional, issue: Callable[[], Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """Log one call: its input digest, the check against the record, the call (``issue``);
+        its output is digested when the call completes (``_digest_on_completion``) or, for a
+        functional collective, when it is waited for (``_digest_when_waited``)."""
         with self._lock:
-            message = self._message(layout, args)
+            message = self._message(layout, args, kwargs)
             self._check(message)
             # Progress a stuck job's watchdog sees: ranks waiting here issued more collectives
             # than a rank stuck before its call (launch.py kills the one that issued fewest).
             HEARTBEAT.issuing(f"step {message.step}, {message.profiling_name} {message.record_id}")
-            result = _below_autograd(op, args, kwargs)
+            result = issue()
             position = len(self.messages)
             self.messages.append(message)
-        if layout.outputs is None:
-            return result
-        return self._digest_on_completion(result, position, _tensors(args[layout.outputs]))
+        return layout.finish(self, result, position, args)
+
+    def _digest_when_waited(self, outputs: list[torch.Tensor], position: int) -> None:
+        """The functional call's output is read once ``wait_tensor`` waited for each tensor."""
+        storages = {key for key in map(_storage_key, outputs) if key is not None}
+        call = _Unwaited(position, outputs, storages)
+        with self._lock:
+            self._unwaited.append(call)
+            self._by_storage.update((storage, call) for storage in call.storages)
+
+    def _waited(self, tensor: torch.Tensor) -> None:
+        """``wait_tensor`` waited for ``tensor``: digest the call it is the last output of."""
+        if not self._by_storage:
+            return
+        storage = _storage_key(tensor)
+        if storage is None:
+            return
+        with self._lock:
+            call = self._by_storage.pop(storage, None)
+            if call is None:
+                return
+            call.storages.discard(storage)
+            if call.storages:
+                return
+            outputs, call.outputs = call.outputs, []
+        self._set_output(call.position, _digest(outputs))
+
+    def _wait_functional(self) -> None:
+        """Wait for and digest the functional calls of the step nobody waited for."""
+        import torch
+
+        for call in self._unwaited:
+            if call.outputs:
+                with torch.no_grad():
+                    for tensor in call.outputs:
+                        torch.ops._c10d_functional.wait_tensor(tensor)
+                self._set_output(call.position, _digest(call.outputs))
+        self._unwaited, self._by_storage = [], {}
 
     def _digest_on_completion(self, result: Any, position: int, outputs: list) -> Any:
         """Hand back a Work that completes once the output is digested, so whoever waits for
@@ -342,10 +536,10 @@ class MessageLog:
         with self._lock:
             self.messages[position] = replace(self.messages[position], output_digest=output_digest)
 
-    def _message(self, layout: _Layout, args: tuple) -> Message:
+    def _message(self, layout: _Layout | _Functional, args: tuple, kwargs: dict) -> Message:
         pg_id, name, backend = _group(args[layout.group], self._groups)
-        inputs = [] if layout.inputs is None else _tensors(args[layout.inputs])
-        outputs = [] if layout.outputs is None else _tensors(args[layout.outputs])
+        inputs = layout.inputs_of(args, kwargs)
+        outputs = layout.outputs_of(args, kwargs)
         kind = "p2p" if layout.p2p else "collective"
         sequence = self._counters[(pg_id, kind)]
         self._counters[(pg_id, kind)] += 1
@@ -362,8 +556,8 @@ class MessageLog:
             profiling_name=f"{backend}:{layout.name}",
             input_sizes=[list(t.shape) for t in inputs],
             input_dtypes=[_dtype_name(t) for t in inputs],
-            output_sizes=[list(t.shape) for t in outputs],
-            output_dtypes=[_dtype_name(t) for t in outputs],
+            output_sizes=[shape for shape, _ in outputs],
+            output_dtypes=[dtype for _, dtype in outputs],
             input_digest=_digest(inputs),
             output_digest=None,
             peer=None if layout.peer is None else int(args[layout.peer]),

@@ -25,7 +25,7 @@ import torch
 from .capture import CallSite
 from .errors import FaultSpecError
 from .kinds import PhaseName
-from .tensorio import raw_bits
+from .tensorio import local_shard, raw_bits
 
 FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip", "mask", "burst"]
 KINDS: tuple[str, ...] = get_args(FaultKind)
@@ -421,8 +421,11 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
 
     The bits change, the metadata does not (see ``bits_only_alias``). Returns
     None (nothing fired) when the elements lie outside the tensor: a defect
-    tied to an output position cannot fire where the output is smaller.
+    tied to an output position cannot fire where the output is smaller. A
+    DTensor's elements are those of this rank's shard (a tensor-parallel
+    operator's output, as a dispatch mode sees it, has no memory of its own).
     """
+    tensor = local_shard(tensor)
     numel = tensor.numel()
     tensor = bits_only_alias(tensor)
     first, second = spec.index, spec.index + spec.count
