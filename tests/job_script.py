@@ -78,6 +78,24 @@ def resume_at_step_1(part, state_file: Path):
     return same
 
 
+def replay_order_errors(part, variant_step, variants) -> dict[str, str]:
+    """The MessageOrderError of the part's first step replayed with each variant of the
+    loop's step (``variant_step(workload, variant)``); tests/tp_script.py uses it too."""
+    from sdcreplay.errors import MessageOrderError
+    from sdcreplay.replay import ReplaySession
+
+    errors = {}
+    for variant in variants:
+        other = ReplaySession(part)
+        other.workload.train_step = variant_step(other.workload, variant)
+        try:
+            other.run_step(part.steps[0])
+        except MessageOrderError as exc:
+            errors[variant] = exc.message
+        other.close()
+    return errors
+
+
 def make_workload(seed: int = 0, parallel: str = "ddp"):
     from sdcreplay.workloads.tiny_llama import make_workload as tiny_llama
 
@@ -89,7 +107,7 @@ def make_workload(seed: int = 0, parallel: str = "ddp"):
 def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None:
     import sdcreplay
     from sdcreplay.bundle import JobBundle
-    from sdcreplay.errors import BundleError, MessageOrderError
+    from sdcreplay.errors import BundleError
     from sdcreplay.replay import ReplaySession
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -116,15 +134,7 @@ def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None
         replayed[step.index] = {"signatures_equal": same, "messages": messages}
     session.close()
     resumed = resume_at_step_1(part, Path(results, f"state{rank}.h5"))
-    order_errors = {}
-    for variant in ("swapped", "missing", "extra"):
-        other = ReplaySession(part)
-        other.workload.train_step = logging_step(other.workload, variant)
-        try:
-            other.run_step(part.steps[0])
-        except MessageOrderError as exc:
-            order_errors[variant] = exc.message
-        other.close()
+    order_errors = replay_order_errors(part, logging_step, ("swapped", "missing", "extra"))
     try:  # the job exists now: rank 0 refuses to write over it, and tells the others
         sdcreplay.Recorder(out, "builtin:tiny-llama", workload.model, workload.optimizer)
         existing = None

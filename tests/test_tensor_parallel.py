@@ -31,6 +31,7 @@ def tp_job(tmp_path_factory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("tp-job")
     script = root / "train.py"
     shutil.copy(Path(__file__).with_name("tp_script.py"), script)
+    shutil.copy(Path(__file__).with_name("job_script.py"), root)  # its replay_order_errors
     results = root / "results"
     results.mkdir()
     done = run_torchrun(script, 2, str(root / "job.bundle"), str(results), timeout=120)

@@ -130,8 +130,6 @@ def compiled_calls() -> list[dict]:
 def main(out: str, results: str) -> None:
     import sdcreplay
     from sdcreplay.bundle import JobBundle
-    from sdcreplay.errors import MessageOrderError
-    from sdcreplay.replay import ReplaySession
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
@@ -144,15 +142,9 @@ def main(out: str, results: str) -> None:
         with recorder.step(batch):
             workload.run_step(batch)
     part = JobBundle.open(recorder.close()).rank(rank)
-    order_errors = {}
-    for variant in ("swapped", "extra"):
-        other = ReplaySession(part)
-        other.workload.train_step = logging_step(other.workload, variant)
-        try:
-            other.run_step(part.steps[0])
-        except MessageOrderError as exc:
-            order_errors[variant] = exc.message
-        other.close()
+    from job_script import replay_order_errors  # copied beside this script
+
+    order_errors = replay_order_errors(part, logging_step, ("swapped", "extra"))
     report = {
         "order_errors": order_errors,
         "functional": functional_calls(),
