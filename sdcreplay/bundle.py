@@ -562,11 +562,15 @@ class DistributedInfo(Record):
         "world_size": integer(1, MAX_WORLD_SIZE),
         "backend": text(64, "[a-z0-9_:]+"),
         "job": choice("../.."),
+        "ddp_iterations_before": optional(integer(0, 2)),
     }
     rank: int
     world_size: int
     backend: str
     job: str = "../.."  # the job bundle, relative to the part
+    # The recorded DDP's iterations before the part's first step (2: two or more, its
+    # buckets rebuilt); None: no DDP, or not known. Replay's fresh DDP runs as many first.
+    ddp_iterations_before: int | None = None
 
 
 @dataclass(kw_only=True)

@@ -54,6 +54,25 @@ def process_groups() -> list[ProcessGroupRecord]:
     ]
 
 
+def ddp_buckets_rebuilt(model: Any) -> bool | None:
+    """Has this DistributedDataParallel rebuilt its gradient buckets (in its second iteration,
+    with two broadcasts; once)? None: the model is no DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    return bool(getattr(model, "_has_rebuilt_buckets", False))
+
+
+def ddp_iterations_before(rebuilt_at_start: bool | None, rebuilt_after: bool | None) -> int | None:
+    """How many iterations a DDP had run before a step, capped at 2 (from then on its buckets
+    are as they stay): rebuilt before the step, 2; during it (its second iteration), 1; not
+    even after it, 0 (its first)."""
+    if rebuilt_at_start is None or rebuilt_after is None:
+        return None
+    return 2 if rebuilt_at_start else 1 if rebuilt_after else 0
+
+
 class JobRecording:
     """This rank's part of the job bundle at ``path``: ``part_path`` for its BundleWriter,
     ``distributed`` for its manifest, ``close()`` once its part closed."""

@@ -59,9 +59,15 @@ from .capture import (
 from .collectives import Message, MessageLog
 from .devices import torch_device
 from .digest import algorithm_for
-from .errors import CheckpointError, FaultSpecError, SdcReplayError, WorkloadMismatchError
+from .errors import (
+    CheckpointError,
+    FaultSpecError,
+    MessageOrderError,
+    SdcReplayError,
+    WorkloadMismatchError,
+)
 from .faults import Injector, parse_specs
-from .jobs import JobRecording, distributed_job
+from .jobs import JobRecording, ddp_buckets_rebuilt, ddp_iterations_before, distributed_job
 from .online import (
     ReplayCheck,
     TrainingStopped,
@@ -90,7 +96,10 @@ class Recorder:
     docstring); ``inject`` is the recording device's faults (`sdcreplay record
     --inject`), which the check re-executes under too. ``ring=K`` writes nothing while
     recording: the last K steps stay in memory (ring.py) until ``dump(reason)`` writes them
-    as a bundle at ``path`` (docs/recording.md, "Ring buffer").
+    as a bundle at ``path`` (docs/recording.md, "Ring buffer"). ``data_parallel``: the
+    DistributedDataParallel the step runs ``model`` through, when ``model`` is the plain
+    module (a DDP given as ``model`` is found by itself): a replay's fresh DDP then runs the
+    iterations it had run before the first step (its bucket rebuild).
     """
 
     def __init__(
@@ -111,6 +120,7 @@ class Recorder:
         verify: bool | str = True,
         inject: Sequence[str] = (),
         ring: int | None = None,
+        data_parallel: torch.nn.Module | None = None,
     ):
         if verify not in VERIFY_MODES:
             raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
@@ -118,6 +128,7 @@ class Recorder:
         first_param = next(model.parameters())
         self.device = first_param.device
         self.model, self.optimizer = model, optimizer
+        self._data_parallel = model if data_parallel is None else data_parallel
         self.state_objects = check_state_objects(dict(state or {}), "Recorder")
         self.label = device_label or str(self.device)
         self.verify_mode = VERIFY_MODES[verify]
@@ -175,6 +186,7 @@ class Recorder:
         self._first_index = start_step
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
         self._open_batch: Any = None  # the stored batch of the step whose block is open
+        self._ddp_rebuilt_at_start: bool | None = None  # a job's DDP, as its first step began
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
         self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
@@ -203,6 +215,8 @@ class Recorder:
                 "the bundle does not hold: start recording at an optimizer-step boundary "
                 "(after zero_grad)"
             )
+        if self._job is not None and self._next_index == self._first_index:
+            self._ddp_rebuilt_at_start = ddp_buckets_rebuilt(self._data_parallel)
         started = time.perf_counter()
         rng = determinism.capture_rng(self.device)
         stored_batch = _stored(batch)
@@ -241,6 +255,14 @@ class Recorder:
         entries = self._capture.end_step()
         messages = self._messages.end_step() if self._messages is not None else None
         seconds = time.perf_counter() - started  # replay derives its hang timeout from it
+        if self._job is not None and index == self._first_index:
+            # What a replay's fresh DDP must run first to issue the collectives recorded here.
+            self._job.distributed.present(
+                "ddp_iterations_before",
+                ddp_iterations_before(
+                    self._ddp_rebuilt_at_start, ddp_buckets_rebuilt(self._data_parallel)
+                ),
+            )
         if self._writer is not None:
             self._writer.add_step(
                 index,
@@ -310,18 +332,33 @@ class Recorder:
                     f"names (Recorder(..., state=workload.state))"
                 )
             record = session.bundle.steps[0]
-            replayed = session.run_step(record)
+            try:
+                replayed = session.run_step(record)
+            except MessageOrderError as exc:
+                return exc.message + self._unknown_ddp_note()
             recorded = session.bundle.signature_log().steps[record.index]
             problem = describe_first_difference(recorded, replayed)
             if problem is None and self._job is not None:
                 problem = describe_message_difference(
                     session.bundle.messages()[record.index], session.last_messages
                 )
+                problem = problem and problem + self._unknown_ddp_note()
             if problem is None and live_state:
                 problem = self._state_difference(session)
             return problem
         finally:
             session.close()
+
+    def _unknown_ddp_note(self) -> str:
+        """Why a job's collectives may differ from a fresh workload's although its step is the
+        same: a DDP the Recorder does not know of had trained before the first step."""
+        if self._job is None or self._job.distributed.ddp_iterations_before is not None:
+            return ""
+        return (
+            " (if a DistributedDataParallel trained before this recording began, it issues "
+            "other collectives than a fresh one: give it to the Recorder as model= or "
+            "data_parallel=)"
+        )
 
     def _state_difference(self, session: ReplaySession) -> str | None:
         """Does replay's state equal the loop's as the next step begins?"""
@@ -743,6 +780,7 @@ def record(
         verify=verify,
         inject=inject,
         ring=ring,
+        data_parallel=built.data_parallel,
     )
     detector = _detector(detecting, built, recorder)
     peak_nbytes, stopped = 0, None

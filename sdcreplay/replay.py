@@ -30,6 +30,7 @@ from .jobs import shard_like, shard_optimizer_state_like
 from .kinds import DeviceRunVerdict, DeviceVerdictName
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .signature import SignatureLog, read_signature_log, write_signature_log
+from .snapshot import TrainingSnapshot
 from .tensorio import map_tensors, read_tree, write_tree
 from .worker import HEARTBEAT, DeviceResult, device_task
 from .workload import Workload, build_workload
@@ -51,6 +52,9 @@ class ReplaySession:
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
         self.recorded_messages: dict[int, list[Message]] = {}
         self.message_log = self._message_log()
+        info = self.bundle.manifest.distributed
+        # A job's DDP: its iterations before the part's first step, for the first step run.
+        self._ddp_before = info.ddp_iterations_before if info is not None else None
         self.last_messages: list[Message] = []  # the last replayed step's collective messages
         self.injector = Injector(parse_specs(inject), device, salt=repeat)
         self.label = device
@@ -89,6 +93,23 @@ class ReplaySession:
             state=self.workload.state,
             program=capture.program,
         )
+
+    def _warm_up_ddp(self, batch: object, index: int) -> None:
+        """DDP rebuilds its buckets in its second iteration (two broadcasts, then another
+        bucket layout): the recorded DDP had run iterations before step ``index``, the first
+        this session runs (the part's first, or a later one after ``load_state``). This fresh
+        one runs as many (up to 2) on its batch, outside any step, and everything they changed
+        is put back, so the step issues the recorded collectives over the recorded buckets."""
+        assert self._ddp_before is not None
+        iterations = min(2, self._ddp_before + index - self.bundle.steps[0].index)
+        self._ddp_before = None
+        if iterations <= 0:
+            return
+        snapshot = TrainingSnapshot.take(self.model, self.optimizer, self.workload.state)
+        with self.capture.paused():
+            for _ in range(iterations):
+                self.workload.run_step(batch)
+        snapshot.restore()
 
     def _as_sharded(self, model: dict, optimizer: dict | None) -> tuple[dict, dict | None]:
         """A job's rank part holds its shards of FSDP2's DTensors: lay them out as the live
@@ -170,6 +191,8 @@ class ReplaySession:
         """
         batch, rng = self.bundle.load_step(record.index)
         batch = map_tensors(batch, lambda t: t.to(self.device))
+        if self._ddp_before is not None:
+            self._warm_up_ddp(batch, record.index)
         determinism.restore_rng(rng, self.device)
         self.injector.before_step(record.index, self.model)
         chain = ([self.injector] if self.injector.has_operator_faults else []) + list(observers)

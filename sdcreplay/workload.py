@@ -45,6 +45,9 @@ class Workload:
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
     train_step: Callable[[Any], torch.Tensor | None] | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    # The DistributedDataParallel the step runs ``model`` through, when ``model`` is the plain
+    # module the bundle names (the Recorder needs it to know DDP's iterations before a step).
+    data_parallel: torch.nn.Module | None = None
 
     def run_step(self, batch: Any) -> torch.Tensor | None:
         """One training step as `sdcreplay record` drives it: ``train_step``, or the default."""

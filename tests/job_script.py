@@ -115,8 +115,9 @@ def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None
     kwargs = {"seed": 0, "parallel": parallel}
     workload = make_workload(**kwargs)
     recorder = sdcreplay.Recorder(
-        out, f"{__file__}:make_workload", workload.model, workload.optimizer, workload_kwargs=kwargs
-    )
+        out, f"{__file__}:make_workload", workload.model, workload.optimizer,
+        workload_kwargs=kwargs, data_parallel=workload.data_parallel,
+    )  # fmt: skip
     for index in range(2 if die_at_step is None else die_at_step + 1):
         batch = workload.get_batch(index)
         with recorder.step(batch):

@@ -125,17 +125,53 @@ def test_a_job_bundle_is_not_overwritten_and_every_rank_says_why(ddp_job):
     ]
 
 
-def test_a_fresh_ddp_cannot_resume_at_step_1_its_bucket_rebuild_is_missing(ddp_job):
-    """DDP rebuilds its buckets in its second iteration (two broadcasts): a fresh DDP given the
-    state after step 0 runs step 1 as its first iteration, a different program; a DDP job's
-    rank replays from its first recorded step in one process (FSDP2 resumes: test below)."""
-    _, directory = ddp_job
-    for report in results(directory):
-        assert report["resumed_step_1"] == (
-            "step 1, message record_id 0: the record has gloo:broadcast on process group 0 of "
-            "int32[13], the replay issues gloo:all_reduce on process group 0 of float32[16736] "
-            "(another collective order: a different program, not a device's arithmetic)"
-        )
+def test_a_fresh_ddp_resumes_at_step_1_after_the_iteration_it_missed(ddp_job):
+    """DDP rebuilds its buckets in its second iteration (two broadcasts, in step 1 here): a
+    fresh DDP given the state after step 0 first runs the one iteration the recorded DDP had
+    run before step 1 (the part says 0 before its first step), then replays step 1 bit for
+    bit, its broadcasts included."""
+    job_path, directory = ddp_job
+    for rank, report in enumerate(results(directory)):
+        assert JobBundle.open(job_path).rank(rank).manifest.distributed.ddp_iterations_before == 0
+        assert report["resumed_step_1"] is True
+
+
+@pytest.mark.parametrize("warm, given", [(1, "model"), (3, "data_parallel")])
+def test_a_ddp_job_recorded_in_the_middle_of_training_verifies_and_replays(
+    cli, tmp_path, warm, given
+):
+    """DDP rebuilds its buckets in its second iteration: recorded from its second (the rebuild
+    and its two broadcasts in the first recorded step) or a later one (rebuilt: another bucket
+    layout), a replay's fresh DDP runs that many iterations first, so the recording verifies
+    and replays bit for bit."""
+    script = tmp_path / "train.py"
+    shutil.copy(Path(__file__).with_name("midjob_script.py"), script)
+    done = run_torchrun(script, 2, str(tmp_path / "job.bundle"), str(warm), given)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = JobBundle.open(tmp_path / "job.bundle")
+    for rank in (0, 1):
+        part = job.rank(rank)
+        assert part.verified and part.step_indices == [warm, warm + 1]
+        assert part.manifest.distributed.ddp_iterations_before == min(warm, 2)
+        names = [[m.profiling_name for m in step] for step in part.messages().values()]
+        rebuild = ["gloo:broadcast"] * 2 if warm == 1 else []
+        assert names == [[*rebuild, "gloo:all_reduce"], ["gloo:all_reduce"]]
+    result = cli("replay", tmp_path / "job.bundle", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verdict"] == "correct"
+
+
+def test_a_ddp_the_recorder_does_not_know_fails_verification_saying_what_to_do(tmp_path):
+    script = tmp_path / "train.py"
+    shutil.copy(Path(__file__).with_name("midjob_script.py"), script)
+    done = run_torchrun(script, 2, str(tmp_path / "job.bundle"), "3", "none")
+    assert done.returncode != 0
+    assert (
+        "the input of collective message 0 (gloo:all_reduce on process group 0 of float32[740]) "
+        "differs: the loop's step sends other data than the workload's (if a "
+        "DistributedDataParallel trained before this recording began, it issues other "
+        "collectives than a fresh one: give it to the Recorder as model= or data_parallel=)"
+    ) in done.stderr.replace("\n", " "), done.stderr[-3000:]
 
 
 def test_a_part_replayed_without_its_peers_is_refused_with_a_hint(ddp_job):

@@ -343,6 +343,8 @@ def make_workload(
         # The step runs through the wrapper (which exchanges the gradients); the model the
         # bundle, signatures and fault specs name stays the plain one (layers.1.attn.wq...).
         workload.model = model
+        if parallel == "ddp":
+            workload.data_parallel = wrapped
         workload.loss_fn = lambda _model, batch: next_token_loss(wrapped, batch)
         workload.get_batch = rank_shard(workload.get_batch)
     return workload
