@@ -852,6 +852,7 @@ def test_a_job_bundle_is_a_job_manifest_over_complete_rank_parts(job: Path):
             "world_size": 2,
             "backend": "gloo",
             "job": "../..",
+            "ddp_iterations_before": 0,  # its DDP's first iteration is the first step
         }
         assert [step["messages"] for step in part["steps"]] == [3, 5]
         assert part["workload"] == manifest["workload"]
