@@ -296,11 +296,11 @@ class Recorder:
             self._held_end_digests = self._end_digests
 
     @property
-    def own_bundle_path(self) -> Path:
-        """The bundle this process wrote: ``path``, or its rank's part of a job bundle."""
-        if self._job is None:
-            return self.path
-        return self.path / part_dir(self._job.rank)
+    def own_bundle_path(self) -> Path | None:
+        """The bundle this process wrote (with a ring: its first dump, None before one), or
+        its rank's part of it under torch.distributed."""
+        path = self.path if self._ring is None else next(iter(self.dumps), None)
+        return path if path is None else _own_part(path)
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
@@ -632,6 +632,12 @@ class Recorder:
             self.abandon()
 
 
+def _own_part(path: Path) -> Path:
+    """The bundle this process wrote at ``path``: its rank's part of a job bundle under
+    torch.distributed, else ``path`` itself."""
+    return path / part_dir(torch.distributed.get_rank()) if distributed_job() else path
+
+
 def _stored(batch: Any) -> Any:
     """The recorder's own CPU copy: the loop may reuse or change its batch afterwards."""
     return map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
@@ -794,7 +800,7 @@ def record(
     ``ReplayCheck`` (every step) drives each step and dumps on an alarm (a mismatch, a
     persistent fault or a recompute limit also ends the run); ``end``, when the run ends.
     """
-    detecting = _check_dump_on(ring, dump_on, inject)
+    detecting = check_dump_on(ring, dump_on, inject)
     kwargs = dict(kwargs or {})
     if accepts_seed(workload):
         kwargs.setdefault("seed", seed)
@@ -866,7 +872,7 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    own = recorder.own_bundle_path if ring is None else bundle_path
+    own = recorder.own_bundle_path
     opened = None if own is None else Bundle.open(own, verify=False)
     return RecordSummary(
         bundle=bundle_path,
@@ -887,7 +893,7 @@ DUMP_ON = ("update", "replay", "end")
 the end of the run."""
 
 
-def _check_dump_on(ring: int | None, dump_on: Sequence[str], inject: Sequence[str]) -> str | None:
+def check_dump_on(ring: int | None, dump_on: Sequence[str], inject: Sequence[str]) -> str | None:
     """The detector named in ``dump_on`` (or None), once the combination is known to work."""
     unknown = sorted(set(dump_on) - set(DUMP_ON))
     detectors = [name for name in DUMP_ON[:2] if name in dump_on]
@@ -920,6 +926,6 @@ def _detector(
 def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int, stopped: str | None) -> dict:
     dumps = []
     for path in recorder.dumps:
-        trigger = Bundle.open(path, verify=False).manifest.trigger
+        trigger = Bundle.open(_own_part(path), verify=False).manifest.trigger
         dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
     return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps, "stopped": stopped}

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from sdcreplay.bundle import JobBundle
-from tests.conftest import run_torchrun
+from tests.conftest import SMALL_ARGS, run_torchrun
 
 FOUR_CPUS = [arg for n in range(4) for arg in ("-d", f"cpu:{n}")]  # two replicas of 2 ranks
 
@@ -102,4 +102,31 @@ def test_replay_check_with_a_ring_recorder_dumps_a_job_bundle_on_every_rank(cli,
         assert part.manifest.distributed.ddp_iterations_before == 1
         assert (part.manifest.trigger.source, part.manifest.trigger.step) == ("ReplayCheck", 3)
         assert message_names(part)[0] == ["gloo:broadcast"] * 2 + ["gloo:all_reduce"]
+    assert replayed(cli, job, code=0)["verdict"] == "correct"
+
+
+def test_record_nproc_with_a_ring_dumps_one_job_bundle_when_the_run_ends(cli, tmp_path):
+    """`record --nproc 2 --ring 2 --dump-on end`: the ranks hold their last 2 steps of 4 and
+    dump them together as one job bundle, which verifies and replays correct."""
+    job = tmp_path / "ring.bundle"
+    result = cli(
+        "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "4", "--ring", "2",
+        "--dump-on", "end", *SMALL_ARGS, "--out", job, "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    recorded = json.loads(result.stdout)
+    assert recorded["bundle"] == str(job) and recorded["world_size"] == 2
+    assert recorded["ring"]["dumps"] == [
+        {
+            "bundle": str(job),
+            "trigger": {"reason": "the run ended", "source": "record", "step": 3, "ring": 2},
+        }
+    ]
+    assert recorded["verification"]["status"] == "passed"
+    assert [rank["steps"] for rank in recorded["ranks"]] == [4, 4]
+    bundle = JobBundle.open(job)
+    for rank in (0, 1):
+        part = bundle.rank(rank)
+        assert part.verified and part.step_indices == [2, 3]
+        assert part.manifest.distributed.ddp_iterations_before == 2
     assert replayed(cli, job, code=0)["verdict"] == "correct"
