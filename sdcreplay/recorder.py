@@ -96,7 +96,8 @@ class Recorder:
     docstring); ``inject`` is the recording device's faults (`sdcreplay record
     --inject`), which the check re-executes under too. ``ring=K`` writes nothing while
     recording: the last K steps stay in memory (ring.py) until ``dump(reason)`` writes them
-    as a bundle at ``path`` (docs/recording.md, "Ring buffer"). ``data_parallel``: the
+    as a bundle at ``path`` (docs/recording.md, "Ring buffer"; under torch.distributed the
+    ranks' dumps at the same step write one job bundle). ``data_parallel``: the
     DistributedDataParallel the step runs ``model`` through, when ``model`` is the plain
     module (a DDP given as ``model`` is found by itself): a replay's fresh DDP then runs the
     iterations it had run before the first step (its bucket rebuild).

@@ -6,7 +6,7 @@ RESULTS MODE``: a ring ``Recorder`` of 3 steps on every rank. ``manual``: 6 step
 ``dump("manual")`` on every rank, twice. ``fault``: the same with rank 1's step 5 corrupted
 while it is recorded (one dump). ``check``: a ``ReplayCheck`` drives 4 steps and rank 1's
 replayed execution of step 3 is corrupted: the check dumps the ring. Each rank writes
-``RESULTS/rank<r>.json``.
+``RESULTS/rank<r>.json``. The model, optimizer and loop are tests/midjob_script.py's.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
+from midjob_script import make_workload  # copied beside this script: the same user's model
 
 import sdcreplay
 from sdcreplay.capture import OperatorMode
@@ -32,41 +30,13 @@ FAULTS = {  # rank 1's, per mode: the first addmm of a forward (the first Linear
 }
 
 
-def make_workload(seed: int = 0) -> sdcreplay.Workload:
-    torch.manual_seed(seed)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4)
-    )
-    model = DistributedDataParallel(net)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
-    rank = dist.get_rank()
-
-    def get_batch(index: int) -> dict:
-        generator = torch.Generator().manual_seed(1000 * index + rank)
-        return {"x": torch.randn(8, 16, generator=generator), "y": torch.randint(0, 4, (8,))}
-
-    def train_step(batch: dict) -> torch.Tensor:
-        loss = F.cross_entropy(model(batch["x"]), batch["y"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        return loss.detach()
-
-    return sdcreplay.Workload(
-        model, optimizer, get_batch, train_step=train_step, state={"scheduler": scheduler}
-    )
-
-
 def main(out: str, results: str, mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     workload = make_workload()
     recorder = sdcreplay.Recorder(
-        out, f"{__file__}:make_workload", workload.model, workload.optimizer,
-        state=workload.state, ring=3,
+        out, f"{Path(__file__).with_name('midjob_script.py')}:make_workload", workload.model,
+        workload.optimizer, state=workload.state, ring=3,
     )  # fmt: skip
     specs = [FAULTS[mode]] if rank == 1 and mode in FAULTS else []
     injector = Injector(parse_specs(specs, include_env=False), "cpu")

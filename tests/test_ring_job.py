@@ -18,6 +18,7 @@ def ring_job(tmp_path: Path, mode: str) -> tuple[Path, list[dict]]:
     """Run the script in ``mode``: (the job's path, each rank's report)."""
     script = tmp_path / "train.py"
     shutil.copy(Path(__file__).with_name("ring_job_script.py"), script)
+    shutil.copy(Path(__file__).with_name("midjob_script.py"), tmp_path)
     results = tmp_path / "results"
     results.mkdir()
     job = tmp_path / "job.bundle"
