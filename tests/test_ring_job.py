@@ -106,28 +106,37 @@ def test_replay_check_with_a_ring_recorder_dumps_a_job_bundle_on_every_rank(cli,
     assert replayed(cli, job, code=0)["verdict"] == "correct"
 
 
-def test_record_nproc_with_a_ring_dumps_one_job_bundle_when_the_run_ends(cli, tmp_path):
-    """`record --nproc 2 --ring 2 --dump-on end`: the ranks hold their last 2 steps of 4 and
-    dump them together as one job bundle, which verifies and replays correct."""
-    job = tmp_path / "ring.bundle"
+def test_record_nproc_with_a_ring_dumps_a_job_bundle_per_alarm_and_at_the_end(cli, tmp_path):
+    """`record --nproc 2 --ring 4 --dump-on update --dump-on end` with a NaN planted in rank
+    1's step 5: the ranks' UpdateDetectors alarm together (rank 0 through the all-reduced
+    gradients), dump the alarmed execution as one job bundle, recompute (transient) and go on;
+    the end of the run dumps the last steps as the next job bundle. The alarm's job accuses
+    rank 1's recording."""
+    job, last = tmp_path / "ring.bundle", tmp_path / "ring-2.bundle"
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w1,phase=forward,step=5,nth=0,index=5,rank=1"
     result = cli(
-        "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "4", "--ring", "2",
-        "--dump-on", "end", *SMALL_ARGS, "--out", job, "--json",
+        "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "8", "--ring", "4",
+        "--dump-on", "update", "--dump-on", "end", "--inject", spec, *SMALL_ARGS,
+        "--out", job, "--json",
     )  # fmt: skip
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # an alarm is a finding
     recorded = json.loads(result.stdout)
     assert recorded["bundle"] == str(job) and recorded["world_size"] == 2
-    assert recorded["ring"]["dumps"] == [
-        {
-            "bundle": str(job),
-            "trigger": {"reason": "the run ended", "source": "record", "step": 3, "ring": 2},
-        }
-    ]
+    assert [rank["steps"] for rank in recorded["ranks"]] == [8, 8]
+    alarm, end = recorded["ring"]["dumps"]
+    assert (alarm["bundle"], end["bundle"]) == (str(job), str(last))
+    assert (alarm["trigger"]["source"], alarm["trigger"]["step"]) == ("UpdateDetector", 5)
+    assert alarm["trigger"]["reason"].endswith("(transient)")
+    assert end["trigger"] == {"reason": "the run ended", "source": "record", "step": 7, "ring": 4}
     assert recorded["verification"]["status"] == "passed"
-    assert [rank["steps"] for rank in recorded["ranks"]] == [4, 4]
-    bundle = JobBundle.open(job)
-    for rank in (0, 1):
-        part = bundle.rank(rank)
-        assert part.verified and part.step_indices == [2, 3]
-        assert part.manifest.distributed.ddp_iterations_before == 2
-    assert replayed(cli, job, code=0)["verdict"] == "correct"
+    for path, steps in ((job, [0, 1, 2, 3, 4, 5]), (last, [4, 5, 6, 7])):
+        bundle = JobBundle.open(path)
+        for rank in (0, 1):
+            part = bundle.rank(rank)
+            assert part.verified and part.step_indices == steps
+            assert part.manifest.distributed.ddp_iterations_before == min(steps[0], 2)
+    report = replayed(cli, job, *FOUR_CPUS, code=1)
+    assert report["verdict"] == "recording_suspect"
+    assert report["suspects"] == ["record:rank1 (cpu)"] and report["origin_rank"] == 1
+    first = report["first_divergent_message"]
+    assert (first["rank"], first["step"], first["which"]) == (1, 5, "input")
