@@ -290,15 +290,11 @@ def record(
         "inject": inject or [],
         "max_depth": depth,
         "verify": verify,
+        "ring": ring,
+        "dump_on": [choice.value for choice in dump_on or []] or (["update"] if ring else []),
     }
     if nproc is not None:
         from .distributed import record_job
-
-        if ring is not None or dump_on:
-            raise SdcReplayError(
-                "--ring and --dump-on record one process; a job (--nproc) is recorded step by step",
-                "Drop --ring/--dump-on, or --nproc.",
-            )
 
         with output.stages() as progress:
             progress.update(f"recording {workload} on {nproc} ranks")
@@ -313,14 +309,7 @@ def record(
             progress.update(stage, recorded, steps, "" if loss is None else f"loss {loss:.4f}")
 
         progress.update(stage, 0, steps)
-        return record_bundle(
-            workload,
-            target,
-            on_step=on_step,
-            ring=ring,
-            dump_on=[choice.value for choice in dump_on or []] or (["update"] if ring else []),
-            **options,
-        )
+        return record_bundle(workload, target, on_step=on_step, **options)
 
 
 @command(render_info)

@@ -34,10 +34,11 @@ This module imports torch only where calls are logged: ``Message`` is read by ``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -391,6 +392,19 @@ def install() -> None:
 def log_open() -> bool:
     """Is a message log open in this process (a recording's or a replay's step)?"""
     return _active is not None
+
+
+@contextlib.contextmanager
+def unlogged() -> Iterator[None]:
+    """Collectives issued inside a logged step that are not the step's (a detector's ranks
+    agreeing at its optimizer step): a replay of the step would not issue them. Only between
+    the step's own collectives (none in flight on another thread)."""
+    global _active
+    log, _active = _active, None
+    try:
+        yield
+    finally:
+        _active = log
 
 
 class MessageLog:

@@ -45,7 +45,7 @@ from .errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, St
 from .faults import distributed_rank, parse_specs
 from .launch import GROUP_TIMEOUT_FACTOR, backend_for, followed, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
-from .recorder import RecordSummary, record
+from .recorder import RecordSummary, check_dump_on, record
 from .replay import (
     DeviceRun,
     caveat_for,
@@ -233,8 +233,11 @@ def run_rank_record_task(
     inject: Sequence[str] = (),
     max_depth: int | None = None,
     verify: bool = True,
+    ring: int | None = None,
+    dump_on: Sequence[str] = (),
 ) -> dict:
-    """One rank of a recording: the workload under a Recorder, which writes this rank's part."""
+    """One rank of a recording: the workload under a Recorder, which writes this rank's part
+    (with a ring: of each job bundle the ranks dump together)."""
     summary = record(
         workload,
         out,
@@ -248,6 +251,8 @@ def run_rank_record_task(
         max_depth=max_depth,
         verify=verify,
         on_step=lambda index, _: HEARTBEAT.beat(f"step {index}"),
+        ring=ring,
+        dump_on=dump_on,
     )
     return summary.to_json()
 
@@ -352,8 +357,11 @@ def record_job(
     max_depth: int | None = None,
     verify: bool = True,
     timeout: float = UNKNOWN_STEP_TIMEOUT,
+    ring: int | None = None,
+    dump_on: Sequence[str] = (),
 ) -> JobRecordSummary:
-    """Record ``workload`` on ``nproc`` ranks (``sdcreplay record --nproc``): one job bundle.
+    """Record ``workload`` on ``nproc`` ranks (``sdcreplay record --nproc``): one job bundle
+    (with ``ring``: one per dump, as ``record`` dumps a single process's ring).
 
     Built-in workloads run data-parallel (``parallel="ddp"``) unless ``kwargs``
     says otherwise. The ranks' logs go to ``OUT.logs/``; a rank that fails
@@ -364,6 +372,7 @@ def record_job(
     kwargs = dict(kwargs or {})
     if workload.startswith("builtin:"):
         kwargs.setdefault("parallel", "ddp")
+    check_dump_on(ring, dump_on, inject)
     check_fault_ranks(inject, nproc)
     claim_output(out, job_partial_path(out), overwrite)
     labels = rank_devices(device, nproc)
@@ -378,6 +387,8 @@ def record_job(
         "inject": list(inject),
         "max_depth": max_depth,
         "verify": verify,
+        "ring": ring,
+        "dump_on": list(dump_on),
     }
     logs = out.with_name(out.name + ".logs")
     results = run_ranks(
@@ -389,7 +400,7 @@ def record_job(
     summaries = [results[rank].value or {} for rank in range(nproc)]
     first = summaries[0]
     return JobRecordSummary(
-        bundle=out,
+        bundle=None if first["bundle"] is None else Path(first["bundle"]),
         workload=workload,
         kwargs=first["kwargs"],
         device=", ".join(sorted(set(labels))),
@@ -398,6 +409,7 @@ def record_job(
         size_bytes=sum(summary["size_bytes"] for summary in summaries),
         final_loss=first["final_loss"],
         verification=first["verification"],
+        ring=first["ring"],
         world_size=nproc,
         ranks=[
             {

@@ -11,6 +11,7 @@ shared filesystem when the job spans machines).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -75,16 +76,21 @@ def ddp_iterations_before(rebuilt_at_start: bool | None, rebuilt_after: bool | N
 
 class JobRecording:
     """This rank's part of the job bundle at ``path``: ``part_path`` for its BundleWriter,
-    ``distributed`` for its manifest, ``close()`` once its part closed."""
+    ``distributed`` for its manifest, ``close()`` once its part closed. ``name()``: the path rank 0
+    picks instead of ``path`` (a ring's later dumps: a name not taken yet), told the others."""
 
-    def __init__(self, path: Path, workload: WorkloadRef, device: str, overwrite: bool):
+    def __init__(
+        self,
+        path: Path,
+        workload: WorkloadRef,
+        device: str,
+        overwrite: bool,
+        name: Callable[[], Path] | None = None,
+    ):
         import torch.distributed as dist
 
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.backend = str(dist.get_backend())
-        self.final_path = Path(path)
-        self.path = job_partial_path(self.final_path)
-        self.part_path = part_path(self.final_path, self.rank)
         self.distributed = DistributedInfo(
             rank=self.rank, world_size=self.world_size, backend=self.backend
         )
@@ -93,10 +99,13 @@ class JobRecording:
         self._store.set(self._key(f"device/{self.rank}"), device)
         self._writer: JobWriter | None = None
         if self.rank == 0:
-            self._create(workload, overwrite)
+            self._create(Path(path), name, workload, overwrite)
         problem = self._get("created")
         if problem != _OK:
             raise BundleError(f"rank 0 could not create the job bundle {path}: {problem}")
+        self.final_path = Path(self._get("path"))
+        self.path = job_partial_path(self.final_path)
+        self.part_path = part_path(self.final_path, self.rank)
 
     def _key(self, name: str) -> str:
         return self._prefix + name
@@ -104,6 +113,12 @@ class JobRecording:
     def _get(self, name: str) -> str:
         self._wait([name], f"waiting for {name!r}")
         return self._store.get(self._key(name)).decode()
+
+    def gather(self, name: str, value: str) -> list[str]:
+        """Every rank's ``value`` under ``name``, by rank (each rank calls it; through the
+        store, with the timeout)."""
+        self._store.set(self._key(f"{name}/{self.rank}"), value)
+        return [self._get(f"{name}/{rank}") for rank in range(self.world_size)]
 
     def _wait(self, names: list[str], what: str) -> None:
         keys = [self._key(name) for name in names]
@@ -113,16 +128,24 @@ class JobRecording:
             missing = [name for name, key in zip(names, keys) if not self._store.check([key])]
             raise SdcReplayError(
                 f"rank {self.rank} gave up {what} after {CLOSE_TIMEOUT}: no word of {missing}",
-                "Every rank creates and closes its Recorder (a job bundle has one part per "
-                "rank); otherwise a rank died or hangs, and each part keeps the steps it "
+                "Every rank creates and closes its Recorder, and calls a ring's dump() at the "
+                "same step (a job bundle has one part per rank); otherwise a rank died or "
+                "hangs, and each part keeps the steps it "
                 f"completed (`sdcreplay info {self.path}`).",
             ) from exc
 
-    def _create(self, workload: WorkloadRef, overwrite: bool) -> None:
+    def _create(
+        self,
+        path: Path,
+        name: Callable[[], Path] | None,
+        workload: WorkloadRef,
+        overwrite: bool,
+    ) -> None:
         devices = [self._get(f"device/{rank}") for rank in range(self.world_size)]
         try:
+            final_path = path if name is None else name()
             self._writer = JobWriter(
-                self.final_path,
+                final_path,
                 world_size=self.world_size,
                 backend=self.backend,
                 process_groups=process_groups(),
@@ -133,6 +156,7 @@ class JobRecording:
         except Exception as exc:  # the other ranks wait for word of it: tell them, then raise
             self._store.set(self._key("created"), getattr(exc, "message", None) or repr(exc))
             raise
+        self._store.set(self._key("path"), str(final_path))
         self._store.set(self._key("created"), _OK)
 
     def close(self) -> Path:

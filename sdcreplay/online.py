@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .capture import _own_work, grads_entering, observed_backward, state_object_items
-from .collectives import Message, MessageLog, log_open
+from .collectives import Message, MessageLog, log_open, unlogged
 from .determinism import capture_rng, restore_rng
 from .digest import Digester, SignatureValue, algorithm_for
 from .errors import SdcReplayError
@@ -652,7 +652,7 @@ def _highest(value: int, group: Any) -> int:
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":  # its collectives take device tensors only
         device = torch.device("cuda", torch.cuda.current_device())
-    with _own_work():
+    with _own_work(), unlogged():  # not the step's collectives: a recording logs none
         flag = torch.tensor([value], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return int(flag.item())
@@ -680,7 +680,8 @@ def _first_rank(local: dict | None, group: Any) -> dict | None:
             }
         )
         gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, summary, group=group)
+        with unlogged():
+            dist.all_gather_object(gathered, summary, group=group)
     differing = [(r, s) for r, s in enumerate(gathered) if s is not None]
     by_message = [(r, s) for r, s in differing if s["message"] is not None]
     if by_message:
@@ -728,7 +729,7 @@ def _shared(value: dict | None, owner: int, group: Any) -> dict | None:
     """``owner``'s value on every rank."""
     if not _distributed(group):
         return value
-    with _own_work():
+    with _own_work(), unlogged():
         box = [value]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, owner) if group else owner)
     return box[0]

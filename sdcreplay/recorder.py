@@ -96,7 +96,8 @@ class Recorder:
     docstring); ``inject`` is the recording device's faults (`sdcreplay record
     --inject`), which the check re-executes under too. ``ring=K`` writes nothing while
     recording: the last K steps stay in memory (ring.py) until ``dump(reason)`` writes them
-    as a bundle at ``path`` (docs/recording.md, "Ring buffer"). ``data_parallel``: the
+    as a bundle at ``path`` (docs/recording.md, "Ring buffer"; under torch.distributed the
+    ranks' dumps at the same step write one job bundle). ``data_parallel``: the
     DistributedDataParallel the step runs ``model`` through, when ``model`` is the plain
     module (a DDP given as ``model`` is found by itself): a replay's fresh DDP then runs the
     iterations it had run before the first step (its bucket rebuild).
@@ -136,14 +137,16 @@ class Recorder:
         switches = determinism.enable() if deterministic else determinism.current_switches()
         workload_ref = WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {}))
         # Under torch.distributed this rank writes its part of a job bundle at `path`, with
-        # every collective of its steps in a message log (jobs.py, collectives.py). A ring is
-        # refused there (_check_ring), so a job is always recorded step by step.
+        # every collective of its steps in a message log (jobs.py, collectives.py). With a ring
+        # it holds its steps and their messages, and every rank's dump() writes one job bundle.
+        distributed = distributed_job()
+        self._workload_ref = workload_ref
         self._job = (
             JobRecording(Path(path), workload_ref, self.label, overwrite)
-            if distributed_job()
+            if distributed and ring is None
             else None
         )
-        self._messages = MessageLog(algorithm_for(self.device.type)) if self._job else None
+        self._messages = MessageLog(algorithm_for(self.device.type)) if distributed else None
         self._overwrite = overwrite
         self._bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
             workload=workload_ref,
@@ -186,7 +189,8 @@ class Recorder:
         self._first_index = start_step
         self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
         self._open_batch: Any = None  # the stored batch of the step whose block is open
-        self._ddp_rebuilt_at_start: bool | None = None  # a job's DDP, as its first step began
+        self._in_block = False
+        self._ddp_rebuilt_at_start: bool | None = None  # a job's DDP, as the step began
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
         self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
@@ -215,7 +219,7 @@ class Recorder:
                 "the bundle does not hold: start recording at an optimizer-step boundary "
                 "(after zero_grad)"
             )
-        if self._job is not None and self._next_index == self._first_index:
+        if self._messages is not None:
             self._ddp_rebuilt_at_start = ddp_buckets_rebuilt(self._data_parallel)
         started = time.perf_counter()
         rng = determinism.capture_rng(self.device)
@@ -223,12 +227,12 @@ class Recorder:
         self._capture.begin_step(rng)
         if self._messages is not None:
             self._messages.begin_step(self._next_index)
-        self._open_batch = stored_batch
+        self._open_batch, self._in_block = stored_batch, True
         try:
             with self._capture.backward_capture():
                 yield
         finally:
-            self._open_batch = None
+            self._open_batch, self._in_block = None, False
         self._capture.close_window()
         self._pending = (self._next_index, stored_batch, rng, grads, started)
         self._next_index += 1
@@ -255,14 +259,16 @@ class Recorder:
         entries = self._capture.end_step()
         messages = self._messages.end_step() if self._messages is not None else None
         seconds = time.perf_counter() - started  # replay derives its hang timeout from it
-        if self._job is not None and index == self._first_index:
-            # What a replay's fresh DDP must run first to issue the collectives recorded here.
-            self._job.distributed.present(
-                "ddp_iterations_before",
-                ddp_iterations_before(
-                    self._ddp_rebuilt_at_start, ddp_buckets_rebuilt(self._data_parallel)
-                ),
+        # What a replay's fresh DDP must run first to issue the collectives recorded here.
+        ddp_before = (
+            ddp_iterations_before(
+                self._ddp_rebuilt_at_start, ddp_buckets_rebuilt(self._data_parallel)
             )
+            if self._messages is not None
+            else None
+        )
+        if self._job is not None and index == self._first_index:
+            self._job.distributed.present("ddp_iterations_before", ddp_before)
         if self._writer is not None:
             self._writer.add_step(
                 index,
@@ -275,7 +281,9 @@ class Recorder:
                 messages=messages,
             )
         elif self._ring is not None:
-            self._ring.add(HeldStep(index, batch, rng, entries, stepped, grads, seconds))
+            self._ring.add(
+                HeldStep(index, batch, rng, entries, stepped, grads, seconds, messages, ddp_before)
+            )
         self.steps_written += 1
         self.entries_written += len(entries)
         self._verify_due = (
@@ -289,11 +297,11 @@ class Recorder:
             self._held_end_digests = self._end_digests
 
     @property
-    def own_bundle_path(self) -> Path:
-        """The bundle this process wrote: ``path``, or its rank's part of a job bundle."""
-        if self._job is None:
-            return self.path
-        return self.path / part_dir(self._job.rank)
+    def own_bundle_path(self) -> Path | None:
+        """The bundle this process wrote (with a ring: its first dump, None before one), or
+        its rank's part of it under torch.distributed."""
+        path = self.path if self._ring is None else next(iter(self.dumps), None)
+        return path if path is None else _own_part(path)
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
@@ -335,24 +343,26 @@ class Recorder:
             try:
                 replayed = session.run_step(record)
             except MessageOrderError as exc:
-                return exc.message + self._unknown_ddp_note()
+                return exc.message + self._unknown_ddp_note(session.bundle)
             recorded = session.bundle.signature_log().steps[record.index]
             problem = describe_first_difference(recorded, replayed)
-            if problem is None and self._job is not None:
+            if problem is None and self._messages is not None:
                 problem = describe_message_difference(
                     session.bundle.messages()[record.index], session.last_messages
                 )
-                problem = problem and problem + self._unknown_ddp_note()
+                problem = problem and problem + self._unknown_ddp_note(session.bundle)
             if problem is None and live_state:
                 problem = self._state_difference(session)
             return problem
         finally:
             session.close()
 
-    def _unknown_ddp_note(self) -> str:
+    @staticmethod
+    def _unknown_ddp_note(bundle: Bundle) -> str:
         """Why a job's collectives may differ from a fresh workload's although its step is the
         same: a DDP the Recorder does not know of had trained before the first step."""
-        if self._job is None or self._job.distributed.ddp_iterations_before is not None:
+        info = bundle.manifest.distributed
+        if info is None or info.ddp_iterations_before is not None:
             return ""
         return (
             " (if a DistributedDataParallel trained before this recording began, it issues "
@@ -496,11 +506,21 @@ class Recorder:
         has not ended is not in it (its evidence is incomplete). The bundle's first step is
         re-executed from the bundle as the verification; a failure is written in the bundle
         and warned about, never raised: the alarm that asked for the dump matters more.
+
+        Under torch.distributed every rank must call it at the same step, outside a step's
+        block: each writes its held steps as its part of one job bundle (rank 0 names it), and
+        the ranks re-execute their parts' first step together (its collectives need them all).
         """
         if self._ring is None:
             raise SdcReplayError(
                 "dump() needs a ring buffer: this Recorder writes every step as it goes",
                 "Create it with Recorder(..., ring=K) to keep the last K steps in memory.",
+            )
+        if self._messages is not None and self._in_block:
+            raise SdcReplayError(
+                "dump() under torch.distributed inside a step's block: the ranks re-execute the "
+                "dumped steps together, with collectives of their own",
+                "Call dump() on every rank after the step's block ended.",
             )
         self._finish_pending()
         held, start = self._ring.steps, self._ring.start
@@ -510,9 +530,36 @@ class Recorder:
                 "Dump after a step has ended (a step that began with accumulated gradients "
                 "cannot start a bundle).",
             )
-        writer = BundleWriter(
-            self._free_dump_path(), overwrite=self._overwrite, **self._bundle_settings
+        trigger = Trigger(
+            reason=_shortened(reason, Trigger.REASON_LIMIT),
+            source=_shortened(source, 64),
+            step=held[-1].index,
+            ring=self._ring.size,
         )
+        if self._messages is None:
+            path = self._write_dump(self._free_dump_path(), held, start, trigger, None)
+        else:
+            self._messages.abandon()  # a step that raised mid-way left it open: no evidence
+            job = JobRecording(
+                self.path, self._workload_ref, self.label, self._overwrite, self._free_dump_path
+            )
+            job.distributed.present("ddp_iterations_before", held[0].ddp_iterations_before)
+            self._write_dump(job.part_path, held, start, trigger, job)
+            path = job.close()
+        self.dumps.append(path)
+        return path
+
+    def _write_dump(
+        self,
+        path: Path,
+        held: list[HeldStep],
+        start: TrainingSnapshot,
+        trigger: Trigger,
+        job: JobRecording | None,
+    ) -> Path:
+        """The held steps as a bundle at ``path`` (a job's part: ``job``), verified."""
+        settings = dict(self._bundle_settings, distributed=job and job.distributed)
+        writer = BundleWriter(path, overwrite=self._overwrite, **settings)
         try:
             writer.embed_state(model_state_dict(start), start.optimizer_state, start.object_states)
             for step in held:
@@ -524,36 +571,40 @@ class Recorder:
                     optimizer_step=step.optimizer_step,
                     grads=step.grads,
                     seconds=step.seconds,
+                    messages=step.messages,
                 )
-            writer.set_trigger(
-                Trigger(
-                    reason=_shortened(reason, Trigger.REASON_LIMIT),
-                    source=_shortened(source, 64),
-                    step=held[-1].index,
-                    ring=self._ring.size,
-                )
-            )
+            writer.set_trigger(trigger)
             # Called from inside the loop's step, the verification must not reach it: neither
             # through a fault injector's mode nor through the capture of the open step.
             with _disable_current_modes(), self._capture.paused():
-                self._verify_dump(writer)
+                self._verify_dump(writer, job)
         except BaseException:
             writer.abort()
             raise
-        path = writer.close()
-        self.dumps.append(path)
-        return path
+        return writer.close()
 
-    def _verify_dump(self, writer: BundleWriter) -> None:
+    def _verify_dump(self, writer: BundleWriter, job: JobRecording | None) -> None:
         if self.verify_mode == "off":
             writer.set_verification("off", "off")
             return
-        problem = self._ring_problem or self._first_step_problem(writer.path, live_state=False)
+        problem = self._ring_problem
+        if job is not None:  # every rank re-executes (with collectives), or none does
+            problems = job.gather("ring-problem", problem or "")
+            problem = problem or next(
+                (
+                    f"rank {rank}'s recording cannot be replayed: {theirs}"
+                    for rank, theirs in enumerate(problems)
+                    if theirs
+                ),
+                None,
+            )
+        problem = problem or self._first_step_problem(writer.path, live_state=False)
         writer.set_verification(self.verify_mode, "failed" if problem else "passed", problem)
         if problem:
+            bundle = writer.final_path if job is None else job.final_path
             warnings.warn(
-                f"the workload cannot replay the ring's bundle {writer.final_path}: {problem}",
-                stacklevel=3,
+                f"the workload cannot replay the ring's bundle {bundle}: {problem}",
+                stacklevel=4,
             )
 
     def _free_dump_path(self) -> Path:
@@ -582,6 +633,12 @@ class Recorder:
             self.abandon()
 
 
+def _own_part(path: Path) -> Path:
+    """The bundle this process wrote at ``path``: its rank's part of a job bundle under
+    torch.distributed, else ``path`` itself."""
+    return path / part_dir(torch.distributed.get_rank()) if distributed_job() else path
+
+
 def _stored(batch: Any) -> Any:
     """The recorder's own CPU copy: the loop may reuse or change its batch afterwards."""
     return map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
@@ -604,12 +661,6 @@ def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
             "a ring buffer's bundle starts from the state at its window's start, not from the "
             "checkpoint",
             "Drop checkpoint= with ring= (the ring embeds its own start state).",
-        )
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise SdcReplayError(
-            "a ring buffer under torch.distributed is not supported yet: each rank would dump "
-            "a bundle of its own, whose collectives cannot be replayed without the others",
-            "Record the job step by step (no ring=), or keep the ring to single-process runs.",
         )
 
 
@@ -750,7 +801,7 @@ def record(
     ``ReplayCheck`` (every step) drives each step and dumps on an alarm (a mismatch, a
     persistent fault or a recompute limit also ends the run); ``end``, when the run ends.
     """
-    detecting = _check_dump_on(ring, dump_on, inject)
+    detecting = check_dump_on(ring, dump_on, inject)
     kwargs = dict(kwargs or {})
     if accepts_seed(workload):
         kwargs.setdefault("seed", seed)
@@ -822,7 +873,7 @@ def record(
             + "; ".join(miss["closest"])
             + ". `sdcreplay ops BUNDLE --step N` lists them all.",
         )
-    own = recorder.own_bundle_path if ring is None else bundle_path
+    own = recorder.own_bundle_path
     opened = None if own is None else Bundle.open(own, verify=False)
     return RecordSummary(
         bundle=bundle_path,
@@ -843,7 +894,7 @@ DUMP_ON = ("update", "replay", "end")
 the end of the run."""
 
 
-def _check_dump_on(ring: int | None, dump_on: Sequence[str], inject: Sequence[str]) -> str | None:
+def check_dump_on(ring: int | None, dump_on: Sequence[str], inject: Sequence[str]) -> str | None:
     """The detector named in ``dump_on`` (or None), once the combination is known to work."""
     unknown = sorted(set(dump_on) - set(DUMP_ON))
     detectors = [name for name in DUMP_ON[:2] if name in dump_on]
@@ -876,6 +927,6 @@ def _detector(
 def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int, stopped: str | None) -> dict:
     dumps = []
     for path in recorder.dumps:
-        trigger = Bundle.open(path, verify=False).manifest.trigger
+        trigger = Bundle.open(_own_part(path), verify=False).manifest.trigger
         dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
     return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps, "stopped": stopped}

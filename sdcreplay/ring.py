@@ -1,6 +1,7 @@
 """The ring buffer behind ``Recorder(ring=K)``: the last K steps in bounded memory.
 
-A job records all the time and writes nothing until an alarm asks for a bundle.
+A job records all the time and writes nothing until an alarm asks for a bundle (under
+torch.distributed every rank holds its own steps, and their dumps form one job bundle).
 Replay needs the state a bundle's first step starts from, so the ring keeps
 *windows*: a state snapshot (``TrainingSnapshot``, on the CPU) taken as a step
 begins, and the steps recorded from it. A new window opens at the first step
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,10 +25,15 @@ from .determinism import RngState
 from .snapshot import TrainingSnapshot
 from .tensorio import map_tensors
 
+if TYPE_CHECKING:
+    from .collectives import Message
+
 
 @dataclass
 class HeldStep:
-    """One recorded step, as ``BundleWriter.add_step`` takes it."""
+    """One recorded step, as ``BundleWriter.add_step`` takes it; under torch.distributed with
+    its logged collectives and the DDP's iterations before it (a window's first step's go in
+    its job part's manifest)."""
 
     index: int
     batch: Any  # a CPU copy
@@ -36,6 +42,8 @@ class HeldStep:
     optimizer_step: bool
     grads: str
     seconds: float
+    messages: list[Message] | None = None
+    ddp_iterations_before: int | None = None
 
     @cached_property  # asked after every step, for every held step
     def nbytes(self) -> int:

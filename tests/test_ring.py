@@ -306,22 +306,37 @@ def test_rewind_takes_back_the_last_step_to_record_its_recompute(tmp_path):
         fresh.rewind()
 
 
-def test_a_ring_is_refused_under_torch_distributed(tmp_path):
+def test_a_ring_under_torch_distributed_writes_nothing_until_its_dump_writes_a_job(tmp_path):
+    """In a process group (one gloo rank here; tests/test_ring_job.py runs two), the ring holds
+    its steps and creates no job until dump(), which writes a job bundle with the rank's part
+    and refuses to run inside a step's block (the ranks' verification needs collectives)."""
     import torch.distributed as dist
 
-    workload = build_workload("builtin:tiny-llama", dict(SMALL, seed=0))
+    from sdcreplay.bundle import JobBundle
+
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
-        with pytest.raises(SdcReplayError, match="under torch.distributed"):
-            Recorder(
-                tmp_path / "r.bundle", "builtin:tiny-llama", workload.model, workload.optimizer,
-                ring=2,
-            )  # fmt: skip
+        rec, workload, _ = ring_loop(tmp_path / "r.bundle", 5)
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["store"]
+        batch = workload.get_batch(5)
+        with rec.step(batch):
+            workload.run_step(batch)
+            with pytest.raises(SdcReplayError, match="inside a step's block") as refused:
+                rec.dump("inside")
+        assert "after the step's block ended" in refused.value.hint
+        path = rec.dump("alarm", source="test")
+        rec.close()
     finally:
         dist.destroy_process_group()
-    assert not (tmp_path / "r.bundle").exists()
+    assert path == tmp_path / "r.bundle" and rec.dumps == [path]
+    job = JobBundle.open(path)
+    assert job.complete and job.world_size == 1
+    part = job.rank(0)
+    assert part.verified and part.step_indices == [0, 1, 2, 3, 4, 5]
+    assert (part.manifest.trigger.reason, part.manifest.trigger.step) == ("alarm", 5)
+    assert part.manifest.distributed.ddp_iterations_before is None  # no DDP
 
 
 def test_a_dump_from_inside_a_step_leaves_that_step_out_and_untouched(tmp_path):

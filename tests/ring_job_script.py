@@ -1,0 +1,73 @@
+"""A user's DDP training script that records all the time with a ring buffer and dumps a job
+bundle on demand (tests copy it into tmp_path and start it as torchrun does).
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 ring_job_script.py OUT
+RESULTS MODE``: a ring ``Recorder`` of 3 steps on every rank. ``manual``: 6 steps, then
+``dump("manual")`` on every rank, twice. ``fault``: the same with rank 1's step 5 corrupted
+while it is recorded (one dump). ``check``: a ``ReplayCheck`` drives 4 steps and rank 1's
+replayed execution of step 3 is corrupted: the check dumps the ring. Each rank writes
+``RESULTS/rank<r>.json``. The model, optimizer and loop are tests/midjob_script.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from midjob_script import make_workload  # copied beside this script: the same user's model
+
+import sdcreplay
+from sdcreplay.capture import OperatorMode
+from sdcreplay.faults import Injector, parse_specs
+from sdcreplay.online import ReplayCheck, SDCReplayMismatch
+
+FAULTS = {  # rank 1's, per mode: the first addmm of a forward (the first Linear)
+    "fault": "kind=bitflip,op=aten.addmm,phase=forward,step=5,nth=0,index=3,bit=22",
+    "check": "kind=bitflip,op=aten.addmm,phase=forward,step=3,nth=1,index=3,bit=22",
+}
+
+
+def main(out: str, results: str, mode: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    workload = make_workload()
+    recorder = sdcreplay.Recorder(
+        out, f"{Path(__file__).with_name('midjob_script.py')}:make_workload", workload.model,
+        workload.optimizer, state=workload.state, ring=3,
+    )  # fmt: skip
+    specs = [FAULTS[mode]] if rank == 1 and mode in FAULTS else []
+    injector = Injector(parse_specs(specs, include_env=False), "cpu")
+    report: dict = {"rank": rank}
+    check = ReplayCheck(workload, recorder=recorder, num_steps=-1) if mode == "check" else None
+    for index in range(4 if check else 6):
+        batch = workload.get_batch(index)
+        with OperatorMode(workload.model, workload.optimizer, [injector], index):
+            if check is None:
+                with recorder.step(batch):
+                    workload.train_step(batch)
+                continue
+            try:
+                check.run_step(batch)
+            except SDCReplayMismatch as mismatch:
+                report.update(mismatch_step=mismatch.step, mismatch_rank=mismatch.rank)
+                report["bundle"] = mismatch.bundle
+    report["fired"] = [(fault.step, fault.op) for fault in injector.fired]
+    report["written_before_dump"] = sorted(p.name for p in Path(out).parent.glob("job*"))
+    report["ring_steps"] = recorder.ring_steps
+    if check is None:
+        report["dumps"] = [str(recorder.dump("manual"))]
+        if mode == "manual":
+            report["dumps"].append(str(recorder.dump("manual, again")))
+    else:
+        check.close()
+    recorder.close()
+    report["recorder_dumps"] = [str(path) for path in recorder.dumps]
+    Path(results, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
