@@ -254,7 +254,7 @@ class SDCReplayMismatch(TrainingStopped):
     ``"replay"``, or ``"neither"``, a step whose result changes with every execution (state
     the check does not restore, a non-deterministic kernel), which accuses no device.
     ``accuses_device``: one execution was the odd one and torch's deterministic algorithms
-    were on, so nothing but the device explains it.
+    were on, so nothing but the device of rank ``rank`` explains it (the same on every rank).
     """
 
     def __init__(
@@ -331,7 +331,8 @@ class SDCReplayMismatch(TrainingStopped):
         else:
             hint = (
                 "Attach a ring Recorder (ReplayCheck(..., recorder=Recorder(..., ring=K))) to "
-                "get a bundle of the failing step; take the device out of service meanwhile."
+                f"get a bundle of the failing step; take the device of rank {rank} (the one "
+                "that computed the odd execution) out of service meanwhile."
             )
         super().__init__(message, hint)
 
