@@ -50,6 +50,25 @@ SMALL_MOE = {**SMALL, "experts": 2, "top_k": 1}
 SMALL_ARGS = [arg for key, value in SMALL.items() for arg in ("-a", f"{key}={value}")]
 
 
+def tiny_llama_recorder(path: Path, kwargs: dict = SMALL, **recorder_kwargs):
+    """A user's loop set-up: builtin tiny-llama (seed 0) and a Recorder over it at ``path``;
+    returns (workload, recorder)."""
+    from sdcreplay import Recorder
+    from sdcreplay.workload import build_workload
+
+    kwargs = dict(kwargs, seed=0)
+    workload = build_workload("builtin:tiny-llama", kwargs)
+    recorder = Recorder(
+        path,
+        workload="builtin:tiny-llama",
+        model=workload.model,
+        optimizer=workload.optimizer,
+        workload_kwargs=kwargs,
+        **recorder_kwargs,
+    )
+    return workload, recorder
+
+
 @contextlib.contextmanager
 def preserved_global_state() -> Iterator[None]:
     """Put back torch's determinism switches, thread count and the switch env vars."""

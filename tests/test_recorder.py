@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMALL
+from conftest import REPO, SMALL, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
@@ -52,17 +52,8 @@ def user_loop(
     path: Path, steps: int = 3, *, skip_optimizer_at: int | None = None, **recorder_kwargs
 ):
     """The loop from the README, on a 1-layer tiny-llama; returns the Recorder and the losses."""
-    kwargs = dict(SMALL, seed=0)
-    workload = build_workload("builtin:tiny-llama", kwargs)
+    workload, rec = tiny_llama_recorder(path, **recorder_kwargs)
     model, opt = workload.model, workload.optimizer
-    rec = Recorder(
-        path,
-        workload="builtin:tiny-llama",
-        model=model,
-        optimizer=opt,
-        workload_kwargs=kwargs,
-        **recorder_kwargs,
-    )
     losses = []
     for index in range(steps):
         batch = workload.get_batch(index)
@@ -131,11 +122,8 @@ def test_batches_and_rng_are_stored_exactly(tmp_path: Path):
 def test_micro_batches_handed_over_one_by_one_are_the_steps_batch(tmp_path: Path):
     """A trainer shows each micro-batch only as its forward begins: the step opens with the
     first, the others join it; the stored batch is the list, copied as each one came."""
-    kwargs = dict(SMALL, seed=0)
-    workload = build_workload("builtin:tiny-llama", kwargs)
+    workload, rec = tiny_llama_recorder(tmp_path / "run.bundle", verify=False)
     model, opt = workload.model, workload.optimizer
-    rec = Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", model, opt,
-                   workload_kwargs=kwargs, verify=False)  # fmt: skip
     parts = [workload.get_batch(i) for i in range(2)]
     with pytest.raises(SdcReplayError, match="needs an open step"):
         rec.extend_batch(parts[1])
@@ -396,16 +384,7 @@ def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path
 
 
 def _tiny_llama_loop(path: Path, **recorder_kwargs):
-    kwargs = dict(SMALL, seed=0)
-    workload = build_workload("builtin:tiny-llama", kwargs)
-    rec = Recorder(
-        path,
-        workload="builtin:tiny-llama",
-        model=workload.model,
-        optimizer=workload.optimizer,
-        workload_kwargs=kwargs,
-        **recorder_kwargs,
-    )
+    workload, rec = tiny_llama_recorder(path, **recorder_kwargs)
     weight = dict(workload.model.named_parameters())["layers.0.attn.wq.weight"]
     return workload, rec, weight
 

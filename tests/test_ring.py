@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SMALL, SMALL_ARGS
+from conftest import SMALL, SMALL_ARGS, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder
@@ -24,17 +24,7 @@ PLANTED = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=7,
 
 def ring_loop(path: Path, steps: int, kwargs: dict = TINY, **recorder_kwargs):
     """A user's loop under a ring Recorder; returns it (open) and ring_nbytes after each step."""
-    kwargs = dict(kwargs, seed=0)
-    workload = build_workload("builtin:tiny-llama", kwargs)
-    rec = Recorder(
-        path,
-        workload="builtin:tiny-llama",
-        model=workload.model,
-        optimizer=workload.optimizer,
-        workload_kwargs=kwargs,
-        ring=K,
-        **recorder_kwargs,
-    )
+    workload, rec = tiny_llama_recorder(path, kwargs, ring=K, **recorder_kwargs)
     held = []
     for index in range(steps):
         batch = workload.get_batch(index)

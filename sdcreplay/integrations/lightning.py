@@ -63,7 +63,7 @@ def _step_scheduler(configs: list[LRSchedulerConfig]) -> Any:
     return config.scheduler
 
 
-def _supported(trainer: Trainer, module: LightningModule) -> Any:
+def _scheduler_to_record(trainer: Trainer, module: LightningModule) -> Any:
     """The scheduler to record as state (None: none), once the run is one the callback can
     record."""
     if not module.automatic_optimization:
@@ -87,7 +87,7 @@ class SdcReplayCallback(WatchOptions, Callback):
     """
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        scheduler = _supported(trainer, pl_module)
+        scheduler = _scheduler_to_record(trainer, pl_module)
         self.start_watch(
             pl_module,
             trainer.optimizers[0],
