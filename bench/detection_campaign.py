@@ -57,11 +57,11 @@ from pathlib import Path
 
 import torch
 
-from sdcreplay.capture import CallSite, OperatorMode
-from sdcreplay.determinism import capture_rng, restore_rng
-from sdcreplay.faults import FaultSpec, Injector
-from sdcreplay.tensorio import raw_bits
-from sdcreplay.workload import Workload, build_workload
+from sdcreplay.capture.determinism import capture_rng, restore_rng
+from sdcreplay.capture.faults import FaultSpec, Injector
+from sdcreplay.capture.layers import CallSite, OperatorMode
+from sdcreplay.storage.tensorio import raw_bits
+from sdcreplay.workload.definition import Workload, build_workload
 
 KINDS = ("bitflip", "mask", "burst", "bias", "swap")
 MODES = ("sticky", "intermittent", "single")
@@ -311,12 +311,12 @@ class Replay:
     name = "ReplayCheck"
 
     def __init__(self, workload: Workload, args: argparse.Namespace):
-        from sdcreplay.online import ReplayCheck
+        from sdcreplay.online.replay_check import ReplayCheck
 
         self.check = ReplayCheck(workload, num_steps=-1, num_replays=1)
 
     def run(self, step: int, batch) -> dict | None:
-        from sdcreplay.online import SDCReplayMismatch
+        from sdcreplay.online.replay_check import SDCReplayMismatch
 
         try:
             self.check.run_step(batch, step=step)
@@ -334,14 +334,14 @@ class Updates:
     name = "UpdateDetector"
 
     def __init__(self, workload: Workload, args: argparse.Namespace):
-        from sdcreplay.online import UpdateDetector
+        from sdcreplay.online.replay_check import UpdateDetector
 
         self.detector = UpdateDetector(
             workload, alpha=args.alpha, warmup=args.warmup, spike_steps=args.spike_steps
         )
 
     def run(self, step: int, batch) -> dict | None:
-        from sdcreplay.online import (
+        from sdcreplay.online.replay_check import (
             NonFiniteResultError,
             PersistentFaultError,
             RecomputeLimitError,

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from sdcreplay.digest import mix64, one_pass_status, tensor_digest
+from sdcreplay.capture.digest import mix64, one_pass_status, tensor_digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -229,8 +229,8 @@ def capture_factor(settings: Settings) -> Row:
 import json, sys, torch
 sys.path.insert(0, "bench")
 from bisect_overhead import Step, time_step
-from sdcreplay import determinism
-from sdcreplay.tensorio import map_tensors
+from sdcreplay.capture import determinism
+from sdcreplay.storage.tensorio import map_tensors
 torch.set_num_threads(1)
 determinism.enable()
 step = Step({shape})

@@ -81,10 +81,10 @@ def run_rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(REPO))
-    from sdcreplay import determinism
-    from sdcreplay.collectives import MessageLog
-    from sdcreplay.digest import algorithm_for
-    from sdcreplay.workload import build_workload
+    from sdcreplay.capture import determinism
+    from sdcreplay.capture.collectives import MessageLog
+    from sdcreplay.capture.digest import algorithm_for
+    from sdcreplay.workload.definition import build_workload
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     torch.set_num_threads(1)
@@ -150,7 +150,7 @@ def tensor_parallel_mlp(args: argparse.Namespace):
         parallelize_module,
     )
 
-    from sdcreplay.workload import Workload
+    from sdcreplay.workload.definition import Workload
 
     torch.manual_seed(0)
     blocks = [

@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from sdcreplay import determinism
-from sdcreplay.capture import CallSite
-from sdcreplay.minimize import TrialRunner
-from sdcreplay.operator_case import place, resolve_op
+from sdcreplay.bisect.operator_case import place, resolve_op
+from sdcreplay.capture import determinism
+from sdcreplay.capture.layers import CallSite
+from sdcreplay.minimize.trials import TrialRunner
 
 # name -> (operator, input maker, trials per round on a CPU, on a GPU)
 CASES: dict[str, tuple[str, Callable[[], list], int, int]] = {

@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from sdcreplay import determinism
-from sdcreplay.online import ReplayCheck, UpdateDetector
-from sdcreplay.snapshot import TrainingSnapshot
-from sdcreplay.workload import build_workload
+from sdcreplay.capture import determinism
+from sdcreplay.capture.snapshot import TrainingSnapshot
+from sdcreplay.online.replay_check import ReplayCheck, UpdateDetector
+from sdcreplay.workload.definition import build_workload
 
 
 def main() -> None:

@@ -39,15 +39,15 @@ from pathlib import Path
 
 import torch
 
-from sdcreplay import capture as capture_module
-from sdcreplay import determinism
-from sdcreplay import recorder as recorder_module
-from sdcreplay.bundle import BundleWriter
-from sdcreplay.capture import SignatureCapture
-from sdcreplay.digest import Digester
-from sdcreplay.recorder import Recorder
-from sdcreplay.tensorio import map_tensors
-from sdcreplay.workload import build_workload
+from sdcreplay.bundle.manifest import BundleWriter
+from sdcreplay.capture import determinism
+from sdcreplay.capture import layers as capture_module
+from sdcreplay.capture.digest import Digester
+from sdcreplay.capture.layers import SignatureCapture
+from sdcreplay.recording import recorder as recorder_module
+from sdcreplay.recording.recorder import Recorder
+from sdcreplay.storage.tensorio import map_tensors
+from sdcreplay.workload.definition import build_workload
 
 
 def parse_args() -> argparse.Namespace:

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from sdcreplay import Bundle, Recorder, determinism
-from sdcreplay.workload import build_workload
+from sdcreplay import Bundle, Recorder
+from sdcreplay.capture import determinism
+from sdcreplay.workload.definition import build_workload
 
 
 def main() -> None:

@@ -1,13 +1,19 @@
 """sdcreplay: record, replay, diff, bisect and minimize silent data corruption in PyTorch training.
 
+The folders follow the pipeline: ``workload`` -> ``capture`` -> ``bundle`` ->
+``replay`` (with ``compare``) -> ``online`` and ``recording`` -> ``bisect`` ->
+``minimize``; ``cli`` draws it for a person (docs/architecture.md).
+
 The package is lazy (PEP 562): ``sdcreplay --help`` and ``sdcreplay info``
 import neither torch nor the pipeline; a name below is imported on first use.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from . import moved
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -17,21 +23,21 @@ _EXPORTS = {
     "describe": "bundle",
     "compare_logs": "compare",
     "vote": "compare",
-    "record_job": "distributed",
-    "replay_job": "distributed",
+    "record_job": "replay.job",
+    "replay_job": "replay",
     "SdcReplayError": "errors",
     "WorkloadMismatchError": "errors",
     "ReplayCheck": "online",
     "TrainingStopped": "online",
     "UpdateDetector": "online",
-    "Recorder": "recorder",
-    "record": "recorder",
+    "Recorder": "recording",
+    "record": "recording",
     "ReplaySession": "replay",
     "replay_devices": "replay",
     "replay_on_device": "replay",
-    "TrainingSnapshot": "snapshot",
-    "SignatureLog": "signature",
-    "read_signature_log": "signature",
+    "TrainingSnapshot": "capture",
+    "SignatureLog": "capture",
+    "read_signature_log": "capture",
     "Workload": "workload",
     "build_workload": "workload",
 }
@@ -63,26 +69,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .bundle import Bundle, JobBundle, describe
+    from .capture import SignatureLog, TrainingSnapshot, read_signature_log
     from .compare import compare_logs, vote
-    from .distributed import record_job, replay_job
     from .errors import SdcReplayError, WorkloadMismatchError
     from .online import ReplayCheck, TrainingStopped, UpdateDetector
-    from .recorder import Recorder, record
-    from .replay import ReplaySession, replay_devices, replay_on_device
-    from .signature import SignatureLog, read_signature_log
-    from .snapshot import TrainingSnapshot
+    from .recording import Recorder, record
+    from .replay import ReplaySession, replay_devices, replay_job, replay_on_device
+    from .replay.job import record_job
     from .workload import Workload, build_workload
 
-
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first access (and only then)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sdcreplay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+moved.install()
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -30,7 +30,7 @@ import zstandard
 from conftest import preserved_global_state
 from typer.testing import CliRunner
 
-from sdcreplay.bundle import (
+from sdcreplay.bundle.manifest import (
     MANIFEST,
     MANIFEST_DIGEST,
     MESSAGE_FIELDS,
@@ -40,11 +40,11 @@ from sdcreplay.bundle import (
     JobBundle,
     manifest_digest,
 )
+from sdcreplay.capture.signature import read_signature_log
 from sdcreplay.cli import app
-from sdcreplay.compare import compare_logs
+from sdcreplay.compare.logs import compare_logs
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.replay import replay_on_device
-from sdcreplay.signature import read_signature_log
+from sdcreplay.replay.session import replay_on_device
 
 
 def _deep(depth: int) -> Any:

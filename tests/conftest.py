@@ -20,7 +20,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sdcreplay import determinism
+from sdcreplay.capture import determinism
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def tiny_llama_recorder(path: Path, kwargs: dict = SMALL, **recorder_kwargs):
     """A user's loop set-up: builtin tiny-llama (seed 0) and a Recorder over it at ``path``;
     returns (workload, recorder)."""
     from sdcreplay import Recorder
-    from sdcreplay.workload import build_workload
+    from sdcreplay.workload.definition import build_workload
 
     kwargs = dict(kwargs, seed=0)
     workload = build_workload("builtin:tiny-llama", kwargs)

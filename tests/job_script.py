@@ -62,7 +62,7 @@ def resume_at_step_1(part, state_file: Path):
     """Replay step 0, hand the state over in a file (as bisect does between processes), and
     replay step 1 in a fresh session: True when it matches the record, else the error."""
     from sdcreplay.errors import MessageOrderError
-    from sdcreplay.replay import ReplaySession
+    from sdcreplay.replay.session import ReplaySession
 
     first = ReplaySession(part)
     first.run_step(part.steps[0])
@@ -82,7 +82,7 @@ def replay_order_errors(part, variant_step, variants) -> dict[str, str]:
     """The MessageOrderError of the part's first step replayed with each variant of the
     loop's step (``variant_step(workload, variant)``); tests/tp_script.py uses it too."""
     from sdcreplay.errors import MessageOrderError
-    from sdcreplay.replay import ReplaySession
+    from sdcreplay.replay.session import ReplaySession
 
     errors = {}
     for variant in variants:
@@ -97,7 +97,7 @@ def replay_order_errors(part, variant_step, variants) -> dict[str, str]:
 
 
 def make_workload(seed: int = 0, parallel: str = "ddp"):
-    from sdcreplay.workloads.tiny_llama import make_workload as tiny_llama
+    from sdcreplay.workload.tiny_llama import make_workload as tiny_llama
 
     workload = tiny_llama(seed=seed, parallel=parallel, **SMALL)
     workload.train_step = logging_step(workload)
@@ -106,9 +106,9 @@ def make_workload(seed: int = 0, parallel: str = "ddp"):
 
 def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None:
     import sdcreplay
-    from sdcreplay.bundle import JobBundle
+    from sdcreplay.bundle.manifest import JobBundle
     from sdcreplay.errors import BundleError
-    from sdcreplay.replay import ReplaySession
+    from sdcreplay.replay.session import ReplaySession
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()

@@ -14,8 +14,9 @@ import signal
 import sys
 import time
 
-from sdcreplay import Workload
 from sdcreplay.workloads import tiny_llama
+
+from sdcreplay import Workload
 
 
 def _hang() -> None:

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from midjob_script import make_workload  # copied beside this script: the same user's model
 
 import sdcreplay
-from sdcreplay.capture import OperatorMode
-from sdcreplay.faults import Injector, parse_specs
-from sdcreplay.online import ReplayCheck, SDCReplayMismatch
+from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.capture.layers import OperatorMode
+from sdcreplay.online.replay_check import ReplayCheck, SDCReplayMismatch
 
 FAULTS = {  # rank 1's, per mode: the first addmm of a forward (the first Linear)
     "fault": "kind=bitflip,op=aten.addmm,phase=forward,step=5,nth=0,index=3,bit=22",

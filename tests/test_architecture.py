@@ -1,4 +1,5 @@
-"""The package's import graph has no cycles and only the CLI layer imports typer and rich.
+"""The package's import graph has no cycles, its stage folders import only the stages below
+them, and only the CLI layer imports typer and rich.
 
 Function-level imports count: a cycle hidden inside a function still ties two
 modules' fates together (and shows up as a circular import the day someone
@@ -11,7 +12,25 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sdcreplay"
-PRESENTATION = {"sdcreplay.cli", "sdcreplay.render"}
+PRESENTATION = "sdcreplay.cli"
+
+# The stage folders, lowest first: a module may import the ground (the package's own
+# top-level modules: errors, kinds, devices, ...) and the folders below its own, never one
+# above it, not even inside a function (docs/architecture.md draws the same ladder).
+LAYERS = [
+    "storage",
+    "workload",
+    "capture",
+    "bundle",
+    "compare",
+    "replay",
+    "online",
+    "recording",
+    "bisect",
+    "minimize",
+    "integrations",
+    "cli",
+]
 
 
 def _module_name(path: Path) -> str:
@@ -82,9 +101,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def module_graph() -> dict[str, set[str]]:
-    """The import graph between modules: the package __init__ re-exports the library, and
-    ``from . import x`` names it only as the place x lives."""
-    return {name: deps - {"sdcreplay"} for name, deps in import_graph().items()}
+    """The import graph between modules. A package's ``__init__`` only offers names lazily
+    (the top one is the public facade), and ``from .bundle import trust`` names the package
+    only as the place ``trust`` lives, so packages are left out."""
+    graph = import_graph()
+    packages = {path.parent for path in PACKAGE.rglob("__init__.py")}
+    package_names = {_module_name(path / "__init__.py") for path in packages}
+    return {name: deps - package_names for name, deps in graph.items() if name not in package_names}
 
 
 def test_the_package_has_no_import_cycle() -> None:
@@ -97,21 +120,65 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def layer_of(module: str) -> int:
+    """0 for the ground, else 1 + the stage folder's place in LAYERS."""
+    parts = module.split(".")
+    if len(parts) < 3 and not (PACKAGE / parts[-1]).is_dir():
+        return 0
+    return 1 + LAYERS.index(parts[1])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a stage above the importer's own."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if layer_of(target) > layer_of(name)
+    )
+
+
+def test_every_stage_folder_is_on_the_ladder() -> None:
+    folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders == set(LAYERS)
+
+
+def test_no_stage_imports_a_stage_above_it() -> None:
+    assert upward_imports(module_graph()) == []
+
+
+def test_the_ladder_check_finds_an_upward_import() -> None:
+    graph = {"sdcreplay.capture.digest": {"sdcreplay.replay.session", "sdcreplay.errors"}}
+    assert upward_imports(graph) == ["sdcreplay.capture.digest -> sdcreplay.replay.session"]
+    assert upward_imports({"sdcreplay.replay.session": {"sdcreplay.capture.digest"}}) == []
+
+
 def test_the_process_layer_knows_no_task() -> None:
     """Replay and bisect name their task functions; the layer that runs them imports neither."""
     graph = module_graph()
-    assert graph["sdcreplay.worker"] == {"sdcreplay.errors"}
-    assert graph["sdcreplay.processes"] == {
+    assert graph["sdcreplay.replay.worker"] == {"sdcreplay.errors", "sdcreplay.heartbeat"}
+    assert graph["sdcreplay.replay.processes"] == {
         "sdcreplay.errors",
-        "sdcreplay.trust",
-        "sdcreplay.worker",
+        "sdcreplay.bundle.trust",
+        "sdcreplay.replay.worker",
     }
+
+
+def test_no_module_is_over_six_hundred_lines() -> None:
+    """One concern per module; a module that grows past this holds two."""
+    long = {
+        str(path.relative_to(PACKAGE)): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > 600
+    }
+    assert long == {}
 
 
 def test_only_the_command_line_layer_imports_typer_and_rich() -> None:
     offenders = {
         _module_name(path)
         for path in PACKAGE.rglob("*.py")
-        if _module_name(path) not in PRESENTATION and _third_party(path) & {"typer", "rich"}
+        if not _module_name(path).startswith(PRESENTATION)
+        and _third_party(path) & {"typer", "rich"}
     }
     assert not offenders

@@ -25,16 +25,16 @@ import pytest
 import torch
 
 import sdcreplay
-from sdcreplay.bisect import (
+from sdcreplay.bisect.localize import (
     REPORT_FILE,
     BisectResult,
     _first_divergence,
     bisect,
     run_oplog_task,
 )
+from sdcreplay.bisect.operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
+from sdcreplay.compare.forensics import element_forensics
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.forensics import element_forensics
-from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 MOE = {**LLAMA, "experts": 2, "top_k": 1}
@@ -100,7 +100,7 @@ JSON_KEYS = {
 
 
 def _has_plot() -> bool:
-    return importlib.util.find_spec("sdcreplay.plot") is not None
+    return importlib.util.find_spec("sdcreplay.compare.plot") is not None
 
 
 # ---------------------------------------------------------------------------
@@ -138,7 +138,7 @@ import os
 import torch
 
 from sdcreplay import Workload
-from sdcreplay.workloads.tiny_llama import make_workload
+from sdcreplay.workload.tiny_llama import make_workload
 
 
 class AdamWThenTouch(torch.optim.AdamW):
@@ -661,7 +661,7 @@ def test_bisect_from_a_plain_python_script(llama_bundle, tmp_path):
     script = tmp_path / "plain_script.py"
     script.write_text(
         textwrap.dedent(f"""
-        from sdcreplay.bisect import bisect
+        from sdcreplay.bisect.localize import bisect
 
         print("script body ran")
         result = bisect(
@@ -893,7 +893,7 @@ def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundl
     """A fault in dropout's random mask (aten.bernoulli_): re-run alone with the step's generator
     state, the reference reproduces its recorded output bit for bit, so the suspect's failures are
     the fault's, not fresh random numbers."""
-    from sdcreplay.minimize import minimize
+    from sdcreplay.minimize.trials import minimize
 
     spec = (
         "kind=bitflip,op=aten.bernoulli_,module=layers.0.attn_dropout,phase=forward,step=1,index=3,"
@@ -1028,7 +1028,7 @@ class FakeKernelProfile:
 
 
 def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bundle, monkeypatch):
-    from sdcreplay import bisect as bisect_module
+    from sdcreplay.bisect import localize as bisect_module
 
     monkeypatch.setattr(bisect_module, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
     result = bisect_module.run_isolate_task(
@@ -1046,7 +1046,7 @@ def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
     host events only, so no kernel is named."""
     from torch.profiler import ProfilerActivity, profile
 
-    from sdcreplay.bisect import device_kernels
+    from sdcreplay.bisect.localize import device_kernels
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.mm(torch.ones(4, 4), torch.ones(4, 4))
@@ -1059,7 +1059,7 @@ def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
 HIDDEN_STATE_WORKLOAD = '''
 """tiny-llama whose loss is scaled by how many steps this process ran: state outside the model."""
 from sdcreplay import Workload
-from sdcreplay.workloads.tiny_llama import make_workload
+from sdcreplay.workload.tiny_llama import make_workload
 
 CALLS = [0]
 
@@ -1120,7 +1120,7 @@ def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path)
     ],
 )
 def test_forensics_names_the_fault_model(spec, model):
-    from sdcreplay.faults import FaultSpec, corrupt
+    from sdcreplay.capture.faults import FaultSpec, corrupt
 
     expected = torch.arange(1, 49, dtype=torch.float32).reshape(6, 8) / 7
     actual = expected.clone()

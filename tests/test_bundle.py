@@ -24,8 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdcreplay
-from sdcreplay import determinism
-from sdcreplay.bundle import (
+from sdcreplay.bundle.manifest import (
     JOB_FIELDS,
     MANIFEST,
     MANIFEST_DIGEST,
@@ -60,6 +59,7 @@ from sdcreplay.bundle import (
     manifest_digest,
     written_by_us,
 )
+from sdcreplay.capture import determinism
 from sdcreplay.errors import BundleError, CheckpointError, SdcReplayError
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import SMALL, SMALL_ARGS
 
-from sdcreplay.bundle import MANIFEST, MANIFEST_DIGEST, manifest_digest
-from sdcreplay.workload import build_workload
+from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
+from sdcreplay.workload.definition import build_workload
 
 
 def assert_tool_error(result, message: str) -> None:

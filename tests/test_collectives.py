@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdcreplay import determinism
-from sdcreplay.bundle import JobBundle, is_job_bundle
+from sdcreplay.bundle.manifest import JobBundle, is_job_bundle
+from sdcreplay.capture import determinism
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.replay import ReplaySession
+from sdcreplay.replay.session import ReplaySession
 from tests.conftest import SMALL, run_torchrun
 
 STEP0 = ["gloo:all_reduce"] * 3  # DDP's one gradient bucket, then the loop's loss and tokens
@@ -27,7 +27,7 @@ STEP1 = ["gloo:broadcast", "gloo:broadcast"] + STEP0
 
 
 def small_llama_parameters() -> int:
-    from sdcreplay.workloads.tiny_llama import make_workload
+    from sdcreplay.workload.tiny_llama import make_workload
 
     return sum(p.numel() for p in make_workload(**SMALL).model.parameters())
 

@@ -15,9 +15,9 @@ import pytest
 from conftest import preserved_global_state
 
 from sdcreplay import Bundle, record, replay_on_device
-from sdcreplay.compare import Divergence, compare_logs, load_log, vote
+from sdcreplay.capture.signature import SignatureLog, layer_of, write_signature_log
+from sdcreplay.compare.logs import Divergence, compare_logs, load_log, vote
 from sdcreplay.errors import StructureError
-from sdcreplay.signature import SignatureLog, layer_of, write_signature_log
 
 KWARGS = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 ARGS = [arg for key, value in KWARGS.items() for arg in ("-a", f"{key}={value}")]

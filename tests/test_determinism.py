@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from sdcreplay import determinism
-from sdcreplay.bundle import read_rng, write_rng
+from sdcreplay.bundle.manifest import read_rng, write_rng
+from sdcreplay.capture import determinism
 from sdcreplay.errors import DeterminismError
 
 SWITCH_KEYS = {

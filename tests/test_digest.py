@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdcreplay import digest as digest_module
-from sdcreplay.digest import (
+from sdcreplay.capture import digest as digest_module
+from sdcreplay.capture.digest import (
     CPU_ALGORITHM,
     DEVICE_ALGORITHM,
     ONE_PASS_SWITCH,

@@ -15,9 +15,11 @@ import pytest
 import torch
 from conftest import SMALL, SMALL_ARGS, preserved_global_state
 
-from sdcreplay.bundle import JobBundle
-from sdcreplay.collectives import Message
-from sdcreplay.distributed import (
+from sdcreplay.bundle.manifest import JobBundle
+from sdcreplay.capture.collectives import Message
+from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.errors import DeviceError
+from sdcreplay.replay.job import (
     NO_ORIGIN,
     Origin,
     diff_jobs,
@@ -25,8 +27,6 @@ from sdcreplay.distributed import (
     record_job,
     replica_devices,
 )
-from sdcreplay.errors import DeviceError
-from sdcreplay.faults import Injector, parse_specs
 
 MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
 # The backward matmul that computes the head's weight gradient on rank 2, one bit of one element.
@@ -300,14 +300,14 @@ def test_a_fault_spec_with_a_rank_applies_only_on_that_rank():
 @pytest.mark.slow
 def test_a_replica_started_by_torchrun_is_compared_by_diff(misbehaving_job, tmp_path):
     """The multi-node command line of docs/distributed.md, on one node: torchrun starts the
-    ranks, `python -m sdcreplay.distributed` replays each one's part, diff compares the logs.
+    ranks, `python -m sdcreplay.replay.job` replays each one's part, diff compares the logs.
     The fault flips a forward bit on rank 1 only; no message carries it (the workload's
     collectives sum tensors of ones), so the rank whose signatures alone differ is the origin."""
     torchrun = Path(sys.executable).parent / "torchrun"
     logs = tmp_path / "logs"
     fault = "kind=bitflip,op=aten.mm,phase=forward,step=1,nth=0,index=0,bit=22,rank=1"
     command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m"]
-    command += ["sdcreplay.distributed", str(misbehaving_job), str(logs), "--inject", fault]
+    command += ["sdcreplay.replay.job", str(misbehaving_job), str(logs), "--inject", fault]
     ran = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     comparison = diff_jobs(misbehaving_job, logs)

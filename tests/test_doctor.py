@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sdcreplay.cli import app
-from sdcreplay.doctor import doctor
+from sdcreplay.replay.doctor import doctor
 
 NOISY_WORKLOAD = """
 import itertools

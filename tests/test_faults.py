@@ -13,9 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from sdcreplay.capture import CallSite, OperatorMode
-from sdcreplay.errors import FaultSpecError
-from sdcreplay.faults import (
+from sdcreplay.capture.faults import (
     ENV_VAR,
     FaultSpec,
     Injector,
@@ -23,6 +21,8 @@ from sdcreplay.faults import (
     default_bit,
     parse_specs,
 )
+from sdcreplay.capture.layers import CallSite, OperatorMode
+from sdcreplay.errors import FaultSpecError
 
 # ---------------------------------------------------------------------------
 # Parsing
@@ -271,7 +271,7 @@ def test_pairflip_flips_the_same_bit_in_two_elements(dtype):
 
 
 def test_pairflip_and_swap_are_invisible_to_an_xor_hash_but_not_to_the_digest():
-    from sdcreplay.digest import tensor_digest
+    from sdcreplay.capture.digest import tensor_digest
 
     clean = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
     for text in (

@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import SMALL_ARGS
 
-from sdcreplay import determinism
-from sdcreplay.bundle import MANIFEST, MANIFEST_DIGEST, manifest_digest
-from sdcreplay.doctor import doctor
+from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
+from sdcreplay.capture import determinism
+from sdcreplay.replay.doctor import doctor
 
 PORTABLE = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
 

@@ -11,8 +11,8 @@ import torch
 
 import sdcreplay
 from sdcreplay import Bundle
-from sdcreplay.capture import OperatorMode
-from sdcreplay.faults import Injector, parse_specs
+from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.capture.layers import OperatorMode
 
 HERE = Path(__file__).resolve().parent
 RING = 4

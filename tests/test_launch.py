@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import SMALL
 
-from sdcreplay import launch
-from sdcreplay.bundle import Bundle
-from sdcreplay.compare import compare_logs
-from sdcreplay.replay import run_replay_task
-from sdcreplay.signature import read_signature_log
+from sdcreplay.bundle.manifest import Bundle
+from sdcreplay.capture.signature import read_signature_log
+from sdcreplay.compare.logs import compare_logs
+from sdcreplay.replay import launch
+from sdcreplay.replay.session import run_replay_task
 
 MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
 WORKLOAD = f"{MISBEHAVING}:make_workload"

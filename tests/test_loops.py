@@ -21,7 +21,7 @@ from conftest import REPO, preserved_global_state
 
 import sdcreplay
 from sdcreplay import Bundle, WorkloadMismatchError, replay_devices
-from sdcreplay.bisect import bisect
+from sdcreplay.bisect.localize import bisect
 from sdcreplay.errors import StructureError
 
 sys.path.insert(0, str(REPO / "tests" / "loops"))

@@ -20,12 +20,13 @@ import torch
 from conftest import SMALL
 
 from sdcreplay import build_workload
-from sdcreplay.bisect import REPORT_FILE
-from sdcreplay.bisect import SCHEMA as BISECT_SCHEMA
-from sdcreplay.capture import CallSite, OperatorLog, OperatorMode
+from sdcreplay.bisect.localize import REPORT_FILE
+from sdcreplay.bisect.localize import SCHEMA as BISECT_SCHEMA
+from sdcreplay.bisect.operator_case import OPERATOR_FILE, OperatorCase, resolve_op
+from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.capture.layers import CallSite, OperatorLog, OperatorMode
 from sdcreplay.errors import DeterminismError
-from sdcreplay.faults import Injector, parse_specs
-from sdcreplay.minimize import (
+from sdcreplay.minimize.trials import (
     Z95,
     Acceptance,
     Shrinker,
@@ -35,8 +36,7 @@ from sdcreplay.minimize import (
     shrink_axes,
     wilson_interval,
 )
-from sdcreplay.operator_case import OPERATOR_FILE, OperatorCase, resolve_op
-from sdcreplay.tensorio import raw_bits
+from sdcreplay.storage.tensorio import raw_bits
 
 MODULE = "layers.0.attn.wq"
 STICKY = f"kind=bitflip,op=aten.mm,module={MODULE},phase=forward,step=1,index=5,bit=22,device=cpu:1"
@@ -355,8 +355,8 @@ def test_reference_that_disagrees_with_the_record_stops(tmp_path: Path, wq_call:
 
 def test_accelerator_verdicts_stay_on_the_device_until_one_fetch():
     """The comparison a GPU runs (a flag per trial, fetched per block), exercised on CPU tensors."""
-    from sdcreplay.minimize import _device_flag, _fetch
-    from sdcreplay.tensorio import raw_bits
+    from sdcreplay.minimize.trials import _device_flag, _fetch
+    from sdcreplay.storage.tensorio import raw_bits
 
     expected = torch.tensor([1.0, -0.0, float("nan")])
     wanted = [raw_bits(expected), 3]

@@ -23,10 +23,10 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from conftest import REPO, SMALL
 
-from sdcreplay.capture import OperatorMode
+from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.capture.layers import OperatorMode
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.faults import Injector, parse_specs
-from sdcreplay.online import (
+from sdcreplay.online.replay_check import (
     AttributeScalar,
     NonFiniteResultError,
     PersistentFaultError,
@@ -37,8 +37,8 @@ from sdcreplay.online import (
     TrainingStopped,
     UpdateDetector,
 )
-from sdcreplay.recorder import Recorder
-from sdcreplay.workload import Workload, build_workload
+from sdcreplay.recording.recorder import Recorder
+from sdcreplay.workload.definition import Workload, build_workload
 
 
 class Loop:
@@ -616,9 +616,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sdcreplay.capture import OperatorMode
-from sdcreplay.faults import Injector, parse_specs
-from sdcreplay.online import ReplayCheck, SDCReplayMismatch, UpdateDetector
+from sdcreplay.capture.layers import OperatorMode
+from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.online.replay_check import ReplayCheck, SDCReplayMismatch, UpdateDetector
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank = dist.get_rank()

@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import SMALL
 
 from sdcreplay import replay_on_device
-from sdcreplay.ops import list_calls
+from sdcreplay.bisect.ops import list_calls
 
 ROWS = SMALL["batch_size"] * SMALL["seq_len"]
 

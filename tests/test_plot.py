@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sdcreplay import replay_on_device
-from sdcreplay.compare import compare_logs, load_log
-from sdcreplay.signature import write_signature_log
+from sdcreplay.capture.signature import write_signature_log
+from sdcreplay.compare.logs import compare_logs, load_log
 
 pytest.importorskip("matplotlib")
 
@@ -64,7 +64,7 @@ def test_diff_plot_is_a_png(cli, small_bundle, faulty_log, tmp_path):
 
 
 def test_identical_plot(small_bundle, tmp_path):
-    from sdcreplay.plot import plot_divergence_map
+    from sdcreplay.compare.plot import plot_divergence_map
 
     reference = load_log(small_bundle)
     path = plot_divergence_map(reference, compare_logs(reference, reference), tmp_path / "same.png")
@@ -73,7 +73,7 @@ def test_identical_plot(small_bundle, tmp_path):
 
 
 def test_heatmap_marks_a_single_flipped_element(tmp_path):
-    from sdcreplay.plot import plot_element_heatmap
+    from sdcreplay.compare.plot import plot_element_heatmap
 
     expected = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     actual = expected.clone()
@@ -102,8 +102,8 @@ def test_heatmap_marks_a_single_flipped_element(tmp_path):
     ],
 )
 def test_heatmap_other_shapes_and_dtypes(tmp_path, shape, dtype):
-    from sdcreplay.faults import FaultSpec, corrupt
-    from sdcreplay.plot import plot_element_heatmap
+    from sdcreplay.capture.faults import FaultSpec, corrupt
+    from sdcreplay.compare.plot import plot_element_heatmap
 
     expected = (
         torch.zeros(shape, dtype=dtype)
@@ -116,7 +116,7 @@ def test_heatmap_other_shapes_and_dtypes(tmp_path, shape, dtype):
 
 
 def test_heatmap_refuses_tensors_that_do_not_match(tmp_path):
-    from sdcreplay.plot import plot_element_heatmap
+    from sdcreplay.compare.plot import plot_element_heatmap
 
     with pytest.raises(ValueError, match="cannot compare"):
         plot_element_heatmap(torch.zeros(3), torch.zeros(4), tmp_path / "x.png", "t")

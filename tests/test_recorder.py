@@ -15,15 +15,15 @@ from conftest import REPO, SMALL, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
-from sdcreplay.bundle import STATE
-from sdcreplay.capture import state_digests
+from sdcreplay.bundle.manifest import STATE
+from sdcreplay.capture.layers import state_digests
 from sdcreplay.errors import (
     BundleError,
     CheckpointError,
     SdcReplayError,
     WorkloadMismatchError,
 )
-from sdcreplay.workload import build_workload
+from sdcreplay.workload.definition import build_workload
 
 KIND_ORDER = [
     "rng",
@@ -254,7 +254,7 @@ def test_record_api_summary(tmp_path: Path):
 KILLED_SCRIPT = """
 import sys, time
 import sdcreplay
-from sdcreplay.workload import build_workload
+from sdcreplay.workload.definition import build_workload
 
 kwargs = {kwargs!r}
 workload = build_workload("builtin:tiny-llama", kwargs)
@@ -466,9 +466,9 @@ class _TwoInputs(torch.nn.Module):
 def test_backward_entries_are_the_gradients_each_input_edge_hands_back():
     """The edge walk numbers the inputs of ``mix`` breadth-first from its output (x is [0]);
     each entry is logged when autograd hands that input its gradient (y's first)."""
-    from sdcreplay.capture import SignatureCapture
-    from sdcreplay.determinism import capture_rng
-    from sdcreplay.digest import tensor_digest
+    from sdcreplay.capture.determinism import capture_rng
+    from sdcreplay.capture.digest import tensor_digest
+    from sdcreplay.capture.layers import SignatureCapture
 
     model = _TwoInputs()
     capture = SignatureCapture(model)

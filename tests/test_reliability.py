@@ -29,9 +29,14 @@ from conftest import SMALL_ARGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sdcreplay.bundle import MANIFEST, Bundle, manifest_digest
+from sdcreplay.bundle.manifest import MANIFEST, Bundle, manifest_digest
 from sdcreplay.errors import BundleError, SdcReplayError, WorkloadError
-from sdcreplay.replay import STARTUP_SECONDS, STEP_FACTOR, progress_timeout, replay_on_device
+from sdcreplay.replay.session import (
+    STARTUP_SECONDS,
+    STEP_FACTOR,
+    progress_timeout,
+    replay_on_device,
+)
 
 MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
 WORKLOAD = f"{MISBEHAVING}:make_workload"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sdcreplay.bundle import describe
-from sdcreplay.compare import Comparison, Divergence
-from sdcreplay.render import Output, render_diff, render_info
+from sdcreplay.bundle.manifest import describe
+from sdcreplay.cli.render import Output, render_diff, render_info
+from sdcreplay.compare.logs import Comparison, Divergence
 
 # Entry names as long as a deep model's: each must read whole on some line of the table.
 LONG_NAMES = [

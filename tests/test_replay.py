@@ -11,8 +11,8 @@ from conftest import REPO, SMALL, SMALL_MOE
 
 import sdcreplay
 from sdcreplay import Bundle, compare_logs, replay_on_device
+from sdcreplay.capture.signature import write_signature_log
 from sdcreplay.errors import CheckpointError, DeterminismError
-from sdcreplay.signature import write_signature_log
 
 WORKLOADS = {"tiny-llama": SMALL, "tiny-moe": SMALL_MOE}
 

@@ -11,10 +11,10 @@ from conftest import SMALL, SMALL_ARGS, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder
+from sdcreplay.capture.snapshot import TrainingSnapshot
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.snapshot import TrainingSnapshot
-from sdcreplay.tensorio import map_tensors
-from sdcreplay.workload import build_workload
+from sdcreplay.storage.tensorio import map_tensors
+from sdcreplay.workload.definition import build_workload
 
 K = 4
 TINY = {**SMALL, "dim": 16, "seq_len": 4, "batch_size": 1}  # 200 steps in a few seconds
@@ -302,7 +302,7 @@ def test_a_ring_under_torch_distributed_writes_nothing_until_its_dump_writes_a_j
     and refuses to run inside a step's block (the ranks' verification needs collectives)."""
     import torch.distributed as dist
 
-    from sdcreplay.bundle import JobBundle
+    from sdcreplay.bundle.manifest import JobBundle
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1

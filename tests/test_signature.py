@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from sdcreplay.errors import BundleError
-from sdcreplay.signature import (
+from sdcreplay.capture.signature import (
     SCHEMA,
     SignatureLog,
     SignatureLogWriter,
@@ -19,6 +18,7 @@ from sdcreplay.signature import (
     read_signature_log,
     write_signature_log,
 )
+from sdcreplay.errors import BundleError
 
 STEPS = {
     0: [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from sdcreplay.capture.snapshot import TrainingSnapshot
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.snapshot import TrainingSnapshot
 
 
 class Counter:

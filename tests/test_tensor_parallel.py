@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import run_torchrun
 
-from sdcreplay.bundle import JobBundle
-from sdcreplay.collectives import Message, _digest
+from sdcreplay.bundle.manifest import JobBundle
+from sdcreplay.capture.collectives import Message, _digest
 
 TIMEOUT = ["--timeout", "60"]
 # The forward addmm of fc1 (the first Linear) on rank 1 of the second replica, step 1.

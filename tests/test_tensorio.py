@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from sdcreplay import tensorio
 from sdcreplay.errors import BundleError
+from sdcreplay.storage import tensorio
 
 FLOAT8 = [
     getattr(torch, name)

@@ -16,14 +16,16 @@ from conftest import SMALL, preserved_global_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdcreplay import record, replay_on_device, trust, worker
-from sdcreplay.bundle import MANIFEST, MANIFEST_DIGEST, Bundle, manifest_digest
+from sdcreplay import record, replay_on_device
+from sdcreplay.bundle import trust
+from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, Bundle, manifest_digest
 from sdcreplay.errors import UntrustedWorkloadError
+from sdcreplay.replay import worker
 
 WORKLOAD_FILE = """
 from pathlib import Path
 Path({marker!r}).write_text("imported")
-from sdcreplay.workloads.tiny_llama import make_workload
+from sdcreplay.workload.tiny_llama import make_workload
 def make(**kwargs):
     return make_workload(**kwargs)
 """
@@ -86,7 +88,7 @@ def test_no_command_runs_an_untrusted_workload(hostile, cli, tmp_path: Path):
 def test_a_hand_made_task_cannot_skip_the_check(hostile, tmp_path: Path):
     bundle, ref, marker = hostile
     task = {
-        "function": "sdcreplay.replay:run_replay_task",
+        "function": "sdcreplay.replay.session:run_replay_task",
         "device": "cpu:0",
         "result": str(tmp_path / "result.json"),
         "arguments": {"bundle": str(bundle), "repeats": 1, "log_dir": str(tmp_path / "logs")},

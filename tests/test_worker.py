@@ -30,15 +30,16 @@ import pytest
 import torch
 from conftest import preserved_global_state
 
-from sdcreplay import Bundle, ReplaySession, record, replay_devices, replay_on_device, worker
-from sdcreplay.capture import CallSite
-from sdcreplay.compare import compare_logs, vote
-from sdcreplay.digest import tensor_digest
-from sdcreplay.faults import FaultSpec, Injector, corrupt
-from sdcreplay.processes import run_device_processes
-from sdcreplay.replay import run_replay_task
-from sdcreplay.signature import read_signature_log
-from sdcreplay.worker import DeviceFailure, DeviceResult, DeviceTask, TaskError
+from sdcreplay import Bundle, ReplaySession, record, replay_devices, replay_on_device
+from sdcreplay.capture.digest import tensor_digest
+from sdcreplay.capture.faults import FaultSpec, Injector, corrupt
+from sdcreplay.capture.layers import CallSite
+from sdcreplay.capture.signature import read_signature_log
+from sdcreplay.compare.logs import compare_logs, vote
+from sdcreplay.replay import worker
+from sdcreplay.replay.processes import run_device_processes
+from sdcreplay.replay.session import run_replay_task
+from sdcreplay.replay.worker import DeviceFailure, DeviceResult, DeviceTask, TaskError
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 MOE = {**LLAMA, "layers": 1, "experts": 2, "top_k": 1}
@@ -478,14 +479,21 @@ def test_a_task_runs_only_a_function_sdcreplay_marked_as_a_device_task(tmp_path:
     assert status == 3
     assert result["error"]["message"] == "task function 'os:system' is not one of sdcreplay's"
     # sdcreplay's own, but not a task: it would build (import) any workload, trusted or not
-    status, result = _run_task(tmp_path, "sdcreplay.workload:build_workload", ref=f"{evil}:make")
+    status, result = _run_task(
+        tmp_path, "sdcreplay.workload.definition:build_workload", ref=f"{evil}:make"
+    )
     assert status == 3
-    assert result["error"]["message"] == "sdcreplay.workload:build_workload is not a device task"
+    assert (
+        result["error"]["message"]
+        == "sdcreplay.workload.definition:build_workload is not a device task"
+    )
     assert not marker.exists()
-    status, result = _run_task(tmp_path, "sdcreplay.replay:run_replay_task", bundle="b", speed=2)
+    status, result = _run_task(
+        tmp_path, "sdcreplay.replay.session:run_replay_task", bundle="b", speed=2
+    )
     assert status == 3
     assert result["error"]["message"].startswith(
-        "sdcreplay.replay:run_replay_task does not take the task's arguments: "
+        "sdcreplay.replay.session:run_replay_task does not take the task's arguments: "
     )
     with pytest.raises(TaskError, match="is not a device task"):
         run_device_processes("x", os.getcwd, ["cpu:0"], lambda _: {}, tmp_path / "never")
@@ -494,7 +502,7 @@ def test_a_task_runs_only_a_function_sdcreplay_marked_as_a_device_task(tmp_path:
 
 def test_tasks_and_results_are_typed_json():
     task = DeviceTask(
-        "sdcreplay.replay:run_replay_task",
+        "sdcreplay.replay.session:run_replay_task",
         "cpu:1",
         "/r.json",
         {"repeats": 2},
@@ -553,21 +561,22 @@ def test_a_task_runs_with_its_environment_in_force(small_bundle: Path, tmp_path:
     assert value["fingerprint"]["cpu.capability"] == "DEFAULT"
     assert sorted(read_signature_log(Path(value["logs"][0])).steps) == [0, 1]
     written = json.loads((tmp_path / "replay-cpu-0.task.json").read_text())
-    assert written["function"] == "sdcreplay.replay:run_replay_task"
+    assert written["function"] == "sdcreplay.replay.session:run_replay_task"
     assert written["environment"] == {"ATEN_CPU_CAPABILITY": "default"}
 
 
 @pytest.mark.slow
 def test_a_task_file_runs_by_hand(small_bundle: Path, tmp_path: Path):
-    """``python -m sdcreplay.worker TASK.json``: the task's function is found from __main__ too."""
+    """``python -m sdcreplay.replay.worker TASK.json``: the task's function is found from
+    __main__ too."""
     task = DeviceTask(
-        "sdcreplay.replay:run_replay_task",
+        "sdcreplay.replay.session:run_replay_task",
         "cpu:0",
         str(tmp_path / "result.json"),
         {"bundle": str(small_bundle), "repeats": 1, "log_dir": str(tmp_path)},
     )
     (tmp_path / "task.json").write_text(json.dumps(task.to_json()))
-    command = [sys.executable, "-m", "sdcreplay.worker"]
+    command = [sys.executable, "-m", "sdcreplay.replay.worker"]
     done = subprocess.run(
         [*command, str(tmp_path / "task.json")], capture_output=True, text=True, timeout=300
     )

@@ -12,11 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMALL
+from sdcreplay.workloads import tiny_llama, tiny_moe
 
 from sdcreplay import Workload
 from sdcreplay.errors import SdcReplayError, WorkloadError
-from sdcreplay.workload import accepts_seed, build_workload, builtin_names, resolve_factory
-from sdcreplay.workloads import tiny_llama, tiny_moe
+from sdcreplay.workload.definition import (
+    accepts_seed,
+    build_workload,
+    builtin_names,
+    resolve_factory,
+)
 
 FACTORY_SOURCE = """
 import torch
@@ -130,10 +135,10 @@ def test_accepts_seed(factory_file: Path):
         ("builtin:", "unknown built-in workload ''"),
         ("tiny-llama", "cannot read workload reference 'tiny-llama'"),
         (":make_workload", "cannot read workload reference"),
-        ("sdcreplay.workloads.tiny_llama:", "cannot read workload reference"),
+        ("sdcreplay.workload.tiny_llama:", "cannot read workload reference"),
         ("no_such_package_xyz.mod:fn", "cannot import module 'no_such_package_xyz.mod'"),
-        ("sdcreplay.workloads.tiny_llama:no_such_function", "has no function 'no_such_function'"),
-        ("sdcreplay.workloads.tiny_llama:F", "has no function 'F'"),  # a module, not a function
+        ("sdcreplay.workload.tiny_llama:no_such_function", "has no function 'no_such_function'"),
+        ("sdcreplay.workload.tiny_llama:F", "has no function 'F'"),  # a module, not a function
         ("/no/such/dir/train.py:make_workload", "does not exist"),
     ],
 )

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from sdcreplay.workloads import tiny_llama, tiny_moe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdcreplay.workload import build_workload
-from sdcreplay.workloads import tiny_llama, tiny_moe
+from sdcreplay.workload.definition import build_workload
 
 FACTORIES = {"tiny-llama": tiny_llama.make_workload, "tiny-moe": tiny_moe.make_workload}
 

@@ -88,7 +88,7 @@ def logging_step(workload, variant: str = "recorded"):
 def functional_calls() -> list[dict]:
     """One logged step of the other functional collectives on ``arange(4) + rank``; the last
     all_reduce is never waited for (the step's end waits for it)."""
-    from sdcreplay.collectives import MessageLog
+    from sdcreplay.capture.collectives import MessageLog
 
     ops, group, rank = torch.ops._c10d_functional, dist.group.WORLD.group_name, dist.get_rank()
     x = torch.arange(4.0) + rank
@@ -114,7 +114,7 @@ def compiled_calls() -> list[dict]:
     autograd make on fake tensors while tracing move nothing and are not logged."""
     from torch.distributed import _functional_collectives as funcol
 
-    from sdcreplay.collectives import MessageLog
+    from sdcreplay.capture.collectives import MessageLog
 
     @torch.compile(backend="aot_eager")
     def doubled_sum(x):
@@ -129,7 +129,7 @@ def compiled_calls() -> list[dict]:
 
 def main(out: str, results: str) -> None:
     import sdcreplay
-    from sdcreplay.bundle import JobBundle
+    from sdcreplay.bundle.manifest import JobBundle
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()

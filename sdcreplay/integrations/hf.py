@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..errors import SdcReplayError
-from ..workload import Workload
+from ..workload.definition import Workload
 from .watch import WatchOptions
 
 SCHEDULER = "scheduler"  # the Trainer's learning-rate scheduler, a state object of the bundle

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from ..errors import SdcReplayError
-from ..workload import Workload
+from ..workload.definition import Workload
 from .watch import WatchOptions
 
 SCHEDULER = "scheduler"  # the learning-rate scheduler, a state object of the bundle

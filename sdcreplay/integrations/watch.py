@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ..capture import _own_work, grads_entering
+from ..capture.layers import _own_work, grads_entering
+from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
-from ..online import Alarm, UpdateDetector, observe
-from ..recorder import Recorder
-from ..snapshot import TrainingSnapshot
+from ..online.replay_check import Alarm, UpdateDetector, observe
+from ..recording.recorder import Recorder
 
 
 def _run_by_the_trainer(batch: Any) -> None:

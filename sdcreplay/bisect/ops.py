@@ -1,0 +1,122 @@
+"""Every operator call of a recorded step, named exactly as fault specs and bisect name them.
+
+Writing a fault spec, or reading a bisect report against the model, needs the
+step's calls as the dispatch mode sees them: in ``nn.MultiheadAttention`` the
+output projection's matmul belongs to ``self_attn``, not ``self_attn.out_proj``.
+The step is replayed once (with the steps before it, to reach its state) and
+each call is listed with its position among calls of the same operator, module
+and phase: the spec's ``nth``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..capture.faults import FaultSpec
+from ..capture.layers import CallSite, flatten_tensors
+from ..errors import BundleError
+from ..kinds import PhaseName
+from ..replay.session import ReplaySession
+
+SCHEMA = "sdcreplay.ops/1"
+
+
+@dataclass
+class Call:
+    index: int  # position among all calls of the step (bisect's op_index)
+    phase: PhaseName
+    module: str
+    op: str
+    nth: int  # position among the step's calls with the same op, module and phase
+    outputs: list[dict]  # shape and dtype of each output tensor
+
+    def spec(self, step: int) -> str:
+        """A fault spec that selects exactly this call."""
+        return (
+            f"kind=bitflip,op={self.op},module={self.module},phase={self.phase},"
+            f"step={step},nth={self.nth}"
+        )
+
+
+class _Lister:
+    """An OperatorMode observer that keeps every call's site and output layout."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self._counts: Counter[tuple[str, str, str]] = Counter()
+
+    def on_call(self, site: CallSite, func, args, kwargs, out):
+        nth = self._counts[site.key]
+        self._counts[site.key] += 1
+        outputs = [
+            {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for t in flatten_tensors(out)
+        ]
+        self.calls.append(Call(site.index, site.phase, site.module, site.op, nth, outputs))
+        return out
+
+
+@dataclass
+class OpsListing:
+    """A step's operator calls, filtered (``sdcreplay.ops/1``)."""
+
+    bundle: str
+    step: int
+    device: str
+    filters: dict[str, str | None]  # phase, module, op as given
+    total_calls: int  # calls of the step before filtering
+    calls: list[Call]
+
+    exit_code = 0
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "bundle": self.bundle,
+            "step": self.step,
+            "device": self.device,
+            "filters": self.filters,
+            "total_calls": self.total_calls,
+            "calls": [asdict(call) | {"spec": call.spec(self.step)} for call in self.calls],
+        }
+
+
+def _selected(call: Call, phase: str | None, module: str | None, op: str | None) -> bool:
+    probe = FaultSpec(kind="bitflip", op=op or call.op, module=module, phase=phase)
+    return probe.matches_key(call.op, call.module, call.phase)
+
+
+def list_calls(
+    bundle: str | Path,
+    step: int,
+    *,
+    device: str = "cpu",
+    phase: str | None = None,
+    module: str | None = None,
+    op: str | None = None,
+) -> OpsListing:
+    """The calls of ``step`` (``sdcreplay.ops/1``), filtered as a fault spec's keys would select
+    them."""
+    session = ReplaySession(bundle, device)
+    try:
+        if step not in session.bundle.step_indices:
+            raise BundleError(
+                f"the bundle has no step {step} (it has {session.bundle.step_indices})",
+                "Pick one of the recorded steps (`sdcreplay info BUNDLE`).",
+            )
+        lister = _Lister()
+        for record in session.steps_until(step):
+            session.run_step(record, observers=[lister] if record.index == step else ())
+    finally:
+        session.close()
+    calls = [call for call in lister.calls if _selected(call, phase, module, op)]
+    return OpsListing(
+        str(session.bundle.path),
+        step,
+        device,
+        {"phase": phase, "module": module, "op": op},
+        len(lister.calls),
+        calls,
+    )

@@ -1,0 +1,239 @@
+"""The signature log: ``name -> digest`` entries in execution order, per step.
+
+Stored as zstd-compressed JSON lines, one zstd frame per step, so a log cut off
+mid-write still yields every step whose frame is complete. The same format is
+used inside a bundle and for a replay's own log, so ``diff`` takes either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zstandard
+
+from ..errors import BundleError
+from ..storage.safeio import check_json_value, read_limited
+
+SCHEMA = "sdcreplay.signatures/1"
+MAX_LOG_BYTES = 1 << 30
+MAX_TEXT_BYTES = 8 << 30
+MAX_ENTRIES = 100_000_000
+
+
+PROGRAM = "program"
+"""The phase of entries that describe the program rather than a device's arithmetic
+(hyper-parameters, state objects' numbers): a divergence there is a different program."""
+
+
+def phase_of(name: str) -> str:
+    """forward / backward / optimizer / state / program, from the entry's name."""
+    kind = name.split(":", 1)[0].split("#", 1)[0]
+    return {
+        "forward": "forward",
+        "loss": "forward",
+        "backward": "backward",
+        "grad": "backward",
+        "step_grad": "optimizer",
+        "param": "optimizer",
+        "buffer": "optimizer",
+        "optim": "optimizer",
+        "hyper": PROGRAM,
+        "state": PROGRAM,
+        "state_tensor": "state",
+        "rng": "state",
+        "collective": "collective",
+    }.get(kind, "other")
+
+
+def is_program_entry(name: str) -> bool:
+    return phase_of(name) == PROGRAM
+
+
+def layer_of(name: str) -> str:
+    """The module an entry belongs to: ``backward:layers.1.attn#1[0]`` and
+    ``grad:layers.1.attn.wq.weight`` belong to ``layers.1.attn`` / ``layers.1.attn.wq``."""
+    kind, _, rest = name.partition(":")
+    if not rest:
+        return name
+    path = rest.split("#", 1)[0].split("[", 1)[0]
+    if kind in ("grad", "step_grad", "param", "buffer"):
+        path = path.rpartition(".")[0] or "<root>"
+    elif kind == "optim":  # optim:layers.0.attn.wq.weight.exp_avg_sq -> layers.0.attn.wq
+        path = path.rsplit(".", 2)[0] if path.count(".") >= 2 else "<root>"
+    elif kind in ("hyper", "state", "state_tensor"):  # hyper:0.lr -> hyper:0 (param group 0)
+        path = f"{kind}:{path.split('.', 1)[0]}"
+    return path
+
+
+@dataclass
+class SignatureLog:
+    meta: dict
+    steps: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+
+    def entry_count(self) -> int:
+        return sum(len(entries) for entries in self.steps.values())
+
+
+_json_string = json.encoder.encode_basestring_ascii
+"""A str as json.dumps quotes it (ASCII escapes)."""
+
+
+class SignatureLogWriter:
+    """Appends one frame per step and keeps the file's SHA-256 as it grows."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path = Path(path)
+        self._hash = hashlib.sha256()
+        self.size = 0
+        # The frame checksum lets a reader tell a damaged standalone log (a
+        # replay log has no manifest SHA-256 to guard it) from a valid one.
+        self._compressor = zstandard.ZstdCompressor(level=3, write_checksum=True)
+        self.path.write_bytes(b"")
+        self.append_records([{"schema": SCHEMA, **meta}])
+
+    def append_step(self, step: int, entries: list[tuple[str, str]]) -> None:
+        # The bytes json.dumps(..., separators=(",", ":")) writes, a few times faster.
+        prefix, quoted = f'{{"step":{int.__repr__(step)},"name":', _json_string
+        self._append_text(
+            "".join(
+                f'{prefix}{quoted(name)},"digest":{quoted(digest)}}}\n' for name, digest in entries
+            )
+        )
+
+    def append_records(self, lines: list[dict]) -> None:
+        """One frame of JSON objects, one a line (a step's collective messages, a header)."""
+        self._append_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+
+    def _append_text(self, text: str) -> None:
+        frame = self._compressor.compress(text.encode())
+        with self.path.open("ab") as handle:
+            handle.write(frame)
+            handle.flush()
+        self._hash.update(frame)
+        self.size += len(frame)
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+
+def write_signature_log(path: Path, log: SignatureLog) -> None:
+    writer = SignatureLogWriter(path, {k: v for k, v in log.meta.items() if k != "schema"})
+    for step, entries in log.steps.items():
+        writer.append_step(step, entries)
+
+
+def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
+    """Read a log; ``size`` limits it to its first bytes (what a manifest vouches for).
+
+    Every frame must be complete: a log cut off mid-frame is damaged, never
+    read as fewer entries.
+    """
+    path = Path(path)
+    lines = _read_lines(path, size)
+    try:
+        meta = read_header(path, lines)
+        steps: dict[int, list[tuple[str, str]]] = {}
+        for line in lines[1:]:
+            entry = json.loads(line)
+            step, name, digest = entry["step"], entry["name"], entry["digest"]
+            if not (type(step) is int and isinstance(name, str) and isinstance(digest, str)):
+                raise ValueError(f"bad entry {line[:80]!r}")
+            steps.setdefault(step, []).append((name, digest))
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise BundleError(f"signature log {path} is damaged: {exc}") from exc
+    return SignatureLog(meta=meta, steps=steps)
+
+
+def _read_lines(path: Path, size: int | None) -> list[str]:
+    """The log's lines, header first; ``size``: only the first bytes (what a manifest vouches
+    for)."""
+    limit = MAX_LOG_BYTES if size is None else size
+    raw = read_limited(path, limit, "signature log", prefix=size is not None)
+    if size is not None and len(raw) < size:
+        raise BundleError(
+            f"signature log {path} is {len(raw)} bytes, expected at least {size} (truncated)"
+        )
+    text = _decompress_frames(path, raw)
+    lines = text.split("\n")[:-1] if text else []
+    if len(lines) > MAX_ENTRIES:
+        raise BundleError(f"signature log {path} holds more than {MAX_ENTRIES} entries")
+    if not lines:
+        raise BundleError(f"signature log {path} is empty")
+    return lines
+
+
+def read_header(path: Path, lines: list[str]) -> dict:
+    """The first line: the log's schema and metadata (ValueError where it is not JSON)."""
+    meta = json.loads(lines[0])
+    check_json_value(meta, f"the header of signature log {path}")
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+        raise BundleError(
+            f"{path} is not a signature log of schema {SCHEMA} (found {str(meta)[:60]!r})",
+            "Give a bundle directory or a replay log written by this version of sdcreplay.",
+        )
+    return meta
+
+
+def read_records(path: Path, size: int | None = None) -> tuple[dict, list[dict]]:
+    """A log of JSON objects (a bundle's message log): its header and the objects after it."""
+    lines = _read_lines(Path(path), size)
+    try:
+        meta = read_header(path, lines)
+        records = [json.loads(line) for line in lines[1:]]
+        for record in records:
+            check_json_value(record, f"a record of {path}")
+    except (ValueError, RecursionError) as exc:
+        raise BundleError(f"log {path} is damaged: {exc}") from exc
+    if not all(isinstance(record, dict) for record in records):
+        raise BundleError(f"log {path} is damaged: a line is not a JSON object")
+    return meta, records
+
+
+def _decompress_frames(path: Path, raw: bytes) -> str:
+    """The frames' text, in order; each frame whole, with its checksum, ending with a newline.
+
+    The writer puts the content size and a checksum in every frame header; a
+    frame without them is not one sdcreplay wrote, and the declared sizes bound
+    what decompression may produce.
+    """
+    decompressor = zstandard.ZstdDecompressor()
+    parts: list[str] = []
+    total = 0
+    try:
+        while raw:
+            header = zstandard.get_frame_parameters(raw)
+            if not header.has_checksum:
+                raise BundleError(
+                    f"signature log {path} is damaged: frame {len(parts)} has no checksum"
+                )
+            total += header.content_size
+            if total > MAX_TEXT_BYTES:
+                raise BundleError(
+                    f"signature log {path} is damaged: frame {len(parts)} declares "
+                    f"no size or more than {MAX_TEXT_BYTES} bytes of text in all"
+                )
+            frame = decompressor.decompressobj()
+            chunk = frame.decompress(raw)
+            if not frame.eof:
+                raise BundleError(
+                    f"signature log {path} is damaged: it ends in the middle of a frame (truncated)"
+                )
+            if len(chunk) != header.content_size:
+                raise BundleError(
+                    f"signature log {path} is damaged: frame {len(parts)} holds "
+                    f"{len(chunk)} bytes, its header says {header.content_size}"
+                )
+            text = chunk.decode("utf-8")
+            if not text.endswith("\n"):
+                raise BundleError(
+                    f"signature log {path} is damaged: a frame does not end with a complete line"
+                )
+            parts.append(text)
+            raw = frame.unused_data
+    except (zstandard.ZstdError, UnicodeDecodeError) as exc:
+        raise BundleError(f"signature log {path} is damaged: {exc}") from exc
+    return "".join(parts)

@@ -1,0 +1,182 @@
+"""An in-memory copy of everything a training step changes, put back in place.
+
+Online detectors roll a step back to recompute it, and the ring buffer keeps
+the state at the start of its window; both need the same copy: parameter and
+buffer values, the optimizer's state and hyper-parameters, the loop's state
+objects (schedulers, GradScaler, counters), gradients and every RNG. Restoring
+writes into the existing tensors (``copy_``), never replaces a ``Parameter`` or
+a buffer, so the optimizer's references, hooks and CUDA-graph addresses stay
+valid.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import SdcReplayError
+from .determinism import RngState, capture_rng, restore_rng
+
+
+def _copy_tensor(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A private copy of ``tensor`` (on ``device`` when given): later in-place updates of the
+    original never reach it."""
+    tensor = tensor.detach()
+    if device is None or tensor.device == device:
+        return tensor.clone()
+    return tensor.to(device, copy=True)
+
+
+def copy_state(value: Any, device: torch.device | None = None) -> Any:
+    """A deep copy of a state_dict-like nest whose tensors are copied (to ``device``)."""
+    if isinstance(value, torch.Tensor):
+        return _copy_tensor(value, device)
+    if isinstance(value, Mapping):
+        copied = type(value)() if isinstance(value, dict) else {}
+        copied.update((key, copy_state(item, device)) for key, item in value.items())
+        if hasattr(value, "_metadata"):  # a module state_dict's version information
+            copied._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
+        return copied
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(copy_state(item, device) for item in value)
+    return copy.deepcopy(value)
+
+
+def _nest_nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_nest_nbytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nest_nbytes(item) for item in value)
+    return 0
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+@dataclass
+class TrainingSnapshot:
+    """Parameters, buffers, gradients, optimizer, state objects and RNG at one moment."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    state_objects: dict[str, Any]
+    params: dict[str, torch.Tensor]  # empty when taken with params=False
+    buffers: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor | None] | None
+    optimizer_state: dict | None
+    object_states: dict[str, Any]
+    rng: RngState | None
+    device: torch.device
+    restores_params: bool = True
+
+    @classmethod
+    def take(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        state_objects: Mapping[str, Any] | None = None,
+        *,
+        grads: bool = True,
+        rng: bool = True,
+        params: bool = True,
+        device: torch.device | str | None = None,
+    ) -> TrainingSnapshot:
+        """Copy the training state now; ``device`` (e.g. ``"cpu"``) moves the copy off the
+        accelerator, None keeps each tensor on its own device. ``params=False`` leaves the
+        parameters out (a forward/backward that never steps the optimizer cannot change them)."""
+        store = torch.device(device) if device is not None else None
+        step_device = _model_device(model)
+        objects = dict(state_objects or {})
+        return cls(
+            model=model,
+            optimizer=optimizer,
+            state_objects=objects,
+            params=(
+                {n: _copy_tensor(p, store) for n, p in model.named_parameters()} if params else {}
+            ),
+            restores_params=params,
+            buffers={n: _copy_tensor(b, store) for n, b in model.named_buffers()},
+            grads=(
+                {
+                    n: None if p.grad is None else _copy_tensor(p.grad, store)
+                    for n, p in model.named_parameters()
+                }
+                if grads
+                else None
+            ),
+            optimizer_state=(
+                copy_state(optimizer.state_dict(), store) if optimizer is not None else None
+            ),
+            object_states={
+                name: copy_state(obj.state_dict(), store) for name, obj in objects.items()
+            },
+            rng=capture_rng(step_device) if rng else None,
+            device=step_device,
+        )
+
+    def restore(self) -> None:
+        """Put the copied state back into the same objects, in place.
+
+        The snapshot stays usable: each restore loads fresh copies, so a rolled-back step can
+        be rolled back again.
+        """
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        known = self.params.keys() if self.restores_params else params.keys()
+        if params.keys() != known or buffers.keys() != self.buffers.keys():
+            raise SdcReplayError(
+                "the model's parameters or buffers changed since the snapshot was taken",
+                "Take the snapshot after the model is built and wrapped (DDP, FSDP, compile).",
+            )
+        with torch.no_grad():
+            for name, param in params.items() if self.restores_params else ():
+                param.copy_(self.params[name])
+            for name, buffer in buffers.items():
+                buffer.copy_(self.buffers[name])
+            if self.grads is not None:
+                for name, param in params.items():
+                    _restore_grad(param, self.grads[name])
+        if self.optimizer is not None and self.optimizer_state is not None:
+            self.optimizer.load_state_dict(copy_state(self.optimizer_state, None))
+        for name, obj in self.state_objects.items():
+            obj.load_state_dict(copy_state(self.object_states[name], None))
+            _forget_unscaling(obj)
+        if self.rng is not None:
+            restore_rng(self.rng, self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data the snapshot holds (what a ring buffer pays per window)."""
+        held = [self.params, self.buffers, self.grads, self.optimizer_state, self.object_states]
+        total = sum(_nest_nbytes(part) for part in held if part is not None)
+        if self.rng is not None:
+            total += _nest_nbytes([self.rng.cpu, self.rng.accelerator])
+        return total
+
+
+def _restore_grad(param: torch.Tensor, saved: torch.Tensor | None) -> None:
+    """Gradient back as it was: None stays None; an existing gradient is overwritten in place."""
+    if saved is None:
+        param.grad = None
+    elif param.grad is not None and param.grad.shape == saved.shape:
+        param.grad.copy_(saved)
+    else:
+        param.grad = saved.to(param.device, copy=True)
+
+
+def _forget_unscaling(obj: Any) -> None:
+    """A GradScaler remembers, per optimizer, that this step already unscaled its gradients
+    (``unscale_`` then refuses to run again until ``update()``); that bookkeeping is not in its
+    ``state_dict``. A snapshot is taken at a step boundary, where there is none, so a step
+    stopped or rolled back after ``unscale_`` must not leave it behind."""
+    if isinstance(obj, torch.amp.GradScaler):
+        obj._per_optimizer_states.clear()  # a defaultdict: each optimizer starts afresh

@@ -1,0 +1,649 @@
+"""The command line: parse options, call the library once, render its result, exit.
+
+Exit codes: 0 nothing diverged, 1 a finding (a divergence, a device that cannot
+reproduce itself), 2 usage error, 3 the tool could not do its job (printed as
+``Error:`` + ``Hint:``). Every command body returns its result object; the one
+boundary in ``command`` renders it, prints its JSON and maps failures to exit
+codes. The library is imported inside each body, so ``--help`` loads no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .. import __version__
+from ..errors import SdcReplayError, WorkloadError
+from ..kinds import Phase
+from .render import (
+    Output,
+    render_bisect,
+    render_demo,
+    render_demo_stage,
+    render_diff,
+    render_doctor,
+    render_info,
+    render_minimize,
+    render_ops,
+    render_record,
+    render_replay,
+)
+
+app = typer.Typer(
+    name="sdcreplay",
+    help="Forensic replay of silent data corruption in PyTorch training.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    add_completion=False,
+)
+
+# --- options shared by several commands ------------------------------------------------
+
+BundleArg = Annotated[Path, typer.Argument(help="Bundle directory.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+InjectOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md."
+    ),
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="Device label: cpu, cpu:N (a virtual replica) or cuda:N.")
+]
+ReferenceOpt = Annotated[str | None, typer.Option("--reference", help="Device label you trust.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Directory to write (its default is in the command's description)."),
+]
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-workload",
+        help="Run the workload the bundle names even though it was not recorded "
+        "by you (it is code: read it first). Built-in workloads and your own bundles need no flag.",
+    ),
+]
+TrustedWorkloadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--workload", help="Trust this workload reference (it must be the one the bundle names)."
+    ),
+]
+
+
+def trusting(bundle: Path, trust_workload: bool, workload: str | None):
+    """Trust, while the command runs, the references given on its command line (reading the
+    bundle runs nothing)."""
+    from ..bundle.manifest import Bundle, JobBundle, is_job_bundle
+    from ..bundle.trust import granting
+
+    refs = [workload] if workload else []
+    if trust_workload and is_job_bundle(bundle):
+        refs.append(JobBundle.open(bundle, verify=False).manifest.workload.ref)
+    elif trust_workload:
+        refs.append(Bundle.open(bundle, verify=False).workload_ref)
+    return granting(refs)
+
+
+# --- the one error boundary ---------------------------------------------------------------
+
+
+def _exit_code(output: Output, action: Callable[[], int]) -> int:
+    """Run a command; a tool failure becomes exit 3 with Error/Hint lines, never a traceback."""
+    debug = os.environ.get("SDCREPLAY_DEBUG") == "1"
+    try:
+        return action()
+    except (typer.TyperException, typer.Exit, typer.Abort):
+        raise  # usage errors (exit 2) are typer's to print
+    except KeyboardInterrupt:
+        output.say("Interrupted.")
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        output.error(
+            exc
+            if isinstance(exc, SdcReplayError)
+            else SdcReplayError(
+                f"unexpected {type(exc).__name__}: {exc}",
+                "This is a bug in sdcreplay or the workload; rerun with SDCREPLAY_DEBUG=1 and "
+                "report the traceback.",
+            )
+        )
+    except SystemExit as exc:  # workload code called sys.exit(): the tool could not do its job
+        if debug:
+            raise
+        output.error(
+            WorkloadError(
+                f"the workload called sys.exit({exc.code!r})",
+                "Workload code must return or raise, not exit the process.",
+            )
+        )
+    return 3
+
+
+def command(renderer: Callable[[Output, Any], None]):
+    """Register ``body(output, **options) -> result`` as a command rendered by ``renderer``.
+
+    The result's ``to_json()`` is what ``--json`` prints and its ``exit_code``
+    the exit status.
+    """
+
+    def register(body: Callable[..., Any]):
+        @functools.wraps(body)
+        def invoke(**options: Any) -> None:
+            output = Output(options.get("json_mode", False))
+
+            def action() -> int:
+                result = body(output, **options)
+                renderer(output, result)
+                if output.json_mode:
+                    output.data(result.to_json())
+                return result.exit_code
+
+            raise typer.Exit(_exit_code(output, action))
+
+        signature = inspect.signature(body, eval_str=True)
+        invoke.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=list(signature.parameters.values())[1:]
+        )  # options only: not ``output``
+        return app.command()(invoke)
+
+    return register
+
+
+# --- option parsing -------------------------------------------------------------------------
+
+
+class DumpOn(str, Enum):
+    """What may write a ring buffer's bundle (`record --ring K --dump-on ...`)."""
+
+    update = "update"
+    replay = "replay"
+    end = "end"
+
+
+def parse_kwargs(pairs: list[str]) -> dict:
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--arg")
+        try:
+            kwargs[key] = json.loads(value)
+        except ValueError:
+            kwargs[key] = value
+    return kwargs
+
+
+def _seed_in_range(seed: int) -> int:
+    """torch.manual_seed takes [-2**63, 2**64 - 1]: a larger seed is a usage error, not an
+    overflow."""
+    if not -(2**63) <= seed <= 2**64 - 1:
+        raise typer.BadParameter(f"{seed} is outside [-2**63, 2**64 - 1], the seeds torch accepts")
+    return seed
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+@command(render_record)
+def record(
+    output: Output,
+    workload: Annotated[
+        str,
+        typer.Argument(
+            help="builtin:tiny-llama, builtin:tiny-moe, package.module:function or "
+            "path/to/file.py:function."
+        ),
+    ],
+    steps: Annotated[int, typer.Option(min=1, help="Training steps to record.")] = 4,
+    out: OutOpt = None,
+    device: DeviceOpt = "cpu",
+    seed: Annotated[
+        int, typer.Option(callback=_seed_in_range, help="Seed for the workload and the RNGs.")
+    ] = 0,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help="torch.save'd {'model', 'optimizer'} state to start from; referenced by SHA-256."
+        ),
+    ] = None,
+    arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--arg",
+            "-a",
+            help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.",
+        ),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
+    inject: InjectOpt = None,
+    depth: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Capture module outputs only down to this depth (root 0, layers.N 2); fewer "
+            "activation digests, cheaper recording. Default: every module.",
+        ),
+    ] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            help="Re-execute the first step through the workload's step and refuse a recording "
+            "that cannot be replayed."
+        ),
+    ] = True,
+    ring: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Keep only the last K steps in memory and write the bundle only when --dump-on "
+            "asks (docs/recording.md).",
+        ),
+    ] = None,
+    dump_on: Annotated[
+        list[DumpOn] | None,
+        typer.Option(
+            "--dump-on",
+            help="With --ring, what writes the ring's bundle (repeatable): update (an "
+            "UpdateDetector alarm; the default), replay (a ReplayCheck of every step "
+            "disagrees), end (the run ended).",
+        ),
+    ] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Record a torch.distributed job of N ranks on this machine (PyTorch's elastic "
+            "launcher; gloo on cpu, NCCL with rank r on cuda:r). Built-in workloads run DDP "
+            "unless -a parallel=... says otherwise. See docs/distributed.md.",
+        ),
+    ] = None,
+    json_mode: JsonOpt = False,
+):
+    """Run WORKLOAD's train_step (if any) for --steps steps; write a deterministic trace bundle.
+
+    --out defaults to traces/<workload>.bundle. Injected faults (--inject) fire while
+    recording; the bundle does not carry them. With --ring nothing is written unless an alarm
+    (--dump-on) asks; later bundles get -2, -3... before the suffix.
+    """
+    from ..recording.recorder import record as record_bundle
+
+    target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
+    options: dict[str, Any] = {
+        "steps": steps,
+        "device": device,
+        "seed": seed,
+        "kwargs": parse_kwargs(arg or []),
+        "checkpoint": checkpoint,
+        "overwrite": overwrite,
+        "inject": inject or [],
+        "max_depth": depth,
+        "verify": verify,
+        "ring": ring,
+        "dump_on": [choice.value for choice in dump_on or []] or (["update"] if ring else []),
+    }
+    if nproc is not None:
+        from ..replay.job import record_job
+
+        with output.stages() as progress:
+            progress.update(f"recording {workload} on {nproc} ranks")
+            return record_job(workload, target, nproc=nproc, **options)
+    stage = f"recording {workload}"
+    with output.stages() as progress:
+        recorded = 0
+
+        def on_step(index: int, loss: float | None) -> None:
+            nonlocal recorded
+            recorded += 1
+            progress.update(stage, recorded, steps, "" if loss is None else f"loss {loss:.4f}")
+
+        progress.update(stage, 0, steps)
+        return record_bundle(workload, target, on_step=on_step, **options)
+
+
+@command(render_info)
+def info(output: Output, bundle: BundleArg, json_mode: JsonOpt = False):
+    """Show what a bundle holds and check every file against its SHA-256."""
+    from ..bundle.manifest import describe
+
+    return describe(bundle)
+
+
+@command(render_replay)
+def replay(
+    output: Output,
+    bundle: BundleArg,
+    device: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--device",
+            "-d",
+            help="Device label (repeatable; default cpu): cpu, cuda:N, or virtual "
+            "replicas cpu:N. Each label replays in its own process, all at once; cpu:N replicas "
+            "share this machine's cores and may take turns.",
+        ),
+    ] = None,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Replays per device; some diverging means intermittent.")
+    ] = 1,
+    inject: InjectOpt = None,
+    logs: Annotated[
+        Path | None,
+        typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/)."),
+    ] = None,
+    trust_workload: TrustOpt = False,
+    workload: TrustedWorkloadOpt = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.1,
+            max=7 * 24 * 3600,
+            help="Seconds a device may go without finishing a step "
+            "before it is killed and reported (default: derived from the recorded step "
+            "times).",
+        ),
+    ] = None,
+    json_mode: JsonOpt = False,
+):
+    """Replay a bundle bit for bit on one or more devices and vote on every signature.
+
+    A job bundle (record --nproc) replays every rank: each consecutive group of
+    world-size --device labels is one replica, rank 0 first (default: one replica
+    on the recorded devices); see docs/distributed.md.
+    """
+    from ..bundle.manifest import is_job_bundle
+    from ..replay.session import replay_devices
+
+    if is_job_bundle(bundle):
+        return _replay_job(
+            output,
+            bundle,
+            device,
+            repeats,
+            inject,
+            logs,
+            timeout,
+            trusting(bundle, trust_workload, workload),
+        )
+    devices = device or ["cpu"]
+    finished: list[str] = []
+    with trusting(bundle, trust_workload, workload), output.stages() as progress:
+
+        def on_done(label: str, _: object) -> None:
+            finished.append(label)
+            progress.update("replaying", len(finished), len(devices), f"{label} finished")
+
+        progress.update("replaying", 0, len(devices), ", ".join(devices))
+        return replay_devices(
+            bundle,
+            devices,
+            repeats=repeats,
+            inject=inject or [],
+            log_dir=logs,
+            on_done=on_done,
+            timeout=timeout,
+        )
+
+
+def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust):
+    """Replay a job bundle, replica after replica (docs/distributed.md)."""
+    from ..bundle.manifest import JobBundle
+    from ..replay.job import replay_job
+
+    replicas = max(1, len(device or []) // JobBundle.open(bundle, verify=False).world_size)
+    with trust, output.stages() as progress:
+        first = ", ".join(device[: len(device) // replicas]) if device else "recorded devices"
+        progress.update("replaying the job's replicas", 0, replicas, first)
+        return replay_job(
+            bundle,
+            device,
+            repeats=repeats,
+            inject=inject or [],
+            log_dir=logs,
+            timeout=timeout,
+            on_done=lambda index, labels: progress.update(
+                "replaying the job's replicas", index + 1, replicas, ", ".join(labels)
+            ),
+        )
+
+
+@command(render_bisect)
+def bisect(
+    output: Output,
+    bundle: BundleArg,
+    suspect: Annotated[
+        str | None,
+        typer.Option(help="Device label that computes wrong (default: the recording itself)."),
+    ] = None,
+    reference: ReferenceOpt = "cpu:0",
+    step: Annotated[
+        int | None,
+        typer.Option(help="Step to bisect (default: the first divergent step, found by a replay)."),
+    ] = None,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Repeats of the step on the suspect until a divergence shows (intermittent "
+            "faults).",
+        ),
+    ] = 1,
+    inject: InjectOpt = None,
+    out: OutOpt = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Heatmap PNG of where in the output tensor the bits differ.")
+    ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="For a job bundle: the rank to bisect (e.g. replay's origin_rank). It runs on "
+            "--suspect/--reference while the other ranks replay on their recorded devices to "
+            "serve the collectives.",
+        ),
+    ] = None,
+    trust_workload: TrustOpt = False,
+    workload: TrustedWorkloadOpt = None,
+    json_mode: JsonOpt = False,
+):
+    """Name a step's first corrupted operator call, the kernel it launched and its wrong bits.
+
+    The report is written to --out (default: BUNDLE.bisect/).
+    """
+    from ..bisect.localize import bisect as run_bisect
+
+    with trusting(bundle, trust_workload, workload), output.stages() as progress:
+        return run_bisect(
+            bundle,
+            rank=rank,
+            suspect=suspect,
+            reference=reference or "cpu:0",
+            step=step,
+            repeats=repeats,
+            inject=inject or [],
+            out=out,
+            plot=plot,
+            on_event=progress.begin,
+        )
+
+
+@command(render_diff)
+def diff(
+    output: Output,
+    first: Annotated[Path, typer.Argument(help="Bundle directory or replay log (*.sig.zst).")],
+    second: Annotated[
+        Path, typer.Argument(help="Bundle directory or replay log to compare with FIRST.")
+    ],
+    plot: Annotated[
+        Path | None, typer.Option(help="Draw which layers diverge at each step into this PNG.")
+    ] = None,
+    json_mode: JsonOpt = False,
+):
+    """Compare two signature logs: structure first, then the first divergent entry.
+
+    Two jobs (job bundles, or a job replay's LOGS/replicaN directory) are compared
+    rank by rank, with the origin rank and the first divergent message.
+    """
+    from ..compare.logs import diff as compare
+    from ..replay.job import diff_jobs, is_job_log
+
+    if is_job_log(first) or is_job_log(second):
+        if plot is not None:
+            raise SdcReplayError(
+                "--plot draws one process's log; these are jobs",
+                "Plot one rank: diff JOB/ranks/00000R LOGS/replicaN/rankR.r0.sig.zst --plot P.",
+            )
+        return diff_jobs(first, second)
+    return compare(first, second, plot=plot)
+
+
+@command(render_ops)
+def ops(
+    output: Output,
+    bundle: BundleArg,
+    step: Annotated[int, typer.Option(min=0, help="Recorded step whose operator calls to list.")],
+    phase: Annotated[Phase | None, typer.Option(help="Only calls of this phase.")] = None,
+    module: Annotated[
+        str | None,
+        typer.Option(help="Only calls under this module path (a prefix, as in a fault spec)."),
+    ] = None,
+    op: Annotated[
+        str | None, typer.Option(help="Only calls of this operator: aten.mm or aten.mm.default.")
+    ] = None,
+    device: DeviceOpt = "cpu",
+    trust_workload: TrustOpt = False,
+    workload: TrustedWorkloadOpt = None,
+    json_mode: JsonOpt = False,
+):
+    """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth)."""
+    from ..bisect.ops import list_calls
+
+    with trusting(bundle, trust_workload, workload):
+        return list_calls(
+            bundle, step, device=device, phase=phase.value if phase else None, module=module, op=op
+        )
+
+
+@command(render_doctor)
+def doctor(
+    output: Output,
+    device: DeviceOpt = "cpu",
+    workload: Annotated[
+        str, typer.Option(help="Workload whose step is run twice.")
+    ] = "builtin:tiny-llama",
+    runs: Annotated[int, typer.Option(min=2, help="Runs of the step from the same state.")] = 2,
+    json_mode: JsonOpt = False,
+):
+    """Is this device bitwise reproducible? Runs a step twice, names the first operator that is not.
+
+    Exit 1 when the step is not reproducible (a finding, like a divergence).
+    """
+    from ..replay.doctor import doctor as run_doctor
+
+    return run_doctor(device, workload, runs=runs)
+
+
+@command(render_minimize)
+def minimize(
+    output: Output,
+    report: Annotated[
+        Path, typer.Argument(help="Bisect report directory (`sdcreplay bisect --out`).")
+    ],
+    device: Annotated[
+        str | None,
+        typer.Option(help="Device label to run the trials on (default: the report's suspect)."),
+    ] = None,
+    reference: ReferenceOpt = None,
+    trials: Annotated[
+        int, typer.Option(min=1, help="Runs of the operator alone on each device.")
+    ] = 1000,
+    good_trials: Annotated[
+        int,
+        typer.Option(
+            min=1, help="A smaller input is kept only if the reference passes all of these runs..."
+        ),
+    ] = 10,
+    bad_trials: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="...and the suspect fails within these (default: enough to see the measured "
+            "rate fail with 99% probability).",
+        ),
+    ] = None,
+    inject: InjectOpt = None,
+    out: OutOpt = None,
+    json_mode: JsonOpt = False,
+):
+    """Measure how often the reported operator fails alone, shrink its inputs, write a ticket.
+
+    The ticket holds a standalone reproducer and the hardware report.
+
+    --reference defaults to the report's; the ticket is written to --out (default:
+    REPORT/ticket).
+    """
+    from ..minimize.trials import minimize as run_minimize
+
+    with output.stages() as progress:
+
+        def on_progress(stage: str, done: int, total: int | None, failures: int) -> None:
+            counted = "kept" if stage == "shrink" else "failed"
+            progress.update(stage, done, total, f"{failures} {counted}")
+
+        return run_minimize(
+            report,
+            device=device,
+            reference=reference,
+            trials=trials,
+            good_trials=good_trials,
+            bad_trials=bad_trials,
+            inject=inject or [],
+            out=out,
+            on_progress=on_progress,
+        )
+
+
+@command(render_demo)
+def demo(
+    output: Output,
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Directory for everything the demo writes (an earlier demo's is replaced; any "
+            "other directory is refused)."
+        ),
+    ] = Path("demo-out"),
+    json_mode: JsonOpt = False,
+):
+    """The whole story on builtin:tiny-llama: record, replay, diff, bisect, minimize.
+
+    Three virtual replicas replay the recording; cpu:1 has a planted defect.
+    """
+    from .demo import DEFECT, run_demo
+
+    output.say(f"Planted defect on the virtual replica cpu:1: [bold]{DEFECT}[/]")
+    return run_demo(out, on_stage=lambda stage: render_demo_stage(output, stage))
+
+
+@app.callback(invoke_without_command=True)
+def main_callback(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    if version:
+        typer.echo(f"sdcreplay {__version__}")
+        raise typer.Exit(0)
+
+
+def main() -> None:
+    app()

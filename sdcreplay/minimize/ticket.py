@@ -1,0 +1,491 @@
+"""The ticket directory: what a vendor needs to act on a silent data corruption.
+
+    TICKET/
+      repro.py     standalone reproducer, needs only torch and h5py (templates/repro.py, verbatim)
+      inputs.h5    an operator case (operator_case.py): the minimal inputs, the reference's
+                   expected output, the suspect's failing output, the call site and prior
+                   counts, plus the operator name and the determinism switches as attributes
+      ticket.json  ``sdcreplay.ticket/1``: device identity, software, operator, shapes, rate,
+                   interval, acceptance numbers, data dependence, first mismatch, bits, commands
+      ticket.md    the same, for a person
+
+The directory is written beside itself and renamed into place, so a ticket
+is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from functools import partial
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import h5py
+
+from ..bisect.operator_case import OperatorCase
+from ..capture import determinism
+from ..devices import torch_device
+from ..errors import SdcReplayError
+
+SCHEMA = "sdcreplay.ticket/1"
+REPRO_FILE = "repro.py"
+INPUTS_FILE = "inputs.h5"
+JSON_FILE = "ticket.json"
+MARKDOWN_FILE = "ticket.md"
+
+
+def repro_source() -> str:
+    return (
+        resources.files("sdcreplay.minimize.templates")
+        .joinpath(REPRO_FILE)
+        .read_text(encoding="utf-8")
+    )
+
+
+def device_identity(label: str) -> dict:
+    """Who the device is: NVML's identity and health for a GPU; the CPU model otherwise."""
+    device = torch_device(label)
+    identity = {"label": label, **determinism.device_description(device)}
+    if device.type == "cuda":
+        identity["nvml"] = nvml_identity(identity.get("uuid", ""))
+    elif hasattr(os, "sched_getaffinity"):
+        identity["cpu_affinity"] = sorted(os.sched_getaffinity(0))
+    return identity
+
+
+NVML_IDENTITY = ("name", "uuid", "serial", "board_part_number", "vbios", "inforom", "pci_bus_id")
+"""What a vendor's return process identifies a board by, in the order ticket.md shows it."""
+
+
+def nvml_identity(uuid: str) -> dict:
+    """NVML's view of the GPU with this UUID (by UUID: CUDA_VISIBLE_DEVICES cannot mislead it).
+
+    ``identity`` names the board; ``health`` is its state now: ECC counts
+    (volatile since the driver loaded, aggregate over its life), retired pages,
+    remapped rows, clocks, temperature and power. A field the board or driver
+    does not support holds ``unavailable (NVML's reason)``.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return {
+            "available": False,
+            "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
+            "for serial, VBIOS and ECC counters",
+        }
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"available": False, "note": f"NVML: {exc}"}
+    try:
+        name = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+
+        def ask(query: Callable[[], Any]) -> Any:
+            try:
+                return _text(query())
+            except pynvml.NVMLError as exc:  # not supported on this board, or no permission
+                return f"unavailable ({exc})"
+
+        identity = {
+            key: ask(partial(query, handle)) for key, query in _identity_queries(pynvml).items()
+        }
+        return {
+            "available": True,
+            "driver": ask(pynvml.nvmlSystemGetDriverVersion),
+            "identity": identity,
+            "health": _health(pynvml, handle, ask),
+        }
+    except pynvml.NVMLError as exc:
+        return {"available": False, "note": f"NVML: {exc}"}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _identity_queries(nvml) -> dict[str, Callable]:
+    return {
+        "name": nvml.nvmlDeviceGetName,
+        "uuid": nvml.nvmlDeviceGetUUID,
+        "serial": nvml.nvmlDeviceGetSerial,
+        "board_part_number": nvml.nvmlDeviceGetBoardPartNumber,
+        "vbios": nvml.nvmlDeviceGetVbiosVersion,
+        "inforom": nvml.nvmlDeviceGetInforomImageVersion,
+        "pci_bus_id": lambda h: nvml.nvmlDeviceGetPciInfo(h).busId,
+    }
+
+
+def _health(nvml, handle, ask: Callable[[Callable[[], Any]], Any]) -> dict:
+    """ECC, retired pages, remapped rows, clocks, temperature and power of one GPU, now."""
+    counters = (("volatile", nvml.NVML_VOLATILE_ECC), ("aggregate", nvml.NVML_AGGREGATE_ECC))
+    errors = (
+        ("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+        ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+    )
+    ecc = {
+        f"{when}_{kind}": ask(partial(nvml.nvmlDeviceGetTotalEccErrors, handle, error, counter))
+        for when, counter in counters
+        for kind, error in errors
+    }
+    causes = (
+        ("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+        ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
+    )
+
+    def retired_pages(cause_code: int) -> int:
+        return len(nvml.nvmlDeviceGetRetiredPages(handle, cause_code))
+
+    retired = {cause: ask(partial(retired_pages, code)) for cause, code in causes}
+    retired["pending"] = ask(lambda: bool(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)))
+    rows = ask(
+        lambda: dict(
+            zip(
+                ("correctable", "uncorrectable", "pending", "failure"),
+                nvml.nvmlDeviceGetRemappedRows(handle),
+                strict=True,
+            )
+        )
+    )
+    clock_codes = (
+        ("graphics", nvml.NVML_CLOCK_GRAPHICS),
+        ("sm", nvml.NVML_CLOCK_SM),
+        ("memory", nvml.NVML_CLOCK_MEM),
+    )
+    clocks = {
+        clock: ask(partial(nvml.nvmlDeviceGetClockInfo, handle, code))
+        for clock, code in clock_codes
+    }
+    return {
+        "ecc": ecc,
+        "retired_pages": retired,
+        "remapped_rows": rows,
+        "clocks_mhz": clocks,
+        "temperature_c": ask(
+            partial(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+        ),
+        "power_w": ask(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
+        "power_limit_w": ask(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000),
+    }
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def ticket_document(result: dict, report: dict) -> dict:
+    """ticket.json: the measurement (``result``, sdcreplay.minimize/1) said for a vendor."""
+    environment = determinism.environment(torch_device(result["device"]))
+    reproduced = result["reproduced"]
+    injected = result["inject"] or report.get("inject") or []  # here, or when bisect found the call
+    measured = {
+        key: result[key]
+        for key in ("trials", "failures", "rate", "ci95", "trials_to_first_failure")
+    }
+    return {
+        "schema": SCHEMA,
+        "status": "reproduced" if reproduced else "not reproduced",
+        "title": _title(result),
+        "drill": bool(injected),
+        "injected_faults": injected,
+        "device": device_identity(result["device"]),
+        "reference": device_identity(result["reference"]),
+        "observed_on": (report.get("environment") or {}).get("suspect"),
+        "software": {
+            key: environment[key]
+            for key in ("torch", "cuda", "cudnn", "python", "numpy", "platform", "host")
+        },
+        "switches": result["switches"],
+        "operator": {
+            "op": result["op"],
+            "kernels": result["kernels"],
+            "dtypes": result["dtypes"],
+            "site": result["site"],
+        },
+        "shapes": {
+            "original": result["input_shapes_original"],
+            "minimal": result["input_shapes_minimal"],
+            "shrink": result["shrink"],
+        },
+        "rate": measured,
+        "minimal_rate": result["minimal"],
+        "reference_check": {
+            "device": result["reference"],
+            "trials": result["reference_trials"],
+            "failures": result["reference_failures"],
+        },
+        "acceptance": result["acceptance"],
+        "data_dependent": result["data_dependent"],
+        "first_mismatch": result["first_mismatch"],
+        "coordinates": result.get("coordinates"),
+        "bits": result["bits"],
+        "pattern": result["pattern"],
+        "fault_model": result.get("fault_model"),
+        "bisect": {
+            key: report.get(key)
+            for key in (
+                "bundle",
+                "step",
+                "phase",
+                "module",
+                "op_index",
+                "isolated",
+                "pattern",
+                "fault_model",
+            )
+        },
+        "commands": result["commands"],
+        "reproduce": f"python {REPRO_FILE} --device {result['device']} "
+        f"--trials {max(result['trials'], 1000)}",
+        "files": {"reproducer": REPRO_FILE, "inputs": INPUTS_FILE},
+    }
+
+
+def _percent(rate: float) -> str:
+    return f"{100 * rate:.3g}%"
+
+
+def _title(result: dict) -> str:
+    where = f"{result['op']} on {result['device']}"
+    if not result["reproduced"]:
+        return (
+            f"{where}: not reproduced in {result['trials']} trials "
+            f"(rate below {_percent(result['ci95'][1])}, 95% upper bound)"
+        )
+    low, high = result["ci95"]
+    return (
+        f"{where} computes wrong: failed {result['failures']} of {result['trials']} trials "
+        f"({_percent(result['rate'])}, 95% interval {_percent(low)} to {_percent(high)})"
+    )
+
+
+def render_markdown(doc: dict) -> str:
+    """ticket.md: the ticket as a person reads it, most important first."""
+    device, operator, shapes = doc["device"], doc["operator"], doc["shapes"]
+    nvml = device.get("nvml") or {}
+    lines = [f"# {doc['title']}", ""]
+    if doc["drill"]:
+        lines += [
+            "> **Drill:** the corruption was injected by sdcreplay ("
+            + "; ".join(doc["injected_faults"])
+            + "). This ticket tests the tooling; it says nothing about the hardware.",
+            "",
+        ]
+    lines += [
+        "## Reproduce",
+        "",
+        "```",
+        doc["reproduce"],
+        "```",
+        "",
+        f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. "
+        "It prints `failed F of N` and "
+        "the first mismatching element, and exits 1 if any trial failed.",
+        "",
+        "## Device",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| label | {device['label']} |",
+        f"| name | {device.get('name')} |",
+    ]
+    lines += [
+        f"| {key.replace('_', ' ')} | {value} |"
+        for key, value in {**nvml.get("identity", {}), "driver": nvml.get("driver")}.items()
+        if key != "name" and value is not None
+    ]
+    if "cpu_affinity" in device:
+        lines.append(
+            f"| cores | {device.get('cores')} (this process may run on {device['cpu_affinity']}) |"
+        )
+    if nvml and not nvml.get("available"):
+        lines.append(f"| NVML | {nvml.get('note')} |")
+    software = doc["software"]
+    lines += [
+        f"| software | torch {software['torch']}, CUDA {software['cuda']}, "
+        f"cuDNN {software['cudnn']}, "
+        f"Python {software['python']} on {software['platform']} |",
+        "",
+        "## Operator",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| operator | `{operator['op']}` |",
+        "| kernels | "
+        f"{', '.join(f'`{k}`' for k in operator['kernels']) or '- (none recorded: CPU)'} |",
+        f"| dtypes | {', '.join(operator['dtypes'])} |",
+        f"| in training | step {operator['site']['step']}, {operator['site']['phase']}, "
+        f"module `{operator['site']['module']}`, call {operator['site']['index']} |",
+        f"| original input shapes | {shapes['original']} |",
+        f"| minimal input shapes | {shapes['minimal']} (shrink: {shapes['shrink']['status']}"
+        + (f", {shapes['shrink']['reason']}" if shapes["shrink"].get("reason") else "")
+        + ") |",
+        "",
+        "## Measurement",
+        "",
+        "| | |",
+        "| --- | --- |",
+    ]
+    rate = doc["rate"]
+    lines.append(
+        f"| original inputs | failed {rate['failures']} of {rate['trials']} "
+        f"({_percent(rate['rate'])}, 95% Wilson interval {_percent(rate['ci95'][0])} "
+        f"to {_percent(rate['ci95'][1])})"
+        + (
+            f", first at trial {rate['trials_to_first_failure']}"
+            if rate["trials_to_first_failure"]
+            else ""
+        )
+        + " |"
+    )
+    if doc["minimal_rate"]:
+        minimal = doc["minimal_rate"]
+        lines.append(
+            f"| minimal inputs | failed {minimal['failures']} of {minimal['trials']} "
+            f"({_percent(minimal['rate'])}, 95% interval {_percent(minimal['ci95'][0])} "
+            f"to {_percent(minimal['ci95'][1])}) |"
+        )
+    check = doc["reference_check"]
+    acceptance = doc["acceptance"]
+    lines += [
+        f"| reference {check['device']} | failed {check['failures']} of {check['trials']} |",
+        f"| acceptance rule | reference passes all {acceptance['good_trials']} good trials, "
+        f"suspect fails within {acceptance['bad_trials']} bad trials |",
+        f"| depends on the data | {_dependence(doc['data_dependent'])} |",
+    ]
+    first = doc["first_mismatch"]
+    if first and "index" in first:
+        lines += [
+            f"| first mismatch | output {first['output']}, element {first['index']} "
+            f"at {first['position']} of {first['count']} wrong in {first['total']}: "
+            f"expected {first['expected']}, actual {first['actual']}, "
+            f"XOR mask 0x{first['xor']}"
+            + (" (in the minimal inputs)" if doc.get("coordinates") else "")
+            + " |",
+            *_coordinate_lines(doc.get("coordinates")),
+            f"| pattern | {doc['pattern']} |",
+            *_fault_model_lines(doc.get("fault_model")),
+            "| flipped bits | "
+            + ", ".join(
+                f"bit {b}: {n}" for b, n in (doc["bits"] or {}).get("histogram", {}).items()
+            )
+            + " |",
+        ]
+    lines += _health_lines(nvml.get("health"))
+    lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
+    lines += _return_process_lines(device)
+    return "\n".join(lines)
+
+
+def _fault_model_lines(models: dict | None) -> list[str]:
+    """The damage as the fault model a vendor recognizes, on the original and minimal inputs."""
+    if not models or not models.get("original"):
+        return []
+    lines = [f"| fault model | {models['original']} (original inputs) |"]
+    if models.get("minimal") not in (None, models["original"]):
+        lines.append(f"| fault model, minimal inputs | {models['minimal']} |")
+    return lines
+
+
+def _coordinate_lines(coordinates: dict | None) -> list[str]:
+    """The failing element in the original inputs' coordinates, and why it is another one."""
+    if not coordinates:
+        return []
+    original = coordinates["original"]
+    first = coordinates["original_first_mismatch"]
+    where = f"element {original['position']}" if original else "no place"
+    lines = [f"| in the original output | {where}: {coordinates['why']} |"]
+    if first:
+        lines.append(
+            f"| original inputs' first mismatch | output {first['output']}, "
+            f"element {first['index']} at {first['position']} |"
+        )
+    return lines
+
+
+def _health_lines(health: dict | None) -> list[str]:
+    """The GPU's health when the ticket was written: what a vendor checks first."""
+    if not health:
+        return []
+    lines = ["", "## Device health when this ticket was written", "", "| | |", "| --- | --- |"]
+    for group in ("ecc", "retired_pages", "remapped_rows", "clocks_mhz"):
+        values = health[group]
+        shown = (
+            ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in values.items())
+            if isinstance(values, dict)
+            else values
+        )
+        lines.append(f"| {group.replace('_', ' ')} | {shown} |")
+    lines += [
+        f"| {key.replace('_', ' ')} | {health[key]} |"
+        for key in ("temperature_c", "power_w", "power_limit_w")
+    ]
+    return lines
+
+
+def _return_process_lines(device: dict) -> list[str]:
+    """What a vendor's return (RMA) process asks for besides this directory."""
+    if device.get("type") != "cuda":
+        return [
+            "## For the vendor",
+            "",
+            "Attach this directory, the CPU's model, stepping and microcode (`lscpu`, "
+            "`grep microcode /proc/cpuinfo`) and the machine's serial (`dmidecode -t system`), "
+            "and the output of the vendor's own CPU diagnostic.",
+            "",
+        ]
+    identity = (device.get("nvml") or {}).get("identity") or {}
+    board = ", ".join(
+        f"{key.replace('_', ' ')} {identity[key]}"
+        for key in ("serial", "board_part_number")
+        if key in identity
+    )
+    return [
+        "## For the vendor's return process",
+        "",
+        "A GPU return (RMA) asks for the board's identity "
+        f"({board or 'serial and part number from NVML'}) and evidence besides this directory:",
+        "",
+        "- the output of `sudo nvidia-bug-report.sh` run on this host "
+        "(`nvidia-bug-report.log.gz`);",
+        "- the log of NVIDIA's field diagnostic (`fieldiag`, from the vendor's enterprise "
+        "support) for this serial, or where it is not at hand `dcgmi diag -r 3`;",
+        "- `nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER,CLOCK,TEMPERATURE,POWER` "
+        "(the health above, as the vendor's tools print it);",
+        "- this directory: `repro.py` and `inputs.h5` reproduce the failure on the board alone.",
+        "",
+    ]
+
+
+def _dependence(data_dependent: bool | None) -> str:
+    if data_dependent is None:
+        return "unknown (not reproduced)"
+    if data_dependent:
+        return "yes: random data of the same shape, dtype and range does not fail"
+    return "no: random data of the same shape, dtype and range fails too"
+
+
+def write_ticket(target: Path, result: dict, report: dict, case: OperatorCase) -> Path:
+    """Write the ticket directory for ``result`` (replacing one already there)."""
+    target = Path(target)
+    if target.exists() and not (target / JSON_FILE).is_file():
+        raise SdcReplayError(
+            f"{target} exists and is not a ticket directory",
+            "Name a new --out directory, or remove that one.",
+        )
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    case.write(staging / INPUTS_FILE)
+    with h5py.File(staging / INPUTS_FILE, "a") as handle:
+        handle.attrs["op"] = case.op
+        handle.attrs["switches"] = json.dumps(result["switches"])
+    (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
+    doc = ticket_document(result, report)
+    (staging / JSON_FILE).write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
+    (staging / MARKDOWN_FILE).write_text(render_markdown(doc), encoding="utf-8")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target

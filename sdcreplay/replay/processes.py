@@ -1,0 +1,285 @@
+"""Device processes: one per device label, so a device that crashes takes only its own result.
+
+`run_device_processes` writes each process's `DeviceTask`, starts them all at
+once and collects each `DeviceResult`; a process that dies, or shows no
+progress for the timeout, becomes a `DeviceFailure` for its device alone. What
+runs inside a process is `worker.py`. Processes are forked from a
+multiprocessing *forkserver* that has imported torch once (a fresh
+interpreter would pay several seconds per device to import torch and
+torch._dynamo); the server never runs a torch operator or touches CUDA, so
+every child starts clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..bundle import trust
+from ..errors import SdcReplayError
+from . import worker
+from .worker import DeviceFailure, DeviceResult, DeviceTask
+
+STARTUP_SECONDS = 120.0
+"""For a device process to start (fork, build the workload, load the state) before step one."""
+STEP_FACTOR = 50
+"""A step may take this many times the slowest recorded step before its device is deemed hung."""
+UNKNOWN_STEP_TIMEOUT = 3600.0
+"""Without recorded step times (a bundle from before they were recorded, or a bisect task)."""
+
+_server = None
+
+
+def process_context(task_module: str):
+    """The forkserver context; its server preloads the first caller's task module and torch."""
+    global _server
+    if _server is None:
+        _server = multiprocessing.get_context("forkserver")
+        _server.set_forkserver_preload([__name__, task_module, "torch._dynamo"])
+    return _server
+
+
+def _child(task_path: str, stderr_path: str, env: dict, cwd: str) -> None:
+    """In the forked process: the caller's environment and directory, stderr to a file."""
+    descriptor = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    status = worker.main(["worker", task_path])
+    sys.stderr.flush()
+    sys.exit(status)
+
+
+def start(task_path: Path, stderr_path: Path, label: str, task_module: str):
+    """Start the device process for one task; ``.exitcode`` is None while it runs."""
+    env = {**os.environ, **trust.child_environment(), "SDCREPLAY_DEVICE": label}
+    process = process_context(task_module).Process(
+        target=_child,
+        args=(str(task_path), str(stderr_path), env, os.getcwd()),
+        name=f"sdcreplay-{label}",
+        daemon=False,
+    )
+    with caller_main_hidden():
+        process.start()
+    return process
+
+
+@contextlib.contextmanager
+def caller_main_hidden() -> Iterator[None]:
+    """While processes start: multiprocessing would re-import the caller's script in the child
+    (as it does for spawn); a script that calls replay_devices() without a __main__ guard would
+    then run again there. The child needs nothing from it."""
+    caller_main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if caller_main is None:
+            del sys.modules["__main__"]
+        else:
+            sys.modules["__main__"] = caller_main
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a device's stderr without traceback frames (those stay in the file)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - 65536))
+            text = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    frames = (" ", "\t", "Traceback ", "During handling", "The above exception")
+    kept = [line for line in text.splitlines() if line.strip() and not line.startswith(frames)]
+    return "\n".join(kept[-lines:])
+
+
+def exit_description(status: int) -> str:
+    if status < 0:
+        try:
+            return f"killed by signal {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def retry_hint(status: int) -> str:
+    """Whether running the device again is worth it, from how its process ended."""
+    if status in (-signal.SIGKILL, 137):
+        return (
+            "Killed from outside (out of memory, or a person/scheduler): retry alone on that "
+            "device; if it dies again, look for the kill in `dmesg` or the scheduler's log."
+        )
+    if status in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGILL, -signal.SIGFPE):
+        return (
+            "A crash inside a kernel or the driver: retry once; if the same device crashes "
+            "again while the others do not, treat it as the suspect."
+        )
+    return (
+        "The stderr lines above say why; fix that and retry (a retry alone does not change "
+        "the outcome)."
+    )
+
+
+@dataclass
+class Liveness:
+    """A task's liveness file (`heartbeat.Heartbeat`), as the process that watches it reads it."""
+
+    alive: Path
+    started: float
+
+    def last_progress(self) -> float:
+        with contextlib.suppress(OSError):
+            return max(self.started, self.alive.stat().st_mtime)
+        return self.started
+
+    def _beat(self) -> list[str]:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            return self.alive.read_text().split("\n")
+        return []
+
+    def where(self) -> str:
+        return (self._beat() or [""])[0][:80] or "start-up"
+
+    def collectives_issued(self) -> int:
+        beat = self._beat()
+        with contextlib.suppress(IndexError, ValueError):
+            return int(beat[1])
+        return 0
+
+
+@dataclass
+class _DeviceProcess(Liveness):
+    process: multiprocessing.process.BaseProcess
+    result: Path
+    stderr: Path
+
+
+def _stop(process, grace: float = 5.0) -> None:
+    """SIGKILL and reap, waiting at most ``grace`` seconds."""
+    with contextlib.suppress(OSError, ValueError):
+        process.kill()
+    process.join(grace)
+
+
+def run_device_processes(
+    kind: str,
+    task: Callable[..., dict],
+    devices: list[str],
+    arguments_for: Callable[[str], dict],
+    work_dir: Path,
+    *,
+    environment: dict[str, str] | None = None,
+    on_done: Callable[[str, DeviceResult], None] | None = None,
+    timeout: float | None = None,
+) -> dict[str, DeviceResult]:
+    """Run ``task`` (a `worker.device_task`) in one process per device label at once.
+
+    Each process gets ``device=label`` and ``arguments_for(label)`` as keywords,
+    and ``environment`` set before it runs; its files in ``work_dir`` are named
+    ``<kind>-<label>.*``. A process that dies yields a `DeviceFailure` with its exit
+    status, its log file and the last lines of its stderr (never traceback
+    frames); one that shows no progress for ``timeout`` seconds (default:
+    ``UNKNOWN_STEP_TIMEOUT``) is killed and reported as timed out. The others run
+    to the end.
+    """
+    reference = worker.task_reference(task)
+    timeout = UNKNOWN_STEP_TIMEOUT if timeout is None else timeout
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SdcReplayError(
+            f"cannot create the log directory {work_dir}: {exc.strerror}",
+            "Choose a --logs/--out directory that can be written (not under a file or /proc, "
+            "each name at most 255 bytes).",
+        ) from exc
+    running: dict[str, _DeviceProcess] = {}
+    for label in devices:
+        stem = work_dir / f"{kind}-{label.replace(':', '-')}"
+        result, stderr, alive = (
+            Path(f"{stem}.{name}") for name in ("result.json", "stderr.txt", "alive")
+        )
+        device_task = DeviceTask(
+            reference,
+            label,
+            str(result),
+            arguments_for(label),
+            dict(environment or {}),
+            stderr=str(stderr),
+            alive=str(alive),
+        )
+        task_path = Path(f"{stem}.task.json")
+        task_path.write_text(json.dumps(device_task.to_json()))
+        alive.unlink(missing_ok=True)
+        process = start(task_path, stderr, label, task.__module__)
+        running[label] = _DeviceProcess(alive, time.time(), process, result, stderr)
+    results: dict[str, DeviceResult] = {}
+    try:
+        while running:
+            for label, device in list(running.items()):
+                finished = _poll(label, device, timeout)
+                if finished is None:
+                    continue
+                del running[label]
+                results[label] = finished
+                if on_done is not None:
+                    on_done(label, finished)
+            if running:
+                time.sleep(0.05)
+    finally:
+        for device in running.values():  # interrupted: no process outlives the command
+            _stop(device.process)
+    return results
+
+
+def _poll(label: str, device: _DeviceProcess, timeout: float) -> DeviceResult | None:
+    """The result of a process that ended (or was killed for a timeout), or None while it runs."""
+    process = device.process
+    status = process.exitcode
+    if status is None and time.time() - device.last_progress() <= timeout:
+        return None
+    if status is None:
+        where = device.where()
+        _stop(process)
+        return DeviceResult(
+            error=DeviceFailure(
+                f"the {label} process timed out after {timeout:g} s without progress "
+                f"(at {where}) and was killed",
+                "A hung device or workload (its log may say where). If the step is just slow, "
+                "give it more time with --timeout SECONDS.",
+                log=str(device.stderr),
+                stderr_tail=tail(device.stderr),
+                timed_out=timeout,
+            )
+        )
+    process.join(5)
+    result = None
+    if device.result.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            result = DeviceResult.from_json(json.loads(device.result.read_text()))
+    if result is None or (status != 0 and result.error is None):
+        # died without a word (signal, os._exit): its last lines of stderr are all there is to say
+        result = DeviceResult(
+            error=DeviceFailure(
+                f"the {label} process {exit_description(status)}",
+                retry_hint(status),
+                stderr_tail=tail(device.stderr),
+            )
+        )
+    if result.error is not None:
+        error = replace(result.error, exit_status=status, log=str(device.stderr))
+        result = DeviceResult(error=error)
+    return result

@@ -1,0 +1,154 @@
+"""Reading files a stranger may have prepared: regular files only, never more bytes than expected.
+
+A FIFO blocks an ``open`` forever, ``/dev/zero`` never ends and a symlink can
+point anywhere on the machine, so every file sdcreplay reads from a bundle or a
+log goes through here: opened without blocking, checked to be a regular file,
+and read up to a limit.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import h5py
+
+from ..errors import BundleError
+
+
+def regular_file_inside(root: Path, name: str) -> Path:
+    """``root/name``, refusing a symlink anywhere below ``root`` and anything but a regular file.
+
+    ``root`` itself may be a symlink (the person named it); what the bundle
+    holds may not point out of it.
+    """
+    path = root
+    parts = name.split("/")
+    for position, part in enumerate(parts):
+        path = path / part
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            raise BundleError(f"bundle file {name} is missing from {root}") from None
+        except OSError as exc:
+            raise BundleError(f"cannot read bundle file {name} in {root}: {exc.strerror}") from exc
+        if stat.S_ISLNK(mode):
+            raise BundleError(
+                f"bundle file {name} in {root} is (or lies under) a symlink",
+                "A bundle holds its own files; copy the real files in with `cp -rL`.",
+            )
+        last = position == len(parts) - 1
+        if last and not stat.S_ISREG(mode):
+            raise BundleError(f"bundle file {name} in {root} is not a regular file ({_kind(mode)})")
+        if not last and not stat.S_ISDIR(mode):
+            raise BundleError(f"bundle file {name} in {root}: {part} is not a directory")
+    return path
+
+
+def read_limited(path: Path, limit: int, what: str, prefix: bool = False) -> bytes:
+    """The bytes of a regular file (a symlink to one is followed), at most ``limit`` of them.
+
+    ``prefix``: a longer file is fine, only its first ``limit`` bytes are read
+    (an append-only log that grew after its manifest was written).
+    """
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise BundleError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise BundleError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    with os.fdopen(descriptor, "rb") as handle:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            raise BundleError(
+                f"{what} {path} is not a regular file ({_kind(mode)})",
+                "Give the path of a file sdcreplay wrote.",
+            )
+        try:
+            data = handle.read(limit + 1)
+        except OSError as exc:
+            raise BundleError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    if len(data) > limit and prefix:
+        return data[:limit]
+    if len(data) > limit:
+        raise BundleError(f"{what} {path} is larger than {limit} bytes, more than it can hold")
+    return data
+
+
+def check_json_value(value: Any, what: str, limit: int = 32) -> None:
+    """Refuse nesting deeper than ``limit`` and strings with NUL or unpaired surrogates.
+
+    Nothing sdcreplay writes nests deeper than a few levels; a deep value only
+    exhausts the recursion of whoever reads it next, and such strings cannot be
+    an environment variable, a path or UTF-8.
+    """
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise BundleError(f"{what} nests deeper than {limit} levels")
+        if isinstance(node, dict):
+            stack.extend((key, depth + 1) for key in node)
+            stack.extend((item, depth + 1) for item in node.values())
+        elif isinstance(node, list):
+            stack.extend((item, depth + 1) for item in node)
+        elif isinstance(node, str) and ("\0" in node or not _is_utf8(node)):
+            raise BundleError(
+                f"{what} holds a string with a NUL or an unpaired surrogate: {node[:40]!r}"
+            )
+
+
+def _is_utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
+    """Refuse an HDF5 file whose data lives elsewhere: external links or storage, virtual datasets.
+
+    Such a file reads other files of the machine while its own SHA-256 still
+    matches, so editing them would change a replay's verdict unseen.
+    """
+    pending = [handle]
+    seen = 0
+    while pending:
+        group = pending.pop()
+        for name in group:
+            seen += 1
+            if seen > limit:
+                raise BundleError(f"{handle.filename} holds more than {limit} objects")
+            link = group.get(name, getlink=True)
+            where = f"{handle.filename}: {group.name.rstrip('/')}/{name}"
+            if isinstance(link, h5py.ExternalLink):
+                raise BundleError(
+                    f"{where} is an external link to {link.filename[:80]!r}",
+                    "A bundle's HDF5 files must hold all their data themselves.",
+                )
+            if isinstance(link, h5py.SoftLink):
+                continue  # points inside this file; its target is visited as itself
+            item = group[name]
+            if isinstance(item, h5py.Group):
+                pending.append(item)
+            elif isinstance(item, h5py.Dataset) and (item.external or item.is_virtual):
+                raise BundleError(
+                    f"{where} keeps its data outside the file (HDF5 external storage)",
+                    "A bundle's HDF5 files must hold all their data themselves.",
+                )
