@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from sdcreplay.capture import determinism
-from sdcreplay.capture.layers import OperatorLog, OperatorMode
+from sdcreplay.capture.operators import OperatorLog, OperatorMode
 from sdcreplay.workload.definition import build_workload
 
 FAULT = "kind=bitflip,op=aten.mm,module=layers.1.attn.wq,phase=forward,step=1,index=5,device=cpu:1"

@@ -21,7 +21,7 @@ fault becomes active at a random step and is
 
 Every execution of a step (a detector re-runs steps: the replay check runs each checked
 step twice, the update detector recomputes an alarming step) runs under its own
-``capture.OperatorMode`` with its own ``faults.Injector``, as ``recorder.record()`` does:
+``capture.OperatorMode`` with its own ``faults.Injector``, as ``drive.record()`` does:
 a call is the same call in every execution, and a defect in it fires there each time.
 
 Measured per detector and kind: detection rate (an alarm at or after the first step the
@@ -59,7 +59,7 @@ import torch
 
 from sdcreplay.capture.determinism import capture_rng, restore_rng
 from sdcreplay.capture.faults import FaultSpec, Injector
-from sdcreplay.capture.layers import CallSite, OperatorMode
+from sdcreplay.capture.operators import CallSite, OperatorMode
 from sdcreplay.storage.tensorio import raw_bits
 from sdcreplay.workload.definition import Workload, build_workload
 
@@ -316,7 +316,7 @@ class Replay:
         self.check = ReplayCheck(workload, num_steps=-1, num_replays=1)
 
     def run(self, step: int, batch) -> dict | None:
-        from sdcreplay.online.replay_check import SDCReplayMismatch
+        from sdcreplay.online.stopping import SDCReplayMismatch
 
         try:
             self.check.run_step(batch, step=step)
@@ -334,14 +334,14 @@ class Updates:
     name = "UpdateDetector"
 
     def __init__(self, workload: Workload, args: argparse.Namespace):
-        from sdcreplay.online.replay_check import UpdateDetector
+        from sdcreplay.online.update_detector import UpdateDetector
 
         self.detector = UpdateDetector(
             workload, alpha=args.alpha, warmup=args.warmup, spike_steps=args.spike_steps
         )
 
     def run(self, step: int, batch) -> dict | None:
-        from sdcreplay.online.replay_check import (
+        from sdcreplay.online.stopping import (
             NonFiniteResultError,
             PersistentFaultError,
             RecomputeLimitError,

@@ -26,7 +26,7 @@ import torch
 
 from sdcreplay.bisect.operator_case import place, resolve_op
 from sdcreplay.capture import determinism
-from sdcreplay.capture.layers import CallSite
+from sdcreplay.capture.operators import CallSite
 from sdcreplay.minimize.trials import TrialRunner
 
 # name -> (operator, input maker, trials per round on a CPU, on a GPU)

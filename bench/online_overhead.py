@@ -25,7 +25,8 @@ import torch
 
 from sdcreplay.capture import determinism
 from sdcreplay.capture.snapshot import TrainingSnapshot
-from sdcreplay.online.replay_check import ReplayCheck, UpdateDetector
+from sdcreplay.online.replay_check import ReplayCheck
+from sdcreplay.online.update_detector import UpdateDetector
 from sdcreplay.workload.definition import build_workload
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from sdcreplay.bundle.manifest import BundleWriter
+from sdcreplay.bundle.writer import BundleWriter
 from sdcreplay.capture import determinism
 from sdcreplay.capture import layers as capture_module
 from sdcreplay.capture.digest import Digester

@@ -23,7 +23,7 @@ _EXPORTS = {
     "describe": "bundle",
     "compare_logs": "compare",
     "vote": "compare",
-    "record_job": "replay.job",
+    "record_job": "recording",
     "replay_job": "replay",
     "SdcReplayError": "errors",
     "WorkloadMismatchError": "errors",
@@ -73,9 +73,8 @@ if TYPE_CHECKING:
     from .compare import compare_logs, vote
     from .errors import SdcReplayError, WorkloadMismatchError
     from .online import ReplayCheck, TrainingStopped, UpdateDetector
-    from .recording import Recorder, record
+    from .recording import Recorder, record, record_job
     from .replay import ReplaySession, replay_devices, replay_job, replay_on_device
-    from .replay.job import record_job
     from .workload import Workload, build_workload
 
 moved.install()

@@ -43,7 +43,7 @@ MOVED = {
     "sdcreplay.operator_case": "sdcreplay.bisect.operator_case",
     "sdcreplay.ticket": "sdcreplay.minimize.ticket",
     "sdcreplay.templates": "sdcreplay.minimize.templates",
-    "sdcreplay.render": "sdcreplay.cli.render",
+    "sdcreplay.render": "sdcreplay.cli.output",
     "sdcreplay.demo": "sdcreplay.cli.demo",
 }
 

@@ -30,16 +30,15 @@ import zstandard
 from conftest import preserved_global_state
 from typer.testing import CliRunner
 
+from sdcreplay.bundle.job_bundle import JobBundle
 from sdcreplay.bundle.manifest import (
     MANIFEST,
     MANIFEST_DIGEST,
-    MESSAGE_FIELDS,
     MESSAGES,
     SIGNATURES,
-    Bundle,
-    JobBundle,
     manifest_digest,
 )
+from sdcreplay.bundle.reader import MESSAGE_FIELDS, Bundle
 from sdcreplay.capture.signature import read_signature_log
 from sdcreplay.cli import app
 from sdcreplay.compare.logs import compare_logs

@@ -106,7 +106,7 @@ def make_workload(seed: int = 0, parallel: str = "ddp"):
 
 def main(out: str, results: str, parallel: str, die_at_step: int | None) -> None:
     import sdcreplay
-    from sdcreplay.bundle.manifest import JobBundle
+    from sdcreplay.bundle.job_bundle import JobBundle
     from sdcreplay.errors import BundleError
     from sdcreplay.replay.session import ReplaySession
 

@@ -21,8 +21,9 @@ from midjob_script import make_workload  # copied beside this script: the same u
 
 import sdcreplay
 from sdcreplay.capture.faults import Injector, parse_specs
-from sdcreplay.capture.layers import OperatorMode
-from sdcreplay.online.replay_check import ReplayCheck, SDCReplayMismatch
+from sdcreplay.capture.operators import OperatorMode
+from sdcreplay.online.replay_check import ReplayCheck
+from sdcreplay.online.stopping import SDCReplayMismatch
 
 FAULTS = {  # rank 1's, per mode: the first addmm of a forward (the first Linear)
     "fault": "kind=bitflip,op=aten.addmm,phase=forward,step=5,nth=0,index=3,bit=22",

@@ -25,14 +25,11 @@ import pytest
 import torch
 
 import sdcreplay
-from sdcreplay.bisect.localize import (
-    REPORT_FILE,
-    BisectResult,
-    _first_divergence,
-    bisect,
-    run_oplog_task,
-)
+from sdcreplay.bisect.divergent_step import _first_divergence
+from sdcreplay.bisect.localize import bisect
 from sdcreplay.bisect.operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
+from sdcreplay.bisect.report import REPORT_FILE, BisectResult
+from sdcreplay.bisect.tasks import run_oplog_task
 from sdcreplay.compare.forensics import element_forensics
 from sdcreplay.errors import SdcReplayError
 
@@ -893,7 +890,7 @@ def test_random_operator_alone_draws_the_numbers_it_drew_in_the_step(llama_bundl
     """A fault in dropout's random mask (aten.bernoulli_): re-run alone with the step's generator
     state, the reference reproduces its recorded output bit for bit, so the suspect's failures are
     the fault's, not fresh random numbers."""
-    from sdcreplay.minimize.trials import minimize
+    from sdcreplay.minimize.driver import minimize
 
     spec = (
         "kind=bitflip,op=aten.bernoulli_,module=layers.0.attn_dropout,phase=forward,step=1,index=3,"
@@ -1028,10 +1025,11 @@ class FakeKernelProfile:
 
 
 def test_isolated_rerun_names_the_kernels_the_profiler_saw(forward_cli, llama_bundle, monkeypatch):
-    from sdcreplay.bisect import localize as bisect_module
+    from sdcreplay.bisect import kernels
+    from sdcreplay.bisect.tasks import run_isolate_task
 
-    monkeypatch.setattr(bisect_module, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
-    result = bisect_module.run_isolate_task(
+    monkeypatch.setattr(kernels, "KERNEL_PROFILERS", {"cpu": FakeKernelProfile})
+    result = run_isolate_task(
         device="cpu:1",
         bundle=str(llama_bundle),
         case_file=str(forward_cli["out"] / OPERATOR_FILE),
@@ -1046,7 +1044,7 @@ def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
     host events only, so no kernel is named."""
     from torch.profiler import ProfilerActivity, profile
 
-    from sdcreplay.bisect.localize import device_kernels
+    from sdcreplay.bisect.kernels import device_kernels
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.mm(torch.ones(4, 4), torch.ones(4, 4))

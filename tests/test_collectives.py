@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdcreplay.bundle.manifest import JobBundle, is_job_bundle
+from sdcreplay.bundle.job_bundle import JobBundle, is_job_bundle
 from sdcreplay.capture import determinism
 from sdcreplay.errors import SdcReplayError
 from sdcreplay.replay.session import ReplaySession

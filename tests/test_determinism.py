@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdcreplay.bundle.manifest import read_rng, write_rng
+from sdcreplay.bundle.state import read_rng, write_rng
 from sdcreplay.capture import determinism
 from sdcreplay.errors import DeterminismError
 

@@ -15,18 +15,14 @@ import pytest
 import torch
 from conftest import SMALL, SMALL_ARGS, preserved_global_state
 
-from sdcreplay.bundle.manifest import JobBundle
-from sdcreplay.capture.collectives import Message
+from sdcreplay.bundle.job_bundle import JobBundle
 from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.capture.message import Message
+from sdcreplay.compare.jobs import diff_jobs
+from sdcreplay.compare.origin import NO_ORIGIN, Origin, find_origin
 from sdcreplay.errors import DeviceError
-from sdcreplay.replay.job import (
-    NO_ORIGIN,
-    Origin,
-    diff_jobs,
-    find_origin,
-    record_job,
-    replica_devices,
-)
+from sdcreplay.recording.job import record_job
+from sdcreplay.replay.job import replica_devices
 
 MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
 # The backward matmul that computes the head's weight gradient on rank 2, one bit of one element.

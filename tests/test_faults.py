@@ -21,7 +21,7 @@ from sdcreplay.capture.faults import (
     default_bit,
     parse_specs,
 )
-from sdcreplay.capture.layers import CallSite, OperatorMode
+from sdcreplay.capture.operators import CallSite, OperatorMode
 from sdcreplay.errors import FaultSpecError
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 import sdcreplay
 from sdcreplay import Bundle
 from sdcreplay.capture.faults import Injector, parse_specs
-from sdcreplay.capture.layers import OperatorMode
+from sdcreplay.capture.operators import OperatorMode
 
 HERE = Path(__file__).resolve().parent
 RING = 4

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL
 
-from sdcreplay.bundle.manifest import Bundle
+from sdcreplay.bundle.reader import Bundle
 from sdcreplay.capture.signature import read_signature_log
 from sdcreplay.compare.logs import compare_logs
 from sdcreplay.replay import launch

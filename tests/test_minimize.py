@@ -20,22 +20,17 @@ import torch
 from conftest import SMALL
 
 from sdcreplay import build_workload
-from sdcreplay.bisect.localize import REPORT_FILE
-from sdcreplay.bisect.localize import SCHEMA as BISECT_SCHEMA
 from sdcreplay.bisect.operator_case import OPERATOR_FILE, OperatorCase, resolve_op
+from sdcreplay.bisect.report import REPORT_FILE
+from sdcreplay.bisect.report import SCHEMA as BISECT_SCHEMA
 from sdcreplay.capture.faults import Injector, parse_specs
-from sdcreplay.capture.layers import CallSite, OperatorLog, OperatorMode
+from sdcreplay.capture.operators import CallSite, OperatorLog, OperatorMode
 from sdcreplay.errors import DeterminismError
-from sdcreplay.minimize.trials import (
-    Z95,
-    Acceptance,
-    Shrinker,
-    TrialRunner,
-    ddmin,
-    minimize,
-    shrink_axes,
-    wilson_interval,
-)
+from sdcreplay.minimize.ddmin import ddmin
+from sdcreplay.minimize.driver import minimize
+from sdcreplay.minimize.shrink import Shrinker, shrink_axes
+from sdcreplay.minimize.statistics import Z95, wilson_interval
+from sdcreplay.minimize.trials import Acceptance, TrialRunner
 from sdcreplay.storage.tensorio import raw_bits
 
 MODULE = "layers.0.attn.wq"

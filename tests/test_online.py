@@ -24,19 +24,19 @@ import torch.optim.optimizer as optimizer_module
 from conftest import REPO, SMALL
 
 from sdcreplay.capture.faults import Injector, parse_specs
-from sdcreplay.capture.layers import OperatorMode
+from sdcreplay.capture.operators import OperatorMode
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.online.replay_check import (
-    AttributeScalar,
+from sdcreplay.online.replay_check import ReplayCheck
+from sdcreplay.online.second_opinion import ReplicaOpinion
+from sdcreplay.online.step import AttributeScalar
+from sdcreplay.online.stopping import (
     NonFiniteResultError,
     PersistentFaultError,
     RecomputeLimitError,
-    ReplayCheck,
-    ReplicaOpinion,
     SDCReplayMismatch,
     TrainingStopped,
-    UpdateDetector,
 )
+from sdcreplay.online.update_detector import UpdateDetector
 from sdcreplay.recording.recorder import Recorder
 from sdcreplay.workload.definition import Workload, build_workload
 
@@ -616,9 +616,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sdcreplay.capture.layers import OperatorMode
+from sdcreplay.capture.operators import OperatorMode
 from sdcreplay.capture.faults import Injector, parse_specs
-from sdcreplay.online.replay_check import ReplayCheck, SDCReplayMismatch, UpdateDetector
+from sdcreplay.online.replay_check import ReplayCheck
+from sdcreplay.online.stopping import SDCReplayMismatch
+from sdcreplay.online.update_detector import UpdateDetector
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank = dist.get_rank()

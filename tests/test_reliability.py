@@ -29,14 +29,12 @@ from conftest import SMALL_ARGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sdcreplay.bundle.manifest import MANIFEST, Bundle, manifest_digest
+from sdcreplay.bundle.manifest import MANIFEST, manifest_digest
+from sdcreplay.bundle.reader import Bundle
 from sdcreplay.errors import BundleError, SdcReplayError, WorkloadError
-from sdcreplay.replay.session import (
-    STARTUP_SECONDS,
-    STEP_FACTOR,
-    progress_timeout,
-    replay_on_device,
-)
+from sdcreplay.replay.processes import STARTUP_SECONDS, STEP_FACTOR
+from sdcreplay.replay.replicas import progress_timeout
+from sdcreplay.replay.session import replay_on_device
 
 MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
 WORKLOAD = f"{MISBEHAVING}:make_workload"

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sdcreplay.bundle.manifest import describe
-from sdcreplay.cli.render import Output, render_diff, render_info
+from sdcreplay.bundle.info import describe
+from sdcreplay.cli.output import Output
+from sdcreplay.cli.render_record import render_info
+from sdcreplay.cli.render_replay import render_diff
 from sdcreplay.compare.logs import Comparison, Divergence
 
 # Entry names as long as a deep model's: each must read whole on some line of the table.

@@ -302,7 +302,7 @@ def test_a_ring_under_torch_distributed_writes_nothing_until_its_dump_writes_a_j
     and refuses to run inside a step's block (the ranks' verification needs collectives)."""
     import torch.distributed as dist
 
-    from sdcreplay.bundle.manifest import JobBundle
+    from sdcreplay.bundle.job_bundle import JobBundle
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1

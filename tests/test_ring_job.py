@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from sdcreplay.bundle.manifest import JobBundle
+from sdcreplay.bundle.job_bundle import JobBundle
 from tests.conftest import SMALL_ARGS, run_torchrun
 
 FOUR_CPUS = [arg for n in range(4) for arg in ("-d", f"cpu:{n}")]  # two replicas of 2 ranks

@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import run_torchrun
 
-from sdcreplay.bundle.manifest import JobBundle
-from sdcreplay.capture.collectives import Message, _digest
+from sdcreplay.bundle.job_bundle import JobBundle
+from sdcreplay.capture.collectives import _digest
+from sdcreplay.capture.message import Message
 
 TIMEOUT = ["--timeout", "60"]
 # The forward addmm of fc1 (the first Linear) on rank 1 of the second replica, step 1.

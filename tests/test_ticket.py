@@ -17,16 +17,16 @@ import h5py
 import pytest
 import torch
 from conftest import preserved_global_state
-from sdcreplay.templates import repro
 from test_minimize import MODULE, STICKY
 
 from sdcreplay.bisect.localize import bisect
 from sdcreplay.bisect.operator_case import OperatorCase
 from sdcreplay.capture import determinism
-from sdcreplay.capture.layers import CallSite
+from sdcreplay.capture.operators import CallSite
 from sdcreplay.errors import SdcReplayError
+from sdcreplay.minimize.driver import minimize
+from sdcreplay.minimize.templates import repro
 from sdcreplay.minimize.ticket import device_identity, nvml_identity, render_markdown, write_ticket
-from sdcreplay.minimize.trials import minimize
 from sdcreplay.storage.tensorio import raw_bits
 
 TRIALS = 200

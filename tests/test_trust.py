@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from sdcreplay import record, replay_on_device
 from sdcreplay.bundle import trust
-from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, Bundle, manifest_digest
+from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
+from sdcreplay.bundle.reader import Bundle
 from sdcreplay.errors import UntrustedWorkloadError
 from sdcreplay.replay import worker
 

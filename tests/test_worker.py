@@ -33,7 +33,7 @@ from conftest import preserved_global_state
 from sdcreplay import Bundle, ReplaySession, record, replay_devices, replay_on_device
 from sdcreplay.capture.digest import tensor_digest
 from sdcreplay.capture.faults import FaultSpec, Injector, corrupt
-from sdcreplay.capture.layers import CallSite
+from sdcreplay.capture.operators import CallSite
 from sdcreplay.capture.signature import read_signature_log
 from sdcreplay.compare.logs import compare_logs, vote
 from sdcreplay.replay import worker

@@ -129,7 +129,7 @@ def compiled_calls() -> list[dict]:
 
 def main(out: str, results: str) -> None:
     import sdcreplay
-    from sdcreplay.bundle.manifest import JobBundle
+    from sdcreplay.bundle.job_bundle import JobBundle
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()

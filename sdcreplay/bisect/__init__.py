@@ -4,5 +4,5 @@ operator-level replay on a suspect and a reference, isolation, and the report.""
 from .._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(
-    __name__, {"bisect": "localize", "BisectResult": "localize", "list_calls": "ops"}
+    __name__, {"bisect": "localize", "BisectResult": "report", "list_calls": "ops"}
 )

@@ -18,7 +18,7 @@ from typing import Any
 import h5py
 import torch
 
-from ..capture.layers import CallSite
+from ..capture.operators import CallSite
 from ..errors import ReportError
 from ..storage import tensorio
 from ..storage.tensorio import map_tensors

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..capture.faults import FaultSpec
-from ..capture.layers import CallSite, flatten_tensors
+from ..capture.layers import flatten_tensors
+from ..capture.operators import CallSite
 from ..errors import BundleError
 from ..kinds import PhaseName
 from ..replay.session import ReplaySession

@@ -6,16 +6,13 @@ from .._lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        name: "manifest"
-        for name in (
-            "Bundle",
-            "BundleInfo",
-            "BundleWriter",
-            "JobBundle",
-            "Manifest",
-            "describe",
-            "is_job_bundle",
-            "manifest_digest",
-        )
+        "Bundle": "reader",
+        "BundleInfo": "info",
+        "BundleWriter": "writer",
+        "JobBundle": "job_bundle",
+        "Manifest": "manifest",
+        "describe": "info",
+        "is_job_bundle": "job_bundle",
+        "manifest_digest": "manifest",
     },
 )

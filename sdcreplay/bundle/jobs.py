@@ -17,14 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BundleError, SdcReplayError
-from .manifest import (
-    DistributedInfo,
-    JobWriter,
-    ProcessGroupRecord,
-    WorkloadRef,
-    job_partial_path,
-    part_path,
-)
+from .job_bundle import JobWriter, job_partial_path, part_path
+from .job_manifest import ProcessGroupRecord
+from .manifest import DistributedInfo, WorkloadRef
 
 CLOSE_TIMEOUT = timedelta(minutes=10)
 """How long the ranks wait for each other at the start and at close (a rank still computing

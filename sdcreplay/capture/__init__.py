@@ -7,9 +7,9 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "SignatureCapture": "layers",
-        "OperatorMode": "layers",
-        "OperatorLog": "layers",
-        "CallSite": "layers",
+        "OperatorMode": "operators",
+        "OperatorLog": "operators",
+        "CallSite": "operators",
         "SignatureLog": "signature",
         "read_signature_log": "signature",
         "TrainingSnapshot": "snapshot",

@@ -25,7 +25,7 @@ import torch
 from ..errors import FaultSpecError
 from ..kinds import PhaseName
 from ..storage.tensorio import local_shard, raw_bits
-from .layers import CallSite
+from .operators import CallSite
 
 FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip", "mask", "burst"]
 KINDS: tuple[str, ...] = get_args(FaultKind)

@@ -1,199 +1,40 @@
 """The command line: parse options, call the library once, render its result, exit.
 
-Exit codes: 0 nothing diverged, 1 a finding (a divergence, a device that cannot
-reproduce itself), 2 usage error, 3 the tool could not do its job (printed as
-``Error:`` + ``Hint:``). Every command body returns its result object; the one
-boundary in ``command`` renders it, prints its JSON and maps failures to exit
-codes. The library is imported inside each body, so ``--help`` loads no torch.
+Every command body returns its result object; ``boundary.command`` renders it, prints its
+JSON and maps failures to exit codes. The library is imported inside each body, so
+``--help`` loads no torch.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import json
-import os
-from collections.abc import Callable
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from .. import __version__
-from ..errors import SdcReplayError, WorkloadError
+from ..errors import SdcReplayError
 from ..kinds import Phase
-from .render import (
-    Output,
-    render_bisect,
-    render_demo,
-    render_demo_stage,
-    render_diff,
-    render_doctor,
-    render_info,
-    render_minimize,
-    render_ops,
-    render_record,
-    render_replay,
+from .boundary import app, command
+from .options import (
+    BundleArg,
+    DeviceOpt,
+    DumpOn,
+    InjectOpt,
+    JsonOpt,
+    OutOpt,
+    ReferenceOpt,
+    TrustedWorkloadOpt,
+    TrustOpt,
+    _seed_in_range,
+    parse_kwargs,
+    trusting,
 )
-
-app = typer.Typer(
-    name="sdcreplay",
-    help="Forensic replay of silent data corruption in PyTorch training.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-    add_completion=False,
-)
-
-# --- options shared by several commands ------------------------------------------------
-
-BundleArg = Annotated[Path, typer.Argument(help="Bundle directory.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-InjectOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md."
-    ),
-]
-DeviceOpt = Annotated[
-    str, typer.Option("--device", help="Device label: cpu, cpu:N (a virtual replica) or cuda:N.")
-]
-ReferenceOpt = Annotated[str | None, typer.Option("--reference", help="Device label you trust.")]
-OutOpt = Annotated[
-    Path | None,
-    typer.Option("--out", help="Directory to write (its default is in the command's description)."),
-]
-TrustOpt = Annotated[
-    bool,
-    typer.Option(
-        "--trust-workload",
-        help="Run the workload the bundle names even though it was not recorded "
-        "by you (it is code: read it first). Built-in workloads and your own bundles need no flag.",
-    ),
-]
-TrustedWorkloadOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--workload", help="Trust this workload reference (it must be the one the bundle names)."
-    ),
-]
-
-
-def trusting(bundle: Path, trust_workload: bool, workload: str | None):
-    """Trust, while the command runs, the references given on its command line (reading the
-    bundle runs nothing)."""
-    from ..bundle.manifest import Bundle, JobBundle, is_job_bundle
-    from ..bundle.trust import granting
-
-    refs = [workload] if workload else []
-    if trust_workload and is_job_bundle(bundle):
-        refs.append(JobBundle.open(bundle, verify=False).manifest.workload.ref)
-    elif trust_workload:
-        refs.append(Bundle.open(bundle, verify=False).workload_ref)
-    return granting(refs)
-
-
-# --- the one error boundary ---------------------------------------------------------------
-
-
-def _exit_code(output: Output, action: Callable[[], int]) -> int:
-    """Run a command; a tool failure becomes exit 3 with Error/Hint lines, never a traceback."""
-    debug = os.environ.get("SDCREPLAY_DEBUG") == "1"
-    try:
-        return action()
-    except (typer.TyperException, typer.Exit, typer.Abort):
-        raise  # usage errors (exit 2) are typer's to print
-    except KeyboardInterrupt:
-        output.say("Interrupted.")
-        return 130
-    except Exception as exc:
-        if debug:
-            raise
-        output.error(
-            exc
-            if isinstance(exc, SdcReplayError)
-            else SdcReplayError(
-                f"unexpected {type(exc).__name__}: {exc}",
-                "This is a bug in sdcreplay or the workload; rerun with SDCREPLAY_DEBUG=1 and "
-                "report the traceback.",
-            )
-        )
-    except SystemExit as exc:  # workload code called sys.exit(): the tool could not do its job
-        if debug:
-            raise
-        output.error(
-            WorkloadError(
-                f"the workload called sys.exit({exc.code!r})",
-                "Workload code must return or raise, not exit the process.",
-            )
-        )
-    return 3
-
-
-def command(renderer: Callable[[Output, Any], None]):
-    """Register ``body(output, **options) -> result`` as a command rendered by ``renderer``.
-
-    The result's ``to_json()`` is what ``--json`` prints and its ``exit_code``
-    the exit status.
-    """
-
-    def register(body: Callable[..., Any]):
-        @functools.wraps(body)
-        def invoke(**options: Any) -> None:
-            output = Output(options.get("json_mode", False))
-
-            def action() -> int:
-                result = body(output, **options)
-                renderer(output, result)
-                if output.json_mode:
-                    output.data(result.to_json())
-                return result.exit_code
-
-            raise typer.Exit(_exit_code(output, action))
-
-        signature = inspect.signature(body, eval_str=True)
-        invoke.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=list(signature.parameters.values())[1:]
-        )  # options only: not ``output``
-        return app.command()(invoke)
-
-    return register
-
-
-# --- option parsing -------------------------------------------------------------------------
-
-
-class DumpOn(str, Enum):
-    """What may write a ring buffer's bundle (`record --ring K --dump-on ...`)."""
-
-    update = "update"
-    replay = "replay"
-    end = "end"
-
-
-def parse_kwargs(pairs: list[str]) -> dict:
-    kwargs = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--arg")
-        try:
-            kwargs[key] = json.loads(value)
-        except ValueError:
-            kwargs[key] = value
-    return kwargs
-
-
-def _seed_in_range(seed: int) -> int:
-    """torch.manual_seed takes [-2**63, 2**64 - 1]: a larger seed is a usage error, not an
-    overflow."""
-    if not -(2**63) <= seed <= 2**64 - 1:
-        raise typer.BadParameter(f"{seed} is outside [-2**63, 2**64 - 1], the seeds torch accepts")
-    return seed
-
-
-# --- commands -------------------------------------------------------------------------------
+from .output import Output
+from .render_bisect import render_bisect, render_minimize, render_ops
+from .render_checks import render_demo, render_demo_stage, render_doctor
+from .render_record import render_info, render_record
+from .render_replay import render_diff, render_replay
 
 
 @command(render_record)
@@ -277,7 +118,7 @@ def record(
     recording; the bundle does not carry them. With --ring nothing is written unless an alarm
     (--dump-on) asks; later bundles get -2, -3... before the suffix.
     """
-    from ..recording.recorder import record as record_bundle
+    from ..recording.drive import record as record_bundle
 
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
     options: dict[str, Any] = {
@@ -294,7 +135,7 @@ def record(
         "dump_on": [choice.value for choice in dump_on or []] or (["update"] if ring else []),
     }
     if nproc is not None:
-        from ..replay.job import record_job
+        from ..recording.job import record_job
 
         with output.stages() as progress:
             progress.update(f"recording {workload} on {nproc} ranks")
@@ -315,7 +156,7 @@ def record(
 @command(render_info)
 def info(output: Output, bundle: BundleArg, json_mode: JsonOpt = False):
     """Show what a bundle holds and check every file against its SHA-256."""
-    from ..bundle.manifest import describe
+    from ..bundle.info import describe
 
     return describe(bundle)
 
@@ -362,8 +203,8 @@ def replay(
     world-size --device labels is one replica, rank 0 first (default: one replica
     on the recorded devices); see docs/distributed.md.
     """
-    from ..bundle.manifest import is_job_bundle
-    from ..replay.session import replay_devices
+    from ..bundle.job_bundle import is_job_bundle
+    from ..replay.replicas import replay_devices
 
     if is_job_bundle(bundle):
         return _replay_job(
@@ -398,7 +239,7 @@ def replay(
 
 def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust):
     """Replay a job bundle, replica after replica (docs/distributed.md)."""
-    from ..bundle.manifest import JobBundle
+    from ..bundle.job_bundle import JobBundle
     from ..replay.job import replay_job
 
     replicas = max(1, len(device or []) // JobBundle.open(bundle, verify=False).world_size)
@@ -495,8 +336,8 @@ def diff(
     Two jobs (job bundles, or a job replay's LOGS/replicaN directory) are compared
     rank by rank, with the origin rank and the first divergent message.
     """
+    from ..compare.jobs import diff_jobs, is_job_log
     from ..compare.logs import diff as compare
-    from ..replay.job import diff_jobs, is_job_log
 
     if is_job_log(first) or is_job_log(second):
         if plot is not None:
@@ -593,7 +434,7 @@ def minimize(
     --reference defaults to the report's; the ticket is written to --out (default:
     REPORT/ticket).
     """
-    from ..minimize.trials import minimize as run_minimize
+    from ..minimize.driver import minimize as run_minimize
 
     with output.stages() as progress:
 

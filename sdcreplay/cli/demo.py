@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from ..bisect.localize import BisectResult, bisect
+from ..bisect.localize import bisect
+from ..bisect.report import BisectResult
 from ..compare.logs import Comparison, compare_logs, load_log
 from ..errors import SdcReplayError
-from ..minimize.trials import MinimizeResult, minimize
-from ..recording.recorder import RecordSummary, record
-from ..replay.session import ReplayReport, replay_devices
+from ..minimize.driver import MinimizeResult, minimize
+from ..recording.drive import RecordSummary, record
+from ..replay.replicas import ReplayReport, replay_devices
 
 # Element 69 is row 1 of the query projection: token 1 attends to two tokens, so the wrong query
 # reaches the loss (token 0 attends only to itself, and a wrong query there changes nothing).

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bundle.manifest import Bundle
+from ..bundle.reader import Bundle
 from ..capture.signature import (
     SignatureLog,
     is_program_entry,

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
-from ..capture.layers import _own_work, grads_entering
+from ..capture.layers import grads_entering
+from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
-from ..online.replay_check import Alarm, UpdateDetector, observe
+from ..online.alarms import Alarm, observe
+from ..online.update_detector import UpdateDetector
 from ..recording.recorder import Recorder
 
 

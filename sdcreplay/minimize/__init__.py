@@ -3,4 +3,4 @@ shrinking the inputs while it still fails, and the standalone reproducer."""
 
 from .._lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {"minimize": "trials", "MinimizeResult": "trials"})
+__getattr__, __dir__ = lazy_exports(__name__, {"minimize": "driver", "MinimizeResult": "driver"})

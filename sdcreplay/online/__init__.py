@@ -6,17 +6,14 @@ from .._lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        name: "replay_check"
-        for name in (
-            "AttributeScalar",
-            "ReplayCheck",
-            "SDCReplayMismatch",
-            "ScalarState",
-            "TrainingStopped",
-            "UpdateDetector",
-            "PersistentFaultError",
-            "NonFiniteResultError",
-            "RecomputeLimitError",
-        )
+        "AttributeScalar": "step",
+        "ReplayCheck": "replay_check",
+        "SDCReplayMismatch": "stopping",
+        "ScalarState": "step",
+        "TrainingStopped": "stopping",
+        "UpdateDetector": "update_detector",
+        "PersistentFaultError": "stopping",
+        "NonFiniteResultError": "stopping",
+        "RecomputeLimitError": "stopping",
     },
 )

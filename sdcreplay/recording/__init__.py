@@ -7,7 +7,8 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "Recorder": "recorder",
-        "RecordSummary": "recorder",
-        "record": "recorder",
+        "RecordSummary": "drive",
+        "record": "drive",
+        "record_job": "job",
     },
 )

@@ -25,66 +25,36 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 from ..bundle.jobs import JobRecording, ddp_buckets_rebuilt, ddp_iterations_before, distributed_job
 from ..bundle.manifest import (
-    PARTIAL_SUFFIX,
-    Bundle,
-    BundleWriter,
     CaptureSettings,
     CheckpointState,
     Environment,
     Switches,
-    Trigger,
     WorkloadRef,
-    checkpoint_reference,
-    load_checkpoint,
     part_dir,
 )
+from ..bundle.state import checkpoint_reference, load_checkpoint
+from ..bundle.writer import BundleWriter
 from ..capture import determinism
-from ..capture.collectives import Message, MessageLog
+from ..capture.collectives import MessageLog
 from ..capture.digest import algorithm_for
-from ..capture.faults import Injector, parse_specs
-from ..capture.layers import (
-    OperatorMode,
-    SignatureCapture,
-    _own_work,
-    grads_entering,
-    state_digests,
-)
-from ..capture.signature import is_program_entry
+from ..capture.layers import SignatureCapture, grads_entering, state_digests
+from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
-from ..devices import torch_device
-from ..errors import (
-    CheckpointError,
-    FaultSpecError,
-    MessageOrderError,
-    SdcReplayError,
-    WorkloadMismatchError,
-)
-from ..online.replay_check import (
-    ReplayCheck,
-    TrainingStopped,
-    UpdateDetector,
-)
-from ..replay.session import ReplaySession
+from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
 from ..storage.tensorio import map_tensors
-from ..workload.definition import (
-    Workload,
-    accepts_seed,
-    build_workload,
-    canonical_ref,
-    check_state_objects,
-)
-from .ring import HeldStep, StepRing, model_state_dict
+from ..workload.definition import canonical_ref, check_state_objects
+from .dump import RingDumper, dump_trigger
+from .ring import HeldStep, StepRing
+from .verification import FirstStepCheck
 
 VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
@@ -139,22 +109,28 @@ class Recorder:
         self.state_objects = check_state_objects(dict(state or {}), "Recorder")
         self.label = device_label or str(self.device)
         self.verify_mode = VERIFY_MODES[verify]
-        self._inject = list(inject)
         switches = determinism.enable() if deterministic else determinism.current_switches()
         workload_ref = WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {}))
         # Under torch.distributed this rank writes its part of a job bundle at `path`, with
         # every collective of its steps in a message log (jobs.py, collectives.py). With a ring
         # it holds its steps and their messages, and every rank's dump() writes one job bundle.
         distributed = distributed_job()
-        self._workload_ref = workload_ref
         self._job = (
             JobRecording(Path(path), workload_ref, self.label, overwrite)
             if distributed and ring is None
             else None
         )
         self._messages = MessageLog(algorithm_for(self.device.type)) if distributed else None
-        self._overwrite = overwrite
-        self._bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
+        self._check = FirstStepCheck(
+            model,
+            optimizer,
+            self.state_objects,
+            device=self.device,
+            label=self.label,
+            inject=inject,
+            distributed=distributed,
+        )
+        bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
             workload=workload_ref,
             device=self.label,
             device_type=self.device.type,
@@ -173,7 +149,7 @@ class Recorder:
             self._writer = BundleWriter(
                 self._job.part_path if self._job else Path(path),
                 overwrite=overwrite,
-                **self._bundle_settings,
+                **bundle_settings,
             )
             objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
             if checkpoint is not None:
@@ -206,6 +182,20 @@ class Recorder:
             self.path: Path = self._job.path
         else:
             self.path = Path(path) if self._writer is None else self._writer.path
+        self._dumper = (
+            None
+            if self._ring is None
+            else RingDumper(
+                self.path,
+                bundle_settings,
+                overwrite=overwrite,
+                workload_ref=workload_ref,
+                label=self.label,
+                capture=self._capture,
+                check=self._check,
+                verify_mode=self.verify_mode,
+            )
+        )
 
     @contextlib.contextmanager
     def step(self, batch: Any) -> Iterator[None]:
@@ -307,7 +297,7 @@ class Recorder:
         """The bundle this process wrote (with a ring: its first dump, None before one), or
         its rank's part of it under torch.distributed."""
         path = self.path if self._ring is None else next(iter(self.dumps), None)
-        return path if path is None else _own_part(path)
+        return path if path is None else own_part(path)
 
     def verify(self) -> None:
         """Re-execute the first recorded step now if due (else the next ``step()``/``close()``
@@ -315,86 +305,11 @@ class Recorder:
         if not self._verify_due or self._writer is None:
             return
         self._verify_due = False
-        problem = self._first_step_problem(self._writer.path, live_state=True)
+        problem = self._check.problem(self._writer.path, live_state=True)
         if problem is None:
             self._writer.set_verification(self.verify_mode, "passed")
         else:
             self._mismatch(problem)
-
-    def _first_step_problem(self, bundle_path: Path, *, live_state: bool) -> str | None:
-        """Re-execute the bundle's first step; ``live_state``: the loop's state must also equal
-        replay's after it (true only while the loop is at the start of its second step)."""
-        # Building the workload reseeds the generators; the loop goes on from its own states.
-        saved = determinism.capture_rng(self.device)
-        try:
-            return self._reexecute_first_step(bundle_path, live_state)
-        finally:
-            determinism.restore_rng(saved, self.device)
-
-    def _reexecute_first_step(self, bundle_path: Path, live_state: bool) -> str | None:
-        """Replay the first step as `sdcreplay replay` would, in this process: what differs, or
-        None."""
-        try:
-            session = ReplaySession(Bundle.open(bundle_path), self.label, inject=self._inject)
-        except SdcReplayError as exc:
-            return f"replay cannot rebuild this recording: {exc.message}"
-        try:
-            if sorted(session.workload.state) != sorted(self.state_objects):
-                return (
-                    f"the workload's state objects are {sorted(session.workload.state)}, the "
-                    f"Recorder was given {sorted(self.state_objects)}: pass the same, by the same "
-                    f"names (Recorder(..., state=workload.state))"
-                )
-            record = session.bundle.steps[0]
-            try:
-                replayed = session.run_step(record)
-            except MessageOrderError as exc:
-                return exc.message + self._unknown_ddp_note(session.bundle)
-            recorded = session.bundle.signature_log().steps[record.index]
-            problem = describe_first_difference(recorded, replayed)
-            if problem is None and self._messages is not None:
-                problem = describe_message_difference(
-                    session.bundle.messages()[record.index], session.last_messages
-                )
-                problem = problem and problem + self._unknown_ddp_note(session.bundle)
-            if problem is None and live_state:
-                problem = self._state_difference(session)
-            return problem
-        finally:
-            session.close()
-
-    @staticmethod
-    def _unknown_ddp_note(bundle: Bundle) -> str:
-        """Why a job's collectives may differ from a fresh workload's although its step is the
-        same: a DDP the Recorder does not know of had trained before the first step."""
-        info = bundle.manifest.distributed
-        if info is None or info.ddp_iterations_before is not None:
-            return ""
-        return (
-            " (if a DistributedDataParallel trained before this recording began, it issues "
-            "other collectives than a fresh one: give it to the Recorder as model= or "
-            "data_parallel=)"
-        )
-
-    def _state_difference(self, session: ReplaySession) -> str | None:
-        """Does replay's state equal the loop's as the next step begins?"""
-        live = state_digests(self.model, self.state_objects, self.optimizer)
-        replayed = state_digests(session.model, session.workload.state, session.optimizer)
-        for name, digest in live.items():
-            if replayed.get(name) != digest:
-                return (
-                    f"{name} differs after the first step although every entry of the step "
-                    f"matched: the loop changes it where the workload's step does not (an EMA? "
-                    f"a scheduler? a manual edit, or something done after the block?)"
-                )
-        if session.workload.train_step is not None:
-            loop, replay = grads_entering(self.model), grads_entering(session.model)
-            if loop != replay:
-                return (
-                    f"the gradients enter the second step as {loop!r} in the loop but {replay!r} "
-                    f"after the workload's step: the loop zeroes (or keeps) gradients outside it"
-                )
-        return None
 
     def _check_unchanged_since_last_step(self) -> None:
         """Parameters and buffers must be as the previous recorded step left them."""
@@ -536,92 +451,13 @@ class Recorder:
                 "Dump after a step has ended (a step that began with accumulated gradients "
                 "cannot start a bundle).",
             )
-        trigger = Trigger(
-            reason=_shortened(reason, Trigger.REASON_LIMIT),
-            source=_shortened(source, 64),
-            step=held[-1].index,
-            ring=self._ring.size,
+        assert self._dumper is not None
+        trigger = dump_trigger(reason, source, held, self._ring.size)
+        path = self._dumper.write(
+            len(self.dumps) + 1, held, start, trigger, self._messages, self._ring_problem
         )
-        if self._messages is None:
-            path = self._write_dump(self._free_dump_path(), held, start, trigger, None)
-        else:
-            self._messages.abandon()  # a step that raised mid-way left it open: no evidence
-            job = JobRecording(
-                self.path, self._workload_ref, self.label, self._overwrite, self._free_dump_path
-            )
-            job.distributed.present("ddp_iterations_before", held[0].ddp_iterations_before)
-            self._write_dump(job.part_path, held, start, trigger, job)
-            path = job.close()
         self.dumps.append(path)
         return path
-
-    def _write_dump(
-        self,
-        path: Path,
-        held: list[HeldStep],
-        start: TrainingSnapshot,
-        trigger: Trigger,
-        job: JobRecording | None,
-    ) -> Path:
-        """The held steps as a bundle at ``path`` (a job's part: ``job``), verified."""
-        settings = dict(self._bundle_settings, distributed=job and job.distributed)
-        writer = BundleWriter(path, overwrite=self._overwrite, **settings)
-        try:
-            writer.embed_state(model_state_dict(start), start.optimizer_state, start.object_states)
-            for step in held:
-                writer.add_step(
-                    step.index,
-                    step.batch,
-                    step.rng,
-                    step.entries,
-                    optimizer_step=step.optimizer_step,
-                    grads=step.grads,
-                    seconds=step.seconds,
-                    messages=step.messages,
-                )
-            writer.set_trigger(trigger)
-            # Called from inside the loop's step, the verification must not reach it: neither
-            # through a fault injector's mode nor through the capture of the open step.
-            with _disable_current_modes(), self._capture.paused():
-                self._verify_dump(writer, job)
-        except BaseException:
-            writer.abort()
-            raise
-        return writer.close()
-
-    def _verify_dump(self, writer: BundleWriter, job: JobRecording | None) -> None:
-        if self.verify_mode == "off":
-            writer.set_verification("off", "off")
-            return
-        problem = self._ring_problem
-        if job is not None:  # every rank re-executes (with collectives), or none does
-            problems = job.gather("ring-problem", problem or "")
-            problem = problem or next(
-                (
-                    f"rank {rank}'s recording cannot be replayed: {theirs}"
-                    for rank, theirs in enumerate(problems)
-                    if theirs
-                ),
-                None,
-            )
-        problem = problem or self._first_step_problem(writer.path, live_state=False)
-        writer.set_verification(self.verify_mode, "failed" if problem else "passed", problem)
-        if problem:
-            bundle = writer.final_path if job is None else job.final_path
-            warnings.warn(
-                f"the workload cannot replay the ring's bundle {bundle}: {problem}",
-                stacklevel=4,
-            )
-
-    def _free_dump_path(self) -> Path:
-        base = Path(self.path)
-        number = len(self.dumps) + 1
-        while True:
-            name = base if number == 1 else base.with_name(f"{base.stem}-{number}{base.suffix}")
-            partial = name.with_name(name.name + PARTIAL_SUFFIX)
-            if self._overwrite or not (name.exists() or partial.exists()):
-                return name
-            number += 1
 
     def _release(self) -> None:
         if self._hook is not None:
@@ -639,7 +475,7 @@ class Recorder:
             self.abandon()
 
 
-def _own_part(path: Path) -> Path:
+def own_part(path: Path) -> Path:
     """The bundle this process wrote at ``path``: its rank's part of a job bundle under
     torch.distributed, else ``path`` itself."""
     return path / part_dir(torch.distributed.get_rank()) if distributed_job() else path
@@ -648,11 +484,6 @@ def _own_part(path: Path) -> Path:
 def _stored(batch: Any) -> Any:
     """The recorder's own CPU copy: the loop may reuse or change its batch afterwards."""
     return map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
-
-
-def _shortened(text: str, limit: int) -> str:
-    """At most ``limit`` characters (a detector's reason may name every parameter)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
@@ -670,67 +501,6 @@ def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
         )
 
 
-def describe_first_difference(
-    recorded: list[tuple[str, str]], replayed: list[tuple[str, str]]
-) -> str | None:
-    """The first entry where the workload's step differs from the loop's, and its likely cause."""
-    names = [name for name, _ in recorded]
-    if names != [name for name, _ in replayed]:
-        position = next(
-            (i for i, (a, (b, _)) in enumerate(zip(names, replayed)) if a != b),
-            min(len(names), len(replayed)),
-        )
-
-        def at(entries: list) -> str:
-            return entries[position][0] if position < len(entries) else "(end of step)"
-
-        return (
-            f"the loop's step has {at(recorded)!r} where the workload's step has {at(replayed)!r} "
-            f"(entry {position}): they run different programs (another number of backward passes, "
-            f"an optimizer step inside vs outside the step, a skipped step?)"
-        )
-    differing = [name for (name, a), (_, b) in zip(recorded, replayed) if a != b]
-    if not differing:
-        return None
-    first = differing[0]
-    kind = first.split(":", 1)[0]
-    if is_program_entry(first):
-        cause = (
-            "the loop changes hyper-parameters or a state object outside the workload's step "
-            "(a scheduler? a GradScaler?)"
-        )
-    elif kind == "step_grad":
-        cause = (
-            "every grad: matched: the loop changes gradients between backward() and "
-            "optimizer.step() "
-            "outside the workload's step (clipping? GradScaler unscaling?)"
-        )
-    elif kind in ("param", "buffer", "optim"):
-        cause = (
-            "every grad: matched: the loop changes gradients or parameters outside the workload's "
-            "step (clipping? a scheduler? an EMA?)"
-        )
-    else:
-        cause = (
-            "the workload's forward/backward differs from the loop's (another loss_fn, batch "
-            "transform or autocast), or this device computed differently in one of the two runs"
-        )
-    return f"{first} differs: {cause}"
-
-
-def describe_message_difference(recorded: list[Message], replayed: list[Message]) -> str | None:
-    """The first collective message whose digests differ between the loop's step and the
-    workload's (their order was enforced while the step ran)."""
-    for loop, workload in zip(recorded, replayed):
-        for which in ("input", "output"):
-            if getattr(loop, f"{which}_digest") != getattr(workload, f"{which}_digest"):
-                return (
-                    f"the {which} of collective message {loop.record_id} ({loop.brief()}) "
-                    "differs: the loop's step sends other data than the workload's"
-                )
-    return None
-
-
 def _check_model_matches_checkpoint(model: torch.nn.Module, reference: CheckpointState) -> None:
     model_state, _ = load_checkpoint(reference)
     for name, tensor in model.state_dict().items():
@@ -740,199 +510,3 @@ def _check_model_matches_checkpoint(model: torch.nn.Module, reference: Checkpoin
                 f"the model's {name} differs from checkpoint {reference.path}",
                 "Load the checkpoint into the model (and optimizer) before creating the Recorder.",
             )
-
-
-@dataclass
-class RecordSummary:
-    """What ``sdcreplay record`` wrote (``sdcreplay.record/1``). With a ring buffer, ``bundle``
-    is the first bundle the ring dumped (None: no alarm, nothing written) and ``ring`` says
-    what the ring held and wrote."""
-
-    bundle: Path | None
-    workload: str
-    kwargs: dict
-    device: str
-    steps: int
-    entries: int
-    size_bytes: int
-    final_loss: float | None
-    verification: dict
-    ring: dict | None = None  # {size, peak_nbytes, dumps: [{bundle, trigger}], stopped}
-
-    @property
-    def exit_code(self) -> int:
-        """A recording is no finding; a detector's alarm during it (``--ring``) is (exit 1)."""
-        dumps = self.ring["dumps"] if self.ring else []
-        return 1 if any(dump["trigger"]["source"] != "record" for dump in dumps) else 0
-
-    def to_json(self) -> dict:
-        return {
-            "schema": "sdcreplay.record/1",
-            "bundle": None if self.bundle is None else str(self.bundle),
-            "workload": self.workload,
-            "kwargs": self.kwargs,
-            "device": self.device,
-            "steps": self.steps,
-            "entries": self.entries,
-            "size_bytes": self.size_bytes,
-            "final_loss": self.final_loss,
-            "verification": self.verification,
-            "ring": self.ring,
-        }
-
-
-def record(
-    workload: str,
-    out: str | Path,
-    *,
-    steps: int = 4,
-    device: str = "cpu",
-    seed: int = 0,
-    kwargs: dict | None = None,
-    checkpoint: str | Path | None = None,
-    overwrite: bool = False,
-    inject: Sequence[str] = (),
-    max_depth: int | None = None,
-    verify: bool | str = True,
-    on_step: Callable[[int, float | None], None] | None = None,
-    ring: int | None = None,
-    dump_on: Sequence[str] = (),
-) -> RecordSummary:
-    """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
-
-    ``inject`` corrupts the recording device as a defective GPU would; the
-    bundle does not say so, exactly like one recorded on a defective GPU.
-    ``ring``: keep only the last ``ring`` steps in memory and write a bundle when
-    ``dump_on`` asks (DUMP_ON): ``update`` / ``replay``, an ``UpdateDetector`` /
-    ``ReplayCheck`` (every step) drives each step and dumps on an alarm (a mismatch, a
-    persistent fault or a recompute limit also ends the run); ``end``, when the run ends.
-    """
-    detecting = check_dump_on(ring, dump_on, inject)
-    kwargs = dict(kwargs or {})
-    if accepts_seed(workload):
-        kwargs.setdefault("seed", seed)
-    target = torch_device(device)
-    determinism.enable()
-    built = build_workload(workload, kwargs)
-    built.model.to(target)
-    if checkpoint is not None:
-        model_state, optimizer_state = load_checkpoint(checkpoint_reference(Path(checkpoint)))
-        built.model.load_state_dict(model_state)
-        if optimizer_state is not None:
-            built.optimizer.load_state_dict(optimizer_state)
-    determinism.seed_everything(seed)
-    injector = Injector(parse_specs(inject), device)
-    loss_value = None
-    recorder = Recorder(
-        out,
-        workload,
-        built.model,
-        built.optimizer,
-        state=built.state,
-        workload_kwargs=kwargs,
-        checkpoint=checkpoint,
-        device_label=device,
-        overwrite=overwrite,
-        max_depth=max_depth,
-        verify=verify,
-        inject=inject,
-        ring=ring,
-        data_parallel=built.data_parallel,
-    )
-    detector = _detector(detecting, built, recorder)
-    peak_nbytes, stopped = 0, None
-    with recorder:
-        for index in range(steps):
-            batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
-            chain = [injector] if injector.has_operator_faults else []
-            mode = (
-                OperatorMode(built.model, built.optimizer, chain, index)
-                if chain
-                else contextlib.nullcontext()
-            )
-            if detector is not None:  # it opens the recorder's step itself
-                try:
-                    with mode:
-                        loss = detector.run_step(batch)
-                except TrainingStopped as alarm:
-                    stopped = f"step {index}: {alarm.message}"
-                    break
-            else:
-                with recorder.step(batch):  # its checks run before the step, outside the mode
-                    injector.before_step(index, built.model)
-                    with mode:
-                        loss = built.run_step(batch)
-            peak_nbytes = max(peak_nbytes, recorder.ring_nbytes)
-            loss_value = None if loss is None else float(loss.detach())
-            if on_step is not None:
-                on_step(index, loss_value)
-        if "end" in dump_on and stopped is None:
-            recorder.dump("the run ended", source="record")
-        if detector is not None:
-            detector.close()
-    bundle_path = recorder.path if ring is None else next(iter(recorder.dumps), None)
-    for miss in injector.unmatched():
-        raise FaultSpecError(
-            f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
-            f"({bundle_path} was recorded without it)",
-            "Closest calls: "
-            + "; ".join(miss["closest"])
-            + ". `sdcreplay ops BUNDLE --step N` lists them all.",
-        )
-    own = recorder.own_bundle_path
-    opened = None if own is None else Bundle.open(own, verify=False)
-    return RecordSummary(
-        bundle=bundle_path,
-        workload=workload,
-        kwargs=kwargs,
-        device=device,
-        steps=recorder.steps_written,
-        entries=recorder.entries_written,
-        size_bytes=0 if opened is None else opened.size_bytes(),
-        final_loss=loss_value,
-        verification={} if opened is None else opened.verification.to_json(),
-        ring=None if ring is None else _ring_summary(recorder, ring, peak_nbytes, stopped),
-    )
-
-
-DUMP_ON = ("update", "replay", "end")
-"""What writes a ring recording's bundle: an UpdateDetector alarm, a ReplayCheck mismatch,
-the end of the run."""
-
-
-def check_dump_on(ring: int | None, dump_on: Sequence[str], inject: Sequence[str]) -> str | None:
-    """The detector named in ``dump_on`` (or None), once the combination is known to work."""
-    unknown = sorted(set(dump_on) - set(DUMP_ON))
-    detectors = [name for name in DUMP_ON[:2] if name in dump_on]
-    problem, hint = None, "--dump-on is update, replay or end (with --ring K)."
-    if unknown:
-        problem = f"--dump-on {unknown[0]!r} is not one of {', '.join(DUMP_ON)}"
-    elif dump_on and ring is None:
-        problem = "--dump-on needs --ring: without a ring every step is written anyway"
-    elif len(detectors) > 1:
-        problem = "--dump-on update and replay together: one detector drives each step"
-        hint = "Choose one detector (end may go with either)."
-    elif detectors and any(spec.kind == "memflip" for spec in parse_specs(inject)):
-        problem = "a memflip fault corrupts memory between steps, outside a detector's step"
-        hint = "With a detector, inject operator faults (bitflip, bias, nan...) instead."
-    if problem is not None:
-        raise SdcReplayError(problem, hint)
-    return detectors[0] if detectors else None
-
-
-def _detector(
-    name: str | None, built: Workload, recorder: Recorder
-) -> UpdateDetector | ReplayCheck | None:
-    if name == "update":
-        return UpdateDetector(built, recorder=recorder)
-    if name == "replay":
-        return ReplayCheck(built, recorder=recorder, num_steps=-1)
-    return None
-
-
-def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int, stopped: str | None) -> dict:
-    dumps = []
-    for path in recorder.dumps:
-        trigger = Bundle.open(_own_part(path), verify=False).manifest.trigger
-        dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
-    return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps, "stopped": stopped}

@@ -26,7 +26,7 @@ from ..capture.snapshot import TrainingSnapshot
 from ..storage.tensorio import map_tensors
 
 if TYPE_CHECKING:
-    from ..capture.collectives import Message
+    from ..capture.message import Message
 
 
 @dataclass

@@ -7,10 +7,9 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "ReplaySession": "session",
-        "ReplayReport": "session",
-        "replay_devices": "session",
+        "ReplayReport": "replicas",
+        "replay_devices": "replicas",
         "replay_on_device": "session",
         "replay_job": "job",
-        "diff_jobs": "job",
     },
 )

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..capture import determinism
-from ..capture.layers import OperatorLog, OperatorMode
+from ..capture.operators import OperatorLog, OperatorMode
 from ..devices import torch_device
 from ..storage.tensorio import map_tensors
 from ..workload.definition import build_workload

@@ -3,38 +3,38 @@
 Rebuild the workload from its recorded name, load the recorded state (a
 checkpoint only after its SHA-256 matched), put the recorded determinism
 switches in force, and run every step with the same capture as the record.
-Running several labels at once, each in its own process, is `replay_devices`.
+Running several labels at once, each in its own process, is
+`replicas.replay_devices`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import torch
 
 from ..bundle.jobs import shard_like, shard_optimizer_state_like
-from ..bundle.manifest import Bundle, CheckpointState, StepRecord, verify_checkpoint, write_state
+from ..bundle.manifest import StepRecord
+from ..bundle.reader import Bundle
+from ..bundle.state import write_state
 from ..capture import determinism
-from ..capture.collectives import Message, MessageLog
+from ..capture.collectives import MessageLog
 from ..capture.digest import algorithm_for
 from ..capture.faults import Injector, parse_specs
-from ..capture.layers import OperatorMode, OperatorObserver, SignatureCapture
-from ..capture.signature import SignatureLog, read_signature_log, write_signature_log
+from ..capture.layers import SignatureCapture
+from ..capture.message import Message
+from ..capture.operators import OperatorMode, OperatorObserver
+from ..capture.signature import SignatureLog, write_signature_log
 from ..capture.snapshot import TrainingSnapshot
-from ..compare.logs import RECORD, Consensus, DeviceVerdict, vote
-from ..devices import torch_device, validate_label
-from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, WorkloadError
+from ..devices import torch_device
+from ..errors import SdcReplayError, WorkloadError
 from ..heartbeat import HEARTBEAT
-from ..kinds import DeviceRunVerdict, DeviceVerdictName
 from ..storage.tensorio import map_tensors, read_tree, write_tree
 from ..workload.definition import Workload, build_workload
-from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
-from .worker import DeviceResult, device_task
+from .worker import device_task
 
 
 class ReplaySession:
@@ -369,276 +369,3 @@ def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple
             "bundle), or the workload changed since the recording; the device's log holds "
             "the traceback.",
         ) from exc
-
-
-@dataclass
-class DeviceRun:
-    """What one device process produced: its logs, or why it died."""
-
-    device: str
-    logs: list[SignatureLog] = field(default_factory=list)
-    log_paths: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    error: dict | None = None
-    injected: list[list[dict]] = field(default_factory=list)  # faults that fired, per repeat
-    judgement: DeviceVerdict | None = None
-    fingerprint: dict | None = None  # the process's own, after its run
-    differences: list[str] = field(
-        default_factory=list
-    )  # result-affecting properties unlike the record's
-    spread_from: int | None = None  # in a job: the origin rank whose corruption reached it
-
-    @property
-    def verdict(self) -> DeviceRunVerdict:
-        if self.error is not None:
-            return "error"
-        if self.spread_from is not None:
-            return "spread"
-        return self.judgement.verdict if self.judgement else "match"
-
-    def to_json(self) -> dict:
-        judgement = self.judgement
-        first = judgement.first_divergence if judgement else None
-        return {
-            "device": self.device,
-            "verdict": self.verdict,
-            "repeats": judgement.runs if judgement else 0,
-            "divergent_repeats": judgement.divergent_runs if judgement else 0,
-            "first_divergence": None if first is None else first.brief(),
-            "steps": {str(step): count for step, count in judgement.per_step.items()}
-            if judgement
-            else {},
-            "logs": self.log_paths,
-            "warnings": self.warnings,
-            "injected": self.injected,
-            "error": self.error,
-            "fingerprint": self.fingerprint,
-            "fingerprint_differences": self.differences,
-            **({} if self.spread_from is None else {"spread_from": self.spread_from}),
-        }
-
-
-UNVERIFIED_CAVEAT = (
-    "the recording was not verified (recorded with verify off, before verification existed, or it "
-    "failed): a difference between the record and every replay may be the training loop doing "
-    "something the workload's step does not, not the recording device"
-)
-
-
-def caveat_for(bundle: Bundle) -> str | None:
-    """What a reader of a replay of this bundle must know before blaming the recording device."""
-    if bundle.verified:
-        return None
-    problem = bundle.verification.problem
-    return UNVERIFIED_CAVEAT + (f" (the check found: {problem})" if problem else "")
-
-
-@dataclass
-class ReplayReport:
-    bundle: str
-    repeats: int
-    log_dir: str
-    devices: list[DeviceRun]
-    consensus: Consensus | None
-    caveat: str | None = None
-    injected_specs: list[str] = field(default_factory=list)  # the --inject specs asked for
-
-    @property
-    def injection_missed(self) -> bool:
-        """Faults were asked for and none fired on any device: the spec selects nothing."""
-        return bool(self.injected_specs) and not any(
-            fired for run in self.devices for fired in run.injected
-        )
-
-    @property
-    def record_verdict(self) -> DeviceVerdictName:
-        judgement = self.consensus.voters.get(RECORD) if self.consensus else None
-        return judgement.verdict if judgement else "match"
-
-    @property
-    def failed(self) -> list[DeviceRun]:
-        """Devices that died or timed out: the verdict is computed without them."""
-        return [run for run in self.devices if run.error is not None]
-
-    @property
-    def exit_code(self) -> int:
-        if self.consensus is not None and self.consensus.verdict == "incomparable":
-            return 3  # no comparable machine replayed: no evidence either way
-        if self.consensus is not None and self.consensus.verdict != "correct":
-            return 1
-        return 3 if self.failed else 0
-
-    def failure(self) -> SdcReplayError | None:
-        """Why the replay could not give a full answer (exit 3), or None."""
-        if not self.failed or self.exit_code != 3:
-            return None
-        failed = [(run.device, run.error) for run in self.devices if run.error is not None]
-        names = "; ".join(f"{device}: {error['message']}" for device, error in failed)
-        logs = ", ".join(error["log"] for _, error in failed if error.get("log"))
-        where = f" (logs: {logs})" if logs else ""
-        if self.consensus is None:
-            return SdcReplayError(
-                f"no verdict: no device finished ({names})",
-                f"Fix what stopped the devices and replay again{where}.",
-            )
-        return SdcReplayError(
-            f"{len(self.failed)} of {len(self.devices)} devices did not finish ({names}); "
-            "the verdict covers only the others",
-            f"Replay those devices again to include them{where}.",
-        )
-
-    def to_json(self) -> dict:
-        return {
-            "schema": "sdcreplay.replay/1",
-            "bundle": self.bundle,
-            "repeats": self.repeats,
-            "log_dir": self.log_dir,
-            "record": {"verdict": self.record_verdict},
-            "devices": [run.to_json() for run in self.devices],
-            "consensus": self.consensus.to_json() if self.consensus else None,
-            "verified": self.caveat is None,
-            "caveat": self.caveat,
-            "finished": len(self.devices) - len(self.failed),
-            "failed": [run.device for run in self.failed],
-        }
-
-
-def progress_timeout(bundle: Bundle) -> float:
-    """Seconds a device process may go without progress, derived from the recorded step times.
-
-    Generous on purpose (a replica may share cores with others, or run on a
-    slower device): it exists to end a hang, not to judge speed.
-    """
-    times = [step.seconds for step in bundle.steps if step.seconds is not None]
-    if not times or len(times) < len(bundle.steps):
-        return UNKNOWN_STEP_TIMEOUT
-    return round(STARTUP_SECONDS + STEP_FACTOR * max(times), 1)
-
-
-def refuse_unmatched_specs(values: Sequence[tuple[str, int | None, dict | None]]) -> None:
-    """A fault spec that selected no call in any process it applies to is a mistake in the
-    spec, not a finding. ``values``: (device label, rank or None, the task's value or None when
-    it failed) of every process; with a failed one nothing can be concluded."""
-    finished = [(label, rank, value) for label, rank, value in values if value is not None]
-    if not values or len(finished) < len(values) or any("unmatched" not in v for *_, v in finished):
-        return
-    by_spec: dict[str, list[str]] = {}
-    for *_, value in finished:
-        for miss in value["unmatched"]:
-            by_spec.setdefault(miss["spec"], miss["closest"])
-    for spec, closest in by_spec.items():
-        applies = [
-            (label, rank, value)
-            for label, rank, value in finished
-            if any(f.applies_to(label, rank) for f in parse_specs([spec], False))
-        ]
-        missed = [
-            entry for entry in applies if any(m["spec"] == spec for m in entry[2]["unmatched"])
-        ]
-        if applies and len(missed) == len(applies):
-            raise FaultSpecError(
-                f"fault spec {spec!r} matches no operator call of the replayed steps",
-                "Closest calls: "
-                + "; ".join(closest)
-                + ". `sdcreplay ops BUNDLE --step N` lists them all.",
-            )
-
-
-def default_log_dir(bundle_path: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return bundle_path.with_name(bundle_path.name + ".replay") / stamp
-
-
-def replay_devices(
-    bundle: str | Path,
-    devices: list[str],
-    *,
-    repeats: int = 1,
-    inject: Sequence[str] = (),
-    last_step: int | None = None,
-    log_dir: str | Path | None = None,
-    on_done: Callable[[str, DeviceResult], None] | None = None,
-    timeout: float | None = None,
-) -> ReplayReport:
-    """Replay on every device label at once, each in its own process, and vote.
-
-    A workload that is neither built in nor recorded here runs only inside
-    ``trust.granting([ref])`` (what ``--trust-workload`` does), see trust.py.
-    ``timeout``: seconds a device may go without finishing a step before it is
-    killed (default: derived from the recorded step times, see `progress_timeout`).
-    """
-    opened = Bundle.open(bundle)
-    labels = [validate_label(label) for label in devices]
-    # What would fail on every device is refused here, once, before any process starts.
-    if not opened.steps:
-        raise BundleError(
-            f"{opened.path} holds no steps (the recording ended before its first step finished)",
-            "There is nothing to replay: record again, and let at least one step complete.",
-        )
-    opened.require_trusted()
-    parse_specs(inject)
-    determinism.check_environment(opened.manifest.determinism.to_json())
-    if isinstance(opened.manifest.state, CheckpointState):
-        verify_checkpoint(opened.manifest.state)
-    if len(set(labels)) != len(labels):
-        raise DeviceError(
-            f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ..."
-        )
-    log_dir = Path(log_dir) if log_dir else default_log_dir(opened.path)
-    recorded_fingerprint = opened.manifest.fingerprint
-    results = run_device_processes(
-        "replay",
-        run_replay_task,
-        labels,
-        lambda label: {
-            "bundle": str(opened.path),
-            "repeats": repeats,
-            "inject": list(inject),
-            "last_step": last_step,
-            "log_dir": str(log_dir),
-        },
-        log_dir,
-        environment=determinism.pinned_environment(recorded_fingerprint),
-        on_done=on_done,
-        timeout=progress_timeout(opened) if timeout is None else timeout,
-    )
-    errors = [result.error for result in results.values() if result.error is not None]
-    if len(errors) == len(results) and len({error.message for error in errors}) == 1:
-        shared = errors[0]  # the same failure everywhere: the tool's, not a device's
-        raise SdcReplayError(f"every device failed: {shared.message}", shared.hint)
-    refuse_unmatched_specs([(label, None, result.value) for label, result in results.items()])
-    runs = []
-    for label in labels:
-        error, value = results[label].error, results[label].value or {}
-        run = DeviceRun(
-            label,
-            error=error.to_json() if error else None,
-            warnings=value.get("warnings", []),
-            injected=value.get("injected", []),
-            fingerprint=value.get("fingerprint"),
-        )
-        if run.error is None:
-            run.log_paths = value["logs"]
-            run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
-            run.differences = determinism.fingerprint_differences(
-                recorded_fingerprint, run.fingerprint
-            )
-        runs.append(run)
-    record = opened.signature_log()
-    if last_step is not None:
-        record.steps = {s: e for s, e in record.steps.items() if s <= last_step}
-    healthy = {run.device: run.logs for run in runs if run.error is None}
-    incomparable = {run.device: run.differences for run in runs if run.differences}
-    consensus = vote(record, healthy, incomparable) if healthy else None
-    for run in runs:
-        if consensus is not None and run.device in consensus.voters:
-            run.judgement = consensus.voters[run.device]
-    return ReplayReport(
-        str(opened.path),
-        repeats,
-        str(log_dir),
-        runs,
-        consensus,
-        caveat_for(opened),
-        injected_specs=list(inject),
-    )

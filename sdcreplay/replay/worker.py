@@ -1,7 +1,7 @@
 """Inside a device process: read the task, run the function it names, write the result.
 
 The task and the result are JSON files (`DeviceTask`, `DeviceResult`). A task
-names its function by reference (``sdcreplay.bisect.localize:run_oplog_task``), as a
+names its function by reference (``sdcreplay.bisect.tasks:run_oplog_task``), as a
 bundle names its workload; only a function of sdcreplay's own modules marked
 with `device_task` runs, so a task file is data and cannot name other code.
 This module knows no task: replay and bisect mark their own. Starting the

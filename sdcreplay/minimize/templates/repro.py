@@ -137,7 +137,7 @@ def optional_injection(label: str, handle: h5py.File):
         return None
     try:
         from sdcreplay.capture.faults import Injector, parse_specs
-        from sdcreplay.capture.layers import CallSite
+        from sdcreplay.capture.operators import CallSite
     except ImportError:
         print(
             "SDCREPLAY_INJECT is set but sdcreplay is not importable: running without injection",

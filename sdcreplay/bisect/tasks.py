@@ -1,0 +1,339 @@
+"""What runs inside a bisect's device processes: the operator-level replay of the step, the
+reference's copy of one call, and that call re-run alone on the suspect.
+
+Each device is its own process, so these functions are `device_task`s a task file names
+(`replay.worker`); the driver (`localize.py`) starts them and reads only the JSON they return
+and the files they write in the work directory. Every run after the reference's first starts
+from the state the reference saved entering the step (`_enter_step`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import torch
+
+from ..bundle.manifest import StepRecord
+from ..bundle.reader import Bundle
+from ..capture import determinism
+from ..capture.determinism import restore_operator_rng
+from ..capture.digest import tensor_digest
+from ..capture.faults import Injector, parse_specs
+from ..capture.operators import (
+    CallSite,
+    InputOrigin,
+    OperatorLog,
+    OperatorRecord,
+    memory_address,
+    operator_results,
+    state_tensors,
+)
+from ..devices import torch_device
+from ..errors import SdcReplayError
+from ..replay.session import ReplaySession
+from ..replay.worker import device_task
+from ..storage.tensorio import write_tensor
+from .kernels import kernel_names
+from .operator_case import OperatorCase, place, resolve_op
+
+
+@dataclass
+class StepEntry:
+    """A session in the state entering the bisected step, that state, and the step's record."""
+
+    session: ReplaySession
+    digests: dict[str, str]  # state name -> digest, after this device's own faults before the step
+    state: dict[str, torch.Tensor]
+    target: StepRecord
+    window_steps: int  # steps of the window this process replayed to get here (0: loaded)
+    continuation: list[tuple[str, str]] | None = None  # the step run on from the window itself
+
+
+def _enter_step(
+    bundle: str,
+    device: str,
+    inject: Sequence[str],
+    step: int,
+    repeat: int,
+    *,
+    entry_state: str | None = None,
+    save_entry: str | None = None,
+) -> StepEntry:
+    """Bring a session to the state entering the bisected step.
+
+    Only the reference replays the window, once, and writes that state
+    (``save_entry``); every later run loads it (``entry_state``): every
+    device matched the reference up to this step, so it is the same state,
+    and a bisect of step 90 costs one extra window replay, not four. The
+    device's own memory faults before the step still apply after loading,
+    and its state is digested here and compared with the reference's, so
+    memory corrupted at rest entering the step is still seen.
+    """
+
+    def new_session() -> ReplaySession:
+        return ReplaySession(bundle, device, inject=inject, repeat=repeat)
+
+    session = new_session()
+    window_steps, continuation = 0, None
+    try:
+        target = next((r for r in session.bundle.steps if r.index == step), None)
+        if target is None:
+            raise SdcReplayError(
+                f"the bundle has no step {step}", f"Steps: {session.bundle.step_indices}."
+            )
+        if entry_state:
+            session.load_state(Path(entry_state))
+        else:
+            for record in session.steps_until(step - 1):
+                session.run_step(record)
+                window_steps += 1
+            if save_entry:
+                # The reference runs the step in a session fresh from the saved state, like every
+                # later run: objects that build tensors lazily (a GradScaler's scale) then call
+                # the same operators.
+                session.save_state(Path(save_entry))
+                continuation = session.run_step(target)
+                window_steps += 1
+                session.close()
+                session = new_session()
+                session.load_state(Path(save_entry))
+    except BaseException:
+        session.close()
+        raise
+    session.injector.before_step(
+        step, session.model
+    )  # memory corrupted before the step belongs to its state
+    state = state_tensors(session.model, session.optimizer)
+    digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
+    return StepEntry(session, digests, state, target, window_steps, continuation)
+
+
+def _records_to_json(records: list[OperatorRecord]) -> list:
+    return [[r.site.phase, r.site.module, r.site.op, r.digests] for r in records]
+
+
+def _records_from_json(rows: list, step: int) -> list[OperatorRecord]:
+    return [
+        OperatorRecord(CallSite(step, phase, module, op, index), digests)
+        for index, (phase, module, op, digests) in enumerate(rows)
+    ]
+
+
+@device_task
+def run_oplog_task(
+    device: str,
+    bundle: str,
+    step: int,
+    work_dir: str,
+    inject: Sequence[str] = (),
+    *,
+    save_entry: str | None = None,
+    entry_state: str | None = None,
+    expected_log: str | None = None,
+    repeats: int = 1,
+) -> dict:
+    """Reference: write the step's operator log. Suspect: compare and keep the first divergence.
+
+    ``expected_log`` is the reference's operator log (a suspect runs up to ``repeats``
+    times); ``save_entry`` and ``entry_state``: see `_enter_step`.
+    """
+    work = Path(work_dir)
+    expected = json.loads(Path(expected_log).read_text()) if expected_log else None
+    repeats = repeats if expected else 1
+    steps_run = 0
+    for repeat in range(repeats):
+        entry = _enter_step(
+            bundle, device, inject, step, repeat, entry_state=entry_state, save_entry=save_entry
+        )
+        session, digests, state, target = entry.session, entry.digests, entry.state, entry.target
+        steps_run += entry.window_steps + 1
+        reference = _records_from_json(expected["operators"], step) if expected else None
+        oplog = OperatorLog(
+            expected=reference, state_memory={memory_address(t): name for name, t in state.items()}
+        )
+        try:
+            differing = [
+                n for n, d in digests.items() if expected and expected["state"].get(n) != d
+            ]
+            _save_state(work / f"state-{device.replace(':', '-')}.h5", state, differing)
+            entries = session.run_step(target, observers=[oplog])
+        finally:
+            session.close()
+        if entry.continuation is not None and entries != entry.continuation:
+            _refuse_unreproduced(step)
+        environment = determinism.environment(session.device)
+        if expected is None:
+            path = work / "oplog-reference.json"
+            path.write_text(
+                json.dumps({"state": digests, "operators": _records_to_json(oplog.records)})
+            )
+            return {
+                "oplog": str(path),
+                "operators": len(oplog.records),
+                "environment": environment,
+                "steps_run": steps_run,
+            }
+        structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
+        if structure_error:
+            return {"structure_error": structure_error, "repeat": repeat, "steps_run": steps_run}
+        if oplog.divergent is not None or differing:
+            case_path = work / "suspect-call.h5"
+            # Comparing against a log, the oplog keeps a call only when it diverges.
+            if oplog.kept is not None and oplog.divergent is not None:
+                args, kwargs, outputs = oplog.kept
+                OperatorCase(oplog.divergent.site, Counter(), args, kwargs, outputs, outputs).write(
+                    case_path
+                )
+            return {
+                "divergent": True,
+                "repeat": repeat,
+                "repeats_run": repeat + 1,
+                "environment": environment,
+                "steps_run": steps_run,
+                "op_index": oplog.divergent.site.index if oplog.divergent else None,
+                "state_differs": differing,
+                "case": str(case_path) if oplog.kept is not None else None,
+                "origins": [_origin_to_json(o, expected["operators"]) for o in oplog.origins],
+            }
+    return {"divergent": False, "repeats_run": repeats, "steps_run": steps_run}
+
+
+def _origin_to_json(origin: InputOrigin, expected: list) -> dict:
+    """One input of the divergent call; did its producer's output match the reference's?"""
+    producer = None
+    if origin.producer is not None:
+        site = origin.producer.site
+        producer = {
+            "index": site.index,
+            "op": site.op,
+            "module": site.module,
+            "phase": site.phase,
+            "matched_reference": origin.producer.digests == expected[site.index][3],
+        }
+    return {
+        "position": origin.position,
+        "element": origin.element,
+        "name": origin.name,
+        "producer": producer,
+        "state": origin.state,
+    }
+
+
+def _missing_calls(oplog: OperatorLog, expected: list) -> str | None:
+    """The first reference call the suspect never made, when its calls were a strict prefix.
+
+    OperatorLog compares each call as it comes, so a suspect that stops early
+    (fewer operators, same values) would otherwise pass as no divergence. After
+    a value divergence the rest of the sequence may legitimately differ.
+    """
+    made = len(oplog.records)
+    if oplog.divergent is not None or made >= len(expected):
+        return None
+    phase, module, op, _ = expected[made]
+    return f"operator call {made}: nothing here, {op} under {module} ({phase}) on the reference"
+
+
+def _save_state(path: Path, state: dict[str, torch.Tensor], names: Sequence[str]) -> None:
+    if not names:
+        return
+    with h5py.File(path, "w") as handle:
+        for name in names:
+            write_tensor(handle, name.replace("/", "|"), state[name])
+
+
+@device_task
+def run_fetch_task(
+    device: str,
+    bundle: str,
+    step: int,
+    work_dir: str,
+    op_index: int | None,
+    inject: Sequence[str] = (),
+    *,
+    state_names: Sequence[str] = (),
+    entry_state: str | None = None,
+    expected_log: str | None = None,
+) -> dict:
+    """Reference: keep the inputs and outputs of one call, and named state tensors.
+
+    Given the reference's own operator log (``expected_log``), the run from the
+    loaded state must reproduce it call for call: otherwise the saved state
+    was not all the step depends on, and no later comparison could be trusted.
+    """
+    oplog = OperatorLog(watch=op_index)
+    entry = _enter_step(bundle, device, inject, step, 0, entry_state=entry_state)
+    try:
+        _save_state(Path(work_dir) / "state-reference.h5", entry.state, state_names)
+        if op_index is not None:
+            entry.session.run_step(entry.target, observers=[oplog])
+    finally:
+        entry.session.close()
+    steps_run = entry.window_steps + (op_index is not None)
+    if expected_log and op_index is not None:
+        expected = json.loads(Path(expected_log).read_text())
+        _check_reproduced(expected, entry.digests, oplog, step)
+    if oplog.kept is None or op_index is None:  # only a watched call is kept
+        return {"case": None, "steps_run": steps_run}
+    args, kwargs, outputs = oplog.kept
+    path = Path(work_dir) / "reference-call.h5"
+    site = oplog.records[op_index].site
+    prior = Counter(r.site.key for r in oplog.records[:op_index])
+    OperatorCase(site, prior, args, kwargs, outputs, outputs, rng=oplog.rng_before).write(path)
+    return {"case": str(path), "steps_run": steps_run}
+
+
+def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, step: int) -> None:
+    calls = [row[3] for row in expected["operators"]]
+    if state_digests != expected["state"] or [r.digests for r in oplog.records] != calls:
+        _refuse_unreproduced(step)
+
+
+def _refuse_unreproduced(step: int) -> None:
+    """Every run after the window starts from the saved state: it must be the whole state."""
+    raise SdcReplayError(
+        f"the reference does not reproduce its own step {step} from the state saved entering it",
+        "The step depends on state outside the model, optimizer and the workload's state "
+        "objects (a Python counter?); give it to the workload as a state object "
+        "(docs/recording.md), since bisect starts the step from what the saved state holds.",
+    )
+
+
+@device_task
+def run_isolate_task(
+    device: str,
+    bundle: str,
+    case_file: str,
+    runs: int,
+    inject: Sequence[str] = (),
+    rank: int | None = None,
+) -> dict:
+    """Suspect: run the one call alone from the reference's inputs, ``runs`` times.
+
+    ``rank``: the job rank the call was made on (the call needs no peers, but a fault spec
+    with ``rank=`` fires as it did there)."""
+    determinism.apply(Bundle.open(bundle).manifest.determinism.to_json())
+    where = torch_device(device)
+    case = OperatorCase.read(Path(case_file))
+    op = resolve_op(case.op)
+    injector = Injector(parse_specs(inject), device, rank=rank)
+    expected = [tensor_digest(v) for v in place(case.expected, where)]
+    failures, first_failure = 0, None
+    for run in range(runs):
+        args, kwargs = place((list(case.args), case.kwargs), where)
+        restore_operator_rng(case.rng, where)
+        out = op(*args, **kwargs)
+        injector.on_isolated_call(case.site, case.prior, out)
+        if [tensor_digest(v) for v in operator_results(op, args, out)] != expected:
+            failures += 1
+            first_failure = run if first_failure is None else first_failure
+    return {
+        "runs": runs,
+        "failures": failures,
+        "first_failure": first_failure,
+        "kernels": kernel_names(op, case, where),
+    }

@@ -1,0 +1,336 @@
+"""Reading a bundle as evidence: the manifest and every file's SHA-256 are checked before
+anything in it is used, HDF5 data must lie inside the bundle, and nothing is ever unpickled.
+Format: docs/bundle-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import h5py
+
+from ..capture.message import Message
+from ..capture.signature import SignatureLog, read_records, read_signature_log
+from ..errors import BundleError
+from ..storage.safeio import check_self_contained, read_limited, regular_file_inside
+from . import trust
+from .manifest import (
+    JOB_SCHEMA,
+    MANIFEST,
+    MAX_JSON_DEPTH,
+    MAX_MANIFEST_BYTES,
+    MAX_WORLD_SIZE,
+    MESSAGES,
+    PARTIAL_SUFFIX,
+    RANKS,
+    SIGNATURES,
+    STATE,
+    STREAMS,
+    CheckpointState,
+    Manifest,
+    StepRecord,
+    Verification,
+    sha256_file,
+)
+from .rules import Check, _check_fields, _is_int, integer, nullable, optional, text
+from .state import load_checkpoint, read_rng
+
+if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
+    from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch
+
+
+def _sizes(v: Any) -> bool:
+    return (
+        isinstance(v, list)
+        and len(v) <= 65536
+        and all(
+            isinstance(size, list) and len(size) <= 64 and all(_is_int(n) and n >= 0 for n in size)
+            for size in v
+        )
+    )
+
+
+def _dtypes(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 65536 and all(text(64).test(d) for d in v)
+
+
+SEQUENCE = nullable(integer(0, 2**62))
+DIGEST = nullable(text(128))
+
+# One line of a rank's messages.jsonl.zst (message.Message; docs/bundle-format.md).
+MESSAGE_FIELDS: dict[str, Check] = {
+    "step": integer(0, 2**31 - 1),
+    "record_id": integer(0, 2**62),
+    "pg_id": integer(-1, MAX_WORLD_SIZE),
+    "process_group": text(256),
+    "collective_seq_id": SEQUENCE,
+    "p2p_seq_id": SEQUENCE,
+    "op_id": integer(0, 2**62),
+    "profiling_name": text(128, r"[A-Za-z0-9_]+:[A-Za-z0-9_]+"),
+    "input_sizes": Check(_sizes, "a list of tensor sizes"),
+    "input_dtypes": Check(_dtypes, "a list of dtype names"),
+    "output_sizes": Check(_sizes, "a list of tensor sizes"),
+    "output_dtypes": Check(_dtypes, "a list of dtype names"),
+    "input_digest": DIGEST,
+    "output_digest": DIGEST,
+    "peer": optional(integer(0, MAX_WORLD_SIZE - 1)),
+}
+
+
+def _read_manifest_json(path: Path) -> Any:
+    if not os.path.lexists(path / MANIFEST):
+        raise BundleError(f"{path} has no {MANIFEST}")
+    manifest_path = regular_file_inside(path, MANIFEST)
+    raw = read_limited(manifest_path, MAX_MANIFEST_BYTES, "manifest")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError as exc:
+        raise BundleError(f"{manifest_path} nests deeper than {MAX_JSON_DEPTH} levels") from exc
+    except ValueError as exc:
+        raise BundleError(f"{manifest_path} is not valid JSON: {str(exc)[:200]}") from exc
+
+
+def _existing(path: str | Path) -> Path:
+    """``path``, or its ``.partial`` twin where only a recording cut off left that."""
+    path = Path(path)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    # os.path, not Path: no OSError for names too long or under a file
+    if not os.path.exists(path) and os.path.exists(partial):
+        return partial
+    return path
+
+
+class Bundle:
+    """A validated bundle; every file is checked against its SHA-256 on open."""
+
+    def __init__(self, path: Path, manifest: Manifest):
+        self.path = path
+        self.manifest = manifest
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        return self.manifest.steps
+
+    @classmethod
+    def open(cls, path: str | Path, verify: bool = True) -> Bundle:
+        path = _existing(path)
+        if not os.path.isdir(path):
+            raise BundleError(
+                f"{str(path)[:300]} is not a bundle directory",
+                "Give the directory `sdcreplay record --out` wrote.",
+            )
+        manifest = _read_manifest_json(path)
+        if isinstance(manifest, dict) and manifest.get("schema") == JOB_SCHEMA:
+            raise BundleError(
+                f"{path} is a job bundle (one part per rank), not a single-process bundle",
+                f"Open one rank's part ({path}/{RANKS}/000000) or the job with JobBundle.open.",
+            )
+        bundle = cls(path, Manifest.from_json(manifest))
+        if verify:
+            bundle.verify_files()
+        return bundle
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest.complete
+
+    def verify_files(self) -> None:
+        """Check every listed file's size and SHA-256, and that HDF5 files hold all their data.
+
+        In an incomplete bundle an append-only log may be longer than listed
+        (the recording died between appending a step and rewriting the
+        manifest): only the bytes the manifest vouches for are checked and read.
+        """
+        for name, meta in self.manifest.files.items():
+            file = regular_file_inside(self.path, name)
+            size = file.stat().st_size
+            growing = name in STREAMS and not self.complete
+            if size < meta.size or (size > meta.size and not growing):
+                raise BundleError(
+                    f"bundle file {name} is {size} bytes, the manifest says "
+                    f"{meta.size} (truncated or damaged)"
+                )
+            try:
+                actual = sha256_file(file, meta.size)
+            except OSError as exc:
+                raise BundleError(f"cannot read bundle file {name}: {exc}") from exc
+            if actual != meta.sha256:
+                raise BundleError(
+                    f"bundle file {name} does not match its SHA-256 in the manifest "
+                    "(damaged or edited)"
+                )
+            if name.endswith(".h5"):
+                self._open_h5(name).close()  # refuses data kept outside the file
+
+    @property
+    def workload_ref(self) -> str:
+        return self.manifest.workload.ref
+
+    @property
+    def workload_kwargs(self) -> dict:
+        return self.manifest.workload.kwargs
+
+    @property
+    def step_indices(self) -> list[int]:
+        return [step.index for step in self.steps]
+
+    def signature_log(self) -> SignatureLog:
+        """The recorded log; it must hold exactly the manifest's steps and entry counts."""
+        log = read_signature_log(
+            regular_file_inside(self.path, SIGNATURES), size=self.manifest.files[SIGNATURES].size
+        )
+        if log.meta.get("device_type") != self.manifest.device_type:
+            raise BundleError(
+                "the signature log was made on device type "
+                f"{str(log.meta.get('device_type'))[:32]!r}, "
+                f"the manifest says {self.manifest.device_type!r}"
+            )
+        log.meta.update(source=str(self.path), device=self.manifest.device, role="record")
+        if list(log.steps) != self.step_indices:
+            raise BundleError(
+                f"the signature log holds steps {list(log.steps)}, "
+                f"the manifest lists {self.step_indices}"
+            )
+        for step in self.steps:
+            if len(log.steps[step.index]) != step.entries:
+                raise BundleError(
+                    f"the signature log holds {len(log.steps[step.index])} entries "
+                    f"for step {step.index}, "
+                    f"the manifest says {step.entries}"
+                )
+        return log
+
+    def messages(self) -> dict[int, list[Message]]:
+        """The logged collective messages per step (a job's rank part; empty in other bundles).
+
+        Every step the manifest counts messages for must hold exactly that many, in issue order.
+        """
+        meta, records = read_records(
+            regular_file_inside(self.path, MESSAGES), size=self.manifest.files[MESSAGES].size
+        )
+        if meta.get("kind") != "messages":
+            raise BundleError(f"{MESSAGES} in {self.path} is not a message log")
+        found: dict[int, list[Message]] = {}
+        for position, record in enumerate(records):
+            _check_fields(
+                record, MESSAGE_FIELDS, f"line {position + 1}: ", f"{MESSAGES} in {self.path}"
+            )
+            message = Message.from_json(record)
+            step = found.setdefault(message.step, [])
+            if message.record_id != len(step):
+                raise BundleError(
+                    f"{MESSAGES} in {self.path} is malformed: step {message.step} has "
+                    f"record_id {message.record_id} at position {len(step)}"
+                )
+            step.append(message)
+        counted = {step.index: step.messages for step in self.steps if step.messages}
+        if {step: len(messages) for step, messages in found.items()} != counted:
+            raise BundleError(
+                f"{MESSAGES} holds {sum(map(len, found.values()))} messages in steps "
+                f"{sorted(found)}, the manifest counts {sum(counted.values())} in {sorted(counted)}"
+            )
+        return {step.index: found.get(step.index, []) for step in self.steps}
+
+    def _open_h5(self, name: str) -> h5py.File:
+        """Open a listed HDF5 file, refusing one whose data lives outside it (external data)."""
+        file = regular_file_inside(self.path, name)
+        try:
+            handle = h5py.File(file, "r")
+        except OSError as exc:
+            raise BundleError(f"cannot read {name} in {self.path}: {exc}") from exc
+        try:
+            check_self_contained(handle)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    def load_step(self, index: int) -> tuple[Any, RngState]:
+        from ..storage import tensorio
+
+        record = next((step for step in self.steps if step.index == index), None)
+        if record is None:
+            raise BundleError(f"the bundle has no step {index} (it has {self.step_indices})")
+        with self._open_h5(record.file) as handle:
+            try:
+                return tensorio.read_tree(handle["batch"]), read_rng(handle["rng"])
+            except KeyError as exc:
+                raise BundleError(f"{record.file} is damaged: {exc}") from exc
+            except BundleError as exc:
+                raise BundleError(f"{record.file}: {exc.message}", exc.hint) from exc
+
+    def load_state(self) -> tuple[dict, dict | None]:
+        """The model and optimizer state before the first recorded step."""
+        import torch
+
+        from ..storage import tensorio
+
+        state = self.manifest.state
+        if isinstance(state, CheckpointState):
+            return load_checkpoint(state)
+        with self._open_h5(STATE) as handle:
+            try:
+                model = tensorio.read_tree(handle["model"])
+                optimizer = (
+                    tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
+                )
+            except KeyError as exc:
+                raise BundleError(f"{STATE} is damaged: {exc}") from exc
+        if not (
+            isinstance(model, dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())
+        ):
+            raise BundleError(f"{STATE}: the model state is not a mapping of names to tensors")
+        if optimizer is not None and not (
+            isinstance(optimizer, dict)
+            and set(optimizer) == {"state", "param_groups"}
+            and isinstance(optimizer["param_groups"], list)
+        ):
+            raise BundleError(
+                f"{STATE}: the optimizer state is not an optimizer state_dict (state, param_groups)"
+            )
+        return model, optimizer
+
+    @property
+    def state_object_names(self) -> list[str]:
+        return self.manifest.state_object_names
+
+    def load_state_objects(self) -> dict[str, Any]:
+        """The named state objects' state dicts before the first recorded step."""
+        from ..storage import tensorio
+
+        names = self.state_object_names
+        if not names:
+            return {}
+        with self._open_h5(STATE) as handle:
+            try:
+                return {name: tensorio.read_tree(handle["objects"][name]) for name in names}
+            except KeyError as exc:
+                raise BundleError(f"{STATE} is damaged: {exc}") from exc
+
+    @property
+    def verification(self) -> Verification:
+        """Whether the workload's step was proved to reproduce the loop's (status "off": never)."""
+        return self.manifest.verification
+
+    @property
+    def verified(self) -> bool:
+        return self.manifest.verification.passed
+
+    @property
+    def trusted(self) -> bool:
+        """May this bundle's workload be imported (trust.py)?"""
+        return trust.is_trusted(self.manifest.workload.ref, self.manifest.to_json())
+
+    def require_trusted(self) -> None:
+        """Refuse, before anything is imported, to run a workload the person has not trusted."""
+        trust.require_trusted(self.manifest.workload.ref, self.manifest.to_json())
+
+    def size_bytes(self) -> int:
+        return (
+            sum(meta.size for meta in self.manifest.files.values())
+            + (self.path / MANIFEST).stat().st_size
+        )

@@ -1,0 +1,94 @@
+"""The one error boundary: every command is registered through ``command``, which renders
+its result, prints its JSON and maps failures to exit codes, so no command body prints a
+traceback or picks an exit status itself.
+
+Exit codes: 0 nothing diverged, 1 a finding (a divergence, a device that cannot
+reproduce itself), 2 usage error, 3 the tool could not do its job (printed as
+``Error:`` + ``Hint:``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from ..errors import SdcReplayError, WorkloadError
+from .output import Output
+
+app = typer.Typer(
+    name="sdcreplay",
+    help="Forensic replay of silent data corruption in PyTorch training.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    add_completion=False,
+)
+
+
+def _exit_code(output: Output, action: Callable[[], int]) -> int:
+    """Run a command; a tool failure becomes exit 3 with Error/Hint lines, never a traceback."""
+    debug = os.environ.get("SDCREPLAY_DEBUG") == "1"
+    try:
+        return action()
+    except (typer.TyperException, typer.Exit, typer.Abort):
+        raise  # usage errors (exit 2) are typer's to print
+    except KeyboardInterrupt:
+        output.say("Interrupted.")
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        output.error(
+            exc
+            if isinstance(exc, SdcReplayError)
+            else SdcReplayError(
+                f"unexpected {type(exc).__name__}: {exc}",
+                "This is a bug in sdcreplay or the workload; rerun with SDCREPLAY_DEBUG=1 and "
+                "report the traceback.",
+            )
+        )
+    except SystemExit as exc:  # workload code called sys.exit(): the tool could not do its job
+        if debug:
+            raise
+        output.error(
+            WorkloadError(
+                f"the workload called sys.exit({exc.code!r})",
+                "Workload code must return or raise, not exit the process.",
+            )
+        )
+    return 3
+
+
+def command(renderer: Callable[[Output, Any], None]):
+    """Register ``body(output, **options) -> result`` as a command rendered by ``renderer``.
+
+    The result's ``to_json()`` is what ``--json`` prints and its ``exit_code``
+    the exit status.
+    """
+
+    def register(body: Callable[..., Any]):
+        @functools.wraps(body)
+        def invoke(**options: Any) -> None:
+            output = Output(options.get("json_mode", False))
+
+            def action() -> int:
+                result = body(output, **options)
+                renderer(output, result)
+                if output.json_mode:
+                    output.data(result.to_json())
+                return result.exit_code
+
+            raise typer.Exit(_exit_code(output, action))
+
+        signature = inspect.signature(body, eval_str=True)
+        invoke.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=list(signature.parameters.values())[1:]
+        )  # options only: not ``output``
+        return app.command()(invoke)
+
+    return register

@@ -1,0 +1,89 @@
+"""The command line's options, declared once: a flag shared by several commands reads and
+parses the same in each (its name, its help, what it accepts).
+
+A usage error here is typer's ``BadParameter`` (exit 2), raised before any library call.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+BundleArg = Annotated[Path, typer.Argument(help="Bundle directory.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+InjectOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--inject", help="Fault spec to inject (repeatable); see docs/fault-injection.md."
+    ),
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="Device label: cpu, cpu:N (a virtual replica) or cuda:N.")
+]
+ReferenceOpt = Annotated[str | None, typer.Option("--reference", help="Device label you trust.")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Directory to write (its default is in the command's description)."),
+]
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-workload",
+        help="Run the workload the bundle names even though it was not recorded "
+        "by you (it is code: read it first). Built-in workloads and your own bundles need no flag.",
+    ),
+]
+TrustedWorkloadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--workload", help="Trust this workload reference (it must be the one the bundle names)."
+    ),
+]
+
+
+def trusting(bundle: Path, trust_workload: bool, workload: str | None):
+    """Trust, while the command runs, the references given on its command line (reading the
+    bundle runs nothing)."""
+    from ..bundle.job_bundle import JobBundle, is_job_bundle
+    from ..bundle.reader import Bundle
+    from ..bundle.trust import granting
+
+    refs = [workload] if workload else []
+    if trust_workload and is_job_bundle(bundle):
+        refs.append(JobBundle.open(bundle, verify=False).manifest.workload.ref)
+    elif trust_workload:
+        refs.append(Bundle.open(bundle, verify=False).workload_ref)
+    return granting(refs)
+
+
+class DumpOn(str, Enum):
+    """What may write a ring buffer's bundle (`record --ring K --dump-on ...`)."""
+
+    update = "update"
+    replay = "replay"
+    end = "end"
+
+
+def parse_kwargs(pairs: list[str]) -> dict:
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--arg")
+        try:
+            kwargs[key] = json.loads(value)
+        except ValueError:
+            kwargs[key] = value
+    return kwargs
+
+
+def _seed_in_range(seed: int) -> int:
+    """torch.manual_seed takes [-2**63, 2**64 - 1]: a larger seed is a usage error, not an
+    overflow."""
+    if not -(2**63) <= seed <= 2**64 - 1:
+        raise typer.BadParameter(f"{seed} is outside [-2**63, 2**64 - 1], the seeds torch accepts")
+    return seed

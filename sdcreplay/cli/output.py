@@ -1,0 +1,193 @@
+"""How a person and a script each read a command: rich on stderr, JSON on stdout.
+
+Every renderer draws through one ``Output``, so the rules hold for all of them: a table
+never cuts a name mid-word, progress is live on a terminal and one line per stage in a
+log, a failure reads ``Error:`` + ``Hint:``, and ``--json`` alone writes to stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import SdcReplayError
+
+__all__ = ["Output", "escape", "human_size", "styled"]
+
+VERDICT_STYLE = {
+    "match": "green",
+    "correct": "green",
+    "identical": "green",
+    "persistent": "bold red",
+    "divergent": "bold red",
+    "recording_suspect": "bold red",
+    "intermittent": "yellow",
+    "transient": "yellow",
+    "undecided": "yellow",
+    "incomparable": "yellow",
+    "spread": "cyan",
+    "error": "bold magenta",
+}
+LONGEST_UNBROKEN = 48  # a column is never narrower than its longest word, up to this many cells
+
+
+def styled(word: str) -> str:
+    style = VERDICT_STYLE.get(word)
+    return f"[{style}]{word}[/]" if style else word
+
+
+def human_size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _longest_word(cell: str) -> int:
+    return max((len(word) for word in Text.from_markup(cell).plain.split()), default=0)
+
+
+def _counts(done: int | None, total: int | None) -> str:
+    """``7/10``; ``7`` where the total is not known (a shrink): never ``7/?``."""
+    if done is None:
+        return ""
+    return f"{done}/{total}" if total is not None else str(done)
+
+
+class Stages:
+    """Progress through named stages, each with its own count and (when known) total.
+
+    On a terminal: a live bar per stage. Elsewhere (a batch job, a CI log) the
+    live display would be lost, so each stage leaves one line when it ends:
+    its name, count, total, note and elapsed time.
+    """
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.live = console.is_terminal
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[counts]}"),
+            TextColumn("{task.fields[note]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=not self.live,
+        )
+        self.tasks: dict[str, TaskID] = {}
+        self.current: dict[str, Any] | None = None
+
+    def update(
+        self, stage: str, done: int | None = None, total: int | None = None, note: str = ""
+    ) -> None:
+        """``stage`` has reached ``done`` of ``total`` (None: no count, or no known total)."""
+        if self.current is None or self.current["stage"] != stage:
+            self._close_current()
+            self.current = {"stage": stage, "started": time.perf_counter()}
+            self.tasks[stage] = self.progress.add_task(stage, total=total, counts="", note="")
+        self.current.update(done=done, total=total, note=note)
+        self.progress.update(
+            self.tasks[stage],
+            completed=done or 0,
+            total=total,
+            counts=_counts(done, total),
+            note=escape(note),
+        )
+
+    def begin(self, stage: str, note: str = "") -> None:
+        """A new stage, even one named as the last (bisect replays a step on each device)."""
+        self._close_current()
+        self.update(stage, note=note)
+
+    def _close_current(self) -> None:
+        current = self.current
+        if current is None:
+            return
+        if current["total"] is not None and current["done"] is not None:
+            self.progress.update(self.tasks[current["stage"]], completed=current["total"])
+        if not self.live:
+            seconds = time.perf_counter() - current["started"]
+            said = ", ".join(
+                part
+                for part in (_counts(current["done"], current["total"]), current["note"])
+                if part
+            )
+            self.console.print(
+                f"{escape(current['stage'])}: {escape(said)} ({seconds:.1f} s)", highlight=False
+            )
+        self.current = None
+
+    def close(self) -> None:
+        self._close_current()
+
+
+class Output:
+    """One object that knows whether the person asked for JSON."""
+
+    def __init__(self, json_mode: bool = False, console: Console | None = None):
+        self.json_mode = json_mode
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def data(self, obj: dict) -> None:
+        if self.json_mode:
+            sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+            sys.stdout.flush()
+
+    def say(self, text: str) -> None:
+        self.console.print(text)
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"[yellow]Warning:[/] {escape(text)}")
+
+    def table(self, title: str | None, columns: list[str], rows: list[list[str]]) -> None:
+        """A table whose cells wrap between words only: a device label or entry name stays whole
+        (a word longer than the widest allowed column is folded, never cut short)."""
+        table = Table(title=title, title_justify="left", header_style="bold")
+        for column, width in zip(columns, self._unbroken_widths(columns, rows)):
+            table.add_column(column, overflow="fold", min_width=width)
+        for row in rows:
+            table.add_row(*row)
+        self.console.print(table)
+
+    def _unbroken_widths(self, columns: list[str], rows: list[list[str]]) -> list[int]:
+        """Each column at least as wide as its longest word; where they cannot all fit the
+        console, the widest column (a value, rarely a name) gives up the difference."""
+        widths = [
+            min(
+                LONGEST_UNBROKEN,
+                max([_longest_word(column)] + [_longest_word(row[position]) for row in rows]),
+            )
+            for position, column in enumerate(columns)
+        ]
+        excess = sum(widths) + 3 * len(widths) + 1 - self.console.width  # padding and borders
+        if excess > 0:
+            widest = widths.index(max(widths))
+            widths[widest] = max(1, widths[widest] - excess)
+        return widths
+
+    def error(self, exc: SdcReplayError) -> None:
+        self.console.print(f"[bold red]Error:[/] {escape(exc.message)}")
+        self.console.print(f"[bold]Hint:[/] {escape(exc.hint)}")
+
+    @contextlib.contextmanager
+    def stages(self) -> Iterator[Stages]:
+        """Progress on stderr: live on a terminal, one line per stage elsewhere."""
+        stages = Stages(self.console)
+        with stages.progress:
+            try:
+                yield stages
+            finally:
+                stages.close()

@@ -1,0 +1,185 @@
+"""What ``ops``, ``bisect`` and ``minimize`` tell a person: the operator calls of a step,
+the first corrupted call with its wrong bits, and how often it fails alone on what inputs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .output import Output, styled
+
+if TYPE_CHECKING:
+    from ..bisect.ops import OpsListing
+    from ..bisect.report import BisectResult
+    from ..minimize.driver import MinimizeResult
+
+
+def _call_rows(report: dict) -> list[list[str]]:
+    """The rows naming the corrupted call: operator, kernels, isolation, elements and bits."""
+    isolation = report["isolation"]
+    rows = [
+        ["operator", f"{report['op']} (call {report['op_index']} of the step)"],
+        ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
+        [
+            "isolated",
+            f"{styled(report['isolated'])} ({isolation['failures']} of "
+            f"{isolation['runs']} runs alone wrong)",
+        ],
+    ]
+    elements = report.get("elements") or {}
+    if elements.get("count") is not None:
+        bits = ", ".join(f"bit {b} x{n}" for b, n in report["bits"]["histogram"].items())
+        rows += [
+            [
+                "elements",
+                f"{elements['count']} of {elements['total']} differ, "
+                f"first at {elements['positions'][:4]}",
+            ],
+            ["pattern", str(report.get("pattern"))],
+            ["fault model", str(report.get("fault_model"))],
+            ["bits flipped", bits],
+            [
+                "first element",
+                f"expected {elements['expected'][0]}, got "
+                f"{elements['actual'][0]} (XOR {elements['xor'][0]})",
+            ],
+            ["max abs diff", str(elements.get("max_abs_diff"))],
+        ]
+    return rows
+
+
+def render_bisect(output: Output, result: BisectResult) -> None:
+    report = result.to_json()
+    if result.verdict == "no_divergence":
+        step = f" in step {result.step}" if result.step is not None else ""
+        output.say(
+            f"{styled('correct')}: no divergence{step} after {report.get('repeats_run')} "
+            f"repeat(s) on {result.suspect}."
+        )
+        return
+    rows = [
+        ["step", str(result.step)],
+        ["phase", str(report.get("phase"))],
+        ["module", str(report.get("module"))],
+    ]
+    if report.get("op"):
+        rows += _call_rows(report)
+    elif report.get("entry"):
+        rows.append(["first divergent entry", report["entry"]])
+    upstream = report.get("upstream")
+    if upstream:
+        changed = upstream["elements"]
+        rows.append(
+            [
+                "upstream",
+                f"{upstream['summary']}; {changed['count']} element(s) of it "
+                f"differ at {changed['positions'][:4]} "
+                f"(XOR {', '.join(changed['xor'][:4])}): {changed.get('fault_model')}",
+            ]
+        )
+    for state in report.get("state") or []:
+        bits = ", ".join(f"bit {b}" for b in state["bits"]["histogram"])
+        rows.append(
+            [
+                "state entering step",
+                f"{state['tensor']}: {state['count']} element(s) "
+                f"differ at {state['positions'][:4]} ({bits}): {state.get('fault_model')}",
+            ]
+        )
+    rank = result.findings.get("rank")
+    of_rank = "" if rank is None else f"rank {rank} of the job on "
+    output.table(f"Bisect: {of_rank}{result.suspect} vs {result.reference}", ["", ""], rows)
+    if report.get("next"):
+        output.say(report["next"])
+    output.say(f"Report: {result.report}")
+
+
+def _minimize_verdict(result: MinimizeResult) -> str:
+    low, high = result.ci95
+    if not result.reproduced:
+        return (
+            f"{styled('correct')}: not reproduced in {result.trials} trials "
+            f"(rate below {high:.3%}, 95% upper bound)"
+        )
+    kind = "persistent" if result.rate == 1 else "intermittent"
+    return (
+        f"{styled(kind)}: failed {result.failures} of {result.trials} ({result.rate:.2%}, "
+        f"95% interval {low:.2%} to {high:.2%}), first at trial "
+        f"{result.trials_to_first_failure}"
+    )
+
+
+def render_minimize(output: Output, result: MinimizeResult) -> None:
+    shrink, acceptance = result.shrink, result.acceptance
+    how = (
+        f": {shrink['reason']}"
+        if shrink.get("reason")
+        else f", {shrink['tests']} candidates tested"
+    )
+    rows = [
+        ["operator", result.op],
+        ["suspect", f"{result.device}: {_minimize_verdict(result)}"],
+        [
+            "reference",
+            f"{result.reference}: failed {result.reference_failures} of {result.reference_trials}",
+        ],
+        [
+            "inputs",
+            f"{result.input_shapes_original} -> {result.input_shapes_minimal} "
+            f"({shrink['status']}{how})",
+        ],
+        [
+            "acceptance",
+            f"reference passes {acceptance['good_trials']} runs, suspect fails "
+            f"within {acceptance['bad_trials']}",
+        ],
+    ]
+    if result.data_dependent is not None:
+        rows.append(
+            [
+                "data dependent",
+                "yes: random data of that shape passes"
+                if result.data_dependent
+                else "no: random data fails too",
+            ]
+        )
+    first = result.first_mismatch or {}
+    if "index" in first:
+        rows.append(
+            [
+                "first mismatch",
+                f"element {first['index']} {first['position']}: expected "
+                f"{first['expected']}, got {first['actual']} "
+                f"(XOR {first['xor']})",
+            ]
+        )
+    rows += _fault_model_rows(result.fault_model)
+    output.table(f"Minimize: {result.op} on {result.device}", ["", ""], rows)
+    for warning in result.warnings:
+        output.warn(warning)
+    output.say(f"Ticket: {result.ticket}")
+
+
+def _fault_model_rows(models: dict | None) -> list[list[str]]:
+    """The damage as a fault model; on the minimal inputs too where the shrink changed it."""
+    if not models or not models.get("original"):
+        return []
+    rows = [["fault model", models["original"]]]
+    if models.get("minimal") not in (None, models["original"]):
+        rows.append(["on minimal inputs", models["minimal"]])
+    return rows
+
+
+def _outputs_text(outputs: list[dict]) -> str:
+    return ", ".join(f"{o['dtype']}{o['shape']}" for o in outputs) or "-"
+
+
+def render_ops(output: Output, listing: OpsListing) -> None:
+    output.table(
+        f"Step {listing.step}: {len(listing.calls)} of {listing.total_calls} operator calls",
+        ["call", "phase", "module", "op", "nth", "outputs"],
+        [
+            [str(c.index), c.phase, c.module, c.op, str(c.nth), _outputs_text(c.outputs)]
+            for c in listing.calls
+        ],
+    )

@@ -1,0 +1,78 @@
+"""What ``doctor`` and ``demo`` tell a person: whether this device reproduces itself, and
+whether the whole chain finds the demo's planted defect (each stage drawn as its command
+would draw it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .output import Output, styled
+from .render_bisect import render_bisect, render_minimize
+from .render_record import render_record
+from .render_replay import render_diff, render_replay
+
+if TYPE_CHECKING:
+    from ..replay.doctor import DoctorReport
+    from .demo import Demo, DemoStage
+
+
+def render_doctor(output: Output, report: DoctorReport) -> None:
+    env = report.environment
+    output.say(
+        f"{report.device}: {env['device'].get('name')}, torch {env['torch']}, "
+        f"CUDA {env['cuda']}, {report.switches['num_threads']} threads; "
+        f"{report.operators} operator calls per step"
+    )
+    for problem in report.problems:
+        output.warn(problem)
+    output.table(
+        "A replay elsewhere is comparable with this device only where these match",
+        ["property", "here"],
+        [[name, str(value)] for name, value in report.must_match.items()],
+    )
+    if report.pinned:
+        output.say(
+            "Put in force by sdcreplay in each device process: "
+            + ", ".join(f"{name}={value}" for name, value in report.pinned.items())
+        )
+    if report.reproducible:
+        output.say(
+            f"{styled('correct')}: {report.runs} runs of the step were identical bit for "
+            "bit; replays on this device are evidence."
+        )
+        return
+    first = report.first_nondeterministic or {}
+    where = (
+        f"{first.get('op')} under {first.get('module')} ({first.get('phase')}), "
+        f"call {first.get('index')}"
+    )
+    output.say(
+        f"{styled('error')}: the step is not reproducible on {report.device}; "
+        f"first difference at {where}."
+    )
+
+
+def render_demo_stage(output: Output, stage: DemoStage) -> None:
+    """One stage of the demo as its command would print it."""
+    output.say(f"\n[bold]$ {stage.command}[/]")
+    renderers: dict[str, Callable[[Output, Any], None]] = {
+        "record": render_record,
+        "replay": render_replay,
+        "diff": render_diff,
+        "bisect": render_bisect,
+        "minimize": render_minimize,
+    }
+    renderers[stage.name](output, stage.result)
+
+
+def render_demo(output: Output, demo: Demo) -> None:
+    problems = demo.mismatches()
+    for problem in problems:
+        output.say(f"[bold red]Mismatch:[/] {problem}")
+    if not problems:
+        output.say(
+            f"\n[bold green]The findings match the planted defect.[/] Ticket for the "
+            f"vendor: {demo.result('minimize').ticket}"
+        )

@@ -1,0 +1,139 @@
+"""What ``record`` and ``info`` tell a person about a bundle: what was written, and what a
+bundle holds (its recording, its machine, whether it can be trusted and replayed).
+
+The result types are imported only for type checking: rendering ``info`` must not load torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+
+from .output import Output, human_size, styled
+
+if TYPE_CHECKING:
+    from ..bundle.info import BundleInfo
+    from ..recording.drive import RecordSummary
+
+
+def render_record(output: Output, summary: RecordSummary) -> None:
+    if summary.ring is not None:
+        _render_ring_record(output, summary, summary.ring)
+        return
+    output.say(
+        f"Recorded {summary.steps} steps of {summary.workload} on {summary.device}: "
+        f"{summary.entries} signature entries, {human_size(summary.size_bytes)} "
+        f"in {summary.bundle}"
+    )
+
+
+def _render_ring_record(output: Output, summary: RecordSummary, ring: dict) -> None:
+    held = (
+        f"Recorded {summary.steps} steps of {summary.workload} on {summary.device} in a ring of "
+        f"the last {ring['size']} steps (at most {human_size(ring['peak_nbytes'])} held)"
+    )
+    if not ring["dumps"]:
+        output.say(f"{held}; no alarm: nothing written.")
+    else:
+        output.say(f"{held}; {len(ring['dumps'])} bundle(s) written:")
+    for dump in ring["dumps"]:
+        trigger = dump["trigger"]
+        output.say(
+            f"  {escape(dump['bundle'])}: {escape(trigger['reason'])} ({trigger['source']}, "
+            f"at step {trigger['step']})"
+        )
+    if ring["stopped"]:
+        output.say(f"The detector ended the run at {escape(ring['stopped'])}")
+
+
+def _verification_text(verification: dict) -> str:
+    return {
+        "passed": "yes: the workload's step reproduced the loop's first step bit for bit",
+        "failed": f"[yellow]no: {escape(verification.get('problem', ''))}[/]",
+        "pending": "[yellow]no: the recording stopped before its first step was checked[/]",
+        "off": "[yellow]no: recorded without verification; a record-vs-replay difference "
+        "may be the program[/]",
+    }[verification["status"]]
+
+
+def _trigger_rows(trigger: dict | None) -> list[list[str]]:
+    """Why a ring buffer wrote the bundle (none for a bundle recorded step by step)."""
+    if trigger is None:
+        return []
+    return [
+        [
+            "written because",
+            f"{escape(trigger['reason'])} ({escape(trigger['source'])}, at step "
+            f"{trigger['step']}; ring of the last {trigger['ring']} steps)",
+        ]
+    ]
+
+
+def _job_rows(about: BundleInfo) -> list[list[str]]:
+    """A job bundle's ranks and messages; the rows after them describe its lowest part."""
+    if about.ranks is None or about.parts is None:
+        return []
+    parts = "; ".join(
+        f"rank {p['rank']} on {p['device']}: {p['steps']} steps, {p['messages']} messages"
+        + ("" if p["complete"] else " (incomplete)")
+        for p in about.parts
+    )
+    return [
+        ["ranks", f"{about.ranks} ({parts})"],
+        ["messages", f"{about.messages} in all ranks (the other rows: the lowest rank's part)"],
+    ]
+
+
+def render_info(output: Output, about: BundleInfo) -> None:
+    env, state = about.environment, about.state
+    state_text = (
+        f"embedded ({state['file']})"
+        if state["kind"] == "embedded"
+        else f"checkpoint {state['path']} (sha256 {state['sha256'][:12]}...)"
+    )
+    if about.state_objects:
+        state_text += f"; state objects {', '.join(about.state_objects)}"
+    kwargs = ", ".join(f"{k}={v}" for k, v in about.workload["kwargs"].items())
+    steps = ", ".join(str(s["index"]) for s in about.steps)
+    incomplete = "" if about.complete else " [yellow]incomplete: the recording stopped early[/]"
+    switches = about.determinism
+    output.table(
+        f"Bundle {about.bundle}",
+        ["field", "value"],
+        [
+            ["workload", f"{about.workload['ref']} ({kwargs})"],
+            ["recorded on", f"{about.device} ({env['device'].get('name')}) on host {env['host']}"],
+            [
+                "software",
+                f"torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
+                f"Python {env['python']}",
+            ],
+            *_job_rows(about),
+            ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
+            *_trigger_rows(about.trigger),
+            ["signature entries", str(about.entries)],
+            ["state", state_text],
+            ["verified", _verification_text(about.verification)],
+            [
+                "determinism",
+                f"deterministic algorithms {switches['deterministic_algorithms']}, "
+                f"{switches['num_threads']} threads",
+            ],
+            ["size", f"{human_size(about.size_bytes)} in {about.files} files"],
+            ["integrity", styled("match") if about.integrity == "ok" else about.integrity],
+            [
+                "trusted",
+                "yes" if about.trusted else "no: its workload runs only with --trust-workload",
+            ],
+        ],
+    )
+    rows = [
+        [name, str(value), "yes" if name in about.must_match else "-"]
+        for name, value in (about.fingerprint or {}).items()
+    ]
+    output.table(
+        "Machine fingerprint (a replay is evidence where the result-affecting ones match)",
+        ["property", "recorded", "result-affecting"],
+        rows or [["-", "not recorded (older bundle)", "-"]],
+    )

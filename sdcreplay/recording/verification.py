@@ -1,0 +1,183 @@
+"""The proof that a recording can be replayed: its first step re-executed from the bundle.
+
+A loop may do things its workload's step does not (clip gradients, step a scheduler
+outside it, keep an EMA); its bundle would then replay as a corruption. So the
+Recorder has the bundle's first step re-executed through the workload by a
+``ReplaySession``, as `sdcreplay replay` would, in this process, on the same device
+(which is why recording comes after replay), and says where the two steps part and
+what likely causes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..bundle.reader import Bundle
+from ..capture import determinism
+from ..capture.layers import grads_entering, state_digests
+from ..capture.message import Message
+from ..capture.signature import is_program_entry
+from ..errors import MessageOrderError, SdcReplayError
+from ..replay.session import ReplaySession
+
+
+class FirstStepCheck:
+    """Re-executes a bundle's first step against the loop's ``model``, ``optimizer`` and
+    ``state_objects`` (under ``inject``, the recording device's faults; ``distributed``: with
+    the step's collectives, whose messages must match too)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state_objects: dict[str, Any],
+        *,
+        device: torch.device,
+        label: str,
+        inject: Sequence[str],
+        distributed: bool,
+    ):
+        self.model, self.optimizer, self.state_objects = model, optimizer, state_objects
+        self.device, self.label = device, label
+        self._inject = list(inject)
+        self._distributed = distributed
+
+    def problem(self, bundle_path: Path, *, live_state: bool) -> str | None:
+        """Re-execute the bundle's first step; ``live_state``: the loop's state must also equal
+        replay's after it (true only while the loop is at the start of its second step)."""
+        # Building the workload reseeds the generators; the loop goes on from its own states.
+        saved = determinism.capture_rng(self.device)
+        try:
+            return self._reexecute_first_step(bundle_path, live_state)
+        finally:
+            determinism.restore_rng(saved, self.device)
+
+    def _reexecute_first_step(self, bundle_path: Path, live_state: bool) -> str | None:
+        """Replay the first step as `sdcreplay replay` would, in this process: what differs, or
+        None."""
+        try:
+            session = ReplaySession(Bundle.open(bundle_path), self.label, inject=self._inject)
+        except SdcReplayError as exc:
+            return f"replay cannot rebuild this recording: {exc.message}"
+        try:
+            if sorted(session.workload.state) != sorted(self.state_objects):
+                return (
+                    f"the workload's state objects are {sorted(session.workload.state)}, the "
+                    f"Recorder was given {sorted(self.state_objects)}: pass the same, by the same "
+                    f"names (Recorder(..., state=workload.state))"
+                )
+            record = session.bundle.steps[0]
+            try:
+                replayed = session.run_step(record)
+            except MessageOrderError as exc:
+                return exc.message + self._unknown_ddp_note(session.bundle)
+            recorded = session.bundle.signature_log().steps[record.index]
+            problem = describe_first_difference(recorded, replayed)
+            if problem is None and self._distributed:
+                problem = describe_message_difference(
+                    session.bundle.messages()[record.index], session.last_messages
+                )
+                problem = problem and problem + self._unknown_ddp_note(session.bundle)
+            if problem is None and live_state:
+                problem = self._state_difference(session)
+            return problem
+        finally:
+            session.close()
+
+    @staticmethod
+    def _unknown_ddp_note(bundle: Bundle) -> str:
+        """Why a job's collectives may differ from a fresh workload's although its step is the
+        same: a DDP the Recorder does not know of had trained before the first step."""
+        info = bundle.manifest.distributed
+        if info is None or info.ddp_iterations_before is not None:
+            return ""
+        return (
+            " (if a DistributedDataParallel trained before this recording began, it issues "
+            "other collectives than a fresh one: give it to the Recorder as model= or "
+            "data_parallel=)"
+        )
+
+    def _state_difference(self, session: ReplaySession) -> str | None:
+        """Does replay's state equal the loop's as the next step begins?"""
+        live = state_digests(self.model, self.state_objects, self.optimizer)
+        replayed = state_digests(session.model, session.workload.state, session.optimizer)
+        for name, digest in live.items():
+            if replayed.get(name) != digest:
+                return (
+                    f"{name} differs after the first step although every entry of the step "
+                    f"matched: the loop changes it where the workload's step does not (an EMA? "
+                    f"a scheduler? a manual edit, or something done after the block?)"
+                )
+        if session.workload.train_step is not None:
+            loop, replay = grads_entering(self.model), grads_entering(session.model)
+            if loop != replay:
+                return (
+                    f"the gradients enter the second step as {loop!r} in the loop but {replay!r} "
+                    f"after the workload's step: the loop zeroes (or keeps) gradients outside it"
+                )
+        return None
+
+
+def describe_first_difference(
+    recorded: list[tuple[str, str]], replayed: list[tuple[str, str]]
+) -> str | None:
+    """The first entry where the workload's step differs from the loop's, and its likely cause."""
+    names = [name for name, _ in recorded]
+    if names != [name for name, _ in replayed]:
+        position = next(
+            (i for i, (a, (b, _)) in enumerate(zip(names, replayed)) if a != b),
+            min(len(names), len(replayed)),
+        )
+
+        def at(entries: list) -> str:
+            return entries[position][0] if position < len(entries) else "(end of step)"
+
+        return (
+            f"the loop's step has {at(recorded)!r} where the workload's step has {at(replayed)!r} "
+            f"(entry {position}): they run different programs (another number of backward passes, "
+            f"an optimizer step inside vs outside the step, a skipped step?)"
+        )
+    differing = [name for (name, a), (_, b) in zip(recorded, replayed) if a != b]
+    if not differing:
+        return None
+    first = differing[0]
+    kind = first.split(":", 1)[0]
+    if is_program_entry(first):
+        cause = (
+            "the loop changes hyper-parameters or a state object outside the workload's step "
+            "(a scheduler? a GradScaler?)"
+        )
+    elif kind == "step_grad":
+        cause = (
+            "every grad: matched: the loop changes gradients between backward() and "
+            "optimizer.step() "
+            "outside the workload's step (clipping? GradScaler unscaling?)"
+        )
+    elif kind in ("param", "buffer", "optim"):
+        cause = (
+            "every grad: matched: the loop changes gradients or parameters outside the workload's "
+            "step (clipping? a scheduler? an EMA?)"
+        )
+    else:
+        cause = (
+            "the workload's forward/backward differs from the loop's (another loss_fn, batch "
+            "transform or autocast), or this device computed differently in one of the two runs"
+        )
+    return f"{first} differs: {cause}"
+
+
+def describe_message_difference(recorded: list[Message], replayed: list[Message]) -> str | None:
+    """The first collective message whose digests differ between the loop's step and the
+    workload's (their order was enforced while the step ran)."""
+    for loop, workload in zip(recorded, replayed):
+        for which in ("input", "output"):
+            if getattr(loop, f"{which}_digest") != getattr(workload, f"{which}_digest"):
+                return (
+                    f"the {which} of collective message {loop.record_id} ({loop.brief()}) "
+                    "differs: the loop's step sends other data than the workload's"
+                )
+    return None
