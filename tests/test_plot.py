@@ -123,7 +123,7 @@ def test_heatmap_refuses_tensors_that_do_not_match(tmp_path):
 
 
 def test_matplotlib_is_imported_only_inside_the_functions():
-    source = Path(__file__).resolve().parent.parent / "sdcreplay" / "plot.py"
+    source = Path(__file__).resolve().parent.parent / "sdcreplay" / "compare" / "plot.py"
     top_level = [
         node
         for node in ast.parse(source.read_text()).body

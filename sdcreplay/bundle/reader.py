@@ -15,16 +15,23 @@ import h5py
 from ..capture.message import Message
 from ..capture.signature import SignatureLog, read_records, read_signature_log
 from ..errors import BundleError
-from ..storage.safeio import check_self_contained, read_limited, regular_file_inside
+from ..storage.safeio import (
+    check_json_value,
+    check_self_contained,
+    read_limited,
+    regular_file_inside,
+)
 from . import trust
 from .manifest import (
     JOB_SCHEMA,
     MANIFEST,
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
+    MAX_PROBE_BYTES,
     MAX_WORLD_SIZE,
     MESSAGES,
     PARTIAL_SUFFIX,
+    PROBE,
     RANKS,
     SIGNATURES,
     STATE,
@@ -202,6 +209,28 @@ class Bundle:
                     f"the manifest says {step.entries}"
                 )
         return log
+
+    @property
+    def has_probe(self) -> bool:
+        return PROBE in self.manifest.files
+
+    def probe(self) -> dict | None:
+        """The recording device's kernel probe (``sdcreplay.probe/1``), or None when the bundle
+        was written without one (before probes existed)."""
+        meta = self.manifest.files.get(PROBE)
+        if meta is None:
+            return None
+        data = read_limited(
+            regular_file_inside(self.path, PROBE), min(meta.size, MAX_PROBE_BYTES), PROBE
+        )
+        try:
+            probe = json.loads(data)
+        except ValueError as exc:
+            raise BundleError(f"{PROBE} in {self.path} is not JSON: {exc}") from exc
+        check_json_value(probe, f"{PROBE} in {self.path}")
+        if not isinstance(probe, dict) or probe.get("schema") != "sdcreplay.probe/1":
+            raise BundleError(f"{PROBE} in {self.path} is not an sdcreplay.probe/1 object")
+        return probe
 
     def messages(self) -> dict[int, list[Message]]:
         """The logged collective messages per step (a job's rank part; empty in other bundles).

@@ -29,6 +29,7 @@ from .manifest import (
     MANIFEST_DIGEST,
     MESSAGES,
     PARTIAL_SUFFIX,
+    PROBE,
     RANKS,
     SIGNATURES,
     STATE,
@@ -276,6 +277,12 @@ class BundleWriter:
             absent=frozenset() if problem else frozenset({"problem"}),
         )
         self.manifest.present("verification", verification)
+        self._save_manifest()
+
+    def set_probe(self, probe: dict) -> None:
+        """Keep the recording device's kernel probe (``sdcreplay.probe/1``) beside the steps."""
+        (self.path / PROBE).write_text(json.dumps(probe, separators=(",", ":")))
+        self._note_file(PROBE)
         self._save_manifest()
 
     def set_trigger(self, trigger: Trigger) -> None:

@@ -36,7 +36,15 @@ RESULT_AFFECTING = (
 )
 
 
-def must_match(found: dict) -> dict:
-    """The properties of ``found`` that a replay elsewhere must share to be compared bit for bit."""
+# Without a kernel probe in the bundle (capture/probe.py) nothing shows that another CPU model
+# computes alike, whatever a BLAS branch promises: the model is then compared too.
+MODELS = ("cpu.model", "gpu.name")
+
+
+def must_match(found: dict, probed: bool = True) -> dict:
+    """The properties of ``found`` that a replay elsewhere must share to be compared bit for bit
+    (``probed``: the bundle has a kernel probe, which judges what the list cannot)."""
     names = list(RESULT_AFFECTING) + (["cpu.model"] if found.get("cpu.blas_branch") is None else [])
+    if not probed:
+        names += [name for name in MODELS if name not in names]
     return {name: found[name] for name in names if name in found}

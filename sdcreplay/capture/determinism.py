@@ -404,8 +404,11 @@ def pin_environment(recorded: dict | None) -> None:
     os.environ.update(pinned_environment(recorded))
 
 
-def fingerprint_differences(recorded: dict | None, now: dict | None) -> list[str]:
-    """``name: recorded X, here Y`` for every result-affecting property that differs.
+def fingerprint_differences(
+    recorded: dict | None, now: dict | None, probed: bool = True
+) -> list[str]:
+    """``name: recorded X, here Y`` for every result-affecting property that differs
+    (``probed``: see `comparable.must_match`).
 
     A property the record lacks (an older bundle) cannot be compared and is skipped.
     """
@@ -413,6 +416,6 @@ def fingerprint_differences(recorded: dict | None, now: dict | None) -> list[str
         return []
     return [
         f"{name}: recorded {value!r}, here {now.get(name)!r}"
-        for name, value in must_match(recorded).items()
+        for name, value in must_match(recorded, probed).items()
         if value != now.get(name)
     ]

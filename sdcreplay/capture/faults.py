@@ -16,11 +16,13 @@ import math
 import os
 import random
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FaultSpecError
 from ..kinds import PhaseName
@@ -463,3 +465,42 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
         position = _unravel(element, tensor.shape)
         tensor[position] = tensor[position] * (1.0 + spec.scale)
     return block, None
+
+
+OTHER_MACHINE_VAR = "SDCREPLAY_OTHER_MACHINE"
+
+
+class _OtherMachineKernels(TorchDispatchMode):
+    """``ops`` computed as another kind of machine would: the lowest bit of each output's
+    first element differs, on every call, in the probe and the step alike."""
+
+    def __init__(self, ops: set[str]):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) in self.ops or str(func.overloadpacket) in self.ops:
+            target = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(target, torch.Tensor) and target.numel():
+                xor_words(target, [0], 1)
+        return out
+
+
+@contextmanager
+def other_machine_kernels() -> Iterator[None]:
+    """Under ``SDCREPLAY_OTHER_MACHINE=OP[@LABEL][,...]`` (a device process's environment),
+    this process (the one whose ``SDCREPLAY_DEVICE`` is LABEL, or every one) computes those
+    operators as another machine would: how the tests show what a replica on another CPU or
+    GPU model does to a verdict (docs/fault-injection.md)."""
+    here = os.environ.get("SDCREPLAY_DEVICE")
+    ops = set()
+    for entry in os.environ.get(OTHER_MACHINE_VAR, "").split(","):
+        op, _, label = entry.partition("@")
+        if op and label in ("", here):
+            ops.add(op)
+    if not ops:
+        yield
+        return
+    with _OtherMachineKernels(ops):
+        yield

@@ -384,12 +384,24 @@ def doctor(
         str, typer.Option(help="Workload whose step is run twice.")
     ] = "builtin:tiny-llama",
     runs: Annotated[int, typer.Option(min=2, help="Runs of the step from the same state.")] = 2,
+    against: Annotated[
+        Path | None,
+        typer.Option(
+            help="Bundle: run its kernel probe here and say whether this machine can judge it."
+        ),
+    ] = None,
     json_mode: JsonOpt = False,
 ):
     """Is this device bitwise reproducible? Runs a step twice, names the first operator that is not.
 
-    Exit 1 when the step is not reproducible (a finding, like a divergence).
+    With --against BUNDLE: does this device compute the bundle's kernels as its recording
+    device did (can it vote on the record)? Exit 1 when the step is not reproducible or the
+    machine cannot judge the bundle (a finding, like a divergence).
     """
+    if against is not None:
+        from ..replay.comparability import judge_against
+
+        return judge_against(against, device)
     from ..replay.doctor import doctor as run_doctor
 
     return run_doctor(device, workload, runs=runs)

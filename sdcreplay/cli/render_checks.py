@@ -14,11 +14,17 @@ from .render_record import render_record
 from .render_replay import render_diff, render_replay
 
 if TYPE_CHECKING:
+    from ..replay.comparability import ComparabilityReport
     from ..replay.doctor import DoctorReport
     from .demo import Demo, DemoStage
 
 
-def render_doctor(output: Output, report: DoctorReport) -> None:
+def render_doctor(output: Output, report: DoctorReport | ComparabilityReport) -> None:
+    from ..replay.comparability import ComparabilityReport
+
+    if isinstance(report, ComparabilityReport):
+        render_comparability(output, report)
+        return
     env = report.environment
     output.say(
         f"{report.device}: {env['device'].get('name')}, torch {env['torch']}, "
@@ -52,6 +58,33 @@ def render_doctor(output: Output, report: DoctorReport) -> None:
         f"{styled('error')}: the step is not reproducible on {report.device}; "
         f"first difference at {where}."
     )
+
+
+def render_comparability(output: Output, report: ComparabilityReport) -> None:
+    probe = report.probe
+    output.say(
+        f"{report.device} against {report.bundle}: {probe['ran']} kernel probe calls, "
+        f"{probe['differing_count']} give other bits than on the recording device"
+    )
+    for difference in report.fingerprint_differences:
+        output.warn(f"fingerprint: {difference}")
+    if probe["differing"]:
+        output.table(
+            "Kernels computed differently here",
+            ["kernel", "here"],
+            [[call["kernel"], call.get("error", "other bits")] for call in probe["differing"]],
+        )
+    if report.comparable:
+        output.say(
+            f"{styled('correct')}: {report.device} computes the recording's kernels bit for "
+            "bit; its replays can vote on the record."
+        )
+    else:
+        output.say(
+            f"{styled('incomparable')}: {report.device} cannot judge this recording (another CPU "
+            "or GPU model or library build, or a defect of the recording device on those "
+            "kernels); a replica on the recording's kind of machine would decide."
+        )
 
 
 def render_demo_stage(output: Output, stage: DemoStage) -> None:

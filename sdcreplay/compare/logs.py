@@ -263,8 +263,10 @@ class Consensus:
     """Majority vote over every entry; the record counts as one voter.
 
     ``incomparable`` names, per voter whose machine differs from the
-    recording's in a result-affecting property, what differs: such a voter
-    never votes against the record.
+    recording's in a result-affecting property or whose kernel probe gives
+    other bits, what differs: such a voter never votes against the record.
+    ``missing`` says what the case against the recording device lacks when the
+    record alone is out of line but the verdict is ``undecided`` for it.
     """
 
     verdict: ConsensusVerdict
@@ -273,10 +275,17 @@ class Consensus:
     voters: dict[str, DeviceVerdict]
     undecided_entries: int = 0
     incomparable: dict[str, list[str]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
 
     @property
     def advice(self) -> str | None:
         """What would turn this answer into a decision, or None when it is one."""
+        if self.verdict == "undecided" and self.missing:
+            return (
+                "every comparable replica agrees with the others but not with the record, and "
+                "that accuses the recording device only with the whole case; missing: "
+                + "; ".join(self.missing)
+            )
         if self.verdict == "undecided":
             tied = ", ".join(label for label, v in self.voters.items() if v.verdict == "undecided")
             entries = (
@@ -290,11 +299,25 @@ class Consensus:
         if self.verdict == "incomparable":
             properties = sorted(
                 {d.split(":", 1)[0] for diffs in self.incomparable.values() for d in diffs}
+                - {"probe"}
             )
+            kernels = sorted(
+                {
+                    d.removeprefix("probe: ").rpartition(" gives")[0]
+                    for diffs in self.incomparable.values()
+                    for d in diffs
+                    if d.endswith("gives other bits here")
+                }
+            )
+            why = []
+            if properties:
+                why.append(f"{', '.join(properties)} differ")
+            if kernels:
+                why.append(f"the kernel probe gives other bits on {'; '.join(kernels[:3])}")
             return (
-                "no replica ran on a machine comparable with the recording "
-                f"({', '.join(properties)} "
-                "differ): replay on a device that matches the recording's fingerprint"
+                f"no replica ran on a machine comparable with the recording ({'; '.join(why)}): "
+                "replay on a device of the recording's kind (`sdcreplay doctor --against "
+                "BUNDLE` says whether a machine can judge it)"
             )
         return None
 
@@ -306,6 +329,7 @@ class Consensus:
             "first_divergence": None if first is None else first.brief(),
             "undecided_entries": self.undecided_entries,
             "incomparable": self.incomparable,
+            "missing": self.missing,
             "advice": self.advice,
         }
 
@@ -369,6 +393,7 @@ def vote(
     record: SignatureLog,
     replicas: dict[str, list[SignatureLog]],
     incomparable: dict[str, list[str]] | None = None,
+    case_gaps: list[str] | None = None,
 ) -> Consensus:
     """Judge every replica run, and the record, against the majority.
 
@@ -380,7 +405,10 @@ def vote(
     ``advice`` says what would decide it. Replicas named in ``incomparable``
     (their machine differs from the recording's) vote only among replicas with
     the same differences: they can show one of them is odd, never that the
-    record is.
+    record is. The record is the suspect only on the whole case: at least two
+    comparable replicas agreeing against it (one is a tie), and nothing in
+    ``case_gaps`` (what the caller knows is missing: an unverified recording, no
+    kernel probe); short of it the verdict is ``undecided`` and ``missing`` says why.
     """
     incomparable = {
         label: diffs for label, diffs in (incomparable or {}).items() if label in replicas
@@ -409,6 +437,7 @@ def vote(
     suspects = [
         voter for voter, v in verdicts.items() if v.verdict in ("persistent", "intermittent")
     ]
+    missing: list[str] = []  # what the case against the record lacks
     replica_kinds = {v.verdict for voter, v in verdicts.items() if voter != RECORD}
     verdict: ConsensusVerdict
     if len(voters) == 1 and incomparable:
@@ -421,11 +450,15 @@ def vote(
         verdict = "transient"
     elif verdicts[RECORD].verdict != "match":
         verdict = "recording_suspect"
+        missing += case_gaps or []
+        if missing:
+            verdict = "undecided"
+            suspects = []
     else:
         verdict = "correct"
     firsts = [v.first_divergence for v in verdicts.values() if v.first_divergence is not None]
     first = min(firsts, key=lambda d: (d.step, _position(reference, d))) if firsts else None
-    return Consensus(verdict, suspects, first, verdicts, len(ties), incomparable)
+    return Consensus(verdict, suspects, first, verdicts, len(ties), incomparable, missing)
 
 
 def refuse_program_difference(verdicts: dict[str, DeviceVerdict]) -> None:

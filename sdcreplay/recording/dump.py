@@ -131,7 +131,10 @@ class RingDumper:
                 ),
                 None,
             )
+        self._check.probe = None
         problem = problem or self._check.problem(writer.path, live_state=False)
+        if self._check.probe is not None:
+            writer.set_probe(self._check.probe)
         writer.set_verification(self.verify_mode, "failed" if problem else "passed", problem)
         if problem:
             bundle = writer.final_path if job is None else job.final_path

@@ -306,6 +306,8 @@ class Recorder:
             return
         self._verify_due = False
         problem = self._check.problem(self._writer.path, live_state=True)
+        if self._check.probe is not None:
+            self._writer.set_probe(self._check.probe)
         if problem is None:
             self._writer.set_verification(self.verify_mode, "passed")
         else:

@@ -5,7 +5,9 @@ outside it, keep an EMA); its bundle would then replay as a corruption. So the
 Recorder has the bundle's first step re-executed through the workload by a
 ``ReplaySession``, as `sdcreplay replay` would, in this process, on the same device
 (which is why recording comes after replay), and says where the two steps part and
-what likely causes it.
+what likely causes it. The same re-execution notes the step's distinct operator calls for
+the kernel probe (capture/probe.py), which the bundle keeps as evidence of how this
+device computes them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..bundle.reader import Bundle
 from ..capture import determinism
 from ..capture.layers import grads_entering, state_digests
 from ..capture.message import Message
+from ..capture.probe import collecting_calls, record_probe
 from ..capture.signature import is_program_entry
 from ..errors import MessageOrderError, SdcReplayError
 from ..replay.session import ReplaySession
@@ -45,6 +48,7 @@ class FirstStepCheck:
         self.device, self.label = device, label
         self._inject = list(inject)
         self._distributed = distributed
+        self.probe: dict | None = None  # the last re-execution's kernel probe (sdcreplay.probe/1)
 
     def problem(self, bundle_path: Path, *, live_state: bool) -> str | None:
         """Re-execute the bundle's first step; ``live_state``: the loop's state must also equal
@@ -72,9 +76,11 @@ class FirstStepCheck:
                 )
             record = session.bundle.steps[0]
             try:
-                replayed = session.run_step(record)
+                with collecting_calls(self.device) as calls:
+                    replayed = session.run_step(record)
             except MessageOrderError as exc:
                 return exc.message + self._unknown_ddp_note(session.bundle)
+            self.probe = record_probe(list(calls.calls.values()), self.device).to_json()
             recorded = session.bundle.signature_log().steps[record.index]
             problem = describe_first_difference(recorded, replayed)
             if problem is None and self._distributed:

@@ -8,6 +8,8 @@ would fail on every device is refused once, before any process starts.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ class DeviceRun:
         default_factory=list
     )  # result-affecting properties unlike the record's
     spread_from: int | None = None  # in a job: the origin rank whose corruption reached it
+    probe: dict | None = None  # the bundle's kernel probe run here (ProbeOutcome.to_json)
 
     @property
     def verdict(self) -> DeviceRunVerdict:
@@ -71,6 +74,7 @@ class DeviceRun:
             "error": self.error,
             "fingerprint": self.fingerprint,
             "fingerprint_differences": self.differences,
+            "probe": self.probe,
             **({} if self.spread_from is None else {"spread_from": self.spread_from}),
         }
 
@@ -80,6 +84,49 @@ UNVERIFIED_CAVEAT = (
     "failed): a difference between the record and every replay may be the training loop doing "
     "something the workload's step does not, not the recording device"
 )
+
+
+def probe_differences(probe: dict | None) -> list[str]:
+    """Why a replica whose kernel probe gave other bits may not vote on the record: the first
+    kernels that differ, and which outcome it had (replicas with the same outcome compute
+    alike and may judge each other)."""
+    if probe is None or probe["matched"]:
+        return []
+    outcome = hashlib.sha256(json.dumps(probe["digests"]).encode()).hexdigest()[:12]
+    shown = [
+        f"probe: {call['kernel']} "
+        + (f"raises here ({call['error']})" if "error" in call else "gives other bits here")
+        for call in probe["differing"][:3]
+    ]
+    return [
+        *shown,
+        f"probe: {probe['differing_count']} of {probe['ran']} kernels differ from the "
+        f"recording's (outcome {outcome}): another CPU or GPU model or library build than the "
+        "recording's, or a defect of the recording device on those kernels; a replica on the "
+        "recording's kind of machine would decide",
+    ]
+
+
+def case_gaps(bundle: Bundle) -> list[str]:
+    """What a replay of this bundle can never supply to accuse its recording device."""
+    gaps = []
+    if not bundle.verified:
+        gaps.append(
+            "the recording is unverified: a difference between record and replays may be the "
+            "program, not the device"
+            + (
+                f" (the check found: {bundle.verification.problem})"
+                if bundle.verification.problem
+                else ""
+            )
+        )
+    if not bundle.has_probe:
+        gaps.append(
+            "the bundle holds no kernel probe (written before probes existed, or with "
+            "verification off): nothing shows that the replicas compute like the recording "
+            "device"
+        )
+    return gaps
 
 
 def caveat_for(bundle: Bundle) -> str | None:
@@ -273,20 +320,21 @@ def replay_devices(
             warnings=value.get("warnings", []),
             injected=value.get("injected", []),
             fingerprint=value.get("fingerprint"),
+            probe=value.get("probe"),
         )
         if run.error is None:
             run.log_paths = value["logs"]
             run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
             run.differences = determinism.fingerprint_differences(
-                recorded_fingerprint, run.fingerprint
-            )
+                recorded_fingerprint, run.fingerprint, probed=opened.has_probe
+            ) or probe_differences(run.probe)
         runs.append(run)
     record = opened.signature_log()
     if last_step is not None:
         record.steps = {s: e for s, e in record.steps.items() if s <= last_step}
     healthy = {run.device: run.logs for run in runs if run.error is None}
     incomparable = {run.device: run.differences for run in runs if run.differences}
-    consensus = vote(record, healthy, incomparable) if healthy else None
+    consensus = vote(record, healthy, incomparable, case_gaps(opened)) if healthy else None
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]

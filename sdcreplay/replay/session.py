@@ -23,14 +23,15 @@ from ..bundle.state import write_state
 from ..capture import determinism
 from ..capture.collectives import MessageLog
 from ..capture.digest import algorithm_for
-from ..capture.faults import Injector, parse_specs
+from ..capture.faults import Injector, other_machine_kernels, parse_specs
 from ..capture.layers import SignatureCapture
 from ..capture.message import Message
 from ..capture.operators import OperatorMode, OperatorObserver
+from ..capture.probe import Probe, run_probe
 from ..capture.signature import SignatureLog, write_signature_log
 from ..capture.snapshot import TrainingSnapshot
 from ..devices import torch_device
-from ..errors import SdcReplayError, WorkloadError
+from ..errors import BundleError, SdcReplayError, WorkloadError
 from ..heartbeat import HEARTBEAT
 from ..storage.tensorio import map_tensors, read_tree, write_tree
 from ..workload.definition import Workload, build_workload
@@ -324,7 +325,37 @@ def run_replay_task(
     inject: Sequence[str] = (),
     last_step: int | None = None,
 ) -> dict:
-    """In a device process: replay ``repeats`` times, one signature log each, in ``log_dir``."""
+    """In a device process: run the bundle's kernel probe, then replay ``repeats`` times, one
+    signature log each, in ``log_dir``."""
+    with other_machine_kernels():
+        probe = run_recorded_probe(Bundle.open(bundle), device)
+        value = _replay_repeats(device, bundle, repeats, log_dir, inject, last_step)
+    return {**value, "probe": probe}
+
+
+def run_recorded_probe(bundle: Bundle, device: str) -> dict | None:
+    """The bundle's kernel probe run here under the recording's switches: which calls give
+    other bits (capture/probe.py), or None for a bundle recorded without one."""
+    recorded = bundle.probe()
+    if recorded is None:
+        return None
+    HEARTBEAT.beat("kernel probe")
+    determinism.apply(bundle.manifest.determinism.to_json())
+    try:
+        probe = Probe.from_json(recorded)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{bundle.path}'s kernel probe is malformed: {exc}") from exc
+    return run_probe(probe, torch_device(device)).to_json(probe)
+
+
+def _replay_repeats(
+    device: str,
+    bundle: str,
+    repeats: int,
+    log_dir: str,
+    inject: Sequence[str],
+    last_step: int | None,
+) -> dict:
     logs, warnings, injected, unmatched = [], [], [], None
     for repeat in range(repeats):
 
