@@ -179,3 +179,16 @@ def test_doctor_against_a_bundle_without_a_probe_is_refused(tmp_path, cli):
     done = cli("doctor", "--against", bundle)
     assert done.exit_code == 3
     assert "holds no kernel probe" in done.stderr and "Hint: Record the bundle again" in done.stderr
+
+
+@pytest.mark.parametrize("step", [[], ["--step", "1"]], ids=["found-by-replay", "given"])
+def test_bisect_refuses_a_reference_that_computes_unlike_the_suspect(bundle, cli, step):
+    fault = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=3"
+    done = cli(
+        "bisect", bundle, "--suspect", "cpu:1", "--reference", "cpu:0", *step,
+        "--inject", f"{fault},device=cpu:1", "--out", bundle.parent / "report",
+        env={"SDCREPLAY_OTHER_MACHINE": f"{MM}@cpu:0"},
+    )  # fmt: skip
+    assert done.exit_code == 3, done.output
+    assert "Error: the reference cpu:0 does not compute like cpu:1: probe: aten.mm" in done.stderr
+    assert "doctor --against" in done.stderr

@@ -319,6 +319,7 @@ def test_vote_correct():
         "first_divergence": None,
         "undecided_entries": 0,
         "incomparable": {},
+        "missing": [],
         "advice": None,
     }
 

@@ -16,6 +16,7 @@ from ..capture.signature import SignatureLog
 from ..compare.logs import Divergence, compare_logs
 from ..compare.messages import recorded_log
 from ..errors import SdcReplayError
+from ..replay.comparability import refuse_unlike_reference
 from ..replay.job import replay_job
 from ..replay.replicas import replay_devices
 from .report import total
@@ -51,6 +52,9 @@ def first_divergent_step(
                 run.error.get("hint") or "See the device's stderr in the work directory.",
             )
     runs = {run.device: run for run in report.devices}
+    refuse_unlike_reference(
+        {label: run.differences for label, run in runs.items()}, reference, suspect
+    )
     trusted = runs[reference].logs[0]
     record_first = _first_divergence(trusted, [bundle.signature_log()])
     first = record_first if suspect is None else _first_divergence(trusted, runs[suspect].logs)

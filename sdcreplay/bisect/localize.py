@@ -33,6 +33,7 @@ from ..compare.logs import RECORD
 from ..devices import validate_label
 from ..errors import SdcReplayError, StructureError
 from ..kinds import Isolation
+from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
 from .divergent_step import first_divergent_job_step, first_divergent_step
 from .evidence import first_differing_output, state_forensics, trees_equal, upstream
@@ -100,6 +101,10 @@ def bisect(
             else first_divergent_job_step(job, rank or 0, suspect, reference, inject, work)
         )
         step = found if step is None else step
+    elif job is None:  # no replay ran: the probe alone says whether the reference can judge
+        labels = [reference] + ([suspect] if suspect else [])
+        unlike = probe_in_processes(opened, labels, work / "probe")
+        refuse_unlike_reference(unlike, reference, suspect)
     if step is None or (suspect is None and replayed["first_entry"] is None):
         result = {
             **base,

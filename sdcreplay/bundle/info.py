@@ -42,6 +42,7 @@ class BundleInfo:
     must_match: dict
     trusted: bool
     trigger: dict | None = None
+    probe: dict | None = None  # the kernel probe: calls, skipped (None: the bundle has none)
     ranks: int | None = None  # a job bundle: its world size
     messages: int | None = None  # a job bundle: messages logged by all its ranks
     parts: list[dict] | None = None  # a job bundle: per rank its device, steps and messages
@@ -121,7 +122,15 @@ def _describe_bundle(bundle: Bundle) -> BundleInfo:
         environment=manifest.environment.to_json(),
         determinism=manifest.determinism.to_json(),
         fingerprint=manifest.fingerprint,
-        must_match=must_match(manifest.fingerprint or {}),
+        must_match=must_match(manifest.fingerprint or {}, probed=bundle.has_probe),
         trusted=bundle.trusted,
         trigger=None if manifest.trigger is None else manifest.trigger.to_json(),
+        probe=_probe_summary(bundle.probe()),
     )
+
+
+def _probe_summary(probe: dict | None) -> dict | None:
+    if probe is None:
+        return None
+    calls = probe.get("calls")
+    return {"calls": len(calls) if isinstance(calls, list) else 0, "skipped": probe.get("skipped")}

@@ -84,7 +84,7 @@ def _write_json_atomic(path: Path, obj: Any, durable: bool) -> None:
     os.replace(tmp, path)
 
 
-_BUNDLE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", SIGNATURES, MESSAGES, STATE, "steps"}
+_BUNDLE_ENTRIES = {MANIFEST, MANIFEST + ".tmp", SIGNATURES, MESSAGES, STATE, PROBE, "steps"}
 
 
 def written_by_us(path: Path) -> bool:

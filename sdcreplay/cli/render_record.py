@@ -115,6 +115,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
             ["signature entries", str(about.entries)],
             ["state", state_text],
             ["verified", _verification_text(about.verification)],
+            ["kernel probe", _probe_text(about.probe)],
             [
                 "determinism",
                 f"deterministic algorithms {switches['deterministic_algorithms']}, "
@@ -136,4 +137,12 @@ def render_info(output: Output, about: BundleInfo) -> None:
         "Machine fingerprint (a replay is evidence where the result-affecting ones match)",
         ["property", "recorded", "result-affecting"],
         rows or [["-", "not recorded (older bundle)", "-"]],
+    )
+
+
+def _probe_text(probe: dict | None) -> str:
+    if probe is None:
+        return "none: replicas are compared by fingerprint only (CPU and GPU models included)"
+    return f"{probe['calls']} distinct operator calls of the first step" + (
+        f" ({probe['skipped']} left out)" if probe["skipped"] else ""
     )

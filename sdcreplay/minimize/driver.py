@@ -28,9 +28,13 @@ import torch
 
 from ..bisect.kernels import kernel_names
 from ..bisect.operator_case import OperatorCase, resolve_op
+from ..bundle.reader import Bundle
 from ..capture.faults import FaultSpec, parse_specs
-from ..devices import validate_label
+from ..capture.probe import Probe, run_probe
+from ..devices import torch_device, validate_label
 from ..errors import DeterminismError, SdcReplayError
+from ..replay.comparability import refuse_unlike_reference
+from ..replay.replicas import probe_differences
 from ..storage.tensorio import dtype_name, map_tensors
 from . import ticket
 from .data_dependence import depends_on_data, failing_element_coordinates
@@ -131,6 +135,11 @@ def minimize(
     specs = parse_specs(inject)
     warnings = _report_warnings(report, specs)
     switches = deterministic_switches(report, report_dir, warnings)
+    refuse_unlike_reference(
+        _unlike_recording(report, [suspect_label, reference_label], warnings),
+        reference_label,
+        suspect_label,
+    )
     op = resolve_op(case.op)
     suspect = TrialRunner(op, case.site, case.prior, suspect_label, specs, rng=case.rng)
     checker = TrialRunner(op, case.site, case.prior, reference_label, specs, rng=case.rng)
@@ -301,3 +310,24 @@ def _command_line(
     for spec in inject:
         words += ["--inject", spec]
     return shlex.join(words)
+
+
+def _unlike_recording(report: dict, labels: list[str], warnings: list[str]) -> dict[str, list[str]]:
+    """How each device here is unlike the recording (its kernel probe, run in this process);
+    nothing when the report's bundle is gone or has no probe (a warning says so)."""
+    try:
+        bundle = Bundle.open(report["bundle"])
+    except SdcReplayError as exc:
+        warnings.append(
+            f"the report's bundle cannot be read ({exc.message}): "
+            "the devices' kernels were not compared"
+        )
+        return {}
+    recorded = bundle.probe()
+    if recorded is None:
+        return {}
+    probe = Probe.from_json(recorded)
+    return {
+        label: probe_differences(run_probe(probe, torch_device(label)).to_json(probe))
+        for label in labels
+    }

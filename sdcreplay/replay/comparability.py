@@ -19,6 +19,7 @@ from ..capture.faults import other_machine_kernels
 from ..devices import torch_device, validate_label
 from ..errors import BundleError, SdcReplayError
 from .processes import run_device_processes
+from .replicas import probe_differences
 from .session import run_recorded_probe
 from .worker import device_task
 
@@ -100,4 +101,47 @@ def judge_against(bundle: str | Path, device: str = "cpu") -> ComparabilityRepor
         determinism.fingerprint_differences(recorded, value["fingerprint"]),
         value["probe"],
         value["fingerprint"],
+    )
+
+
+def probe_in_processes(bundle: Bundle, labels: list[str], work: Path) -> dict[str, list[str]]:
+    """Per label, how it is unlike the recording device (fingerprint, then probe); [] alike."""
+    results = run_device_processes(
+        "probe",
+        run_probe_task,
+        labels,
+        lambda label: {"bundle": str(bundle.path)},
+        work,
+        environment=determinism.pinned_environment(bundle.manifest.fingerprint),
+    )
+    unlike = {}
+    for label, result in results.items():
+        if result.error is not None:
+            raise SdcReplayError(
+                f"the kernel probe did not run on {label}: {result.error.message}",
+                result.error.hint or f"See the device process's log: {result.error.log}",
+            )
+        value = result.value or {}
+        unlike[label] = determinism.fingerprint_differences(
+            bundle.manifest.fingerprint, value["fingerprint"], probed=bundle.has_probe
+        ) or probe_differences(value["probe"])
+    return unlike
+
+
+def refuse_unlike_reference(
+    unlike: dict[str, list[str]], reference: str, suspect: str | None
+) -> None:
+    """A reference must compute like the device it judges: the recording device (no suspect) or
+    the suspect. A kernel that computes differently on another kind of machine would read as an
+    ``isolated: kernel`` finding."""
+    judged = "the recording device" if suspect is None else suspect
+    theirs = [] if suspect is None else unlike.get(suspect, [])
+    if unlike.get(reference, []) == theirs:
+        return
+    why = "; ".join(unlike.get(reference) or theirs)
+    raise SdcReplayError(
+        f"the reference {reference} does not compute like {judged}: {why}",
+        "Use a reference of the same kind of machine as the device judged "
+        "(`sdcreplay doctor --against BUNDLE --device D` says which devices compute like its "
+        "recording); another model's kernels differ without any defect.",
     )

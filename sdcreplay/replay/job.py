@@ -28,7 +28,7 @@ from ..bundle.manifest import CheckpointState
 from ..bundle.reader import Bundle
 from ..bundle.state import verify_checkpoint
 from ..capture import determinism
-from ..capture.faults import distributed_rank, parse_specs
+from ..capture.faults import distributed_rank, other_machine_kernels, parse_specs
 from ..capture.signature import read_signature_log, write_signature_log
 from ..compare.jobs import REPLICA_FILE, REPLICA_SCHEMA
 from ..compare.messages import Messages, read_messages, with_messages, write_messages
@@ -38,8 +38,14 @@ from ..heartbeat import HEARTBEAT
 from .job_report import JobReplayReport, _report, ranks_failure
 from .launch import GROUP_TIMEOUT_FACTOR, backend_for, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
-from .replicas import DeviceRun, default_log_dir, progress_timeout, refuse_unmatched_specs
-from .session import replay_on_device
+from .replicas import (
+    DeviceRun,
+    default_log_dir,
+    probe_differences,
+    progress_timeout,
+    refuse_unmatched_specs,
+)
+from .session import replay_on_device, run_recorded_probe
 from .worker import DeviceResult, device_task
 
 # ---------------------------------------------------------------------------
@@ -63,9 +69,24 @@ def run_rank_replay_task(
     inject: Sequence[str] = (),
     last_step: int | None = None,
 ) -> dict:
-    """One rank of a replica: replay its part ``repeats`` times; signature and message logs."""
+    """One rank of a replica: its part's kernel probe, then its part replayed ``repeats`` times;
+    signature and message logs."""
+    part = JobBundle.open(job).rank(this_rank())
+    with other_machine_kernels():
+        probe = run_recorded_probe(part, device)
+        value = _replay_part(part, device, log_dir, repeats, inject, last_step)
+    return {**value, "probe": probe}
+
+
+def _replay_part(
+    part: Bundle,
+    device: str,
+    log_dir: str,
+    repeats: int,
+    inject: Sequence[str],
+    last_step: int | None,
+) -> dict:
     rank = this_rank()
-    part = JobBundle.open(job).rank(rank)
     logs, message_logs, injected = [], [], []
     warnings: list[str] = []
     unmatched: list[dict] | None = None
@@ -253,6 +274,7 @@ def _rank_run(
         warnings=value.get("warnings", []),
         injected=value.get("injected", []),
         fingerprint=value.get("fingerprint"),
+        probe=value.get("probe"),
     )
     if run.error is not None:
         return run, None
@@ -263,8 +285,8 @@ def _rank_run(
         for path, messages in zip(run.log_paths, message_logs)
     ]
     run.differences = determinism.fingerprint_differences(
-        part.manifest.fingerprint, run.fingerprint
-    )
+        part.manifest.fingerprint, run.fingerprint, probed=part.has_probe
+    ) or probe_differences(run.probe)
     return run, message_logs
 
 

@@ -20,7 +20,7 @@ from ..compare.messages import Messages, recorded_log
 from ..compare.origin import NO_ORIGIN, Origin, find_origin
 from ..errors import SdcReplayError, StructureError
 from .launch import followed
-from .replicas import DeviceRun, caveat_for
+from .replicas import DeviceRun, case_gaps, caveat_for
 from .worker import DeviceFailure, DeviceResult
 
 VERDICT_ORDER = ("persistent", "transient", "recording_suspect", "undecided", "incomparable")
@@ -212,7 +212,8 @@ def _report(
         record_logs[part.rank] = record_log
         healthy = {run.device: run.logs for run in runs[part.rank] if run.error is None}
         incomparable = {run.device: run.differences for run in runs[part.rank] if run.differences}
-        consensus = vote(record_log, healthy, incomparable) if healthy else None
+        gaps = case_gaps(job.rank(part.rank))
+        consensus = vote(record_log, healthy, incomparable, gaps) if healthy else None
         for run in runs[part.rank]:
             if consensus is not None and run.device in consensus.voters:
                 run.judgement = consensus.voters[run.device]
