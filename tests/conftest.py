@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from sdcreplay.capture import determinism
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"  # where the helper scripts beside the test folders live
 
 # One intra-op thread, here and in every process the tests start (CLI, device
 # workers inherit the environment): the models are tiny, and on a 2-core CI

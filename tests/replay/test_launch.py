@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMALL
+from conftest import SMALL, TESTS
 
 from sdcreplay.bundle.reader import Bundle
 from sdcreplay.capture.signature import read_signature_log
@@ -22,7 +22,7 @@ from sdcreplay.compare.logs import compare_logs
 from sdcreplay.replay import launch
 from sdcreplay.replay.session import run_replay_task
 
-MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
+MISBEHAVING = TESTS / "misbehaving.py"
 WORKLOAD = f"{MISBEHAVING}:make_workload"
 
 

@@ -8,6 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
+from conftest import TESTS
+
 from sdcreplay.bundle.job_bundle import JobBundle
 from tests.conftest import SMALL_ARGS, run_torchrun
 
@@ -17,8 +19,8 @@ FOUR_CPUS = [arg for n in range(4) for arg in ("-d", f"cpu:{n}")]  # two replica
 def ring_job(tmp_path: Path, mode: str) -> tuple[Path, list[dict]]:
     """Run the script in ``mode``: (the job's path, each rank's report)."""
     script = tmp_path / "train.py"
-    shutil.copy(Path(__file__).with_name("ring_job_script.py"), script)
-    shutil.copy(Path(__file__).with_name("midjob_script.py"), tmp_path)
+    shutil.copy((TESTS / "ring_job_script.py"), script)
+    shutil.copy((TESTS / "midjob_script.py"), tmp_path)
     results = tmp_path / "results"
     results.mkdir()
     job = tmp_path / "job.bundle"

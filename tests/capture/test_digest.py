@@ -8,11 +8,11 @@ import shutil
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import xxhash
+from conftest import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -406,7 +406,7 @@ def test_digester_on_cuda_never_waits_for_the_device_until_entries():
 @pytest.mark.slow
 def test_gpu_check_runs_its_cpu_parts_and_says_so(tmp_path):
     """`make gpu-check` on a machine without a GPU (here in --quick mode: the smallest sizes)."""
-    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    script = REPO / "bench" / "gpu_check.py"
     env = {**os.environ, "OUT": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, str(script), "--quick"],

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 import sdcreplay
 from sdcreplay import Bundle
 from sdcreplay.capture.faults import Injector, parse_specs
 from sdcreplay.capture.operators import OperatorMode
 
-HERE = Path(__file__).resolve().parent
+HERE = TESTS
 RING = 4
 FAULTY_STEP = 3
 

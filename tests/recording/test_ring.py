@@ -297,9 +297,10 @@ def test_rewind_takes_back_the_last_step_to_record_its_recompute(tmp_path):
 
 
 def test_a_ring_under_torch_distributed_writes_nothing_until_its_dump_writes_a_job(tmp_path):
-    """In a process group (one gloo rank here; tests/test_ring_job.py runs two), the ring holds
-    its steps and creates no job until dump(), which writes a job bundle with the rank's part
-    and refuses to run inside a step's block (the ranks' verification needs collectives)."""
+    """In a process group (one gloo rank here; tests/recording/test_ring_job.py runs two), the
+    ring holds its steps and creates no job until dump(), which writes a job bundle with the
+    rank's part and refuses to run inside a step's block (the ranks' verification needs
+    collectives)."""
     import torch.distributed as dist
 
     from sdcreplay.bundle.job_bundle import JobBundle

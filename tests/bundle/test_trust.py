@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, preserved_global_state
+from conftest import REPO, SMALL, preserved_global_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,7 +55,7 @@ def hostile(request, small_bundle: Path, tmp_path: Path, monkeypatch) -> tuple[P
             ref = f"{source}:make"
         else:
             monkeypatch.syspath_prepend(str(tmp_path))
-            monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{Path(__file__).resolve().parent.parent}")
+            monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
             ref = "evil_workload:make"
     _rewrite(small_bundle, {"ref": ref, "kwargs": kwargs})
     yield small_bundle, ref, marker

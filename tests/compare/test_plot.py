@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from sdcreplay import replay_on_device
 from sdcreplay.capture.signature import write_signature_log
@@ -123,7 +124,7 @@ def test_heatmap_refuses_tensors_that_do_not_match(tmp_path):
 
 
 def test_matplotlib_is_imported_only_inside_the_functions():
-    source = Path(__file__).resolve().parent.parent / "sdcreplay" / "compare" / "plot.py"
+    source = REPO / "sdcreplay" / "compare" / "plot.py"
     top_level = [
         node
         for node in ast.parse(source.read_text()).body

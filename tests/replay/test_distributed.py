@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, SMALL_ARGS, preserved_global_state
+from conftest import SMALL, SMALL_ARGS, TESTS, preserved_global_state
 
 from sdcreplay.bundle.job_bundle import JobBundle
 from sdcreplay.capture.faults import Injector, parse_specs
@@ -24,7 +24,7 @@ from sdcreplay.errors import DeviceError
 from sdcreplay.recording.job import record_job
 from sdcreplay.replay.job import replica_devices
 
-MISBEHAVING = Path(__file__).resolve().parent / "misbehaving.py"
+MISBEHAVING = TESTS / "misbehaving.py"
 # The backward matmul that computes the head's weight gradient on rank 2, one bit of one element.
 FAULT = "kind=bitflip,op=aten.mm,phase=backward,step=0,nth=0,index=3,bit=22"
 TIMEOUT = ["--timeout", "60"]  # a job that makes no progress for a minute is ended and reported

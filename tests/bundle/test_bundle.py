@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -297,7 +298,7 @@ def test_a_recorded_manifest_survives_from_json_and_to_json(small_bundle: Path):
 def test_an_old_manifest_round_trips_without_gaining_keys():
     """traces/tiny.bundle predates grads, capture.program and verification: absent stays absent,
     and the readers see the defaults."""
-    raw = _read_manifest(Path(__file__).parent.parent / "traces" / "tiny.bundle")
+    raw = _read_manifest(REPO / "traces" / "tiny.bundle")
     manifest = Manifest.from_json(raw)
     assert manifest.to_json() == raw
     assert "grads" not in raw["steps"][0] and manifest.steps[0].grads == "none"
