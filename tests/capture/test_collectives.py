@@ -146,7 +146,7 @@ def test_a_ddp_job_recorded_in_the_middle_of_training_verifies_and_replays(
     layout), a replay's fresh DDP runs that many iterations first, so the recording verifies
     and replays bit for bit."""
     script = tmp_path / "train.py"
-    shutil.copy((TESTS / "midjob_script.py"), script)
+    shutil.copy(TESTS / "midjob_script.py", script)
     done = run_torchrun(script, 2, str(tmp_path / "job.bundle"), str(warm), given)
     assert done.returncode == 0, done.stderr[-3000:]
     job = JobBundle.open(tmp_path / "job.bundle")
@@ -164,7 +164,7 @@ def test_a_ddp_job_recorded_in_the_middle_of_training_verifies_and_replays(
 
 def test_a_ddp_the_recorder_does_not_know_fails_verification_saying_what_to_do(tmp_path):
     script = tmp_path / "train.py"
-    shutil.copy((TESTS / "midjob_script.py"), script)
+    shutil.copy(TESTS / "midjob_script.py", script)
     done = run_torchrun(script, 2, str(tmp_path / "job.bundle"), "3", "none")
     assert done.returncode != 0
     assert (
@@ -188,7 +188,7 @@ def test_a_part_replayed_without_its_peers_is_refused_with_a_hint(ddp_job):
 
 def test_a_job_killed_mid_step_keeps_every_ranks_completed_steps(tmp_path):
     script = tmp_path / "train.py"
-    shutil.copy((TESTS / "job_script.py"), script)
+    shutil.copy(TESTS / "job_script.py", script)
     (tmp_path / "results").mkdir()
     job_path = tmp_path / "job.bundle"
     done = run_torchrun(script, 2, str(job_path), str(tmp_path / "results"), "ddp", "2")
@@ -206,7 +206,7 @@ def test_a_job_killed_mid_step_keeps_every_ranks_completed_steps(tmp_path):
 
 def test_fsdp2_records_and_replays_bit_for_bit_on_two_ranks(tmp_path):
     script = tmp_path / "train.py"
-    shutil.copy((TESTS / "job_script.py"), script)
+    shutil.copy(TESTS / "job_script.py", script)
     (tmp_path / "results").mkdir()
     done = run_torchrun(script, 2, str(tmp_path / "job.bundle"), str(tmp_path / "results"), "fsdp2")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -19,8 +19,8 @@ FOUR_CPUS = [arg for n in range(4) for arg in ("-d", f"cpu:{n}")]  # two replica
 def ring_job(tmp_path: Path, mode: str) -> tuple[Path, list[dict]]:
     """Run the script in ``mode``: (the job's path, each rank's report)."""
     script = tmp_path / "train.py"
-    shutil.copy((TESTS / "ring_job_script.py"), script)
-    shutil.copy((TESTS / "midjob_script.py"), tmp_path)
+    shutil.copy(TESTS / "ring_job_script.py", script)
+    shutil.copy(TESTS / "midjob_script.py", tmp_path)
     results = tmp_path / "results"
     results.mkdir()
     job = tmp_path / "job.bundle"

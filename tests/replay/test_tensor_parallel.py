@@ -31,8 +31,8 @@ def tp_job(tmp_path_factory) -> tuple[Path, list[dict]]:
     """(job bundle, each rank's results) of tests/tp_script.py on 2 ranks."""
     root = tmp_path_factory.mktemp("tp-job")
     script = root / "train.py"
-    shutil.copy((TESTS / "tp_script.py"), script)
-    shutil.copy((TESTS / "job_script.py"), root)  # its replay_order_errors
+    shutil.copy(TESTS / "tp_script.py", script)
+    shutil.copy(TESTS / "job_script.py", root)  # its replay_order_errors
     results = root / "results"
     results.mkdir()
     done = run_torchrun(script, 2, str(root / "job.bundle"), str(results), timeout=120)
