@@ -80,5 +80,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
+    """First on ``sys.meta_path``: below a moved package (``sdcreplay.workloads``) the path
+    finder would otherwise load a second copy of a module under its old name."""
     if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.append(MovedModuleFinder())
+        sys.meta_path.insert(0, MovedModuleFinder())

@@ -9,7 +9,6 @@ a replica on another CPU or GPU model would.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,19 +22,10 @@ MM = "aten.mm.default"
 RECORD_FAULT = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=3"
 
 
-@pytest.fixture(scope="module")
-def _recorded(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("probe") / "run.bundle"
-    with preserved_global_state():
-        record("builtin:tiny-llama", out, steps=2, kwargs=dict(SMALL))
-    return out
-
-
 @pytest.fixture
-def bundle(_recorded: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "run.bundle"
-    shutil.copytree(_recorded, target)
-    return target
+def bundle(small_bundle: Path) -> Path:
+    """The session's small bundle (recorded with verification on, so with a probe)."""
+    return small_bundle
 
 
 def _replay(cli, bundle: Path, *args: str, env: dict | None = None) -> tuple[int, dict]:
