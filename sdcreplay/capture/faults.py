@@ -488,12 +488,12 @@ class _OtherMachineKernels(TorchDispatchMode):
 
 
 @contextmanager
-def other_machine_kernels() -> Iterator[None]:
-    """Under ``SDCREPLAY_OTHER_MACHINE=OP[@LABEL][,...]`` (a device process's environment),
-    this process (the one whose ``SDCREPLAY_DEVICE`` is LABEL, or every one) computes those
+def other_machine_kernels(label: str | None = None) -> Iterator[None]:
+    """Under ``SDCREPLAY_OTHER_MACHINE=OP[@LABEL][,...]``, the device ``label`` (default: this
+    device process's ``SDCREPLAY_DEVICE``; an entry without LABEL: every one) computes those
     operators as another machine would: how the tests show what a replica on another CPU or
     GPU model does to a verdict (docs/fault-injection.md)."""
-    here = os.environ.get("SDCREPLAY_DEVICE")
+    here = label or os.environ.get("SDCREPLAY_DEVICE")
     ops = set()
     for entry in os.environ.get(OTHER_MACHINE_VAR, "").split(","):
         op, _, label = entry.partition("@")

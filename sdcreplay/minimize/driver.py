@@ -29,7 +29,7 @@ import torch
 from ..bisect.kernels import kernel_names
 from ..bisect.operator_case import OperatorCase, resolve_op
 from ..bundle.reader import Bundle
-from ..capture.faults import FaultSpec, parse_specs
+from ..capture.faults import FaultSpec, other_machine_kernels, parse_specs
 from ..capture.probe import Probe, run_probe
 from ..devices import torch_device, validate_label
 from ..errors import DeterminismError, SdcReplayError
@@ -327,7 +327,9 @@ def _unlike_recording(report: dict, labels: list[str], warnings: list[str]) -> d
     if recorded is None:
         return {}
     probe = Probe.from_json(recorded)
-    return {
-        label: probe_differences(run_probe(probe, torch_device(label)).to_json(probe))
-        for label in labels
-    }
+    unlike = {}
+    for label in labels:
+        with other_machine_kernels(label):
+            outcome = run_probe(probe, torch_device(label))
+        unlike[label] = probe_differences(outcome.to_json(probe))
+    return unlike

@@ -480,3 +480,24 @@ def test_minimize_names_a_multi_bit_mask(cli, tmp_path: Path, wq_call: OperatorC
         markdown
     )
     assert "fault model, minimal inputs" not in markdown  # the same: said once
+
+
+def test_minimize_refuses_a_reference_that_computes_unlike_the_suspect(
+    cli, _small_bundle_template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The report's bundle holds a kernel probe: a reference whose kernels give other bits than
+    the suspect's (another kind of machine) cannot tell a defect from a model difference."""
+    monkeypatch.delenv("SDCREPLAY_INJECT", raising=False)
+    bisected = cli(
+        "bisect", _small_bundle_template, "--suspect", "cpu:1", "--step", "1",
+        "--inject", BURST, "--out", tmp_path / "report",
+    )  # fmt: skip
+    assert bisected.exit_code == 1, bisected.stderr
+    result = cli(
+        "minimize", tmp_path / "report", "--inject", BURST, "--trials", "5",
+        "--out", tmp_path / "ticket",
+        env={"SDCREPLAY_OTHER_MACHINE": "aten.mm.default@cpu:0"},
+    )  # fmt: skip
+    assert result.exit_code == 3, result.stderr
+    assert "Error: the reference cpu:0 does not compute like cpu:1: probe: aten.mm" in result.stderr
+    assert not (tmp_path / "ticket").exists()
