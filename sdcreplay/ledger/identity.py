@@ -39,8 +39,19 @@ class DeviceIdentity:
 
     @classmethod
     def from_json(cls, data: dict) -> DeviceIdentity:
-        known = {name: data.get(name) for name in cls.__dataclass_fields__}
-        return cls(**known)
+        def text(name: str) -> str:
+            return str(data.get(name) or "")
+
+        return cls(
+            text("id"),
+            text("label"),
+            text("host"),
+            text("kind"),
+            text("model"),
+            data.get("uuid"),
+            data.get("serial"),
+            data.get("pci_bus_id"),
+        )
 
 
 def host_name() -> str:

@@ -44,13 +44,16 @@ def _warn(message: str) -> None:
         warnings.warn(message, LedgerWarning, stacklevel=4)
 
 
-def note(records: Sequence[Record], location: str | None = None) -> bool:
-    """Append ``records``; False (and a warning) when the ledger could not take them."""
+def note(
+    records: Sequence[Record], location: str | None = None, *, wait: float | None = None
+) -> bool:
+    """Append ``records``; False (and a warning) when the ledger could not take them.
+    ``wait``: seconds to wait at most for the ledger's lock or server."""
     if not records or is_off(location):
         return False
     where = shown(ledger_location(location))
     try:
-        with Ledger.open(location) as ledger:
+        with Ledger.open(location, wait=wait) as ledger:
             ledger.append(records)
         append_tracker_lines(records)
         return True
@@ -64,11 +67,11 @@ def note(records: Sequence[Record], location: str | None = None) -> bool:
     return False
 
 
-def note_result(result: dict, location: str | None = None) -> bool:
+def note_result(result: dict, location: str | None = None, *, wait: float | None = None) -> bool:
     """Append the records a command's JSON result makes (`verdicts.records_for`)."""
     try:
         records = records_for(result)
     except Exception as exc:  # a result this version cannot read: a warning, like a write
         _warn(f"the result could not be turned into ledger records ({exc})")
         return False
-    return note(records, location)
+    return note(records, location, wait=wait)

@@ -16,6 +16,7 @@ lock. A record is appended in one transaction or not at all.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sqlite3
 from collections.abc import Iterator, Sequence
@@ -94,13 +95,20 @@ class Ledger:
         return self.dialect.name
 
     @classmethod
-    def open(cls, location: str | None = None, *, migrate_to: int = LATEST) -> Ledger:
+    def open(
+        cls, location: str | None = None, *, migrate_to: int = LATEST, wait: float | None = None
+    ) -> Ledger:
         """Open (creating it when absent) and migrate to ``migrate_to`` (tests build old
-        ledgers with a smaller one)."""
+        ledgers with a smaller one). ``wait``: seconds to wait at most for a lock or a server
+        (default ``BUSY_SECONDS`` and ``CONNECT_SECONDS``)."""
         where = ledger_location(location)
         if where.lower() == OFF:
             raise LedgerError("the ledger is off (SDCREPLAY_LEDGER=off)")
-        ledger = cls._postgres(where) if is_postgres(where) else cls._sqlite(where)
+        ledger = (
+            cls._postgres(where, CONNECT_SECONDS if wait is None else wait)
+            if is_postgres(where)
+            else cls._sqlite(where, BUSY_SECONDS if wait is None else wait)
+        )
         try:
             ledger._migrate(migrate_to)
         except BaseException:
@@ -109,15 +117,15 @@ class Ledger:
         return ledger
 
     @classmethod
-    def _sqlite(cls, where: str) -> Ledger:
+    def _sqlite(cls, where: str, wait: float) -> Ledger:
         path = Path(where[len("sqlite://") :] if where.startswith("sqlite://") else where)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            connection = sqlite3.connect(path, timeout=BUSY_SECONDS, isolation_level=None)
+            connection = sqlite3.connect(path, timeout=wait, isolation_level=None)
         except (OSError, sqlite3.Error) as exc:
             raise LedgerError(f"cannot open the ledger {path}: {exc}") from exc
         try:
-            connection.execute(f"PRAGMA busy_timeout = {int(BUSY_SECONDS * 1000)}")
+            connection.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
             connection.execute("PRAGMA journal_mode = WAL")
             connection.execute("PRAGMA synchronous = NORMAL")
         except sqlite3.Error as exc:
@@ -126,7 +134,7 @@ class Ledger:
         return cls(connection, SQLITE, str(path))
 
     @classmethod
-    def _postgres(cls, where: str) -> Ledger:
+    def _postgres(cls, where: str, wait: float) -> Ledger:
         try:
             import psycopg
         except ImportError as exc:
@@ -137,7 +145,9 @@ class Ledger:
                 "the SQLite file.",
             ) from exc
         try:
-            connection = psycopg.connect(where, connect_timeout=CONNECT_SECONDS, autocommit=True)
+            connection = psycopg.connect(
+                where, connect_timeout=max(2, math.ceil(wait)), autocommit=True
+            )  # libpq's shortest timeout is 2 s
         except psycopg.Error as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise LedgerError(f"cannot reach the ledger {shown(where)}: {first}") from exc

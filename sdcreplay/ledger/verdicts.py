@@ -68,10 +68,20 @@ def records_for(result: dict) -> list[Record]:
     return convert(result) if convert else []
 
 
+def _drill(result: dict) -> str:
+    """What every record of a result made with injected faults says: it tested the tooling."""
+    injected = result.get("inject") or []
+    return f" [drill: {'; '.join(injected)}]" if injected else ""
+
+
 def _replay(result: dict) -> list[Record]:
+    """A replay's judged devices; a job's per rank (``ranks[].devices``)."""
     bundle = _absolute(result.get("bundle"))
+    rows = [(row, None) for row in result.get("devices", [])] + [
+        (row, rank.get("rank")) for rank in result.get("ranks", []) for row in rank["devices"]
+    ]
     records = []
-    for row in result.get("devices", []):
+    for row, rank in rows:
         if row.get("verdict") not in JUDGED:
             continue
         first = row.get("first_divergence") or {}
@@ -88,6 +98,7 @@ def _replay(result: dict) -> list[Record]:
                 evidence,
                 bundle,
                 report=result.get("log_dir"),
+                rank=rank,
                 iteration=first.get("step"),
             )
         )
@@ -114,6 +125,7 @@ def _bisect(result: dict) -> list[Record]:
         + (f" element {element} of {elements.get('total')}" if element is not None else "")
         + (f" bit {bits}" if bits else "")
         + (f" ({result['isolated']})" if result.get("isolated") else "")
+        + _drill(result)
     )
     return [
         make_record(
@@ -148,6 +160,7 @@ def _minimize(result: dict) -> list[Record]:
         + (f" bit {bits}" if bits else "")
         + (f", 95% interval {low:.3g} to {high:.3g}" if low is not None else "")
         + (f", reference at most {reference_high:.3g}" if reference_high is not None else "")
+        + _drill(result)
     )
     report = result.get("report") or ""
     return [
@@ -195,6 +208,7 @@ def _screen(result: dict) -> list[Record]:
             )
         else:
             evidence = f"screen: passed {row.get('tickets_passed', 0)} tickets"
+        evidence += _drill(result)
         records.append(
             make_record(
                 _identity(row.get("identity"), row["device"]),
