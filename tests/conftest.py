@@ -204,3 +204,53 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     done = run_torchrun(script, 2, str(root / "job.bundle"), str(results), "ddp")
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "job.bundle", results
+
+
+# The ledger's tests run against SQLite always and against PostgreSQL when a server is given
+# (.ci/run starts one and sets this); in CI (CI=true) they must run, never skip.
+POSTGRES_ENV = "SDCREPLAY_TEST_POSTGRES"
+
+
+def pytest_report_header(config) -> str:
+    url = os.environ.get(POSTGRES_ENV)
+    if url:
+        return f"ledger backends: sqlite and postgresql ({url})"
+    return (
+        f"ledger backends: sqlite only; the postgresql tests skip ({POSTGRES_ENV} is not set; "
+        ".ci/run starts a server)"
+    )
+
+
+def _postgres_schema(url: str):
+    """A fresh schema on the test server, and a URL whose connections use it."""
+    import uuid
+
+    import psycopg
+
+    schema = f"ledger_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f"CREATE SCHEMA {schema}")
+    separator = "&" if "?" in url else "?"
+    return schema, f"{url}{separator}options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request, tmp_path: Path) -> Iterator[str]:
+    """A new, empty ledger on each backend: a SQLite file, or a schema of its own on the
+    PostgreSQL server ``SDCREPLAY_TEST_POSTGRES`` names."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "ledger.sqlite")
+        return
+    url = os.environ.get(POSTGRES_ENV)
+    if not url:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but {POSTGRES_ENV} is not set: .ci/run must start PostgreSQL")
+        pytest.skip(f"no PostgreSQL server given ({POSTGRES_ENV}=postgresql://... runs these)")
+    import psycopg
+
+    schema, scoped = _postgres_schema(url)
+    try:
+        yield scoped
+    finally:
+        with psycopg.connect(url, autocommit=True) as connection:
+            connection.execute(f"DROP SCHEMA {schema} CASCADE")

@@ -82,7 +82,7 @@ class Record:
     command: str  # replay, bisect, minimize, screen, alarm, dump, clear
     verdict: str
     evidence: str  # one line a person reads: entry or operator, element, bits, rate
-    finding: bool = False  # does this record accuse the device (FINDINGS)
+    finding: bool | None = None  # does it accuse the device (default: its verdict is a FINDING)
     job: str | None = None  # the scheduler's job id of the run, else what it judged
     bundle: str | None = None  # the bundle (or corpus) the evidence is about
     report: str | None = None  # where the full evidence lies
@@ -99,6 +99,10 @@ class Record:
     time: str = field(default_factory=now)
     tool_version: str = __version__
     id: int | None = None  # given by the ledger
+
+    def __post_init__(self) -> None:
+        if self.finding is None:
+            self.finding = self.verdict in FINDINGS
 
     def to_json(self) -> dict:
         return {item.name: getattr(self, item.name) for item in fields(self)}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .identity import DeviceIdentity, identify
-from .schema import FINDINGS, Record
+from .schema import Record
 
 JOB_ENV = ("SLURM_JOB_ID", "SDCREPLAY_JOB_ID")
 """Where the scheduler's job id of this run is found, first set wins (docs/fleet.md)."""
@@ -47,7 +47,6 @@ def make_record(
         command=command,
         verdict=verdict,
         evidence=evidence,
-        finding=verdict in FINDINGS,
         job=current_job() or subject,
         bundle=subject,
         identity=identity.to_json(),
