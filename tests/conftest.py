@@ -254,3 +254,24 @@ def ledger_url(request, tmp_path: Path) -> Iterator[str]:
     finally:
         with psycopg.connect(url, autocommit=True) as connection:
             connection.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line, even under -q, saying which ledger backends the run tested and how it went."""
+    counts: dict[str, dict[str, int]] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            counted = report.when == "call" or outcome in ("skipped", "error")
+            for backend in ("sqlite", "postgresql"):
+                if counted and f"[{backend}" in nodeid:
+                    tally = counts.setdefault(backend, {})
+                    tally[outcome] = tally.get(outcome, 0) + 1
+    if counts:
+        terminalreporter.write_line(
+            "ledger backends: "
+            + "; ".join(
+                f"{backend}: " + ", ".join(f"{n} {outcome}" for outcome, n in tally.items())
+                for backend, tally in counts.items()
+            )
+        )

@@ -52,8 +52,17 @@ V1_INSERT = (
     "tool_version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 V1_ROWS = [
-    ("2025-01-0%dT00:00:00+00:00" % (i + 1), device, "h17", job, "replay", verdict, text, None,
-     "0.0.9")
+    (
+        f"2025-01-0{i + 1}T00:00:00+00:00",
+        device,
+        "h17",
+        job,
+        "replay",
+        verdict,
+        text,
+        None,
+        "0.0.9",
+    )
     for i, (device, job, verdict, text) in enumerate(
         [
             ("GPU-aaaa", "job-1", "persistent", "replay: persistent"),
