@@ -206,6 +206,46 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "job.bundle", results
 
 
+TICKET_CALL = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1"
+TICKET_FAULTS = ["index=5,bit=22", "index=0,bit=3", "index=2,bit=30"]
+
+
+@pytest.fixture(scope="session")
+def tickets(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Path) -> list[Path]:
+    """Three tickets of three defect classes from real runs: one bisect of the small bundle names
+    the ``layers.0.attn.wq`` matmul of step 1 on cpu:1, and three minimize runs of that report,
+    each with another planted fault (element and bit), measure and shrink it."""
+    from sdcreplay.bisect.localize import bisect
+    from sdcreplay.minimize.driver import minimize
+
+    root = tmp_path_factory.mktemp("tickets")
+    bundle = root / "run.bundle"
+    shutil.copytree(_small_bundle_template, bundle)
+    with preserved_global_state():
+        found = bisect(
+            bundle,
+            suspect="cpu:1",
+            reference="cpu:0",
+            step=1,
+            inject=[f"{TICKET_CALL},{TICKET_FAULTS[0]},device=cpu:1"],
+            ledger=False,
+        )
+        assert found.verdict == "divergence" and found.findings["op"] == "aten.mm.default"
+        made = [
+            minimize(
+                found.report,
+                trials=20,
+                good_trials=2,
+                inject=[f"{TICKET_CALL},{fault},device=cpu:1"],
+                out=root / f"ticket-{number}",
+                ledger=False,
+            )
+            for number, fault in enumerate(TICKET_FAULTS)
+        ]
+    assert all(result.reproduced for result in made)
+    return [Path(result.ticket) for result in made]
+
+
 # The ledger's tests run against SQLite always and against PostgreSQL when a server is given
 # (.ci/run starts one and sets this); in CI (CI=true) they must run, never skip.
 POSTGRES_ENV = "SDCREPLAY_TEST_POSTGRES"

@@ -2,59 +2,19 @@
 one with a planted fault, names that one and the ticket it failed, within the budget; the
 ledger then holds it as suspect and export drains its node.
 
-One real bisect of the session's small bundle names the ``layers.0.attn.wq`` matmul of
-step 1; three real minimize runs of that report, each with another planted fault (another
-element and bit), make three tickets of three defect classes.
+The tickets are conftest's ``tickets``: one real bisect, three real minimize runs.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 from pathlib import Path
 
-import pytest
-from conftest import preserved_global_state
-
-from sdcreplay.bisect.localize import bisect
 from sdcreplay.fleet.corpus import CORPUS_FILE, add_tickets
 from sdcreplay.fleet.screen import STOP_BEFORE, screen
-from sdcreplay.minimize.driver import minimize
 
-CALL = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1"
-FAULTS = ["index=5,bit=22", "index=0,bit=3", "index=2,bit=30"]
 PLANTED = "kind=bitflip,op=aten.mm,bit=22,device=cpu:1"  # every matmul on cpu:1, element 0
-
-
-@pytest.fixture(scope="module")
-def tickets(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Path) -> list[Path]:
-    root = tmp_path_factory.mktemp("tickets")
-    bundle = root / "run.bundle"
-    shutil.copytree(_small_bundle_template, bundle)
-    with preserved_global_state():
-        found = bisect(
-            bundle,
-            suspect="cpu:1",
-            reference="cpu:0",
-            step=1,
-            inject=[f"{CALL},{FAULTS[0]},device=cpu:1"],
-            ledger=False,
-        )
-        assert found.verdict == "divergence" and found.findings["op"] == "aten.mm.default"
-        made = [
-            minimize(
-                found.report,
-                trials=20,
-                good_trials=2,
-                inject=[f"{CALL},{fault},device=cpu:1"],
-                out=root / f"ticket-{number}",
-                ledger=False,
-            )
-            for number, fault in enumerate(FAULTS)
-        ]
-    assert all(result.reproduced for result in made)
-    return [Path(result.ticket) for result in made]
 
 
 def test_screen_names_the_faulty_replica_and_its_ticket_and_the_ledger_drains_it(
