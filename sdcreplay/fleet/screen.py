@@ -118,6 +118,7 @@ class ScreenReport:
     devices: list[DeviceScreen]
     inject: list[str]
     ended: float = 0.0
+    launched: float = 0.0  # time.time() the device processes were started
     log_dir: str = ""
     corpus_tickets: int = 0
 
@@ -135,6 +136,7 @@ class ScreenReport:
             "tickets": self.corpus_tickets,
             "budget_s": self.budget,
             "seconds": round(self.ended - self.started, 3),
+            "startup_s": round(self.launched - self.started, 3),
             "within_budget": self.ended - self.started <= self.budget,
             "devices": [device.to_json() for device in self.devices],
             "failed": [d.device for d in self.devices if d.status == "failed"],
@@ -252,6 +254,7 @@ def screen(
         specs,
         log_dir=str(work),
         corpus_tickets=len(entries),
+        launched=launched,
     )
     report.ended = time.time()
     if ledger:
