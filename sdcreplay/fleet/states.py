@@ -30,7 +30,7 @@ CLEAR_COMMAND = "clear"
 
 
 def _disjoint(record: Record) -> bool:
-    return (
+    return bool(
         record.command == "minimize"
         and record.finding
         and record.ci_low is not None
