@@ -75,3 +75,34 @@ def test_an_alarm_accuses_only_when_a_second_opinion_contradicts():
 
 def test_a_schema_that_judges_no_device_makes_no_record():
     assert records_for({"schema": "sdcreplay.info/1"}) == []
+
+
+def test_a_ring_dump_is_noted_in_the_ledger_as_history(tmp_path, monkeypatch):
+    from conftest import SMALL, tiny_llama_recorder
+
+    from sdcreplay.ledger.identity import identify
+    from sdcreplay.ledger.store import Ledger
+
+    location = str(tmp_path / "ledger.sqlite")
+    monkeypatch.setenv("SDCREPLAY_LEDGER", location)
+    workload, recorder = tiny_llama_recorder(tmp_path / "run.bundle", SMALL, ring=2)
+    for index in range(3):
+        batch = workload.get_batch(index)
+        with recorder.step(batch):
+            workload.run_step(batch)
+    held = recorder.ring_steps()
+    path = recorder.dump("loss spike", source="UpdateDetector")
+    recorder.close()
+    with Ledger.open(location) as ledger:
+        (record,) = ledger.records()
+    assert (record.device_id, record.command, record.verdict, record.finding) == (
+        identify("cpu").id,
+        "dump",
+        "dumped",
+        False,
+    )
+    assert (record.evidence, record.report, record.iteration) == (
+        "dump: loss spike",
+        str(path.resolve()),
+        held[0],
+    )
