@@ -90,7 +90,7 @@ def test_a_ring_dump_is_noted_in_the_ledger_as_history(tmp_path, monkeypatch):
         batch = workload.get_batch(index)
         with recorder.step(batch):
             workload.run_step(batch)
-    held = recorder.ring_steps()
+    held = recorder.ring_steps
     path = recorder.dump("loss spike", source="UpdateDetector")
     recorder.close()
     with Ledger.open(location) as ledger:
