@@ -3,7 +3,18 @@ against it, and an online alarm accuses a device only when another computed othe
 
 from __future__ import annotations
 
+import pytest
+from conftest import SMALL, tiny_llama_recorder
+
+from sdcreplay.capture.faults import Injector, parse_specs
+from sdcreplay.capture.operators import OperatorMode
+from sdcreplay.ledger.identity import identify
+from sdcreplay.ledger.store import Ledger
 from sdcreplay.ledger.verdicts import alarm_record, records_for
+from sdcreplay.online.second_opinion import ReplicaOpinion
+from sdcreplay.online.stopping import PersistentFaultError
+from sdcreplay.online.update_detector import UpdateDetector
+from sdcreplay.workload.definition import build_workload
 
 SUSPECT = {"id": "GPU-1", "label": "cuda:3", "host": "h17", "kind": "cuda", "model": "H100"}
 
@@ -78,11 +89,6 @@ def test_a_schema_that_judges_no_device_makes_no_record():
 
 
 def test_a_ring_dump_is_noted_in_the_ledger_as_history(tmp_path, monkeypatch):
-    from conftest import SMALL, tiny_llama_recorder
-
-    from sdcreplay.ledger.identity import identify
-    from sdcreplay.ledger.store import Ledger
-
     location = str(tmp_path / "ledger.sqlite")
     monkeypatch.setenv("SDCREPLAY_LEDGER", location)
     workload, recorder = tiny_llama_recorder(tmp_path / "run.bundle", SMALL, ring=2)
@@ -106,3 +112,35 @@ def test_a_ring_dump_is_noted_in_the_ledger_as_history(tmp_path, monkeypatch):
         str(path.resolve()),
         held[0],
     )
+
+
+def test_update_detector_alarms_are_noted_and_accuse_only_when_another_device_disagrees(
+    tmp_path, monkeypatch
+):
+    """The transient alarm of tests/online (a bias planted in one execution of step 10) is
+    history; the sticky one another device computes otherwise is a finding."""
+    location = str(tmp_path / "ledger.sqlite")
+    monkeypatch.setenv("SDCREPLAY_LEDGER", location)
+    bias = "kind=bias,op=aten.mm,module=layers.0.attn.wq,phase=backward,step=10,index=69,scale=1e4"
+
+    def small():
+        return build_workload("builtin:tiny-llama", dict(SMALL))
+
+    def train(spec: str, **options) -> None:
+        workload = small()
+        detector = UpdateDetector(workload, warmup=5, spike_steps=5, **options)
+        for i in range(12):
+            injector = Injector(parse_specs([spec], include_env=False), "cpu")
+            with OperatorMode(workload.model, workload.optimizer, [injector], i):
+                detector.run_step(workload.get_batch(i))
+
+    train(bias + ",nth=0")
+    with pytest.raises(PersistentFaultError):
+        train(bias, second_opinion=ReplicaOpinion(small))
+    with Ledger.open(location) as ledger:
+        records = ledger.records()
+    assert [(r.device_id, r.command, r.verdict, r.finding, r.iteration) for r in records] == [
+        (identify("cpu").id, "alarm", "alarm (transient)", False, 10),
+        (identify("cpu").id, "alarm", "persistent", True, 10),
+    ]
+    assert records[1].evidence == "alarm: step 10 grad_spike -> persistent, cpu computed otherwise"
