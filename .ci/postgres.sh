@@ -33,7 +33,11 @@ fi
 "${CI_PG_AS[@]}" "$CI_PG_BIN/pg_ctl" -D "$CI_PG_DIR/data" -l "$CI_PG_DIR/server.log" -w -t 60 \
     -o "-c listen_addresses=127.0.0.1 -p $CI_PG_PORT -k $CI_PG_DIR" start >/dev/null ||
     { cat "$CI_PG_DIR/server.log" >&2; ci_pg_fail "the PostgreSQL server did not start"; }
-trap '"${CI_PG_AS[@]}" "$CI_PG_BIN/pg_ctl" -D "$CI_PG_DIR/data" -m fast stop >/dev/null 2>&1 || true' EXIT
+ci_pg_stop() {
+    "${CI_PG_AS[@]}" "$CI_PG_BIN/pg_ctl" -D "$CI_PG_DIR/data" -m fast stop >/dev/null 2>&1 || true
+    rm -rf "$CI_PG_DIR"
+}
+trap ci_pg_stop EXIT
 "${CI_PG_AS[@]}" "$CI_PG_BIN/psql" -h 127.0.0.1 -p "$CI_PG_PORT" -U postgres -q \
     -c "CREATE DATABASE sdcreplay_test" || ci_pg_fail "cannot create the test database"
 export SDCREPLAY_TEST_POSTGRES="postgresql://postgres@127.0.0.1:$CI_PG_PORT/sdcreplay_test"
