@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,lightning]' "$(TORCH_PIN)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,lightning,postgres]' "$(TORCH_PIN)"
 	touch $(STAMP)
 
 test: lint

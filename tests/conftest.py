@@ -204,3 +204,114 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     done = run_torchrun(script, 2, str(root / "job.bundle"), str(results), "ddp")
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "job.bundle", results
+
+
+TICKET_CALL = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1"
+TICKET_FAULTS = ["index=5,bit=22", "index=0,bit=3", "index=2,bit=30"]
+
+
+@pytest.fixture(scope="session")
+def tickets(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Path) -> list[Path]:
+    """Three tickets of three defect classes from real runs: one bisect of the small bundle names
+    the ``layers.0.attn.wq`` matmul of step 1 on cpu:1, and three minimize runs of that report,
+    each with another planted fault (element and bit), measure and shrink it."""
+    from sdcreplay.bisect.localize import bisect
+    from sdcreplay.minimize.driver import minimize
+
+    root = tmp_path_factory.mktemp("tickets")
+    bundle = root / "run.bundle"
+    shutil.copytree(_small_bundle_template, bundle)
+    with preserved_global_state():
+        found = bisect(
+            bundle,
+            suspect="cpu:1",
+            reference="cpu:0",
+            step=1,
+            inject=[f"{TICKET_CALL},{TICKET_FAULTS[0]},device=cpu:1"],
+            ledger=False,
+        )
+        assert found.verdict == "divergence" and found.findings["op"] == "aten.mm.default"
+        made = [
+            minimize(
+                found.report,
+                trials=20,
+                good_trials=2,
+                inject=[f"{TICKET_CALL},{fault},device=cpu:1"],
+                out=root / f"ticket-{number}",
+                ledger=False,
+            )
+            for number, fault in enumerate(TICKET_FAULTS)
+        ]
+    assert all(result.reproduced for result in made)
+    return [Path(result.ticket) for result in made]
+
+
+# The ledger's tests run against SQLite always and against PostgreSQL when a server is given
+# (.ci/run starts one and sets this); in CI (CI=true) they must run, never skip.
+POSTGRES_ENV = "SDCREPLAY_TEST_POSTGRES"
+
+
+def pytest_report_header(config) -> str:
+    url = os.environ.get(POSTGRES_ENV)
+    if url:
+        return f"ledger backends: sqlite and postgresql ({url})"
+    return (
+        f"ledger backends: sqlite only; the postgresql tests skip ({POSTGRES_ENV} is not set; "
+        ".ci/run starts a server)"
+    )
+
+
+def _postgres_schema(url: str):
+    """A fresh schema on the test server, and a URL whose connections use it."""
+    import uuid
+
+    import psycopg
+
+    schema = f"ledger_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f"CREATE SCHEMA {schema}")
+    separator = "&" if "?" in url else "?"
+    return schema, f"{url}{separator}options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request, tmp_path: Path) -> Iterator[str]:
+    """A new, empty ledger on each backend: a SQLite file, or a schema of its own on the
+    PostgreSQL server ``SDCREPLAY_TEST_POSTGRES`` names."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "ledger.sqlite")
+        return
+    url = os.environ.get(POSTGRES_ENV)
+    if not url:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but {POSTGRES_ENV} is not set: .ci/run must start PostgreSQL")
+        pytest.skip(f"no PostgreSQL server given ({POSTGRES_ENV}=postgresql://... runs these)")
+    import psycopg
+
+    schema, scoped = _postgres_schema(url)
+    try:
+        yield scoped
+    finally:
+        with psycopg.connect(url, autocommit=True) as connection:
+            connection.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line, even under -q, saying which ledger backends the run tested and how it went."""
+    counts: dict[str, dict[str, int]] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            counted = report.when == "call" or outcome in ("skipped", "error")
+            for backend in ("sqlite", "postgresql"):
+                if counted and f"[{backend}" in nodeid:
+                    tally = counts.setdefault(backend, {})
+                    tally[outcome] = tally.get(outcome, 0) + 1
+    if counts:
+        terminalreporter.write_line(
+            "ledger backends: "
+            + "; ".join(
+                f"{backend}: " + ", ".join(f"{n} {outcome}" for outcome, n in tally.items())
+                for backend, tally in counts.items()
+            )
+        )

@@ -19,6 +19,7 @@ PRESENTATION = "sdcreplay.cli"
 # above it, not even inside a function (docs/architecture.md draws the same ladder).
 LAYERS = [
     "storage",
+    "ledger",
     "workload",
     "capture",
     "bundle",
@@ -28,6 +29,7 @@ LAYERS = [
     "recording",
     "bisect",
     "minimize",
+    "fleet",
     "integrations",
     "cli",
 ]

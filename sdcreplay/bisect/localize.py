@@ -33,6 +33,8 @@ from ..compare.logs import RECORD
 from ..devices import validate_label
 from ..errors import SdcReplayError, StructureError
 from ..kinds import Isolation
+from ..ledger.identity import identify, recorded_identity
+from ..ledger.notes import note_result
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
 from .divergent_step import first_divergent_job_step, first_divergent_step
@@ -56,8 +58,42 @@ def bisect(
     out: str | Path | None = None,
     plot: str | Path | None = None,
     on_event: Callable[[str, str], None] | None = None,
+    ledger: bool = True,
 ) -> BisectResult:
-    """Find the first corrupted operator call of a step on ``suspect`` (see module docstring)."""
+    """Find the first corrupted operator call of a step on ``suspect`` (see module docstring);
+    ``ledger``: append a divergence to the device ledger (docs/fleet.md)."""
+    result = _localize(
+        bundle,
+        rank=rank,
+        suspect=suspect,
+        reference=reference,
+        step=step,
+        repeats=repeats,
+        isolation_runs=isolation_runs,
+        inject=inject,
+        out=out,
+        plot=plot,
+        on_event=on_event,
+    )
+    if ledger:
+        note_result(result.to_json())
+    return result
+
+
+def _localize(
+    bundle: str | Path,
+    *,
+    rank: int | None,
+    suspect: str | None,
+    reference: str,
+    step: int | None,
+    repeats: int,
+    isolation_runs: int | None,
+    inject: Sequence[str],
+    out: str | Path | None,
+    plot: str | Path | None,
+    on_event: Callable[[str, str], None] | None,
+) -> BisectResult:
     on_event = on_event or (lambda kind, text: None)
     job = job_to_bisect(bundle, rank, suspect, repeats)
     opened = Bundle.open(bundle) if job is None else job.rank(rank or 0)
@@ -90,6 +126,18 @@ def bisect(
         "report": str(out),
         "determinism": opened.manifest.determinism.to_json(),
         "commands": [command_line()],
+        "identities": {
+            "suspect": (
+                identify(suspect)
+                if suspect
+                else recorded_identity(
+                    opened.manifest.device,
+                    opened.manifest.environment.host,
+                    opened.manifest.environment.device,
+                )
+            ).to_json(),
+            "reference": identify(reference).to_json(),
+        },
     }
     if job is not None:
         base["rank"] = rank

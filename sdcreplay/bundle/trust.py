@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..errors import UntrustedWorkloadError
+from ..home import HOME_ENV, home_dir  # noqa: F401 (HOME_ENV: named here by tests)
 
-HOME_ENV = "SDCREPLAY_HOME"
 GRANTED_ENV = "SDCREPLAY_TRUSTED_WORKLOADS"
 """JSON list of references the person trusted, handed to the device processes."""
 SIGNATURE = "signature"
@@ -31,8 +31,7 @@ _granted: list[str] = []
 
 
 def secret_path() -> Path:
-    home = os.environ.get(HOME_ENV)
-    return (Path(home) if home else Path.home() / ".config" / "sdcreplay") / "secret"
+    return home_dir() / "secret"
 
 
 def _secret(create: bool) -> bytes | None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import DeterminismError
+from ..ledger.identity import cpu_model
 from .comparable import RESULT_AFFECTING, must_match  # noqa: F401 (torch-free, for info)
 
 # Environment variables that change which kernels run (and so the bits they
@@ -132,17 +133,6 @@ def verify(recorded: dict) -> None:
         )
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_description(device: torch.device) -> dict:
     """Name and identity of the device a step runs on (UUID where it has one)."""
     if device.type == "cuda":
@@ -156,7 +146,7 @@ def device_description(device: torch.device) -> dict:
             "capability": f"{props.major}.{props.minor}",
             "memory_bytes": props.total_memory,
         }
-    return {"type": device.type, "name": _cpu_model(), "cores": os.cpu_count()}
+    return {"type": device.type, "name": cpu_model(), "cores": os.cpu_count()}
 
 
 def environment(device: torch.device) -> dict:
@@ -370,7 +360,7 @@ def fingerprint(device: torch.device) -> dict:
     found = {
         "torch.version": torch.__version__,
         "torch.git": torch.version.git_version,
-        "cpu.model": _cpu_model(),
+        "cpu.model": cpu_model(),
         "cpu.flags": _cpu_flags(),
         "cpu.capability": torch.backends.cpu.get_cpu_capability(),
         "cpu.blas_branch": os.environ.get("MKL_CBWR"),

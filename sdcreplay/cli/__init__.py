@@ -6,4 +6,8 @@ as JSON, and the exit code. The only package that imports typer and rich."""
 from .app import main
 from .boundary import app
 
+# isort: split
+# After the pipeline's commands, so `--help` lists them first.
+from . import fleet_commands  # noqa: F401 (registers screen, devices and corpus)
+
 __all__ = ["app", "main"]

@@ -22,6 +22,7 @@ from .options import (
     DumpOn,
     InjectOpt,
     JsonOpt,
+    NoLedgerOpt,
     OutOpt,
     ReferenceOpt,
     TrustedWorkloadOpt,
@@ -195,6 +196,7 @@ def replay(
             "times).",
         ),
     ] = None,
+    no_ledger: NoLedgerOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Replay a bundle bit for bit on one or more devices and vote on every signature.
@@ -216,6 +218,7 @@ def replay(
             logs,
             timeout,
             trusting(bundle, trust_workload, workload),
+            not no_ledger,
         )
     devices = device or ["cpu"]
     finished: list[str] = []
@@ -234,10 +237,11 @@ def replay(
             log_dir=logs,
             on_done=on_done,
             timeout=timeout,
+            ledger=not no_ledger,
         )
 
 
-def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust):
+def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust, ledger):
     """Replay a job bundle, replica after replica (docs/distributed.md)."""
     from ..bundle.job_bundle import JobBundle
     from ..replay.job import replay_job
@@ -256,6 +260,7 @@ def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, 
             on_done=lambda index, labels: progress.update(
                 "replaying the job's replicas", index + 1, replicas, ", ".join(labels)
             ),
+            ledger=ledger,
         )
 
 
@@ -296,6 +301,7 @@ def bisect(
     ] = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
+    no_ledger: NoLedgerOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Name a step's first corrupted operator call, the kernel it launched and its wrong bits.
@@ -316,6 +322,7 @@ def bisect(
             out=out,
             plot=plot,
             on_event=progress.begin,
+            ledger=not no_ledger,
         )
 
 
@@ -437,6 +444,7 @@ def minimize(
     ] = None,
     inject: InjectOpt = None,
     out: OutOpt = None,
+    no_ledger: NoLedgerOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Measure how often the reported operator fails alone, shrink its inputs, write a ticket.
@@ -464,6 +472,7 @@ def minimize(
             inject=inject or [],
             out=out,
             on_progress=on_progress,
+            ledger=not no_ledger,
         )
 
 

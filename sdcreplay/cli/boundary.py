@@ -64,11 +64,16 @@ def _exit_code(output: Output, action: Callable[[], int]) -> int:
     return 3
 
 
-def command(renderer: Callable[[Output, Any], None]):
-    """Register ``body(output, **options) -> result`` as a command rendered by ``renderer``.
+def command(
+    renderer: Callable[[Output, Any], None],
+    group: typer.Typer | None = None,
+    name: str | None = None,
+):
+    """Register ``body(output, **options) -> result`` as a command rendered by ``renderer``
+    (on ``group``, e.g. ``devices``, else on the app; named ``name``, else as the body).
 
     The result's ``to_json()`` is what ``--json`` prints and its ``exit_code``
-    the exit status.
+    the exit status. A ledger that cannot take a verdict is said as ``Warning:``.
     """
 
     def register(body: Callable[..., Any]):
@@ -77,7 +82,10 @@ def command(renderer: Callable[[Output, Any], None]):
             output = Output(options.get("json_mode", False))
 
             def action() -> int:
-                result = body(output, **options)
+                from ..ledger.notes import warnings_to
+
+                with warnings_to(output.warn):
+                    result = body(output, **options)
                 renderer(output, result)
                 if output.json_mode:
                     output.data(result.to_json())
@@ -89,6 +97,6 @@ def command(renderer: Callable[[Output, Any], None]):
         invoke.__signature__ = signature.replace(  # type: ignore[attr-defined]
             parameters=list(signature.parameters.values())[1:]
         )  # options only: not ``output``
-        return app.command()(invoke)
+        return (group or app).command(name)(invoke)
 
     return register

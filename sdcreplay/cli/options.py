@@ -29,6 +29,13 @@ OutOpt = Annotated[
     Path | None,
     typer.Option("--out", help="Directory to write (its default is in the command's description)."),
 ]
+NoLedgerOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-ledger",
+        help="Do not append the verdict to the device ledger (SDCREPLAY_LEDGER; docs/fleet.md).",
+    ),
+]
 TrustOpt = Annotated[
     bool,
     typer.Option(

@@ -33,6 +33,8 @@ from ..capture.faults import FaultSpec, other_machine_kernels, parse_specs
 from ..capture.probe import Probe, run_probe
 from ..devices import torch_device, validate_label
 from ..errors import DeterminismError, SdcReplayError
+from ..ledger.identity import identify
+from ..ledger.notes import note_result
 from ..replay.comparability import refuse_unlike_reference
 from ..replay.replicas import probe_differences
 from ..storage.tensorio import dtype_name, map_tensors
@@ -96,6 +98,8 @@ class MinimizeResult:
     warnings: list[str]
     commands: list[str]
     seconds: float = 0.0
+    reference_ci95: list[float] | None = None  # Wilson 95% interval of the reference's rate
+    identities: dict | None = None  # device, reference: ledger.identity's DeviceIdentity
 
     @property
     def exit_code(self) -> int:
@@ -117,9 +121,10 @@ def minimize(
     out: str | Path | None = None,
     seed: int = 0,
     on_progress: Progress | None = None,
+    ledger: bool = True,
 ) -> MinimizeResult:
     """Measure, shrink and write the ticket (see the module docstring); the ticket path is in the
-    result."""
+    result. ``ledger``: append the measurement to the device ledger (docs/fleet.md)."""
     report_dir = Path(report_dir)
     report, case = load_report(report_dir)
     suspect_label = validate_label(device or report["suspect"])
@@ -238,7 +243,14 @@ def minimize(
         case.site, case.prior, tuple(args), kwargs, expected, suspect_outputs, rng=case.rng
     )
     result.seconds = round(time.perf_counter() - started, 3)
+    result.reference_ci95 = list(checked.ci95)
+    result.identities = {
+        "device": identify(suspect_label).to_json(),
+        "reference": identify(reference_label).to_json(),
+    }
     ticket.write_ticket(target, result.to_json(), report, ticket_case)
+    if ledger:
+        note_result(result.to_json())
     return result
 
 

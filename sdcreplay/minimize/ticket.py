@@ -18,11 +18,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
-from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import h5py
 
@@ -30,6 +27,8 @@ from ..bisect.operator_case import OperatorCase
 from ..capture import determinism
 from ..devices import torch_device
 from ..errors import SdcReplayError
+from ..ledger.identity import identify
+from ..ledger.nvml import nvml_identity
 
 SCHEMA = "sdcreplay.ticket/1"
 REPRO_FILE = "repro.py"
@@ -49,130 +48,12 @@ def repro_source() -> str:
 def device_identity(label: str) -> dict:
     """Who the device is: NVML's identity and health for a GPU; the CPU model otherwise."""
     device = torch_device(label)
-    identity = {"label": label, **determinism.device_description(device)}
+    identity = {"label": label, "id": identify(label).id, **determinism.device_description(device)}
     if device.type == "cuda":
         identity["nvml"] = nvml_identity(identity.get("uuid", ""))
     elif hasattr(os, "sched_getaffinity"):
         identity["cpu_affinity"] = sorted(os.sched_getaffinity(0))
     return identity
-
-
-NVML_IDENTITY = ("name", "uuid", "serial", "board_part_number", "vbios", "inforom", "pci_bus_id")
-"""What a vendor's return process identifies a board by, in the order ticket.md shows it."""
-
-
-def nvml_identity(uuid: str) -> dict:
-    """NVML's view of the GPU with this UUID (by UUID: CUDA_VISIBLE_DEVICES cannot mislead it).
-
-    ``identity`` names the board; ``health`` is its state now: ECC counts
-    (volatile since the driver loaded, aggregate over its life), retired pages,
-    remapped rows, clocks, temperature and power. A field the board or driver
-    does not support holds ``unavailable (NVML's reason)``.
-    """
-    try:
-        import pynvml
-    except ImportError:
-        return {
-            "available": False,
-            "note": "install nvidia-ml-py (pip install 'sdcreplay[gpu]') "
-            "for serial, VBIOS and ECC counters",
-        }
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return {"available": False, "note": f"NVML: {exc}"}
-    try:
-        name = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-        handle = pynvml.nvmlDeviceGetHandleByUUID(name)
-
-        def ask(query: Callable[[], Any]) -> Any:
-            try:
-                return _text(query())
-            except pynvml.NVMLError as exc:  # not supported on this board, or no permission
-                return f"unavailable ({exc})"
-
-        identity = {
-            key: ask(partial(query, handle)) for key, query in _identity_queries(pynvml).items()
-        }
-        return {
-            "available": True,
-            "driver": ask(pynvml.nvmlSystemGetDriverVersion),
-            "identity": identity,
-            "health": _health(pynvml, handle, ask),
-        }
-    except pynvml.NVMLError as exc:
-        return {"available": False, "note": f"NVML: {exc}"}
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _identity_queries(nvml) -> dict[str, Callable]:
-    return {
-        "name": nvml.nvmlDeviceGetName,
-        "uuid": nvml.nvmlDeviceGetUUID,
-        "serial": nvml.nvmlDeviceGetSerial,
-        "board_part_number": nvml.nvmlDeviceGetBoardPartNumber,
-        "vbios": nvml.nvmlDeviceGetVbiosVersion,
-        "inforom": nvml.nvmlDeviceGetInforomImageVersion,
-        "pci_bus_id": lambda h: nvml.nvmlDeviceGetPciInfo(h).busId,
-    }
-
-
-def _health(nvml, handle, ask: Callable[[Callable[[], Any]], Any]) -> dict:
-    """ECC, retired pages, remapped rows, clocks, temperature and power of one GPU, now."""
-    counters = (("volatile", nvml.NVML_VOLATILE_ECC), ("aggregate", nvml.NVML_AGGREGATE_ECC))
-    errors = (
-        ("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-        ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
-    )
-    ecc = {
-        f"{when}_{kind}": ask(partial(nvml.nvmlDeviceGetTotalEccErrors, handle, error, counter))
-        for when, counter in counters
-        for kind, error in errors
-    }
-    causes = (
-        ("single_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-        ("double_bit_ecc", nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
-    )
-
-    def retired_pages(cause_code: int) -> int:
-        return len(nvml.nvmlDeviceGetRetiredPages(handle, cause_code))
-
-    retired = {cause: ask(partial(retired_pages, code)) for cause, code in causes}
-    retired["pending"] = ask(lambda: bool(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)))
-    rows = ask(
-        lambda: dict(
-            zip(
-                ("correctable", "uncorrectable", "pending", "failure"),
-                nvml.nvmlDeviceGetRemappedRows(handle),
-                strict=True,
-            )
-        )
-    )
-    clock_codes = (
-        ("graphics", nvml.NVML_CLOCK_GRAPHICS),
-        ("sm", nvml.NVML_CLOCK_SM),
-        ("memory", nvml.NVML_CLOCK_MEM),
-    )
-    clocks = {
-        clock: ask(partial(nvml.nvmlDeviceGetClockInfo, handle, code))
-        for clock, code in clock_codes
-    }
-    return {
-        "ecc": ecc,
-        "retired_pages": retired,
-        "remapped_rows": rows,
-        "clocks_mhz": clocks,
-        "temperature_c": ask(
-            partial(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
-        ),
-        "power_w": ask(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
-        "power_limit_w": ask(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000),
-    }
-
-
-def _text(value):
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def ticket_document(result: dict, report: dict) -> dict:

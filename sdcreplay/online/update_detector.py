@@ -23,6 +23,8 @@ import torch
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
+from ..ledger.notes import note
+from ..ledger.verdicts import alarm_record
 from ..workload.definition import Workload
 from .agreement import _highest
 from .alarms import Alarm, Classification, Observation, observe, summarize_reasons
@@ -92,6 +94,7 @@ class UpdateDetector:
         recorder: Any = None,
         start_step: int = 0,
         group: Any = None,
+        ledger: bool = True,
     ):
         if alpha < 0 or sigmas < 0 or not 0 <= ema_decay < 1 or window < 2:
             raise SdcReplayError(
@@ -110,6 +113,7 @@ class UpdateDetector:
         self.max_recomputes, self.persistent_after = max_recomputes, persistent_after
         self.second_opinion = second_opinion
         self.group = group
+        self.ledger = ledger  # append transient and persistent alarms to the device ledger
         self.snapshot_device = snapshot_device
         self.recorder = recorder
         self.next_step = start_step
@@ -363,6 +367,20 @@ class UpdateDetector:
     def _classify(self, alarm: Alarm, classification: Classification) -> None:
         alarm.classification = classification
         self._counts[classification] += 1
+        if self.ledger and classification != "correct":
+            device = str(next(self.workload.model.parameters()).device)
+            reasons = summarize_reasons(alarm.reasons)
+            note(
+                [
+                    alarm_record(
+                        device,
+                        alarm.step,
+                        classification,
+                        reasons,
+                        contradicted_by=alarm.contradicted_by,
+                    )
+                ]
+            )
 
     def _give_up(self, snapshot: TrainingSnapshot, alarm: Alarm) -> None:
         """Dump the alarmed step, then the state as before it (the ring's too)."""

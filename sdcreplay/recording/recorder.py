@@ -50,6 +50,8 @@ from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
+from ..ledger.notes import note
+from ..ledger.verdicts import dump_record
 from ..storage.tensorio import map_tensors
 from ..workload.definition import canonical_ref, check_state_objects
 from .dump import RingDumper, dump_trigger
@@ -98,6 +100,7 @@ class Recorder:
         inject: Sequence[str] = (),
         ring: int | None = None,
         data_parallel: torch.nn.Module | None = None,
+        ledger: bool = True,
     ):
         if verify not in VERIFY_MODES:
             raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
@@ -108,6 +111,7 @@ class Recorder:
         self._data_parallel = model if data_parallel is None else data_parallel
         self.state_objects = check_state_objects(dict(state or {}), "Recorder")
         self.label = device_label or str(self.device)
+        self._ledger = ledger  # note each dump in the device ledger (docs/fleet.md)
         self.verify_mode = VERIFY_MODES[verify]
         switches = determinism.enable() if deterministic else determinism.current_switches()
         workload_ref = WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {}))
@@ -459,6 +463,8 @@ class Recorder:
             len(self.dumps) + 1, held, start, trigger, self._messages, self._ring_problem
         )
         self.dumps.append(path)
+        if self._ledger:
+            note([dump_record(self.label, reason, str(path), held[0].index)])
         return path
 
     def _release(self) -> None:

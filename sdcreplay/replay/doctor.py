@@ -16,6 +16,7 @@ import torch
 from ..capture import determinism
 from ..capture.operators import OperatorLog, OperatorMode
 from ..devices import torch_device
+from ..ledger.identity import identify
 from ..storage.tensorio import map_tensors
 from ..workload.definition import build_workload
 
@@ -46,7 +47,7 @@ class DoctorReport:
         return 0 if self.reproducible else 1
 
     def to_json(self) -> dict:
-        return {"schema": SCHEMA, **vars(self)}
+        return {"schema": SCHEMA, **vars(self), "device_id": identify(self.device).id}
 
 
 def doctor(

@@ -35,6 +35,7 @@ from ..compare.messages import Messages, read_messages, with_messages, write_mes
 from ..devices import torch_device, validate_label
 from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, StructureError
 from ..heartbeat import HEARTBEAT
+from ..ledger.notes import note_result
 from .job_report import JobReplayReport, _report, ranks_failure
 from .launch import GROUP_TIMEOUT_FACTOR, backend_for, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
@@ -205,12 +206,14 @@ def replay_job(
     log_dir: str | Path | None = None,
     timeout: float | None = None,
     on_done: Callable[[int, list[str]], None] | None = None,
+    ledger: bool = True,
 ) -> JobReplayReport:
     """Replay every rank of a job bundle, one replica after another, and vote per rank.
 
     ``devices``: see `replica_devices`. ``on_done(replica, labels)`` as each
     replica ends. ``timeout``: seconds the job may go without progress
-    (default: from the recorded step times).
+    (default: from the recorded step times). ``ledger``: append each judged device's verdict
+    to the device ledger (docs/fleet.md).
     """
     job = JobBundle.open(bundle)
     first = _check_job(job)
@@ -254,7 +257,10 @@ def replay_job(
         replica_messages.append(messages)
         if on_done is not None:
             on_done(index, labels)
-    return _report(job, replicas, runs, replica_messages, repeats, log_dir, last_step, inject)
+    report = _report(job, replicas, runs, replica_messages, repeats, log_dir, last_step, inject)
+    if ledger:
+        note_result(report.to_json())
+    return report
 
 
 def _same(arguments: dict) -> Callable[[int], dict]:

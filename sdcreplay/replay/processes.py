@@ -185,6 +185,7 @@ def run_device_processes(
     environment: dict[str, str] | None = None,
     on_done: Callable[[str, DeviceResult], None] | None = None,
     timeout: float | None = None,
+    deadline: float | None = None,
 ) -> dict[str, DeviceResult]:
     """Run ``task`` (a `worker.device_task`) in one process per device label at once.
 
@@ -194,7 +195,8 @@ def run_device_processes(
     status, its log file and the last lines of its stderr (never traceback
     frames); one that shows no progress for ``timeout`` seconds (default:
     ``UNKNOWN_STEP_TIMEOUT``) is killed and reported as timed out. The others run
-    to the end.
+    to the end, or until ``deadline`` (a ``time.time()``), when every process still running
+    is killed and reported as stopped (screen's budget).
     """
     reference = worker.task_reference(task)
     timeout = UNKNOWN_STEP_TIMEOUT if timeout is None else timeout
@@ -230,7 +232,7 @@ def run_device_processes(
     try:
         while running:
             for label, device in list(running.items()):
-                finished = _poll(label, device, timeout)
+                finished = _poll(label, device, timeout, deadline)
                 if finished is None:
                     continue
                 del running[label]
@@ -245,10 +247,23 @@ def run_device_processes(
     return results
 
 
-def _poll(label: str, device: _DeviceProcess, timeout: float) -> DeviceResult | None:
-    """The result of a process that ended (or was killed for a timeout), or None while it runs."""
+def _poll(
+    label: str, device: _DeviceProcess, timeout: float, deadline: float | None = None
+) -> DeviceResult | None:
+    """The result of a process that ended (or was killed for a timeout or at the deadline), or
+    None while it runs."""
     process = device.process
     status = process.exitcode
+    if status is None and deadline is not None and time.time() >= deadline:
+        _stop(process)
+        return DeviceResult(
+            error=DeviceFailure(
+                f"the {label} process was stopped at the deadline (at {device.where()})",
+                "It had not finished within the time it was given; give it more.",
+                log=str(device.stderr),
+                stderr_tail=tail(device.stderr),
+            )
+        )
     if status is None and time.time() - device.last_progress() <= timeout:
         return None
     if status is None:

@@ -25,6 +25,8 @@ from ..compare.logs import RECORD, Consensus, DeviceVerdict, vote
 from ..devices import validate_label
 from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError
 from ..kinds import DeviceRunVerdict, DeviceVerdictName
+from ..ledger.identity import identify, recorded_identity
+from ..ledger.notes import note_result
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .session import run_replay_task
 from .worker import DeviceResult
@@ -59,8 +61,11 @@ class DeviceRun:
     def to_json(self) -> dict:
         judgement = self.judgement
         first = judgement.first_divergence if judgement else None
+        identity = identify(self.device)
         return {
             "device": self.device,
+            "device_id": identity.id,
+            "identity": identity.to_json(),
             "verdict": self.verdict,
             "repeats": judgement.runs if judgement else 0,
             "divergent_repeats": judgement.divergent_runs if judgement else 0,
@@ -146,6 +151,7 @@ class ReplayReport:
     consensus: Consensus | None
     caveat: str | None = None
     injected_specs: list[str] = field(default_factory=list)  # the --inject specs asked for
+    record_identity: dict | None = None  # the recording device's (ledger.identity)
 
     @property
     def injection_missed(self) -> bool:
@@ -197,7 +203,7 @@ class ReplayReport:
             "bundle": self.bundle,
             "repeats": self.repeats,
             "log_dir": self.log_dir,
-            "record": {"verdict": self.record_verdict},
+            "record": {"verdict": self.record_verdict, "identity": self.record_identity},
             "devices": [run.to_json() for run in self.devices],
             "consensus": self.consensus.to_json() if self.consensus else None,
             "verified": self.caveat is None,
@@ -263,6 +269,7 @@ def replay_devices(
     log_dir: str | Path | None = None,
     on_done: Callable[[str, DeviceResult], None] | None = None,
     timeout: float | None = None,
+    ledger: bool = True,
 ) -> ReplayReport:
     """Replay on every device label at once, each in its own process, and vote.
 
@@ -270,6 +277,7 @@ def replay_devices(
     ``trust.granting([ref])`` (what ``--trust-workload`` does), see `bundle.trust`.
     ``timeout``: seconds a device may go without finishing a step before it is
     killed (default: derived from the recorded step times, see `progress_timeout`).
+    ``ledger``: append each judged device's verdict to the device ledger (docs/fleet.md).
     """
     opened = Bundle.open(bundle)
     labels = [validate_label(label) for label in devices]
@@ -338,7 +346,7 @@ def replay_devices(
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]
-    return ReplayReport(
+    report = ReplayReport(
         str(opened.path),
         repeats,
         str(log_dir),
@@ -346,4 +354,12 @@ def replay_devices(
         consensus,
         caveat_for(opened),
         injected_specs=list(inject),
+        record_identity=recorded_identity(
+            opened.manifest.device,
+            opened.manifest.environment.host,
+            opened.manifest.environment.device,
+        ).to_json(),
     )
+    if ledger:
+        note_result(report.to_json())
+    return report
