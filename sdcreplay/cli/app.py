@@ -8,7 +8,7 @@ JSON and maps failures to exit codes. The library is imported inside each body, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -35,6 +35,9 @@ from .render_bisect import render_bisect, render_minimize, render_ops
 from .render_checks import render_demo, render_demo_stage, render_doctor
 from .render_record import render_info, render_record
 from .render_replay import render_diff, render_replay
+
+if TYPE_CHECKING:
+    from ..replay.worker import DeviceResult
 
 
 @command(render_record)
@@ -221,9 +224,10 @@ def replay(
     finished: list[str] = []
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
 
-        def on_done(label: str, _: object) -> None:
+        def on_done(label: str, result: DeviceResult) -> None:
             finished.append(label)
-            progress.update("replaying", len(finished), len(devices), f"{label} finished")
+            how = "finished" if result.error is None else "failed"
+            progress.update("replaying", len(finished), len(devices), f"{label} {how}")
 
         progress.update("replaying", 0, len(devices), ", ".join(devices))
         return replay_devices(
