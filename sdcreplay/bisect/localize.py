@@ -39,7 +39,14 @@ from .divergent_step import first_divergent_job_step, first_divergent_step
 from .evidence import first_differing_output, state_forensics, trees_equal, upstream
 from .operator_case import OPERATOR_FILE, OperatorCase
 from .rank import job_to_bisect, run_in_job
-from .report import ENTRY_STATE_FILE, SCHEMA, BisectResult, command_line, finish, total
+from .report import (
+    ENTRY_STATE_FILE,
+    SCHEMA,
+    BisectResult,
+    ReportDirectory,
+    command_line,
+    total,
+)
 from .tasks import run_fetch_task, run_isolate_task, run_oplog_task
 
 
@@ -76,10 +83,8 @@ def bisect(
     if plot is not None:
         _plotter()
     named = job.path if job is not None else opened.path  # never inside a job bundle
-    out = Path(out) if out else named.with_name(named.name + ".bisect")
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
+    written = ReportDirectory.begin(Path(out) if out else named.with_name(named.name + ".bisect"))
+    work, finish = written.work, written.finish
     base: dict = {
         "schema": SCHEMA,
         "bundle": str(named),
@@ -87,7 +92,7 @@ def bisect(
         "reference": reference,
         "inject": list(inject),
         "workload": opened.manifest.workload.to_json(),
-        "report": str(out),
+        "report": str(written.final),
         "determinism": opened.manifest.determinism.to_json(),
         "commands": [command_line()],
     }
@@ -121,11 +126,10 @@ def bisect(
                 f"({opened.manifest.device} on {opened.manifest.environment.host}) is the "
                 "suspect; bisect with --suspect set to it."
             )
-        return finish(out, result, on_event)
+        return finish(result, on_event)
     if suspect is None:
         entry = replayed["first_entry"]
         return finish(
-            out,
             {
                 **base,
                 "verdict": "divergence",
@@ -186,7 +190,6 @@ def bisect(
         )
     if not sus["divergent"]:
         return finish(
-            out,
             {
                 **base,
                 "verdict": "no_divergence",
@@ -230,7 +233,7 @@ def bisect(
             isolated="upstream",
             kernels=[],
         )
-        return finish(out, result, on_event)
+        return finish(result, on_event)
 
     reference_case = OperatorCase.read(Path(fetched["case"]))
     suspect_case = OperatorCase.read(Path(sus["case"]))
@@ -245,7 +248,7 @@ def bisect(
         suspect_case.kwargs,
         rng=reference_case.rng,
     )
-    case.write(out / OPERATOR_FILE)
+    case.write(written.staging / OPERATOR_FILE)
     runs = isolation_runs or max(repeats, 3)
     on_event(
         "isolate",
@@ -257,7 +260,7 @@ def bisect(
         suspect,
         {
             "bundle": str(opened.path),
-            "case_file": str(out / OPERATOR_FILE),
+            "case_file": str(written.staging / OPERATOR_FILE),
             "inject": list(inject),
             "runs": runs,
             "rank": rank,
@@ -312,6 +315,8 @@ def bisect(
         if result["upstream"] and result["upstream"]["at_rest"] and producer:
             # Where the corruption is first seen: the producer's side (the reader: site, upstream).
             result.update(phase=producer["phase"], module=producer["module"])
+    if plot is not None:
+        result["plot"] = None  # asked for, and drawn only where an output's elements differ
     if plot is not None and forensics.get("count"):
         plot_element_heatmap = _plotter()
         expected = [v for v in case.expected if isinstance(v, torch.Tensor)][output_index]
@@ -320,11 +325,11 @@ def bisect(
             plot_element_heatmap(
                 expected,
                 actual,
-                Path(plot),
+                written.while_written(Path(plot)),
                 f"{site.op} under {site.module} ({site.phase}), step {step}",
             )
         )
-    return finish(out, result, on_event)
+    return finish(result, on_event)
 
 
 def _plotter():
@@ -357,6 +362,6 @@ def _run_alone(
         detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
         raise SdcReplayError(
             f"the {label} process failed: {error.message}{detail}",
-            error.hint or "See the stderr file in the report's work directory.",
+            error.hint or f"See the process's stderr in {error.log or work}.",
         )
     return result.value or {}

@@ -92,6 +92,11 @@ def render_bisect(output: Output, result: BisectResult) -> None:
     if report.get("next"):
         output.say(report["next"])
     output.say(f"Report: {result.report}")
+    if "plot" in result.findings:
+        plot = result.findings["plot"]
+        output.say(
+            f"Plot: {plot}" if plot else "Plot: none drawn (no element of an output differs)"
+        )
 
 
 def _minimize_verdict(result: MinimizeResult) -> str:

@@ -263,6 +263,14 @@ if __name__ == "__main__":
 """
 
 
+HELPERS = """
+import torch
+
+def batch_of(index):
+    return torch.full((3, 4), float(index))
+"""
+
+
 def test_own_loop_bundle_replays_from_a_fresh_shell_elsewhere(tmp_path: Path, sdcreplay_exe):
     """README's own-loop snippet, literally: `python mytrain.py` names `mytrain:make_workload`;
     replay and ops then run from another directory with nothing of the script's on the path."""
@@ -270,7 +278,7 @@ def test_own_loop_bundle_replays_from_a_fresh_shell_elsewhere(tmp_path: Path, sd
     project.mkdir()
     elsewhere.mkdir()
     write_module(project, "mytrain", LOOP_SCRIPT)
-    write_module(project, "helpers", "import torch\ndef batch_of(i):\n    return torch.full((3, 4), float(i))\n")
+    write_module(project, "helpers", HELPERS)
     # Only the package under test on the path (this checkout), never the script's directory.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     recorded = subprocess.run(
@@ -326,9 +334,7 @@ def test_module_every_process_finds_is_kept(tmp_path: Path, monkeypatch):
     assert recorded_ref("builtin:tiny-llama") == "builtin:tiny-llama"
 
 
-def test_reference_no_replay_could_import_is_refused_while_recording(
-    tmp_path: Path, monkeypatch
-):
+def test_reference_no_replay_could_import_is_refused_while_recording(tmp_path: Path, monkeypatch):
     package = tmp_path / "localpkg_unique"
     package.mkdir()
     (package / "__init__.py").write_text("")
