@@ -30,7 +30,7 @@ from ..bundle.reader import Bundle
 from ..capture import determinism
 from ..capture.signature import layer_of
 from ..compare.logs import RECORD
-from ..devices import validate_label
+from ..devices import require_available
 from ..errors import SdcReplayError, StructureError
 from ..kinds import Isolation
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
@@ -73,8 +73,8 @@ def bisect(
             f"the bundle has no step {step} (it has steps {opened.step_indices})",
             "Give --step one of the recorded steps (`sdcreplay info BUNDLE` lists them).",
         )
-    reference = validate_label(reference)
-    suspect = validate_label(suspect) if suspect else None
+    reference = require_available(reference)
+    suspect = require_available(suspect) if suspect else None
     if suspect == reference:
         raise SdcReplayError(
             "--suspect and --reference are the same device",

@@ -28,6 +28,7 @@ from .options import (
     TrustOpt,
     _seed_in_range,
     parse_kwargs,
+    preflight,
     trusting,
 )
 from .output import Output
@@ -121,6 +122,7 @@ def record(
     recording; the bundle does not carry them. With --ring nothing is written unless an alarm
     (--dump-on) asks; later bundles get -2, -3... before the suffix.
     """
+    preflight(inject, [device])
     from ..recording.drive import record as record_bundle
 
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
@@ -206,6 +208,7 @@ def replay(
     world-size --device labels is one replica, rank 0 first (default: one replica
     on the recorded devices); see docs/distributed.md.
     """
+    preflight(inject, device or [])
     from ..bundle.job_bundle import is_job_bundle
     from ..replay.replicas import replay_devices
 
@@ -306,6 +309,7 @@ def bisect(
 
     The report is written to --out (default: BUNDLE.bisect/).
     """
+    preflight(inject, [suspect, reference])
     from ..bisect.localize import bisect as run_bisect
 
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
@@ -372,6 +376,7 @@ def ops(
     json_mode: JsonOpt = False,
 ):
     """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth)."""
+    preflight(devices=[device])
     from ..bisect.ops import list_calls
 
     with trusting(bundle, trust_workload, workload):
@@ -402,6 +407,7 @@ def doctor(
     device did (can it vote on the record)? Exit 1 when the step is not reproducible or the
     machine cannot judge the bundle (a finding, like a divergence).
     """
+    preflight(devices=[device])
     if against is not None:
         from ..replay.comparability import judge_against
 
@@ -450,6 +456,7 @@ def minimize(
     --reference defaults to the report's; the ticket is written to --out (default:
     REPORT/ticket).
     """
+    preflight(inject, [device, reference])
     from ..minimize.driver import minimize as run_minimize
 
     with output.stages() as progress:
