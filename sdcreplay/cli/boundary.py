@@ -21,6 +21,7 @@ from typer.core import TyperCommand, TyperGroup
 from ..errors import SdcReplayError, WorkloadError
 from .output import Output
 
+
 class _FlagsTakeNoValue:
     """--help shows no ``<bool>`` beside a flag (``--json``, ``--overwrite/--no-overwrite``,
     ``--help``): a flag takes no value, and the column is for the values options take."""
