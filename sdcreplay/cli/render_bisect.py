@@ -88,7 +88,9 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         )
     rank = result.findings.get("rank")
     of_rank = "" if rank is None else f"rank {rank} of the job on "
-    output.table(f"Bisect: {of_rank}{result.suspect} vs {result.reference}", ["", ""], rows)
+    output.table(
+        f"Bisect: {of_rank}{result.suspect} vs {result.reference}", ["", ""], rows, fold=[1]
+    )
     if report.get("next"):
         output.say(report["next"])
     output.say(f"Report: {result.report}")
@@ -159,7 +161,7 @@ def render_minimize(output: Output, result: MinimizeResult) -> None:
             ]
         )
     rows += _fault_model_rows(result.fault_model)
-    output.table(f"Minimize: {result.op} on {result.device}", ["", ""], rows)
+    output.table(f"Minimize: {result.op} on {result.device}", ["", ""], rows, fold=[1])
     for warning in result.warnings:
         output.warn(warning)
     output.say(f"Ticket: {result.ticket}")
@@ -187,4 +189,5 @@ def render_ops(output: Output, listing: OpsListing) -> None:
             [str(c.index), c.phase, c.module, c.op, str(c.nth), _outputs_text(c.outputs)]
             for c in listing.calls
         ],
+        fold=[5],  # the outputs' shapes fold; an operator or module name is printed whole
     )
