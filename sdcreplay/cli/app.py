@@ -142,9 +142,13 @@ def record(
     if nproc is not None:
         from ..recording.job import record_job
 
+        stage = f"recording {workload} on {nproc} ranks"
         with output.stages() as progress:
-            progress.update(f"recording {workload} on {nproc} ranks")
-            return record_job(workload, target, nproc=nproc, **options)
+            progress.update(stage, 0, steps)  # the ranks report when the job ends
+            summary = record_job(workload, target, nproc=nproc, **options)
+            loss = "" if summary.final_loss is None else f", loss {summary.final_loss:.4f}"
+            progress.update(stage, summary.steps, steps, f"steps on each rank{loss}")
+            return summary
     stage = f"recording {workload}"
     with output.stages() as progress:
         recorded = 0
