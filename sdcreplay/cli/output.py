@@ -183,8 +183,8 @@ class Output:
     ) -> tuple[list[int], set[int], int]:
         """Each column at least as wide as its longest word (a value column up to
         `LONGEST_UNBROKEN`); where they cannot all fit the console, the value columns, widest
-        first, give up the difference. Returns the widths, the columns that gave some up, and
-        the cells still missing."""
+        first, give up the difference (folding their words) where that makes the table fit.
+        Returns the widths, the columns that gave some up, and the cells still missing."""
         widths = [
             max([_longest_word(column)] + [_longest_word(row[position]) for row in rows])
             for position, column in enumerate(columns)
@@ -194,7 +194,9 @@ class Output:
             for position, width in enumerate(widths)
         ]
         excess = sum(widths) + 3 * len(widths) + 1 - self.console.width  # padding and borders
-        squeezed = set()
+        squeezed: set[int] = set()
+        if excess > sum(max(0, widths[position] - FOLD_FLOOR) for position in fold):
+            return widths, squeezed, excess  # wider than the console anyway: no word is cut
         for position in sorted(fold, key=lambda index: -widths[index]):
             given = max(0, min(excess, widths[position] - FOLD_FLOOR))
             if given:
