@@ -300,6 +300,7 @@ def bisect(
                 "max_rel_diff",
                 "dtype",
                 "shape",
+                "view",
             )
         },
         bits=forensics.get("bits"),

@@ -30,11 +30,7 @@ def _call_rows(report: dict) -> list[list[str]]:
     if elements.get("count") is not None:
         bits = ", ".join(f"bit {b} x{n}" for b, n in report["bits"]["histogram"].items())
         rows += [
-            [
-                "elements",
-                f"{elements['count']} of {elements['total']} differ, "
-                f"first at {elements['positions'][:4]}",
-            ],
+            ["elements", _differing(elements)],
             ["pattern", str(report.get("pattern"))],
             ["fault model", str(report.get("fault_model"))],
             ["bits flipped", bits],
@@ -46,6 +42,22 @@ def _call_rows(report: dict) -> list[list[str]]:
             ["max abs diff", str(elements.get("max_abs_diff"))],
         ]
     return rows
+
+
+def _differing(elements: dict) -> str:
+    """How many elements differ and where; for a broadcasting view, its storage's words (each
+    once) at the view coordinates of their first reader."""
+    view = elements.get("view")
+    if view is None:
+        return (
+            f"{elements['count']} of {elements['total']} differ, "
+            f"first at {elements['positions'][:4]}"
+        )
+    return (
+        f"{elements['count']} of the {elements['total']} storage words a broadcasting view "
+        f"reads differ (storage index {view['storage_indices'][:4]}, first read at "
+        f"{elements['positions'][:4]})"
+    )
 
 
 def render_bisect(output: Output, result: BisectResult) -> None:
@@ -72,8 +84,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         rows.append(
             [
                 "upstream",
-                f"{upstream['summary']}; {changed['count']} element(s) of it "
-                f"differ at {changed['positions'][:4]} "
+                f"{upstream['summary']}; of it {_differing(changed)} "
                 f"(XOR {', '.join(changed['xor'][:4])}): {changed.get('fault_model')}",
             ]
         )

@@ -23,7 +23,7 @@ from sdcreplay.compare.logs import Comparison, Divergence
 LONG_NAMES = [
     "forward:encoder.layers.11.attention.out_proj",
     "backward:encoder.layers.11.mlp.gate_proj",
-    "optimizer:decoder.embed_tokens.weight.exp_avg",
+    "optim:decoder.embed_tokens.weight.exp_avg",
 ]
 
 
