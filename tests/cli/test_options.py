@@ -58,7 +58,7 @@ def test_a_typo_in_sdcreplay_inject_is_refused_the_same(small_bundle: Path, tmp_
 @pytest.mark.parametrize(
     "args",
     [
-        ["record", "builtin:tiny-llama", "--device", "cuda:0"],
+        ["record", "builtin:tiny-llama", "--device", "cuda:0", "--out", "OUT"],
         ["replay", "BUNDLE", "-d", "cpu:0", "-d", "cuda:0"],
         ["bisect", "BUNDLE", "--suspect", "cuda:0"],
         ["bisect", "BUNDLE", "--suspect", "cpu:1", "--reference", "cuda:0"],
@@ -71,7 +71,11 @@ def test_a_typo_in_sdcreplay_inject_is_refused_the_same(small_bundle: Path, tmp_
 def test_a_device_this_machine_cannot_have_is_refused_before_torch_loads(
     args: list[str], small_bundle: Path, tmp_path: Path
 ):
-    names = {"BUNDLE": str(small_bundle), "REPORT": str(tmp_path / "report")}
+    names = {
+        "BUNDLE": str(small_bundle),
+        "REPORT": str(tmp_path / "report"),
+        "OUT": str(tmp_path / "r.bundle"),
+    }
     done = _startup(*[names.get(arg, arg) for arg in args])
     lines = done.stderr.strip().splitlines()
     assert lines[-1] == "no torch 3", done.stderr
