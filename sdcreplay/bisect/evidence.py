@@ -44,10 +44,12 @@ def upstream(case: OperatorCase, origins: list[dict], state_differs: list[str]) 
     """The first input of the call that differed, where it came from, and when it went wrong.
 
     Every call before the first divergent one matched the reference, so a
-    wrong input whose producer's output matched when produced (or whose state
-    tensor entered the step right) was corrupted *at rest*, in memory between
-    the write and this read. An input that was state which already differed
-    entering the step is the ``state`` evidence instead.
+    wrong input whose producer's output matched when produced, whose state
+    tensor entered the step right, or that no call of the step wrote (an input
+    of the step: the recorded batch, or a tensor made before the step, the same
+    on both devices) was corrupted *at rest*, in memory between the write and
+    this read. An input that was state which already differed entering the
+    step is the ``state`` evidence instead.
     """
     suspect_args = case.suspect_args
     if suspect_args is None:
@@ -63,7 +65,7 @@ def upstream(case: OperatorCase, origins: list[dict], state_differs: list[str]) 
     if producer:
         at_rest = bool(producer["matched_reference"])
     else:
-        at_rest = state is not None and state not in state_differs
+        at_rest = state is None or state not in state_differs
     element = "" if first["element"] is None else f"[{first['element']}]"
     read = (
         f"call {site.index} ({site.op} under {site.module}, {site.phase}) read it wrong "
@@ -80,11 +82,14 @@ def upstream(case: OperatorCase, origins: list[dict], state_differs: list[str]) 
         made = (
             f"it entered the step as {state}, {how}"
             if state
-            else "no operator call of the step wrote it (an input of the step?)"
+            else "it entered the step as one of its inputs, right (no operator call of the step "
+            "wrote it: the recorded batch, or a tensor made before the step)"
         )
     summary = f"{'memory corrupted at rest: ' if at_rest else ''}{made}; {read}"
     forensics = element_forensics(_input_at(case.args, first), _input_at(suspect_args, first))
-    evidence = ("count", "total", "indices", "positions", "xor", "bits", "pattern", "fault_model")
+    evidence = (
+        "count", "total", "indices", "positions", "xor", "bits", "pattern", "fault_model", "view",
+    )  # fmt: skip
     return {
         "at_rest": at_rest,
         "summary": summary,

@@ -30,7 +30,7 @@ from ..bundle.reader import Bundle
 from ..capture import determinism
 from ..capture.signature import layer_of
 from ..compare.logs import RECORD
-from ..devices import validate_label
+from ..devices import require_available
 from ..errors import SdcReplayError, StructureError
 from ..kinds import Isolation
 from ..ledger.identity import identify, recorded_identity
@@ -41,7 +41,14 @@ from .divergent_step import first_divergent_job_step, first_divergent_step
 from .evidence import first_differing_output, state_forensics, trees_equal, upstream
 from .operator_case import OPERATOR_FILE, OperatorCase
 from .rank import job_to_bisect, run_in_job
-from .report import ENTRY_STATE_FILE, SCHEMA, BisectResult, command_line, finish, total
+from .report import (
+    ENTRY_STATE_FILE,
+    SCHEMA,
+    BisectResult,
+    ReportDirectory,
+    command_line,
+    total,
+)
 from .tasks import run_fetch_task, run_isolate_task, run_oplog_task
 
 
@@ -102,8 +109,8 @@ def _localize(
             f"the bundle has no step {step} (it has steps {opened.step_indices})",
             "Give --step one of the recorded steps (`sdcreplay info BUNDLE` lists them).",
         )
-    reference = validate_label(reference)
-    suspect = validate_label(suspect) if suspect else None
+    reference = require_available(reference)
+    suspect = require_available(suspect) if suspect else None
     if suspect == reference:
         raise SdcReplayError(
             "--suspect and --reference are the same device",
@@ -112,10 +119,8 @@ def _localize(
     if plot is not None:
         _plotter()
     named = job.path if job is not None else opened.path  # never inside a job bundle
-    out = Path(out) if out else named.with_name(named.name + ".bisect")
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
+    written = ReportDirectory.begin(Path(out) if out else named.with_name(named.name + ".bisect"))
+    work, finish = written.work, written.finish
     base: dict = {
         "schema": SCHEMA,
         "bundle": str(named),
@@ -123,7 +128,7 @@ def _localize(
         "reference": reference,
         "inject": list(inject),
         "workload": opened.manifest.workload.to_json(),
-        "report": str(out),
+        "report": str(written.final),
         "determinism": opened.manifest.determinism.to_json(),
         "commands": [command_line()],
         "identities": {
@@ -169,11 +174,10 @@ def _localize(
                 f"({opened.manifest.device} on {opened.manifest.environment.host}) is the "
                 "suspect; bisect with --suspect set to it."
             )
-        return finish(out, result, on_event)
+        return finish(result, on_event)
     if suspect is None:
         entry = replayed["first_entry"]
         return finish(
-            out,
             {
                 **base,
                 "verdict": "divergence",
@@ -234,7 +238,6 @@ def _localize(
         )
     if not sus["divergent"]:
         return finish(
-            out,
             {
                 **base,
                 "verdict": "no_divergence",
@@ -278,7 +281,7 @@ def _localize(
             isolated="upstream",
             kernels=[],
         )
-        return finish(out, result, on_event)
+        return finish(result, on_event)
 
     reference_case = OperatorCase.read(Path(fetched["case"]))
     suspect_case = OperatorCase.read(Path(sus["case"]))
@@ -293,7 +296,7 @@ def _localize(
         suspect_case.kwargs,
         rng=reference_case.rng,
     )
-    case.write(out / OPERATOR_FILE)
+    case.write(written.staging / OPERATOR_FILE)
     runs = isolation_runs or max(repeats, 3)
     on_event(
         "isolate",
@@ -305,7 +308,7 @@ def _localize(
         suspect,
         {
             "bundle": str(opened.path),
-            "case_file": str(out / OPERATOR_FILE),
+            "case_file": str(written.staging / OPERATOR_FILE),
             "inject": list(inject),
             "runs": runs,
             "rank": rank,
@@ -345,6 +348,7 @@ def _localize(
                 "max_rel_diff",
                 "dtype",
                 "shape",
+                "view",
             )
         },
         bits=forensics.get("bits"),
@@ -360,6 +364,8 @@ def _localize(
         if result["upstream"] and result["upstream"]["at_rest"] and producer:
             # Where the corruption is first seen: the producer's side (the reader: site, upstream).
             result.update(phase=producer["phase"], module=producer["module"])
+    if plot is not None:
+        result["plot"] = None  # asked for, and drawn only where an output's elements differ
     if plot is not None and forensics.get("count"):
         plot_element_heatmap = _plotter()
         expected = [v for v in case.expected if isinstance(v, torch.Tensor)][output_index]
@@ -368,11 +374,11 @@ def _localize(
             plot_element_heatmap(
                 expected,
                 actual,
-                Path(plot),
+                written.while_written(Path(plot)),
                 f"{site.op} under {site.module} ({site.phase}), step {step}",
             )
         )
-    return finish(out, result, on_event)
+    return finish(result, on_event)
 
 
 def _plotter():
@@ -405,6 +411,6 @@ def _run_alone(
         detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
         raise SdcReplayError(
             f"the {label} process failed: {error.message}{detail}",
-            error.hint or "See the stderr file in the report's work directory.",
+            error.hint or f"See the process's stderr in {error.log or work}.",
         )
     return result.value or {}

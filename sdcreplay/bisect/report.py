@@ -2,24 +2,30 @@
 
 A report outlives the run that wrote it: ``--json`` prints it and minimize reads the
 directory back. Its schema, file names and typed fields are therefore defined once, here,
-apart from how a bisect computes them.
+apart from how a bisect computes them. A report is written whole or not at all
+(`ReportDirectory`): a run that fails leaves the report already there as it was.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, get_args
+from typing import Any, ClassVar, get_args
 
+from ..errors import SdcReplayError
 from ..kinds import BisectVerdict
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
 ENTRY_STATE_FILE = "state-entering-step.h5"
 SCHEMA = "sdcreplay.bisect/1"
+STAGING_SUFFIX = ".partial"
+WORK_DIR = "work"
 
 
 @dataclass
@@ -63,10 +69,77 @@ def total(steps: dict[str, int]) -> dict[str, int]:
     return {**steps, "total": sum(steps.values())}
 
 
-def finish(out: Path, data: dict, on_event) -> BisectResult:
-    (out / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
-    on_event("done", f"report written to {out}")
-    return BisectResult.from_json(data)
+@dataclass(frozen=True)
+class ReportDirectory:
+    """A report being written: everything goes to ``staging`` (``REPORT.partial``, the
+    device processes' work directory included) and `finish` renames it to ``final`` once the
+    report is complete, replacing the report there. A failed run leaves ``final`` untouched
+    (its ``operator.h5`` and ``report.json`` still agree) and its logs in ``staging``."""
+
+    final: Path
+    staging: Path
+
+    @classmethod
+    def begin(cls, out: Path) -> ReportDirectory:
+        if out.exists() and not _replaceable(out):
+            raise SdcReplayError(
+                f"{out} exists and is not a bisect report, so it is not replaced",
+                "Name a new --out directory, or remove that one.",
+            )
+        staging = out.with_name(out.name + STAGING_SUFFIX)
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # an earlier failed run's
+            (staging / WORK_DIR).mkdir(parents=True)
+        except OSError as exc:
+            raise SdcReplayError(
+                f"cannot create the report directory {staging}: {exc.strerror or exc}",
+                "Give --out a directory that can be created (its parent a writable directory).",
+            ) from exc
+        return cls(out, staging)
+
+    @property
+    def work(self) -> Path:
+        return self.staging / WORK_DIR
+
+    def while_written(self, path: Path) -> Path:
+        """Where to write ``path`` now: a file meant for the final directory goes to staging."""
+        return Path(_relocated(str(path), str(self.final), str(self.staging)))
+
+    def finish(self, data: dict, on_event) -> BisectResult:
+        """Write ``report.json`` (its paths naming the final directory) and put it in place."""
+        data = _relocated(data, str(self.staging), str(self.final))
+        (self.staging / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
+        replaced = self.final.with_name(self.final.name + ".replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        if self.final.exists():
+            self.final.rename(replaced)
+        self.staging.rename(self.final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        on_event("done", f"report written to {self.final}")
+        return BisectResult.from_json(data)
+
+
+def _replaceable(path: Path) -> bool:
+    """A directory a new report may replace: an earlier report (or a run of it that failed
+    before reports were written whole), or an empty directory."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    try:
+        report = json.loads((path / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return not any(path.iterdir()) or [p.name for p in path.iterdir()] == [WORK_DIR]
+    return isinstance(report, dict) and report.get("schema") == SCHEMA
+
+
+def _relocated(value: Any, staging: str, final: str) -> Any:
+    """``value`` with every path under ``staging`` naming the same file under ``final``."""
+    if isinstance(value, str) and (value == staging or value.startswith(staging + os.sep)):
+        return final + value[len(staging) :]
+    if isinstance(value, dict):
+        return {key: _relocated(item, staging, final) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_relocated(item, staging, final) for item in value]
+    return value
 
 
 def command_line() -> str:

@@ -89,7 +89,7 @@ MESSAGE_FIELDS: dict[str, Check] = {
 
 def _read_manifest_json(path: Path) -> Any:
     if not os.path.lexists(path / MANIFEST):
-        raise BundleError(f"{path} has no {MANIFEST}")
+        raise _without_manifest(path)
     manifest_path = regular_file_inside(path, MANIFEST)
     raw = read_limited(manifest_path, MAX_MANIFEST_BYTES, "manifest")
     try:
@@ -98,6 +98,33 @@ def _read_manifest_json(path: Path) -> Any:
         raise BundleError(f"{manifest_path} nests deeper than {MAX_JSON_DEPTH} levels") from exc
     except ValueError as exc:
         raise BundleError(f"{manifest_path} is not valid JSON: {str(exc)[:200]}") from exc
+
+
+def _without_manifest(path: Path) -> BundleError:
+    """What a directory without a manifest is, said as such: a folder of bundles (named),
+    another directory, or a bundle that lost its manifest."""
+    try:
+        children = sorted(os.scandir(path), key=lambda entry: entry.name)
+    except OSError:
+        children = []
+    held = [
+        entry.name
+        for entry in children
+        if entry.is_dir(follow_symlinks=False) and os.path.isfile(Path(entry.path, MANIFEST))
+    ]
+    if held:
+        shown = ", ".join(held[:10]) + (f", ... ({len(held) - 10} more)" if len(held) > 10 else "")
+        return BundleError(
+            f"{path} is a folder holding {len(held)} bundle{'s' * (len(held) != 1)} ({shown}), "
+            "not a bundle itself",
+            f"Name one of them, e.g. {path / held[0]}.",
+        )
+    if not any(entry.name in (*STREAMS, "steps", "state.h5") for entry in children):
+        return BundleError(
+            f"{path} has no {MANIFEST}: it is not a bundle",
+            "Give the directory `sdcreplay record --out` wrote (it holds manifest.json).",
+        )
+    return BundleError(f"{path} has no {MANIFEST}")  # a bundle's files without it: damaged
 
 
 def _existing(path: str | Path) -> Path:

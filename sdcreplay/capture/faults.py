@@ -6,7 +6,8 @@ calls (or, for ``memflip``, a parameter's memory before a step) on the device
 label it names. Matching is by call site (step, phase, module, operator, and
 position among the matching calls), so a call re-run alone by bisect or
 minimize is the same call and the fault fires there too, as a real defect
-fires on the same kernel with the same inputs. Grammar: docs/fault-injection.md.
+fires on the same kernel with the same inputs. The grammar is `fault_spec.py`, which
+imports no torch (docs/fault-injection.md).
 """
 
 from __future__ import annotations
@@ -18,173 +19,19 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from typing import Literal, get_args
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FaultSpecError
-from ..kinds import PhaseName
 from ..storage.tensorio import local_shard, raw_bits
+from .fault_spec import ENV_VAR as ENV_VAR  # the grammar lives there, torch-free; the names
+from .fault_spec import FaultSpec  # are kept here for everyone who imports them from faults
+from .fault_spec import parse_specs as parse_specs
 from .operators import CallSite
 
-FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip", "mask", "burst"]
-KINDS: tuple[str, ...] = get_args(FaultKind)
-PHASES: tuple[str, ...] = get_args(PhaseName)
-ENV_VAR = "SDCREPLAY_INJECT"
 _MANTISSA_TOP = {torch.float64: 51, torch.float32: 22, torch.float16: 9, torch.bfloat16: 6}
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    kind: FaultKind
-    op: str | None = None
-    param: str | None = None
-    module: str | None = None
-    phase: str | None = None
-    step: int | None = None
-    nth: int | None = None
-    index: int = 0
-    bit: int | None = None
-    mask: int | None = None
-    count: int = 1
-    scale: float = 1e-3
-    p: float = 1.0
-    seed: int = 0
-    device: str | None = None
-    rank: int | None = None  # the torch.distributed rank it applies to (default: every process)
-
-    @classmethod
-    def parse(cls, text: str) -> FaultSpec:
-        values: dict = {}
-        # The annotations are strings (postponed evaluation), e.g. "int | None".
-        types = {f.name: str(f.type) for f in fields(cls)}
-        for part in filter(None, (piece.strip() for piece in text.split(","))):
-            key, sep, value = part.partition("=")
-            key, value = key.strip(), value.strip()
-            if not sep or key not in types:
-                raise FaultSpecError(
-                    f"fault spec {text!r}: unknown or malformed part {part!r}",
-                    f"Keys: {', '.join(types)}; "
-                    "e.g. kind=bitflip,op=aten.mm,step=0,index=3,bit=22.",
-                )
-            try:
-                values[key] = _convert(types[key], value)
-            except ValueError:
-                raise FaultSpecError(
-                    f"fault spec {text!r}: {key}={value!r} is not a valid "
-                    f"{types[key].split('|')[0].strip()}"
-                ) from None
-        if "kind" not in values:
-            raise FaultSpecError(
-                f"fault spec {text!r} has no kind", f"kind is one of {', '.join(KINDS)}."
-            )
-        spec = cls(**values)
-        spec._validate(text)
-        return spec
-
-    def _validate(self, text: str) -> None:
-        problem = None
-        if self.kind not in KINDS:
-            problem = f"kind {self.kind!r} is not one of {', '.join(KINDS)}"
-        elif self.kind == "memflip" and (self.param is None or self.step is None):
-            problem = "memflip needs param= (a parameter or buffer name) and step="
-        elif self.kind != "memflip" and self.op is None:
-            problem = f"{self.kind} needs op= (e.g. aten.mm or aten.mm.default)"
-        elif self.phase is not None and self.phase not in PHASES:
-            problem = f"phase {self.phase!r} is not one of {', '.join(PHASES)}"
-        elif not 0.0 <= self.p <= 1.0:
-            problem = f"p={self.p} is not a probability"
-        elif self.count < 1 or self.index < 0 or (self.nth is not None and self.nth < 0):
-            problem = "count must be at least 1, index and nth at least 0"
-        elif self.rank is not None and self.rank < 0:
-            problem = f"rank={self.rank} is not a rank (0, 1, ...)"
-        elif self.bit is not None and not 0 <= self.bit < 64:
-            problem = f"bit={self.bit} is outside 0..63"
-        if problem:
-            raise FaultSpecError(f"fault spec {text!r}: {problem}")
-        self._validate_mask(text)
-
-    def _validate_mask(self, text: str) -> None:
-        """The XOR mask of ``mask``, ``burst`` and ``memflip``: there, non-zero, at most 64 bits."""
-        example = "e.g. mask=0x00f00000 (four bits of a float32's mantissa)"
-        if self.mask is None:
-            if self.kind == "mask":
-                raise FaultSpecError(
-                    f"fault spec {text!r}: kind=mask needs mask= (the bits to XOR)",
-                    f"Give the mask in hex or decimal, {example}.",
-                )
-            return
-        if self.kind not in ("mask", "burst", "memflip"):
-            raise FaultSpecError(
-                f"fault spec {text!r}: mask= applies to kind=mask, burst and memflip only",
-                f"Use kind=mask for a multi-bit error on one element, or bit= with {self.kind}.",
-            )
-        if self.bit is not None:
-            raise FaultSpecError(
-                f"fault spec {text!r}: give mask= or bit=, not both",
-                f"bit={self.bit} is mask={1 << self.bit:#x}.",
-            )
-        if self.mask == 0:
-            raise FaultSpecError(
-                f"fault spec {text!r}: mask=0 changes no bit", f"Name the bits to flip, {example}."
-            )
-        if not 0 < self.mask < 1 << 64:
-            problem = "is negative" if self.mask < 0 else "does not fit a 64-bit word"
-            raise FaultSpecError(
-                f"fault spec {text!r}: mask={self.mask:#x} {problem}",
-                f"A mask is a positive number of at most 64 bits, {example}.",
-            )
-
-    @property
-    def mask_text(self) -> str | None:
-        return None if self.mask is None else f"{self.mask:#x}"
-
-    def __str__(self) -> str:
-        defaults = FaultSpec(kind=self.kind)
-        parts = [f"kind={self.kind}"] + [
-            f"mask={self.mask_text}" if f.name == "mask" else f"{f.name}={getattr(self, f.name)}"
-            for f in fields(self)
-            if f.name != "kind" and getattr(self, f.name) != getattr(defaults, f.name)
-        ]
-        return ",".join(parts)
-
-    def applies_to(self, device_label: str, rank: int | None = None) -> bool:
-        """``rank``: the process's rank in its torch.distributed job (None: not in one)."""
-        return (self.device is None or self.device == device_label) and (
-            self.rank is None or self.rank == rank
-        )
-
-    def matches_key(self, op: str, module: str, phase: str) -> bool:
-        """Does a call of ``op`` under ``module`` in ``phase`` match (step and nth aside)?"""
-        if self.kind == "memflip":
-            return False
-        if op != self.op and op.rsplit(".", 1)[0] != self.op:
-            return False
-        if self.module is not None and not _under(module, self.module):
-            return False
-        return self.phase is None or phase == self.phase
-
-
-def _under(module: str, prefix: str) -> bool:
-    return module == prefix or module.startswith(prefix + ".") or prefix == ""
-
-
-def _convert(annotation: str, value: str):
-    if "int" in annotation:  # decimal, or hex with 0x (masks read best in hex)
-        return int(value, 16) if value.lower().lstrip("+-").startswith("0x") else int(value)
-    if "float" in annotation:
-        return float(value)
-    return value
-
-
-def parse_specs(specs: Iterable[str] = (), include_env: bool = True) -> list[FaultSpec]:
-    """Specs from the command line, then from ``SDCREPLAY_INJECT`` (``;``-separated)."""
-    texts = list(specs)
-    if include_env:
-        texts += [s for s in os.environ.get(ENV_VAR, "").split(";") if s.strip()]
-    return [FaultSpec.parse(text) for text in texts]
 
 
 @dataclass
@@ -355,16 +202,56 @@ def closest_calls(
     ]
 
 
+def check_operators(specs: Iterable[FaultSpec]) -> None:
+    """Refuse a spec whose ``op`` names no ATen operator (a typo: it could never fire), with
+    the closest names; ops of other namespaces (a workload's own) are left to the run."""
+    known = {
+        name.replace("::", ".") + ("" if "." in name else ".default")
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+    }
+    packets = {name.rsplit(".", 1)[0] for name in known}
+    for spec in specs:
+        if spec.op is None or not spec.op.startswith("aten.") or spec.op in known | packets:
+            continue
+        close = difflib.get_close_matches(spec.op, sorted(packets | known), n=4, cutoff=0.6)
+        raise FaultSpecError(
+            f"fault spec {str(spec)!r}: op={spec.op} is not an ATen operator",
+            (f"Closest: {', '.join(close)}. " if close else "")
+            + "`sdcreplay ops BUNDLE --step N` lists a step's calls as specs name them.",
+        )
+
+
 def default_bit(dtype: torch.dtype) -> int:
     """The top mantissa bit of a float (a visible, finite change), bit 0 otherwise."""
     return _MANTISSA_TOP.get(dtype, 0)
 
 
+def _no_such_bit(bit: int, dtype: torch.dtype) -> FaultSpecError:
+    width = 8 * dtype.itemsize
+    return FaultSpecError(
+        f"bit {bit} does not exist in a {width}-bit {dtype} element",
+        f"A {dtype} element has bits 0 to {width - 1}: give a smaller bit=, or leave it out "
+        "(the top mantissa bit of a float).",
+    )
+
+
+def check_bits_fit(specs: Iterable[FaultSpec], site: CallSite, outputs: Iterable) -> None:
+    """Refuse, before anything runs, a ``bit=`` beyond the width of the output a spec would
+    corrupt at ``site`` (its first tensor output, as the injector takes), where the outputs'
+    dtypes are known (an operator case)."""
+    first = next((value for value in outputs if isinstance(value, torch.Tensor)), None)
+    for spec in specs:
+        selects = spec.matches_key(*site.key) and spec.step in (None, site.step)
+        if first is not None and selects and spec.bit is not None:
+            if spec.bit >= 8 * first.element_size():
+                raise _no_such_bit(spec.bit, first.dtype)
+
+
 def flip_bits(tensor: torch.Tensor, elements: list[int], bit: int) -> None:
     """XOR one bit of the storage word of each element (logical flat indices), in place."""
-    width = 8 * tensor.element_size()
-    if bit >= width:
-        raise FaultSpecError(f"bit {bit} does not exist in a {width}-bit {tensor.dtype} element")
+    if bit >= 8 * tensor.element_size():
+        raise _no_such_bit(bit, tensor.dtype)
     if tensor.dtype == torch.bool and bit != 0:
         raise FaultSpecError("a bool element has only bit 0")
     xor_words(tensor, elements, 1 << bit)

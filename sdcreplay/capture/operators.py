@@ -380,7 +380,25 @@ def _outputs(out) -> list:
 
 def _cpu_copy(tree):
     with _own_work():
-        return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
+        return map_tensors(tree, _kept_copy)
+
+
+def _kept_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy in the same layout: a broadcast (stride 0, ``aten.expand``) stays a
+    broadcast of a copy of the words it reads, so the report counts a flipped storage word
+    once, not once per view element (``.to(copy=True)`` would make it dense)."""
+    tensor = tensor.detach()
+    broadcast = [
+        dim
+        for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride()))
+        if stride == 0 and size > 1
+    ]
+    if type(tensor) is not torch.Tensor or not broadcast:
+        return tensor.to("cpu", copy=True)
+    words = tensor
+    for dim in broadcast:
+        words = words.narrow(dim, 0, 1)
+    return words.to("cpu", copy=True).expand(tensor.shape)
 
 
 def state_tensors(
@@ -394,5 +412,6 @@ def state_tensors(
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optimizer:{names.get(id(param), '?')}.{key}"] = value
+                    # ``optim:``, as the signature log names the same state (capture/layers.py)
+                    tensors[f"optim:{names.get(id(param), '?')}.{key}"] = value
     return tensors

@@ -8,7 +8,7 @@ JSON and maps failures to exit codes. The library is imported inside each body, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -29,6 +29,7 @@ from .options import (
     TrustOpt,
     _seed_in_range,
     parse_kwargs,
+    preflight,
     trusting,
 )
 from .output import Output
@@ -36,6 +37,9 @@ from .render_bisect import render_bisect, render_minimize, render_ops
 from .render_checks import render_demo, render_demo_stage, render_doctor
 from .render_record import render_info, render_record
 from .render_replay import render_diff, render_replay
+
+if TYPE_CHECKING:
+    from ..replay.worker import DeviceResult
 
 
 @command(render_record)
@@ -119,6 +123,7 @@ def record(
     recording; the bundle does not carry them. With --ring nothing is written unless an alarm
     (--dump-on) asks; later bundles get -2, -3... before the suffix.
     """
+    preflight(inject, [device])
     from ..recording.drive import record as record_bundle
 
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
@@ -138,9 +143,13 @@ def record(
     if nproc is not None:
         from ..recording.job import record_job
 
+        stage = f"recording {workload} on {nproc} ranks"
         with output.stages() as progress:
-            progress.update(f"recording {workload} on {nproc} ranks")
-            return record_job(workload, target, nproc=nproc, **options)
+            progress.update(stage, 0, steps)  # the ranks report when the job ends
+            summary = record_job(workload, target, nproc=nproc, **options)
+            loss = "" if summary.final_loss is None else f", loss {summary.final_loss:.4f}"
+            progress.update(stage, summary.steps, steps, f"steps on each rank{loss}")
+            return summary
     stage = f"recording {workload}"
     with output.stages() as progress:
         recorded = 0
@@ -205,6 +214,7 @@ def replay(
     world-size --device labels is one replica, rank 0 first (default: one replica
     on the recorded devices); see docs/distributed.md.
     """
+    preflight(inject, device or [])
     from ..bundle.job_bundle import is_job_bundle
     from ..replay.replicas import replay_devices
 
@@ -224,9 +234,10 @@ def replay(
     finished: list[str] = []
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
 
-        def on_done(label: str, _: object) -> None:
+        def on_done(label: str, result: DeviceResult) -> None:
             finished.append(label)
-            progress.update("replaying", len(finished), len(devices), f"{label} finished")
+            how = "finished" if result.error is None else "failed"
+            progress.update("replaying", len(finished), len(devices), f"{label} {how}")
 
         progress.update("replaying", 0, len(devices), ", ".join(devices))
         return replay_devices(
@@ -308,6 +319,7 @@ def bisect(
 
     The report is written to --out (default: BUNDLE.bisect/).
     """
+    preflight(inject, [suspect, reference])
     from ..bisect.localize import bisect as run_bisect
 
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
@@ -375,6 +387,7 @@ def ops(
     json_mode: JsonOpt = False,
 ):
     """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth)."""
+    preflight(devices=[device])
     from ..bisect.ops import list_calls
 
     with trusting(bundle, trust_workload, workload):
@@ -405,6 +418,7 @@ def doctor(
     device did (can it vote on the record)? Exit 1 when the step is not reproducible or the
     machine cannot judge the bundle (a finding, like a divergence).
     """
+    preflight(devices=[device])
     if against is not None:
         from ..replay.comparability import judge_against
 
@@ -454,6 +468,7 @@ def minimize(
     --reference defaults to the report's; the ticket is written to --out (default:
     REPORT/ticket).
     """
+    preflight(inject, [device, reference])
     from ..minimize.driver import minimize as run_minimize
 
     with output.stages() as progress:

@@ -16,11 +16,34 @@ from collections.abc import Callable
 from typing import Any
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from ..errors import SdcReplayError, WorkloadError
 from .output import Output
 
+
+class _FlagsTakeNoValue:
+    """--help shows no ``<bool>`` beside a flag (``--json``, ``--overwrite/--no-overwrite``,
+    ``--help``): a flag takes no value, and the column is for the values options take."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class Command(_FlagsTakeNoValue, TyperCommand):
+    pass
+
+
+class Group(_FlagsTakeNoValue, TyperGroup):
+    pass
+
+
 app = typer.Typer(
+    cls=Group,
     name="sdcreplay",
     help="Forensic replay of silent data corruption in PyTorch training.",
     no_args_is_help=True,
@@ -97,6 +120,6 @@ def command(
         invoke.__signature__ = signature.replace(  # type: ignore[attr-defined]
             parameters=list(signature.parameters.values())[1:]
         )  # options only: not ``output``
-        return (group or app).command(name)(invoke)
+        return (group or app).command(name, cls=Command)(invoke)
 
     return register

@@ -7,6 +7,7 @@ A usage error here is typer's ``BadParameter`` (exit 2), raised before any libra
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -65,6 +66,23 @@ def trusting(bundle: Path, trust_workload: bool, workload: str | None):
     elif trust_workload:
         refs.append(Bundle.open(bundle, verify=False).workload_ref)
     return granting(refs)
+
+
+def preflight(inject: list[str] | None = None, devices: Iterable[str | None] = ()) -> None:
+    """Refuse a fault spec that does not parse (``--inject`` and ``SDCREPLAY_INJECT``) and a
+    device this machine cannot have, before the command imports torch or starts a device
+    process: a typo costs a second, not a run. Exit 3 with Error/Hint, as the library would."""
+    from ..capture.fault_spec import parse_specs
+    from ..devices import require_available
+
+    specs = parse_specs(inject or [])
+    for label in devices:
+        if label is not None:
+            require_available(label)
+    if specs:  # an operator's name needs torch's registry: checked last, and only then
+        from ..capture.faults import check_operators
+
+        check_operators(specs)
 
 
 class DumpOn(str, Enum):

@@ -11,7 +11,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -38,7 +38,8 @@ VERDICT_STYLE = {
     "spread": "cyan",
     "error": "bold magenta",
 }
-LONGEST_UNBROKEN = 48  # a column is never narrower than its longest word, up to this many cells
+LONGEST_UNBROKEN = 48  # a value column is never narrower than its longest word, up to this
+FOLD_FLOOR = 8  # the narrowest a value column folds to where the console is too narrow
 
 
 def styled(word: str) -> str:
@@ -152,31 +153,57 @@ class Output:
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]Warning:[/] {escape(text)}")
 
-    def table(self, title: str | None, columns: list[str], rows: list[list[str]]) -> None:
-        """A table whose cells wrap between words only: a device label or entry name stays whole
-        (a word longer than the widest allowed column is folded, never cut short)."""
+    def table(
+        self,
+        title: str | None,
+        columns: list[str],
+        rows: list[list[str]],
+        fold: Sequence[int] = (),
+    ) -> None:
+        """A table whose cells wrap between words only, so a name (an operator, a module path,
+        an entry, a device label) is never cut. ``fold``: the positions of columns that hold
+        values (a hash, shapes, a sentence), which give up width where the console is too
+        narrow, down to `FOLD_FLOOR` cells; where the names alone are wider than the console,
+        the table is printed as wide as they need (a narrower terminal wraps the line, and the
+        name stays one string to copy)."""
+        widths, squeezed, excess = self._unbroken_widths(columns, rows, fold)
         table = Table(title=title, title_justify="left", header_style="bold")
-        for column, width in zip(columns, self._unbroken_widths(columns, rows)):
-            table.add_column(column, overflow="fold", min_width=width)
+        for position, (column, width) in enumerate(zip(columns, widths)):
+            if position in squeezed:  # narrower than its longest word: held there, folding
+                table.add_column(column, overflow="fold", width=width)
+            else:
+                table.add_column(column, overflow="fold", min_width=width)
         for row in rows:
             table.add_row(*row)
-        self.console.print(table)
+        wider = self.console.width + excess if excess > 0 else None
+        self.console.print(table, width=wider)
 
-    def _unbroken_widths(self, columns: list[str], rows: list[list[str]]) -> list[int]:
-        """Each column at least as wide as its longest word; where they cannot all fit the
-        console, the widest column (a value, rarely a name) gives up the difference."""
+    def _unbroken_widths(
+        self, columns: list[str], rows: list[list[str]], fold: Sequence[int]
+    ) -> tuple[list[int], set[int], int]:
+        """Each column at least as wide as its longest word (a value column up to
+        `LONGEST_UNBROKEN`); where they cannot all fit the console, the value columns, widest
+        first, give up the difference (folding their words) where that makes the table fit.
+        Returns the widths, the columns that gave some up, and the cells still missing."""
         widths = [
-            min(
-                LONGEST_UNBROKEN,
-                max([_longest_word(column)] + [_longest_word(row[position]) for row in rows]),
-            )
+            max([_longest_word(column)] + [_longest_word(row[position]) for row in rows])
             for position, column in enumerate(columns)
         ]
+        widths = [
+            min(LONGEST_UNBROKEN, width) if position in fold else width
+            for position, width in enumerate(widths)
+        ]
         excess = sum(widths) + 3 * len(widths) + 1 - self.console.width  # padding and borders
-        if excess > 0:
-            widest = widths.index(max(widths))
-            widths[widest] = max(1, widths[widest] - excess)
-        return widths
+        squeezed: set[int] = set()
+        if excess > sum(max(0, widths[position] - FOLD_FLOOR) for position in fold):
+            return widths, squeezed, excess  # wider than the console anyway: no word is cut
+        for position in sorted(fold, key=lambda index: -widths[index]):
+            given = max(0, min(excess, widths[position] - FOLD_FLOOR))
+            if given:
+                widths[position] -= given
+                excess -= given
+                squeezed.add(position)
+        return widths, squeezed, excess
 
     def error(self, exc: SdcReplayError) -> None:
         self.console.print(f"[bold red]Error:[/] {escape(exc.message)}")

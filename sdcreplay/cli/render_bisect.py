@@ -30,11 +30,7 @@ def _call_rows(report: dict) -> list[list[str]]:
     if elements.get("count") is not None:
         bits = ", ".join(f"bit {b} x{n}" for b, n in report["bits"]["histogram"].items())
         rows += [
-            [
-                "elements",
-                f"{elements['count']} of {elements['total']} differ, "
-                f"first at {elements['positions'][:4]}",
-            ],
+            ["elements", _differing(elements)],
             ["pattern", str(report.get("pattern"))],
             ["fault model", str(report.get("fault_model"))],
             ["bits flipped", bits],
@@ -46,6 +42,22 @@ def _call_rows(report: dict) -> list[list[str]]:
             ["max abs diff", str(elements.get("max_abs_diff"))],
         ]
     return rows
+
+
+def _differing(elements: dict) -> str:
+    """How many elements differ and where; for a broadcasting view, its storage's words (each
+    once) at the view coordinates of their first reader."""
+    view = elements.get("view")
+    if view is None:
+        return (
+            f"{elements['count']} of {elements['total']} differ, "
+            f"first at {elements['positions'][:4]}"
+        )
+    return (
+        f"{elements['count']} of the {elements['total']} storage words a broadcasting view "
+        f"reads differ (storage index {view['storage_indices'][:4]}, first read at "
+        f"{elements['positions'][:4]})"
+    )
 
 
 def render_bisect(output: Output, result: BisectResult) -> None:
@@ -72,8 +84,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         rows.append(
             [
                 "upstream",
-                f"{upstream['summary']}; {changed['count']} element(s) of it "
-                f"differ at {changed['positions'][:4]} "
+                f"{upstream['summary']}; of it {_differing(changed)} "
                 f"(XOR {', '.join(changed['xor'][:4])}): {changed.get('fault_model')}",
             ]
         )
@@ -88,10 +99,17 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         )
     rank = result.findings.get("rank")
     of_rank = "" if rank is None else f"rank {rank} of the job on "
-    output.table(f"Bisect: {of_rank}{result.suspect} vs {result.reference}", ["", ""], rows)
+    output.table(
+        f"Bisect: {of_rank}{result.suspect} vs {result.reference}", ["", ""], rows, fold=[1]
+    )
     if report.get("next"):
         output.say(report["next"])
     output.say(f"Report: {result.report}")
+    if "plot" in result.findings:
+        plot = result.findings["plot"]
+        output.say(
+            f"Plot: {plot}" if plot else "Plot: none drawn (no element of an output differs)"
+        )
 
 
 def _minimize_verdict(result: MinimizeResult) -> str:
@@ -154,7 +172,7 @@ def render_minimize(output: Output, result: MinimizeResult) -> None:
             ]
         )
     rows += _fault_model_rows(result.fault_model)
-    output.table(f"Minimize: {result.op} on {result.device}", ["", ""], rows)
+    output.table(f"Minimize: {result.op} on {result.device}", ["", ""], rows, fold=[1])
     for warning in result.warnings:
         output.warn(warning)
     output.say(f"Ticket: {result.ticket}")
@@ -182,4 +200,5 @@ def render_ops(output: Output, listing: OpsListing) -> None:
             [str(c.index), c.phase, c.module, c.op, str(c.nth), _outputs_text(c.outputs)]
             for c in listing.calls
         ],
+        fold=[5],  # the outputs' shapes fold; an operator or module name is printed whole
     )

@@ -37,6 +37,7 @@ def render_doctor(output: Output, report: DoctorReport | ComparabilityReport) ->
         "A replay elsewhere is comparable with this device only where these match",
         ["property", "here"],
         [[name, str(value)] for name, value in report.must_match.items()],
+        fold=[1],
     )
     if report.pinned:
         output.say(
@@ -73,6 +74,7 @@ def render_comparability(output: Output, report: ComparabilityReport) -> None:
             "Kernels computed differently here",
             ["kernel", "here"],
             [[call["kernel"], call.get("error", "other bits")] for call in probe["differing"]],
+            fold=[1],
         )
     if report.comparable:
         output.say(

@@ -128,6 +128,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
                 "yes" if about.trusted else "no: its workload runs only with --trust-workload",
             ],
         ],
+        fold=[1],
     )
     rows = [
         [name, str(value), "yes" if name in about.must_match else "-"]
@@ -137,6 +138,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
         "Machine fingerprint (a replay is evidence where the result-affecting ones match)",
         ["property", "recorded", "result-affecting"],
         rows or [["-", "not recorded (older bundle)", "-"]],
+        fold=[1],
     )
 
 

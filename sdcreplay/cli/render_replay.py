@@ -129,6 +129,7 @@ def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> Non
             "machine differs from record",
         ],
         _device_rows(report.devices, report.consensus),
+        fold=[4, 5],
     )
     _device_failures(output, report.devices)
     if report.consensus is not None:
@@ -165,6 +166,7 @@ def render_job_replay(output: Output, report: JobReplayReport) -> None:
         f"Replay of the {report.world_size}-rank job {report.bundle}",
         ["rank", "device", "verdict", "first divergence", "diverged", "steps", "machine differs"],
         rows,
+        fold=[5, 6],
     )
     for rank in report.ranks:
         _device_failures(output, rank.runs, prefix=f"rank {rank.rank} ")
@@ -210,7 +212,7 @@ def _render_origin(output: Output, origin: Origin) -> None:
     else:
         rows.append(["first divergent message", "none: no message differs"])
     rows.append(["spread to ranks", ", ".join(map(str, origin.spread_ranks)) or "-"])
-    output.table("Where the job first left the record", ["", ""], rows)
+    output.table("Where the job first left the record", ["", ""], rows, fold=[1])
 
 
 def render_diff(output: Output, comparison: Comparison | JobComparison) -> None:

@@ -20,10 +20,76 @@ def words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int = 16) -> dict:
-    """Differing elements (bitwise), their XOR masks, flipped-bit histogram and pattern."""
+    """Differing elements (bitwise), their XOR masks, flipped-bit histogram and pattern.
+
+    A view whose elements share memory (a broadcast: ``aten.expand``'s stride 0) is judged
+    in its storage's terms: each storage word once, so one flipped word is one element (at
+    the view coordinates of the first element that reads it), and ``view`` says how many of
+    the view's elements show the damage; never a "burst" of the elements reading one word.
+    """
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
         shapes = f"{tuple(expected.shape)} {expected.dtype} vs {tuple(actual.shape)} {actual.dtype}"
         return {"count": None, "note": f"shape/dtype differ: {shapes}"}
+    flat_e, flat_a = expected.reshape(-1), actual.reshape(-1)
+    shared = _shared_words(expected, actual)
+    if shared is None:  # every element its own word: the view's own layout
+        compared, layout = torch.arange(flat_e.numel()), expected.shape
+    else:  # each storage word once, in storage order: one row of words
+        compared, layout = shared[0], torch.Size([shared[0].numel()])
+    found, differing = _compare(flat_e[compared], flat_a[compared], layout, shown)
+    result = {
+        "count": found["count"],
+        "total": found["total"],
+        "indices": [int(compared[i]) for i in differing[:shown]],
+        "positions": [list(_unravel(int(compared[i]), expected.shape)) for i in differing[:shown]],
+        **{key: value for key, value in found.items() if key not in ("count", "total")},
+        "dtype": str(expected.dtype).removeprefix("torch."),
+        "shape": list(expected.shape),
+    }
+    model = found["fault_model"]
+    if shared is not None:
+        seen = int(torch.isin(shared[1], differing).sum())
+        result["view"] = {
+            "stride": list(expected.stride()),
+            "storage_indices": [int(shared[2][i]) for i in differing[:shown]],
+            "elements": seen,  # of the view's elements, how many read a differing word
+        }
+        if found["count"]:
+            shows = f"{seen} of its {expected.numel()} positions, first {result['positions'][0]}"
+            model += (
+                f" of the storage (a broadcasting view shows it at {shows})"
+                if found["count"] == 1
+                else f", words of the storage (a broadcasting view shows them at {shows})"
+            )
+    chosen_e, chosen_a = flat_e[compared][differing], flat_a[compared][differing]
+    result["fault_model"] = model + _non_finite(chosen_e, chosen_a)
+    return result
+
+
+def _shared_words(expected: torch.Tensor, actual: torch.Tensor):
+    """For two views alike whose elements share storage words: the flat index of the first
+    element reading each distinct word (in storage order), every element's word, and the
+    words' storage offsets; None where each element has a word of its own."""
+    plain = all(type(t) is torch.Tensor and t.layout == torch.strided for t in (expected, actual))
+    if not plain or expected.stride() != actual.stride() or 0 not in expected.stride():
+        return None
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(expected.shape, expected.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    offsets = offsets.reshape(-1)
+    distinct, word_of = torch.unique(offsets, return_inverse=True)
+    if distinct.numel() == offsets.numel():
+        return None
+    first = torch.full((distinct.numel(),), offsets.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, word_of, torch.arange(offsets.numel()), reduce="amin")
+    return first, word_of, distinct
+
+
+def _compare(
+    expected: torch.Tensor, actual: torch.Tensor, layout, shown: int
+) -> tuple[dict, torch.Tensor]:
+    """The forensics of two flat runs of elements laid out as ``layout``, and the positions
+    (in the run) of those that differ."""
     width = 8 * expected.element_size()
     xor = words(expected) ^ words(actual)
     if width < 64:
@@ -35,36 +101,48 @@ def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int =
         flipped = int(((masks >> bit) & 1).sum()) if bit < 63 else int((masks < 0).sum())
         if flipped:
             histogram[bit] = flipped
-    flat_e, flat_a = expected.reshape(-1), actual.reshape(-1)
     chosen = indices[:shown]
     result = {
         "count": int(indices.numel()),
         "total": int(expected.numel()),
-        "indices": [int(i) for i in chosen],
-        "positions": [list(_unravel(int(i), expected.shape)) for i in chosen],
         "xor": [f"{int(m) & ((1 << width) - 1):0{width // 4}x}" for m in masks[:shown]],
-        "expected": [_value(flat_e[i]) for i in chosen],
-        "actual": [_value(flat_a[i]) for i in chosen],
+        "expected": [_value(expected[i]) for i in chosen],
+        "actual": [_value(actual[i]) for i in chosen],
         "bits": {"width": width, "histogram": {str(b): n for b, n in sorted(histogram.items())}},
-        "dtype": str(expected.dtype).removeprefix("torch."),
-        "shape": list(expected.shape),
     }
     if expected.is_floating_point() and indices.numel():
-        e, a = flat_e[indices].double(), flat_a[indices].double()
+        e, a = expected[indices].double(), actual[indices].double()
         diff = (e - a).abs()
         result["max_abs_diff"] = _number(diff.max())
         result["max_rel_diff"] = _number(
             (diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)).max()
         )
     elif indices.numel():
-        diff = (flat_e[indices].double() - flat_a[indices].double()).abs()
+        diff = (expected[indices].double() - actual[indices].double()).abs()
         result["max_abs_diff"] = _number(diff.max())
     else:
         result["max_abs_diff"] = 0.0
-    pattern = _pattern(indices, masks, expected, actual)
+    pattern = _pattern(indices, masks, expected.reshape(layout), actual.reshape(layout))
     result["pattern"] = pattern
-    result["fault_model"] = fault_model(indices, masks, width, pattern, expected.shape)
-    return result
+    result["fault_model"] = fault_model(indices, masks, width, pattern, layout)
+    return result, indices
+
+
+def _non_finite(expected: torch.Tensor, actual: torch.Tensor) -> str:
+    """What the damage made of finite values, said first thing after the bits: NaN, Inf."""
+    if not actual.is_floating_point() or not actual.numel():
+        return ""
+    finite, got = torch.isfinite(expected.double()), actual.double()
+    made = [
+        (int((finite & torch.isnan(got)).sum()), "NaN"),
+        (int((finite & torch.isinf(got)).sum()), "Inf"),
+    ]
+    made = [(count, what) for count, what in made if count]
+    if not made:
+        return ""
+    if actual.numel() == 1:
+        return f", which became {made[0][1]}"
+    return ", of which " + " and ".join(f"{count} became {what}" for count, what in made)
 
 
 def fault_model(indices: torch.Tensor, masks: torch.Tensor, width: int, pattern: str, shape) -> str:

@@ -29,9 +29,9 @@ import torch
 from ..bisect.kernels import kernel_names
 from ..bisect.operator_case import OperatorCase, resolve_op
 from ..bundle.reader import Bundle
-from ..capture.faults import FaultSpec, other_machine_kernels, parse_specs
+from ..capture.faults import FaultSpec, check_bits_fit, other_machine_kernels, parse_specs
 from ..capture.probe import Probe, run_probe
-from ..devices import torch_device, validate_label
+from ..devices import require_available, torch_device
 from ..errors import DeterminismError, SdcReplayError
 from ..ledger.identity import identify
 from ..ledger.notes import note_result
@@ -127,8 +127,8 @@ def minimize(
     result. ``ledger``: append the measurement to the device ledger (docs/fleet.md)."""
     report_dir = Path(report_dir)
     report, case = load_report(report_dir)
-    suspect_label = validate_label(device or report["suspect"])
-    reference_label = validate_label(reference or report["reference"])
+    suspect_label = require_available(device or report["suspect"])
+    reference_label = require_available(reference or report["reference"])
     if suspect_label == reference_label:
         raise SdcReplayError(
             f"--device and --reference are both {suspect_label}",
@@ -138,6 +138,7 @@ def minimize(
         raise SdcReplayError("--trials, --good-trials and --bad-trials must be at least 1")
     progress = on_progress or (lambda stage, done, total, failures: None)
     specs = parse_specs(inject)
+    check_bits_fit(specs, case.site, case.expected)
     warnings = _report_warnings(report, specs)
     switches = deterministic_switches(report, report_dir, warnings)
     refuse_unlike_reference(

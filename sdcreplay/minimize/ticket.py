@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -118,10 +119,18 @@ def ticket_document(result: dict, report: dict) -> dict:
             )
         },
         "commands": result["commands"],
-        "reproduce": f"python {REPRO_FILE} --device {result['device']} "
-        f"--trials {max(result['trials'], 1000)}",
+        "reproduce": reproduce_command(result["device"], max(result["trials"], 1000), injected),
         "files": {"reproducer": REPRO_FILE, "inputs": INPUTS_FILE},
     }
+
+
+def reproduce_command(device: str, trials: int, injected: list[str]) -> str:
+    """The command that runs the reproducer, whole: a drill's faults are injected only with
+    ``SDCREPLAY_INJECT`` set to them (and sdcreplay importable), so the command sets it."""
+    command = f"python {REPRO_FILE} --device {device} --trials {trials}"
+    if not injected:
+        return command
+    return f"SDCREPLAY_INJECT={shlex.quote(';'.join(injected))} {command}"
 
 
 def _percent(rate: float) -> str:
@@ -162,9 +171,11 @@ def render_markdown(doc: dict) -> str:
         "```",
         "",
         f"`{REPRO_FILE}` needs only torch and h5py and reads `{INPUTS_FILE}`. "
-        "It prints `failed F of N` and "
-        "the first mismatching element, and exits 1 if any trial failed.",
+        "It prints `failed F of N` and the first mismatching element. Exit status: "
+        "0 no trial failed, 1 a trial's output differed (reproduced), 2 a usage error, "
+        "3 it could not run here (no such device, unreadable inputs, the operator raised).",
         "",
+        *_drill_lines(doc),
         "## Device",
         "",
         "| | |",
@@ -258,6 +269,17 @@ def render_markdown(doc: dict) -> str:
     lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
     lines += _return_process_lines(device)
     return "\n".join(lines)
+
+
+def _drill_lines(doc: dict) -> list[str]:
+    if not doc["drill"]:
+        return []
+    return [
+        "A drill: the command sets `SDCREPLAY_INJECT` to the injected faults, which "
+        f"`{REPRO_FILE}` applies only where sdcreplay is importable (without it, or without "
+        "the variable, a healthy device fails 0 trials).",
+        "",
+    ]
 
 
 def _fault_model_lines(models: dict | None) -> list[str]:

@@ -53,7 +53,7 @@ from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
 from ..ledger.notes import note
 from ..ledger.verdicts import dump_record
 from ..storage.tensorio import map_tensors
-from ..workload.definition import canonical_ref, check_state_objects
+from ..workload.definition import check_state_objects, recorded_ref
 from .dump import RingDumper, dump_trigger
 from .ring import HeldStep, StepRing
 from .verification import FirstStepCheck
@@ -114,7 +114,7 @@ class Recorder:
         self._ledger = ledger  # note each dump in the device ledger (docs/fleet.md)
         self.verify_mode = VERIFY_MODES[verify]
         switches = determinism.enable() if deterministic else determinism.current_switches()
-        workload_ref = WorkloadRef(ref=canonical_ref(workload), kwargs=dict(workload_kwargs or {}))
+        workload_ref = WorkloadRef(ref=recorded_ref(workload), kwargs=dict(workload_kwargs or {}))
         # Under torch.distributed this rank writes its part of a job bundle at `path`, with
         # every collective of its steps in a message log (jobs.py, collectives.py). With a ring
         # it holds its steps and their messages, and every rank's dump() writes one job bundle.

@@ -315,6 +315,9 @@ def replay_devices(
         timeout=progress_timeout(opened) if timeout is None else timeout,
     )
     errors = [result.error for result in results.values() if result.error is not None]
+    wrong_spec = next((error for error in errors if error.kind == FaultSpecError.__name__), None)
+    if wrong_spec is not None:  # the spec's mistake, not a device's: no verdict from the others
+        raise FaultSpecError(wrong_spec.message, wrong_spec.hint)
     if len(errors) == len(results) and len({error.message for error in errors}) == 1:
         shared = errors[0]  # the same failure everywhere: the tool's, not a device's
         raise SdcReplayError(f"every device failed: {shared.message}", shared.hint)

@@ -360,6 +360,7 @@ def test_plot_heatmap_is_written(forward_cli):
     plot = forward_cli["plot"]
     assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(result.stdout)["plot"] == str(plot)
+    assert f"Plot: {plot}" in result.stderr  # where the PNG went
 
 
 OPERATOR_CASES = {

@@ -440,6 +440,24 @@ def test_directory_without_manifest(tmp_path: Path):
         Bundle.open(tmp_path / "empty.bundle")
 
 
+def test_a_folder_of_bundles_is_named_as_such(small_bundle: Path, tmp_path: Path, cli):
+    """`info traces/`: the folder's bundles, not "incomplete or damaged"."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    for name in ("b.bundle", "a.bundle"):
+        shutil.copytree(small_bundle, folder / name)
+    (folder / "notes").mkdir()
+    result = cli("info", folder)
+    assert result.exit_code == 3
+    assert result.stderr.splitlines() == [
+        f"Error: {folder} is a folder holding 2 bundles (a.bundle, b.bundle), not a bundle itself",
+        f"Hint: Name one of them, e.g. {folder / 'a.bundle'}.",
+    ]
+    with pytest.raises(BundleError) as info:
+        Bundle.open(folder / "notes")
+    assert info.value.message == f"{folder / 'notes'} has no manifest.json: it is not a bundle"
+
+
 @pytest.mark.parametrize("name", ["steps/000000.h5", STATE, SIGNATURES, "messages.jsonl.zst"])
 def test_truncated_data_file(small_bundle: Path, name: str):
     file = small_bundle / name

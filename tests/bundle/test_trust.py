@@ -172,6 +172,24 @@ def test_only_builtins_and_the_signed_workload_are_trusted(signed, swapped):
     assert set(sys.modules) == modules
 
 
+def test_trusting_a_module_name_trusts_the_file_a_recording_stored(tmp_path: Path, monkeypatch):
+    """A recording stores `mytrain:make_workload` (found only through its directory) as the
+    file; the same name given with --workload from that directory trusts that file, and from
+    anywhere else trusts nothing the bundle names. Nothing is imported."""
+    (tmp_path / "mytrain_trusted.py").write_text("raise SystemExit('imported')\n")
+    stored = f"{(tmp_path / 'mytrain_trusted.py').resolve()}:make_workload"
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with trust.granting(["mytrain_trusted:make_workload"]):
+        assert stored in trust.granted()
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    with trust.granting(["mytrain_trusted:make_workload"]):
+        assert stored not in trust.granted()
+    assert "mytrain_trusted" not in sys.modules
+
+
 def test_a_bundle_without_steps_is_refused(small_bundle: Path, cli, tmp_path: Path):
     """A .partial bundle from a loop that died before its first step holds nothing to replay."""
     manifest = json.loads((small_bundle / MANIFEST).read_text())

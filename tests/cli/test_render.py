@@ -23,7 +23,7 @@ from sdcreplay.compare.logs import Comparison, Divergence
 LONG_NAMES = [
     "forward:encoder.layers.11.attention.out_proj",
     "backward:encoder.layers.11.mlp.gate_proj",
-    "optimizer:decoder.embed_tokens.weight.exp_avg",
+    "optim:decoder.embed_tokens.weight.exp_avg",
 ]
 
 
@@ -105,3 +105,31 @@ def test_a_terminal_sees_each_stage_against_its_real_total():
     shown = buffer.getvalue()
     assert "/1000" in shown and "774" in shown
     assert "/?" not in shown
+
+
+def test_ops_table_never_breaks_an_operator_or_module_name():
+    """The op and module columns are what people copy into a spec: whole on their line at 80
+    columns (the outputs' shapes fold instead), and printed whole even where they alone are
+    wider than the console."""
+    from sdcreplay.bisect.ops import Call, OpsListing
+    from sdcreplay.cli.render_bisect import render_ops
+
+    shapes = [{"shape": [128, 64, 3, 3], "dtype": "float32"}, {"shape": [64], "dtype": "float32"}]
+    calls = [
+        Call(7, "forward", "conv1", "aten.convolution.default", 0, shapes),
+        Call(9, "optimizer", "conv1.weight", "aten.addcdiv_.default", 0, shapes[:1]),
+    ]
+    listing = OpsListing("b", 1, "cpu", {"phase": None, "module": None, "op": None}, 40, calls)
+    screen, buffer = console()
+    render_ops(Output(console=screen), listing)
+    text = buffer.getvalue()
+    assert_whole_on_a_line(text, [c.op for c in calls] + [c.module for c in calls])
+    assert table_width(text) <= 80
+    deep = Call(10, "backward", "encoder.layers.11.self_attention.core_attention.flash", (
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+    ), 0, shapes)  # fmt: skip
+    screen, buffer = console()
+    render_ops(Output(console=screen), OpsListing("b", 1, "cpu", listing.filters, 40, [deep]))
+    text = buffer.getvalue()
+    assert_whole_on_a_line(text, [deep.op, deep.module])
+    assert table_width(text) > 80  # wider than the console, never cut

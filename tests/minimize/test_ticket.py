@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -16,7 +17,7 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from conftest import preserved_global_state
+from conftest import REPO, preserved_global_state
 from test_minimize import MODULE, STICKY
 
 from sdcreplay.bisect.localize import bisect
@@ -123,6 +124,57 @@ def test_repro_applies_sdcreplay_inject_when_sdcreplay_is_importable(ticket: Pat
     assert "failed 50 of 50" in run.stdout
     assert "first failure at trial 1: output 0, element 5 (position [0, 5])" in run.stdout
     assert "XOR mask 0x00400000" in run.stdout
+
+
+def _ticket_command(ticket: Path) -> str:
+    """The one command in ticket.md's Reproduce section."""
+    markdown = (ticket / "ticket.md").read_text()
+    return markdown.split("## Reproduce", 1)[1].split("```")[1].strip()
+
+
+def test_the_drill_command_in_ticket_md_runs_the_drill_literally(ticket: Path):
+    command = _ticket_command(ticket)
+    assert command == (
+        f"SDCREPLAY_INJECT={shlex.quote(STICKY)} python repro.py --device cpu:1 --trials 1000"
+    )
+    assert json.loads((ticket / "ticket.json").read_text())["reproduce"] == command
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SDCREPLAY")},
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),  # sdcreplay importable, as the drill needs
+    }
+    run = subprocess.run(
+        ["bash", "-c", command], env=env, cwd=ticket, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 1, run.stderr
+    assert "failed 1000 of 1000" in run.stdout
+
+
+def test_repro_that_cannot_run_here_says_so_and_exits_3(ticket: Path, tmp_path: Path):
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda:0"
+    run = subprocess.run(
+        [sys.executable, "repro.py", "--device", missing, "--trials", "5"],
+        cwd=ticket, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 3, run.stderr
+    expected = (
+        f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+        if torch.cuda.is_available()
+        else "this machine has no CUDA device"
+    )
+    assert run.stderr.startswith(f"Error: --device {missing}: {expected}")
+    assert "\nHint: " in run.stderr and "Traceback" not in run.stderr
+    alone = tmp_path / "repro.py"
+    alone.write_text((ticket / "repro.py").read_text())
+    run = subprocess.run(
+        [sys.executable, str(alone), "--device", "cpu"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 3
+    assert run.stderr.splitlines() == [
+        f"Error: cannot read {tmp_path / 'inputs.h5'}: there is no such file",
+        "Hint: Keep repro.py beside the ticket's inputs.h5.",
+    ]
 
 
 def test_ticket_json_and_markdown_say_what_a_vendor_needs(ticket: Path):

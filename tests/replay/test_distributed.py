@@ -7,6 +7,7 @@ report a rank that dies.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,10 +65,16 @@ def misbehaving_job(tmp_path_factory) -> Path:
 
 def test_two_ranks_record_and_replay_bit_for_bit_messages_included(cli, tmp_path):
     bundle, logs = tmp_path / "job2.bundle", tmp_path / "logs"
-    recorded = run_json(
-        cli, "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "2", *SMALL_ARGS,
-        "--out", bundle, code=0,
+    result = cli(
+        "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "2", *SMALL_ARGS,
+        "--out", bundle, "--json",
     )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    recorded = json.loads(result.stdout)
+    assert re.search(  # the progress line shows the steps, not "on 2 ranks:  (72.3 s)"
+        r"recording builtin:tiny-llama on 2 ranks: 2/2, steps on each rank, loss \d+\.\d{4} \(",
+        result.stderr,
+    ), result.stderr
     assert recorded["world_size"] == 2 and recorded["kwargs"]["parallel"] == "ddp"
     assert [rank["steps"] for rank in recorded["ranks"]] == [2, 2]
     assert (tmp_path / "job2.bundle.logs" / "record-rank1.stderr.txt").is_file()

@@ -6,20 +6,27 @@ never a bare ImportError, TypeError or the factory's own exception.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL
+from conftest import REPO, SMALL
 from sdcreplay.workloads import tiny_llama, tiny_moe
 
 from sdcreplay import Workload
+from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
 from sdcreplay.errors import SdcReplayError, WorkloadError
 from sdcreplay.workload.definition import (
     accepts_seed,
     build_workload,
     builtin_names,
+    canonical_ref,
+    recorded_ref,
     resolve_factory,
 )
 
@@ -221,3 +228,143 @@ def test_invalid_sizes_surface_as_workload_errors():
 
 def test_every_workload_error_is_a_tool_error():
     assert issubclass(WorkloadError, SdcReplayError)
+
+
+# The reference a bundle keeps: one a replay resolves from any directory (docs/recording.md).
+
+LOOP_SCRIPT = """
+import torch
+import sdcreplay
+from helpers import batch_of  # a module beside the script, as a user's loop has
+
+def make_workload(seed=0, width=4):
+    model = torch.nn.Linear(width, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(batch):
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return sdcreplay.Workload(model=model, optimizer=optimizer, get_batch=batch_of,
+                              train_step=train_step)
+
+if __name__ == "__main__":
+    workload = make_workload()
+    rec = sdcreplay.Recorder("run.bundle", workload="mytrain:make_workload",
+                             model=workload.model, optimizer=workload.optimizer)
+    for index in range(3):
+        batch = workload.get_batch(index)
+        with rec.step(batch):
+            workload.train_step(batch)
+    rec.close()
+"""
+
+
+HELPERS = """
+import torch
+
+def batch_of(index):
+    return torch.full((3, 4), float(index))
+"""
+
+
+def test_own_loop_bundle_replays_from_a_fresh_shell_elsewhere(tmp_path: Path, sdcreplay_exe):
+    """README's own-loop snippet, literally: `python mytrain.py` names `mytrain:make_workload`;
+    replay and ops then run from another directory with nothing of the script's on the path."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    write_module(project, "mytrain", LOOP_SCRIPT)
+    write_module(project, "helpers", HELPERS)
+    # Only the package under test on the path (this checkout), never the script's directory.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    recorded = subprocess.run(
+        [sys.executable, "mytrain.py"], cwd=project, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert recorded.returncode == 0, recorded.stderr
+    manifest = json.loads((project / "run.bundle" / "manifest.json").read_text())
+    assert manifest["workload"]["ref"] == f"{(project / 'mytrain.py').resolve()}:make_workload"
+    bundle = project / "run.bundle"
+    replay = subprocess.run(
+        [sdcreplay_exe, "replay", str(bundle), "-d", "cpu:0", "-d", "cpu:1", "--json"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["consensus"]["verdict"] == "correct"
+    assert "cpu:1 finished" in replay.stderr or "cpu:0 finished" in replay.stderr
+    ops = subprocess.run(
+        [sdcreplay_exe, "ops", str(bundle), "--step", "1", "--op", "aten.mm", "--json"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ops.returncode == 0, ops.stderr
+    calls = json.loads(ops.stdout)["calls"]
+    assert [(c["index"], c["phase"], c["module"], c["op"]) for c in calls] == [
+        (11, "backward", "<root>", "aten.mm.default")
+    ]
+
+
+def test_module_found_only_here_is_stored_as_its_file(tmp_path: Path, monkeypatch):
+    write_module(tmp_path, "here_only_train", FACTORY_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    expected = f"{(tmp_path / 'here_only_train.py').resolve()}:make_workload"
+    assert canonical_ref("here_only_train:make_workload") == expected
+    assert recorded_ref("here_only_train:make_workload") == expected
+    assert canonical_ref("here_only_train.py:make_workload") == expected  # relative file
+    assert "here_only_train" not in sys.modules  # located, never imported
+
+
+def test_module_every_process_finds_is_kept(tmp_path: Path, monkeypatch):
+    site_dir = tmp_path / "lib"
+    site_dir.mkdir()
+    write_module(site_dir, "lasting_train", FACTORY_SOURCE)
+    monkeypatch.chdir(site_dir)  # found through this directory, and through PYTHONPATH as well
+    monkeypatch.syspath_prepend(str(site_dir))
+    monkeypatch.setenv("PYTHONPATH", str(site_dir))
+    assert recorded_ref("lasting_train:make_workload") == "lasting_train:make_workload"
+    monkeypatch.chdir(tmp_path)
+    assert recorded_ref("sdcreplay.workload.tiny_llama:make_workload") == (
+        "sdcreplay.workload.tiny_llama:make_workload"
+    )
+    assert recorded_ref("builtin:tiny-llama") == "builtin:tiny-llama"
+
+
+def test_reference_no_replay_could_import_is_refused_while_recording(tmp_path: Path, monkeypatch):
+    package = tmp_path / "localpkg_unique"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    write_module(package, "train", FACTORY_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    with pytest.raises(WorkloadError) as info:
+        recorded_ref("localpkg_unique.train:make_workload")
+    assert info.value.message == (
+        "workload 'localpkg_unique.train:make_workload': package 'localpkg_unique' is found "
+        f"only through this directory ({tmp_path.resolve()}), so a replay started elsewhere "
+        "could not import it"
+    )
+    assert "path/to/train.py:make_workload" in info.value.hint
+    with pytest.raises(WorkloadError, match="no module 'no_such_module_xyz' can be found"):
+        recorded_ref("no_such_module_xyz:make_workload")
+    assert canonical_ref("no_such_module_xyz:make_workload") == "no_such_module_xyz:make_workload"
+
+
+def test_device_that_cannot_import_the_workload_is_reported_failed(small_bundle: Path, cli):
+    """An older bundle naming a module only its recording's directory had: the progress says
+    each device failed (not "finished"), and the error names the import."""
+    manifest_path = small_bundle / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["workload"] = {"ref": "gone_train_module:make_workload", "kwargs": dict(SMALL)}
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    result = cli("replay", small_bundle, "-d", "cpu:0", "-d", "cpu:1", "--trust-workload")
+    assert result.exit_code == 3, result.output
+    assert "cpu:0 failed" in result.stderr or "cpu:1 failed" in result.stderr
+    assert "finished" not in result.stderr
+    assert "cannot import module 'gone_train_module'" in result.stderr

@@ -7,12 +7,18 @@ kernel runs). Needs only torch and h5py; nothing is unpickled.
     python repro.py --device cuda:0 --trials 100000
 
 Prints "failed F of N" and the first mismatching element (index, expected,
-actual, XOR mask of the raw bits). Exit status: 1 if any trial's output
-differed from the expected output, 0 if none did.
+actual, XOR mask of the raw bits). Exit status:
+
+    0  every trial's output equals the expected output bit for bit
+    1  at least one trial's output differed (the failure reproduced)
+    2  a usage error (an unknown option)
+    3  it could not run here: the device is not on this machine, inputs.h5 is
+       missing or unreadable, or the operator raised (printed as Error/Hint)
 
 If sdcreplay is importable and SDCREPLAY_INJECT holds fault specs, they are
 applied exactly as `sdcreplay minimize --inject` did, so the ticket can be
-checked on a healthy machine; without sdcreplay the script runs all the same.
+checked on a healthy machine (a drill: ticket.md gives the whole command);
+without sdcreplay the script runs all the same.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -44,9 +52,36 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+class CannotRun(Exception):
+    """The reproducer cannot run here (exit 3): no finding either way."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
 def torch_device(label: str) -> torch.device:
-    """cpu:N names a virtual replica of the CPU (sdcreplay's test devices): it runs on the CPU."""
-    return torch.device("cpu") if label.split(":")[0] == "cpu" else torch.device(label)
+    """cpu:N names a virtual replica of the CPU (sdcreplay's test devices): it runs on the CPU.
+    A GPU this machine does not have is refused before anything runs."""
+    if label.split(":")[0] == "cpu":
+        return torch.device("cpu")
+    try:
+        device = torch.device(label)
+    except RuntimeError:
+        raise CannotRun(f"unknown device {label!r}", "Use cuda:N or cpu.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise CannotRun(
+            f"--device {label}: this machine has no CUDA device (torch {torch.__version__}, "
+            f"{build})",
+            "Run it on the machine with the suspect GPU, or give --device cpu.",
+        )
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise CannotRun(
+            f"--device {label}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+            "Name one of them: cuda:0, cuda:1, ... (nvidia-smi lists them).",
+        )
+    return device
 
 
 def apply_switches(switches: dict) -> None:
@@ -198,16 +233,62 @@ def describe(output: int, got, want) -> str:
 
 def main() -> int:
     options = parse_args()
-    device = torch_device(options.device)
-    with h5py.File(INPUTS, "r") as handle:
-        op_name = handle.attrs["op"]
+    try:
+        return reproduce(options)
+    except CannotRun as exc:
+        print(f"Error: {exc}\nHint: {exc.hint}", file=sys.stderr)
+        return 3
+
+
+@dataclass
+class Case:
+    """What inputs.h5 holds: the operator, its inputs, the expected outputs, the generator
+    states of a random operator, and the drill's injection (or None)."""
+
+    op_name: str
+    inputs: dict
+    expected: list
+    rng: dict | None
+    inject: Callable | None
+
+
+def read_case(options: argparse.Namespace) -> Case:
+    try:
+        handle = h5py.File(INPUTS, "r")
+    except OSError as exc:
+        why = str(exc) if INPUTS.exists() else "there is no such file"
+        raise CannotRun(
+            f"cannot read {INPUTS}: {why}", "Keep repro.py beside the ticket's inputs.h5."
+        ) from None
+    with handle:
         apply_switches(json.loads(handle.attrs["switches"]))
-        inputs = read_tree(handle["reference_inputs"])
-        expected = read_tree(handle["reference_outputs"])
-        rng = (
-            read_tree(handle["rng"]) if "rng" in handle else None
-        )  # a random operator's generator states
-        inject = optional_injection(options.device, handle)
+        return Case(
+            handle.attrs["op"],
+            read_tree(handle["reference_inputs"]),
+            read_tree(handle["reference_outputs"]),
+            read_tree(handle["rng"]) if "rng" in handle else None,
+            optional_injection(options.device, handle),
+        )
+
+
+def reproduce(options: argparse.Namespace) -> int:
+    device = torch_device(options.device)
+    case = read_case(options)
+    try:
+        return run_trials(options, device, case)
+    except RuntimeError as exc:  # the operator raised: this run says nothing about its bits
+        first_line = (str(exc).splitlines() or [""])[0]
+        raise CannotRun(
+            f"{case.op_name} raised on {options.device}: {type(exc).__name__}: {first_line}",
+            "A CUDA error here can itself be the defect: keep this output with the ticket.",
+        ) from None
+
+
+def run_trials(options: argparse.Namespace, device: torch.device, case: Case) -> int:
+    """Run the operator ``options.trials`` times; 1 if any output differed, else 0."""
+    op_name, inputs, expected, rng, inject = (
+        case.op_name, case.inputs, case.expected, case.rng, case.inject
+    )  # fmt: skip
     op = resolve(op_name)
     args, kwargs = to_device((inputs["args"], inputs["kwargs"]), device)
     expected = to_device(expected, device)
