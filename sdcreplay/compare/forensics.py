@@ -2,7 +2,9 @@
 
 The evidence bisect reports for a divergent call (and for state entering a step)
 and minimize reports for a failing trial: compared bitwise, as raw words, so a
-NaN with another payload or a -0.0 counts as a difference.
+NaN with another payload or a -0.0 counts as a difference. A DTensor is compared
+as this rank's local shard (``local_shard`` in the result): its elements and
+positions are the shard's, and nothing is gathered from other ranks.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from ..storage.tensorio import raw_bits
+from ..storage.tensorio import local_shard, raw_bits
 
 
 def words(tensor: torch.Tensor) -> torch.Tensor:
@@ -21,6 +23,11 @@ def words(tensor: torch.Tensor) -> torch.Tensor:
 
 def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int = 16) -> dict:
     """Differing elements (bitwise), their XOR masks, flipped-bit histogram and pattern."""
+    sharded = local_shard(expected) is not expected or local_shard(actual) is not actual
+    expected, actual = local_shard(expected).detach(), local_shard(actual).detach()
+    if expected.is_complex() and expected.element_size() > 8 and actual.dtype == expected.dtype:
+        # complex128 is two float64 words: compared as those (a last axis: real, imaginary)
+        expected, actual = torch.view_as_real(expected), torch.view_as_real(actual)
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
         shapes = f"{tuple(expected.shape)} {expected.dtype} vs {tuple(actual.shape)} {actual.dtype}"
         return {"count": None, "note": f"shape/dtype differ: {shapes}"}
@@ -49,8 +56,10 @@ def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int =
         "dtype": str(expected.dtype).removeprefix("torch."),
         "shape": list(expected.shape),
     }
-    if expected.is_floating_point() and indices.numel():
-        e, a = flat_e[indices].double(), flat_a[indices].double()
+    if sharded:
+        result["local_shard"] = True
+    if (expected.is_floating_point() or expected.is_complex()) and indices.numel():
+        e, a = _widened(flat_e[indices]), _widened(flat_a[indices])
         diff = (e - a).abs()
         result["max_abs_diff"] = _number(diff.max())
         result["max_rel_diff"] = _number(
@@ -101,8 +110,15 @@ def fault_model(indices: torch.Tensor, masks: torch.Tensor, width: int, pattern:
     return f"{change} on {count} elements ({pattern})"
 
 
+def _widened(values: torch.Tensor) -> torch.Tensor:
+    """In float64 (complex128 for complex values), where differences are computed."""
+    return values.to(torch.complex128) if values.is_complex() else values.double()
+
+
 def _value(scalar: torch.Tensor):
     value = scalar.item()
+    if isinstance(value, complex):
+        return str(value)
     return _number(value) if isinstance(value, float) else value
 
 
