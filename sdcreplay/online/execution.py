@@ -85,16 +85,14 @@ class _Probe:
         expected = self.reference[position] if position < len(self.reference) else None
         if expected == (name, digest):
             return
-        same_entry = expected is not None and expected[0] == name
-        self.difference = Difference(
-            position,
-            name if expected is None else expected[0],
-            None if expected is None else expected[1],
-            micro_batch,
-            digest if expected is None or same_entry else None,
-        )
-        if same_entry:
+        if expected is None or all(name != known for known, _ in self.reference):
+            # an entry the reference lacks (a buffer only this execution filled in)
+            self.difference = Difference(position, name, None, micro_batch, digest)
+        elif expected[0] == name:
+            self.difference = Difference(position, name, expected[1], micro_batch, digest)
             self._keep(self._values[name])
+        else:  # the reference's entry is missing here
+            self.difference = Difference(position, expected[0], expected[1], micro_batch)
 
     def _keep(self, value: SignatureValue) -> None:
         self.kept = _copied(value)
