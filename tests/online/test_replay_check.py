@@ -134,7 +134,7 @@ def test_the_retry_of_a_mismatching_step_is_checked_again() -> None:
     loop = ClippedLoop()
     check = loop.check(num_steps=1, start_step=5)
     fault = "kind=bitflip,op=aten.mul_,phase=forward,nth=3,index=2,bit=12"
-    for attempt in range(2):
+    for _attempt in range(2):
         with pytest.raises(SDCReplayMismatch) as caught, planted(loop, fault, 5):
             check.run_step(batch(5))
         assert (caught.value.step, caught.value.local_step) == (5, 1)
@@ -170,7 +170,7 @@ def test_a_registered_scalar_is_as_the_step_began_after_a_mismatch(tmp_path: Pat
         check.run_step(batch(step))
     assert loop.samples_seen == 24
     fault = "kind=bitflip,op=aten.mul_,phase=forward,nth=2,index=4,bit=20"
-    for attempt in range(2):
+    for _attempt in range(2):
         with pytest.raises(SDCReplayMismatch) as caught, planted(loop, fault, 3):
             check.run_step(batch(3))
         assert caught.value.entry == "step_grad:0.weight" and loop.samples_seen == 24
