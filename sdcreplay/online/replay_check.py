@@ -5,10 +5,10 @@ state on the same device and compares digests of everything it produced (the
 loss and gradients of every backward, the gradients as the optimizer is given
 them, buffers, RNG, caller-owned scalars and state objects), as TorchTitan's SDC
 replayer does, with sdcreplay's position-aware digest and every micro-batch
-checked. It drives the loop's own
-step (``Workload.run_step``) and, given a ring ``Recorder``, records every step
-through it and dumps a bundle of a step that differs, so `sdcreplay replay` and
-`sdcreplay bisect` start from it. See docs/online.md.
+checked. It drives the loop's own step (``Workload.run_step``) and, given a ring
+``Recorder``, records every step through it and dumps a bundle of a step that
+differs, so `sdcreplay replay` and `sdcreplay bisect` start from it. See
+docs/online.md.
 """
 
 from __future__ import annotations
