@@ -24,6 +24,21 @@ CONFIG = dict(
 SEQ_LEN = 8
 
 
+class OwnLossTrainer(Trainer):
+    """A Trainer subclass with its own compute_loss, as the Trainer's docs show one: the labels
+    popped, the model called without them (so it returns no loss), cross-entropy of the
+    shifted logits computed here."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs["logits"][:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+        )
+        return (loss, outputs) if return_outputs else loss
+
+
 class Tokens(Dataset):
     def __init__(self, count: int, seed: int):
         generator = torch.Generator().manual_seed(seed)
@@ -37,7 +52,13 @@ class Tokens(Dataset):
 
 
 def make_trainer(
-    out_dir: str, *, seed: int = 0, max_steps: int = 8, accumulation: int = 1, callbacks=()
+    out_dir: str,
+    *,
+    seed: int = 0,
+    max_steps: int = 8,
+    accumulation: int = 1,
+    own_loss: bool = False,
+    callbacks=(),
 ) -> Trainer:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
@@ -56,14 +77,32 @@ def make_trainer(
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    return Trainer(
-        model=model, args=args, train_dataset=Tokens(64, seed), callbacks=list(callbacks)
-    )
+    kind = OwnLossTrainer if own_loss else Trainer
+    return kind(model=model, args=args, train_dataset=Tokens(64, seed), callbacks=list(callbacks))
 
 
-def make_workload(seed: int = 0, max_steps: int = 8, accumulation: int = 1):
-    """What replay rebuilds: the same model and Trainer, its update step as train_step."""
+def make_workload(
+    seed: int = 0,
+    max_steps: int = 8,
+    accumulation: int = 1,
+    own_loss: bool = False,
+    broken: bool = False,
+):
+    """What replay rebuilds: the same model and Trainer, its update step as train_step.
+    ``broken``: a train_step that raises KeyError, as one that asks a model given no labels
+    for its loss does."""
     trainer = make_trainer(
-        tempfile.mkdtemp(), seed=seed, max_steps=max_steps, accumulation=accumulation
+        tempfile.mkdtemp(),
+        seed=seed,
+        max_steps=max_steps,
+        accumulation=accumulation,
+        own_loss=own_loss,
     )
-    return trainer_workload(trainer)
+    workload = trainer_workload(trainer)
+    if broken:
+
+        def train_step(batch):
+            raise KeyError("loss")
+
+        workload.train_step = train_step
+    return workload

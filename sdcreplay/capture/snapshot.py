@@ -6,7 +6,8 @@ buffer values, the optimizer's state and hyper-parameters, the loop's state
 objects (schedulers, GradScaler, counters), gradients and every RNG. Restoring
 writes into the existing tensors (``copy_``), never replaces a ``Parameter`` or
 a buffer, so the optimizer's references, hooks and CUDA-graph addresses stay
-valid.
+valid. A buffer registered as ``None`` that the step fills in (a lazily built
+cache) is set back to ``None``, and one the step set to ``None`` gets its copy.
 """
 
 from __future__ import annotations
@@ -56,6 +57,22 @@ def _nest_nbytes(value: Any) -> int:
     return 0
 
 
+def _buffer_slots(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
+    """Every registered buffer, ``None`` ones included (``named_buffers`` leaves those out):
+    its qualified name -> (owning module, name there)."""
+    return {
+        f"{path}.{key}" if path else key: (module, key)
+        for path, module in model.named_modules()
+        for key in module._buffers
+    }
+
+
+def _empty_buffers(model: torch.nn.Module) -> tuple[str, ...]:
+    return tuple(
+        name for name, (module, key) in _buffer_slots(model).items() if module._buffers[key] is None
+    )
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     for tensor in model.parameters():
         return tensor.device
@@ -71,6 +88,7 @@ class TrainingSnapshot:
     state_objects: dict[str, Any]
     params: dict[str, torch.Tensor]  # empty when taken with params=False
     buffers: dict[str, torch.Tensor]
+    empty_buffers: tuple[str, ...]  # registered as None when taken
     grads: dict[str, torch.Tensor | None] | None
     optimizer_state: dict | None
     object_states: dict[str, Any]
@@ -105,6 +123,7 @@ class TrainingSnapshot:
             ),
             restores_params=params,
             buffers={n: _copy_tensor(b, store) for n, b in model.named_buffers()},
+            empty_buffers=_empty_buffers(model),
             grads=(
                 {
                     n: None if p.grad is None else _copy_tensor(p.grad, store)
@@ -130,6 +149,7 @@ class TrainingSnapshot:
         be rolled back again.
         """
         params = dict(self.model.named_parameters())
+        self._restore_empty_buffers()
         buffers = dict(self.model.named_buffers())
         known = self.params.keys() if self.restores_params else params.keys()
         if params.keys() != known or buffers.keys() != self.buffers.keys():
@@ -152,6 +172,15 @@ class TrainingSnapshot:
             _forget_unscaling(obj)
         if self.rng is not None:
             restore_rng(self.rng, self.device)
+
+    def _restore_empty_buffers(self) -> None:
+        """A buffer that was None is None again; one the step emptied gets a fresh copy (on
+        the model's device: its own is gone with it)."""
+        for name, (module, key) in _buffer_slots(self.model).items():
+            if name in self.empty_buffers and module._buffers[key] is not None:
+                setattr(module, key, None)
+            elif module._buffers[key] is None and name in self.buffers:
+                setattr(module, key, _copy_tensor(self.buffers[name], self.device))
 
     @property
     def nbytes(self) -> int:

@@ -2,7 +2,9 @@
 
 The evidence bisect reports for a divergent call (and for state entering a step)
 and minimize reports for a failing trial: compared bitwise, as raw words, so a
-NaN with another payload or a -0.0 counts as a difference.
+NaN with another payload or a -0.0 counts as a difference. A DTensor is compared
+as this rank's local shard (``local_shard`` in the result): its elements and
+positions are the shard's, and nothing is gathered from other ranks.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from ..storage.tensorio import raw_bits
+from ..storage.tensorio import local_shard, raw_bits
 
 
 def words(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,6 +29,11 @@ def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int =
     the view coordinates of the first element that reads it), and ``view`` says how many of
     the view's elements show the damage; never a "burst" of the elements reading one word.
     """
+    sharded = local_shard(expected) is not expected or local_shard(actual) is not actual
+    expected, actual = local_shard(expected).detach(), local_shard(actual).detach()
+    if expected.is_complex() and expected.element_size() > 8 and actual.dtype == expected.dtype:
+        # complex128 is two float64 words: compared as those (a last axis: real, imaginary)
+        expected, actual = torch.view_as_real(expected), torch.view_as_real(actual)
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
         shapes = f"{tuple(expected.shape)} {expected.dtype} vs {tuple(actual.shape)} {actual.dtype}"
         return {"count": None, "note": f"shape/dtype differ: {shapes}"}
@@ -46,6 +53,8 @@ def element_forensics(expected: torch.Tensor, actual: torch.Tensor, shown: int =
         "dtype": str(expected.dtype).removeprefix("torch."),
         "shape": list(expected.shape),
     }
+    if sharded:
+        result["local_shard"] = True
     model = found["fault_model"]
     if shared is not None:
         seen = int(torch.isin(shared[1], differing).sum())
@@ -110,8 +119,8 @@ def _compare(
         "actual": [_value(actual[i]) for i in chosen],
         "bits": {"width": width, "histogram": {str(b): n for b, n in sorted(histogram.items())}},
     }
-    if expected.is_floating_point() and indices.numel():
-        e, a = expected[indices].double(), actual[indices].double()
+    if (expected.is_floating_point() or expected.is_complex()) and indices.numel():
+        e, a = _widened(expected[indices]), _widened(actual[indices])
         diff = (e - a).abs()
         result["max_abs_diff"] = _number(diff.max())
         result["max_rel_diff"] = _number(
@@ -179,8 +188,15 @@ def fault_model(indices: torch.Tensor, masks: torch.Tensor, width: int, pattern:
     return f"{change} on {count} elements ({pattern})"
 
 
+def _widened(values: torch.Tensor) -> torch.Tensor:
+    """In float64 (complex128 for complex values), where differences are computed."""
+    return values.to(torch.complex128) if values.is_complex() else values.double()
+
+
 def _value(scalar: torch.Tensor):
     value = scalar.item()
+    if isinstance(value, complex):
+        return str(value)
     return _number(value) if isinstance(value, float) else value
 
 

@@ -87,33 +87,39 @@ class SdcReplayCallback(WatchOptions, Callback):
     """
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        scheduler = _scheduler_to_record(trainer, pl_module)
-        self.start_watch(
-            pl_module,
-            trainer.optimizers[0],
-            state={SCHEDULER: scheduler} if scheduler is not None else {},
-            start_step=trainer.global_step,
-        )
+        scheduler = _scheduler_to_record(trainer, pl_module)  # refused before training starts
+        with self.guarded("on_train_start"):
+            self.start_watch(
+                pl_module,
+                trainer.optimizers[0],
+                state={SCHEDULER: scheduler} if scheduler is not None else {},
+                start_step=trainer.global_step,
+            )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.watch is not None:
-            self.watch.begin(batch, clear_grads=True)
+        if self.watching:
+            with self.guarded("on_train_batch_start"):
+                assert self.watch is not None
+                self.watch.begin(batch, clear_grads=True)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.watch is not None and self.watch.in_step:
-            self.watch.before_optimizer()
+        if self.watching and self.watch is not None and self.watch.in_step:
+            with self.guarded("on_before_optimizer_step"):
+                self.watch.before_optimizer()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.watch is None:
+        if not self.watching:
             return
-        self.watch.saw_loss(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
-        alarm = self.watch.end()
-        if alarm is not None and self.stop_on_alarm:
-            trainer.should_stop = True
+        with self.guarded("on_train_batch_end"):
+            assert self.watch is not None
+            self.watch.saw_loss(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
+            alarm = self.watch.end()
+            if alarm is not None and self.stop_on_alarm:
+                trainer.should_stop = True
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.watch is not None:
-            self.watch.close()
+        with self.guarded("on_train_end"):
+            self.stop_watching()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception) -> None:
         """A step cut short is no evidence: close it (and the recorder's hooks) now."""

@@ -6,14 +6,16 @@ ring ``Recorder`` step when the framework hands over the batch, notes the
 gradient norms and a copy of the parameters just before the optimizer's update,
 and when the step ends gives ``UpdateDetector.observe`` the loss, gradient norms
 and update norms. On an alarm the detector dumps the ring (the alarmed step is
-its last one) and the callback stops training (``stop_on_alarm``).
+its last one) and the callback stops training (``stop_on_alarm``). A failure of
+the callback's own never reaches the trainer's loop: it is warned about and the
+callback stops watching (``WatchOptions.guarded``); training goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +163,8 @@ class WatchOptions:
     ``path``: where an alarm's bundle goes; ``workload`` and ``workload_kwargs`` name the
     factory replay calls (docs/online.md, "Callbacks"); ``ring``: steps kept; ``detector``:
     ``UpdateDetector`` keyword arguments; ``stop_on_alarm``: stop training after an alarm.
-    ``alarms`` lists the alarms, each with its bundle.
+    ``alarms`` lists the alarms, each with its bundle; ``failure`` says why the callback
+    stopped watching (None while it watches).
     """
 
     def __init__(
@@ -180,10 +183,39 @@ class WatchOptions:
         self.ring, self.detector = ring, dict(detector or {})
         self.stop_on_alarm, self.verify = stop_on_alarm, verify
         self.watch: StepWatch | None = None
+        self.failure: str | None = None
 
     @property
     def alarms(self) -> list[Alarm]:
         return [] if self.watch is None else self.watch.alarms
+
+    @property
+    def watching(self) -> bool:
+        return self.watch is not None and self.failure is None
+
+    @contextlib.contextmanager
+    def guarded(self, event: str) -> Iterator[None]:
+        """The callback's work in one of the trainer's events: what fails there is the
+        callback's own failure, never the training's, so it is warned about, the callback
+        stops watching (what the ring holds is dropped), and training goes on."""
+        try:
+            yield
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            written = ", ".join(alarm.bundle for alarm in self.alarms if alarm.bundle)
+            warnings.warn(
+                f"sdcreplay: {type(self).__name__} failed in {event} ({self.failure}); it "
+                "stops watching and training goes on unwatched"
+                + (f" (bundles written before: {written})" if written else ""),
+                stacklevel=3,
+            )
+            with contextlib.suppress(Exception):
+                self.stop_watching()
+
+    def stop_watching(self) -> None:
+        """Let go of the model: the watch's hooks, recorder and detector."""
+        if self.watch is not None:
+            self.watch.close()
 
     def start_watch(
         self,

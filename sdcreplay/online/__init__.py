@@ -7,6 +7,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "AttributeScalar": "step",
+        "ConfigurationError": "step",
         "ReplayCheck": "replay_check",
         "SDCReplayMismatch": "stopping",
         "ScalarState": "step",

@@ -1,9 +1,10 @@
 """What one execution of a checked step produced, as digests in execution order.
 
 A replay check is only as good as what it compares: each execution is digested
-entry by entry (the loss and gradients of every backward, then what the step
-leaves behind) and compared with the reference while it runs, so the first
-difference is found with its value still at hand for forensics.
+entry by entry (the loss and gradients of every backward, the gradients the
+optimizer is given, then what the step leaves behind) and compared with the
+reference while it runs, so the first difference is found with its value still
+at hand for forensics (a DTensor's as this rank's local shard).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..capture.digest import Digester, SignatureValue
 from ..capture.layers import observed_backward
 from ..capture.message import Message
 from ..capture.operators import _own_work
+from ..storage.tensorio import local_shard
 
 
 @dataclass
@@ -52,6 +54,7 @@ class _Probe:
         self.entries: list[tuple[str, str]] = []
         self.difference: Difference | None = None
         self.kept: torch.Tensor | None = None
+        self.kept_shard = False  # ``kept`` is this rank's shard of a DTensor
         self.backwards = 0
         self.finished = False
         self._digester = Digester()
@@ -76,22 +79,24 @@ class _Probe:
 
     def _note(self, position: int, name: str, digest: str, micro_batch: int | None) -> None:
         if name == self.watch and self.kept is None:
-            self.kept = _copied(self._values[name])
+            self._keep(self._values[name])
         if self.reference is None or self.difference is not None:
             return
         expected = self.reference[position] if position < len(self.reference) else None
         if expected == (name, digest):
             return
-        same_entry = expected is not None and expected[0] == name
-        self.difference = Difference(
-            position,
-            name if expected is None else expected[0],
-            None if expected is None else expected[1],
-            micro_batch,
-            digest if expected is None or same_entry else None,
-        )
-        if same_entry:
-            self.kept = _copied(self._values[name])
+        if expected is None or all(name != known for known, _ in self.reference):
+            # an entry the reference lacks (a buffer only this execution filled in)
+            self.difference = Difference(position, name, None, micro_batch, digest)
+        elif expected[0] == name:
+            self.difference = Difference(position, name, expected[1], micro_batch, digest)
+            self._keep(self._values[name])
+        else:  # the reference's entry is missing here
+            self.difference = Difference(position, expected[0], expected[1], micro_batch)
+
+    def _keep(self, value: SignatureValue) -> None:
+        self.kept = _copied(value)
+        self.kept_shard = isinstance(value, torch.Tensor) and local_shard(value) is not value
 
     def first_input_difference(self) -> int | None:
         """Issue order of the first collective whose input differs from the reference's."""
@@ -111,10 +116,12 @@ class _Probe:
 
 
 def _copied(value: SignatureValue) -> torch.Tensor | None:
+    """A private copy of a tensor entry; of a DTensor, this rank's shard (what its digest
+    covers, and what forensics can compare without collectives)."""
     if not isinstance(value, torch.Tensor):
         return None
     with _own_work():
-        return value.detach().clone()
+        return local_shard(value.detach()).clone()
 
 
 def _probing_backward(

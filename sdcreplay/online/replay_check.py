@@ -2,12 +2,13 @@
 
 ``ReplayCheck`` executes a checked step's forward/backward again from the same
 state on the same device and compares digests of everything it produced (the
-loss and gradients of every backward, buffers, RNG, caller-owned scalars and
-state objects), as TorchTitan's SDC replayer does, with sdcreplay's
-position-aware digest and every micro-batch checked. It drives the loop's own
-step (``Workload.run_step``) and, given a ring ``Recorder``, records every step
-through it and dumps a bundle of a step that differs, so `sdcreplay replay` and
-`sdcreplay bisect` start from it. See docs/online.md.
+loss and gradients of every backward, the gradients as the optimizer is given
+them, buffers, RNG, caller-owned scalars and state objects), as TorchTitan's SDC
+replayer does, with sdcreplay's position-aware digest and every micro-batch
+checked. It drives the loop's own step (``Workload.run_step``) and, given a ring
+``Recorder``, records every step through it and dumps a bundle of a step that
+differs, so `sdcreplay replay` and `sdcreplay bisect` start from it. See
+docs/online.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..errors import SdcReplayError
 from ..workload.definition import Workload
 from .agreement import _distributed, _first_rank, _rank, _shared
 from .execution import Difference, _Probe, _probing_backward
-from .step import ScalarState, step_workload
+from .step import ConfigurationError, ScalarState, step_workload
 from .stopping import SDCReplayMismatch
 
 
@@ -50,10 +51,12 @@ class ReplayCheck:
     execution but the last stops at the optimizer's step and is undone (RNG,
     buffers, state objects and ``scalars`` restored; gradients zeroed in place,
     never copied); the last one continues through the optimizer only when every
-    execution produced the same digests on every rank. ``num_steps`` steps are
-    checked after construction and after each ``reset_schedule()`` (call it after
-    loading a checkpoint); ``-1`` checks every step. The step must begin with no
-    pending gradients (``None`` or zero, as after ``zero_grad``).
+    execution produced the same digests on every rank, up to the gradients the
+    optimizer is given. ``num_steps`` steps are checked after construction and after
+    each ``reset_schedule()`` (call it after loading a checkpoint); ``-1`` checks every
+    step; a step that raised (a mismatch) does not count, so its retry is checked
+    again. The step must begin with no pending gradients (``None`` or zero, as after
+    ``zero_grad``).
     """
 
     def __init__(
@@ -73,11 +76,11 @@ class ReplayCheck:
         group: Any = None,
     ):
         if num_steps != -1 and num_steps < 1:
-            raise SdcReplayError(
+            raise ConfigurationError(
                 f"num_steps={num_steps} checks nothing", "Pass -1 (every step) or N >= 1."
             )
         if num_replays < 1:
-            raise SdcReplayError(f"num_replays={num_replays} replays nothing", "Pass N >= 1.")
+            raise ConfigurationError(f"num_replays={num_replays} replays nothing", "Pass N >= 1.")
         self.workload = step_workload(
             workload, model, optimizer, train_step, loss_fn, state, "ReplayCheck"
         )
@@ -117,16 +120,21 @@ class ReplayCheck:
         return self.num_steps == -1 or self.local_step < self.num_steps
 
     def run_step(self, batch: Any, *, step: int | None = None) -> torch.Tensor | None:
-        """One training step (checked when due); returns the loss of the kept execution."""
-        checked = self.due
+        """One training step (checked when due); returns the loss of the kept execution.
+
+        Only a step that completed advances the schedule (``local_step``, ``next_step``): a
+        step that raised (``SDCReplayMismatch``) left the state as it began, so the loop's
+        retry of it is the same step, checked again."""
         step = self.next_step if step is None else step
+        if self.due:
+            self.checked_steps += 1
+            loss = self._checked_step(batch, step)
+        else:
+            with self._recording(batch):
+                loss = self.workload.run_step(batch)
         self.next_step = step + 1
         self.local_step += 1
-        if not checked:
-            with self._recording(batch):
-                return self.workload.run_step(batch)
-        self.checked_steps += 1
-        return self._checked_step(batch, step)
+        return loss
 
     def _recording(self, batch: Any):
         return self.recorder.step(batch) if self.recorder is not None else contextlib.nullcontext()
@@ -199,10 +207,23 @@ class ReplayCheck:
         probe = self._probe
         if optimizer is not self.workload.optimizer or probe is None or probe.finished:
             return
+        self._step_gradients(probe, optimizer)
         self._end_entries(probe)
         if self._on_optimizer is None:
             raise _OptimizerReached
         self._on_optimizer()
+
+    def _step_gradients(self, probe: _Probe, optimizer: torch.optim.Optimizer) -> None:
+        """``step_grad:NAME``: each gradient as the optimizer is given it, named as a bundle's
+        entries are. Whatever changed it since its backward (clipping, unscaling, a manual
+        reduction, a fault in any kernel between them) is then checked too. Hashed afresh:
+        in-place foreach ops and ``.data`` edits do not bump the version counter."""
+        names = {id(param): name for name, param in self.workload.model.named_parameters()}
+        with _own_work():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if id(param) in names:
+                        probe.add(f"step_grad:{names[id(param)]}", param.grad)
 
     def _end_entries(self, probe: _Probe) -> None:
         """What the step leaves besides gradients: buffers, RNG, scalars, state objects; and
@@ -248,6 +269,7 @@ class ReplayCheck:
         voice for forensics; then the state as the step began, and the exception."""
         mine = verdict["rank"] == _rank(self.group)
         difference: Difference = verdict["difference"]
+        local_step = self.local_step + 1  # this step's place in the schedule, not yet counted
         baseline.restore()
         evidence = _Probe(watch=difference.entry if mine else None)
         bundle = None
@@ -270,12 +292,12 @@ class ReplayCheck:
                 before.restore()
         else:
             self._execute(batch, evidence)
-            baseline.restore()
+        baseline.restore()  # the scalars too: outside every snapshot, they are the check's own
         forensics = _forensics(difference, evidence, verdict.get("kept")) if mine else None
         forensics = _shared(forensics, verdict["rank"], self.group) or {}
         return SDCReplayMismatch(
             step=step,
-            local_step=self.local_step,
+            local_step=local_step,
             replay=verdict["replay"],
             rank=verdict["rank"] if len(verdict["ranks"]) == 1 else None,
             ranks=verdict["ranks"],
@@ -283,6 +305,7 @@ class ReplayCheck:
             micro_batch=difference.micro_batch,
             elements=forensics.get("count"),
             bit_histogram=forensics.get("histogram"),
+            shard_of=verdict["rank"] if forensics.get("local_shard") else None,
             bundle=bundle,
             evidence=forensics.get("evidence"),
             deterministic=torch.are_deterministic_algorithms_enabled(),
@@ -338,7 +361,7 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 def _signature_value(value: Any) -> SignatureValue:
     if isinstance(value, (torch.Tensor, int, float, bool)) or value is None:
         return value
-    raise SdcReplayError(
+    raise ConfigurationError(
         f"a scalar state's get() returned a {type(value).__name__}",
         "A ScalarState holds a number or a tensor.",
     )
@@ -359,4 +382,5 @@ def _forensics(difference: Difference, evidence: _Probe, kept: torch.Tensor | No
     if found["count"] is not None:
         forensics["count"] = found["count"]
         forensics["histogram"] = {int(b): n for b, n in found["bits"]["histogram"].items()}
+        forensics["local_shard"] = evidence.kept_shard
     return forensics

@@ -2,7 +2,8 @@
 
 The loop gives a ``Workload`` or its own model, optimizer and ``train_step``;
 numbers the step changes outside every module (a token counter) come as
-``ScalarState`` so a replay can put them back.
+``ScalarState`` so a replay can put them back. A detector set up wrongly raises
+``ConfigurationError``, which code written for TorchTitan's replayer catches as ValueError.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import torch
 
 from ..errors import SdcReplayError
 from ..workload.definition import Workload, check_state_objects
+
+
+class ConfigurationError(SdcReplayError, ValueError):
+    """A detector was given options or pieces it cannot work with: an ``SdcReplayError`` (its
+    hint says what to pass) and a ``ValueError``, as a bad argument is in Python."""
 
 
 class ScalarState(Protocol):
@@ -59,13 +65,13 @@ def step_workload(
     pieces = (model, optimizer, train_step, loss_fn, state)
     if workload is not None:
         if any(piece is not None for piece in pieces):
-            raise SdcReplayError(
+            raise ConfigurationError(
                 f"{who} was given a Workload and also model/optimizer/train_step",
                 "Give either a Workload or model=, optimizer= and train_step= (or loss_fn=).",
             )
         return workload
     if model is None or optimizer is None or (train_step is None and loss_fn is None):
-        raise SdcReplayError(
+        raise ConfigurationError(
             f"{who} needs a Workload, or model=, optimizer= and train_step= (or loss_fn=)",
             "train_step(batch) is the loop's whole step: forward, backward(s), clipping, "
             "optimizer.step(), scheduler, zero_grad; it returns the loss.",

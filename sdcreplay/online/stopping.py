@@ -23,10 +23,12 @@ class SDCReplayMismatch(TrainingStopped):
     before the optimizer step.
 
     ``entry`` is the first differing signature entry (``loss``, ``grad:NAME`` with ``#k``
-    for the k-th micro-batch's backward, ``buffer:NAME``, ``rng:cpu``, ``scalar:NAME``,
-    ``state:...``); ``elements`` and ``bit_histogram`` (bit -> elements with it flipped)
-    compare that tensor of the odd execution with a third execution that agreed with the
-    other one (None where it is not a tensor, or the reference was the odd one out).
+    for the k-th micro-batch's backward, ``step_grad:NAME`` as the optimizer is given it,
+    ``buffer:NAME``, ``rng:cpu``, ``scalar:NAME``, ``state:...``); ``elements`` and
+    ``bit_histogram`` (bit -> elements with it flipped) compare that tensor of the odd
+    execution with a third execution that agreed with the other one (None where it is not
+    a tensor, or the reference was the odd one out); of a DTensor, they count the local
+    shard of rank ``shard_of`` (the full tensor is never gathered).
     ``evidence`` says which one that third execution agreed with: ``"reference"``,
     ``"replay"``, or ``"neither"``, a step whose result changes with every execution (state
     the check does not restore, a non-deterministic kernel), which accuses no device.
@@ -45,6 +47,7 @@ class SDCReplayMismatch(TrainingStopped):
         micro_batch: int | None = None,
         elements: int | None = None,
         bit_histogram: dict[int, int] | None = None,
+        shard_of: int | None = None,
         bundle: str | None = None,
         ranks: list[int] | None = None,
         evidence: str | None = None,
@@ -54,6 +57,7 @@ class SDCReplayMismatch(TrainingStopped):
         self.ranks = [rank] if ranks is None and rank is not None else list(ranks or [])
         self.entry, self.micro_batch = entry, micro_batch
         self.elements, self.bit_histogram, self.bundle = elements, bit_histogram, bundle
+        self.shard_of = shard_of
         self.evidence = evidence
         message = (
             f"SDC replay mismatch: step={step}, local_step={local_step}, replay={replay}, "
@@ -67,7 +71,8 @@ class SDCReplayMismatch(TrainingStopped):
             )
         if elements is not None:
             bits = ", ".join(f"bit {b}: {n}" for b, n in sorted((bit_histogram or {}).items()))
-            message += f"; {elements} element(s) differ ({bits})"
+            where = "" if shard_of is None else f" of rank {shard_of}'s local shard (a DTensor)"
+            message += f"; {elements} element(s){where} differ ({bits})"
         if bundle is not None:
             message += f"; bundle {bundle}"
         # Evidence against the device: one execution of a deterministic step was the odd one.

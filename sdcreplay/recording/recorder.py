@@ -180,6 +180,7 @@ class Recorder:
         self._verify_due = False
         self._end_digests: dict[str, str] | None = None
         self._held_end_digests: dict[str, str] | None = None  # ring: as the last held step ended
+        self._earlier_end_digests: dict[str, str] | None = None  # ring: the one before it
         self.steps_written = 0
         self.entries_written = 0
         if self._job is not None:
@@ -294,6 +295,7 @@ class Recorder:
             # digested them a moment ago: its entries are their digests, not hashed again.
             updated = self._capture.updated_state if at_optimizer_step else {}
             self._end_digests = updated or state_digests(self.model)
+            self._earlier_end_digests = self._held_end_digests
             self._held_end_digests = self._end_digests
 
     @property
@@ -399,7 +401,9 @@ class Recorder:
 
     def rewind(self) -> None:
         """Forget the last completed step: a detector rolled the state back to before it, to
-        run it again inside ``step()`` under the same index (dump first to keep it)."""
+        run it again inside ``step()`` under the same index (dump first to keep it). The
+        held steps then end where the step before it ended, so a later step that raised
+        mid-way (a detector stopping it again) still continues them."""
         if self._ring is None:
             raise SdcReplayError(
                 "rewind() needs a ring buffer: a step written to disk is not taken back",
@@ -410,7 +414,8 @@ class Recorder:
         if dropped is None:
             raise SdcReplayError("the ring holds no completed step to rewind")
         self._next_index = dropped.index
-        self._end_digests = self._held_end_digests = None
+        self._end_digests = None
+        self._held_end_digests, self._earlier_end_digests = self._earlier_end_digests, None
         self.steps_written -= 1
         self.entries_written -= len(dropped.entries)
 

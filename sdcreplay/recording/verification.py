@@ -80,6 +80,8 @@ class FirstStepCheck:
                     replayed = session.run_step(record)
             except MessageOrderError as exc:
                 return exc.message + self._unknown_ddp_note(session.bundle)
+            except Exception as exc:  # the workload's own code: a finding, not a crash
+                return f"the workload's step raised {type(exc).__name__}: {exc}"
             self.probe = record_probe(list(calls.calls.values()), self.device).to_json()
             recorded = session.bundle.signature_log().steps[record.index]
             problem = describe_first_difference(recorded, replayed)

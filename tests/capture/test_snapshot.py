@@ -119,3 +119,21 @@ def test_a_changed_model_is_refused_by_name() -> None:
     model.add_module("extra", torch.nn.Linear(2, 2))
     with pytest.raises(SdcReplayError, match="parameters or buffers changed"):
         snapshot.restore()
+
+
+def test_a_buffer_that_was_none_is_none_again_and_an_emptied_one_comes_back() -> None:
+    """A step that fills in a buffer registered as None (a lazily built cache) is rolled back
+    to None, not refused as a changed model; one the step set to None gets its values back.
+    A buffer registered after the snapshot is still a changed model."""
+    model, optimizer, state = _setup()
+    model[1].register_buffer("cache", None)
+    running_mean = model[1].running_mean.clone()
+    snapshot = TrainingSnapshot.take(model, optimizer, state)
+    model[1].cache = torch.ones(3)
+    model[1].running_mean = None
+    snapshot.restore()
+    assert model[1].cache is None and "cache" in model[1]._buffers
+    assert torch.equal(model[1].running_mean, running_mean)
+    model[1].register_buffer("added", torch.zeros(1))
+    with pytest.raises(SdcReplayError, match="parameters or buffers changed"):
+        snapshot.restore()

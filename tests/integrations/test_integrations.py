@@ -54,6 +54,42 @@ def check_alarm_bundle(path: Path, source_entry: str) -> None:
     assert (first.step, first.name) == (FAULTY_STEP, source_entry)
 
 
+Q_PROJ_NAN = (
+    "kind=nan,op=aten.mm,module=model.layers.0.self_attn.q_proj,phase=forward,"
+    f"step={FAULTY_STEP},index=0"
+)
+
+
+def hf_defective_run(tmp_path: Path, out: Path, factory: dict, **trainer_options):
+    """A tiny Llama trained by a Trainer (hf_workload.make_trainer with ``trainer_options``),
+    the q_proj NaN planted at the faulty step, watched by a callback naming
+    hf_workload.make_workload with ``factory``; returns (trainer, callback), not trained."""
+    from hf_workload import make_trainer
+    from transformers import TrainerCallback
+
+    from sdcreplay.integrations.hf import SdcReplayCallback
+
+    defect = Defect(Q_PROJ_NAN)
+
+    class DefectCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            defect.enter(state.global_step, model, optimizer.optimizer)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            defect.leave()
+
+    callback = SdcReplayCallback(
+        out,
+        f"{HERE / 'hf_workload.py'}:make_workload",
+        workload_kwargs={"seed": 0, "max_steps": 8, **factory},
+        ring=RING,
+    )
+    trainer = make_trainer(
+        str(tmp_path / "trainer"), callbacks=[DefectCallback(), callback], **trainer_options
+    )
+    return trainer, callback
+
+
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(
     tmp_path, monkeypatch, accumulation
@@ -63,34 +99,9 @@ def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.syspath_prepend(str(HERE))
-    from hf_workload import make_trainer
-    from transformers import TrainerCallback
-
-    from sdcreplay.integrations.hf import SdcReplayCallback
-
-    defect = Defect(
-        "kind=nan,op=aten.mm,module=model.layers.0.self_attn.q_proj,phase=forward,"
-        f"step={FAULTY_STEP},index=0"
-    )
-
-    class DefectCallback(TrainerCallback):
-        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            defect.enter(state.global_step, model, optimizer.optimizer)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            defect.leave()
-
     out = tmp_path / "hf-alarm.bundle"
-    callback = SdcReplayCallback(
-        out,
-        f"{HERE / 'hf_workload.py'}:make_workload",
-        workload_kwargs={"seed": 0, "max_steps": 8, "accumulation": accumulation},
-        ring=RING,
-    )
-    trainer = make_trainer(
-        str(tmp_path / "trainer"),
-        accumulation=accumulation,
-        callbacks=[DefectCallback(), callback],
+    trainer, callback = hf_defective_run(
+        tmp_path, out, {"accumulation": accumulation}, accumulation=accumulation
     )
     with pytest.warns(UserWarning, match=f"step {FAULTY_STEP}: nonfinite"):
         trainer.train()
@@ -105,6 +116,63 @@ def test_hf_trainer_callback_writes_an_alarm_bundle_that_replays(
         assert len(first) == accumulation  # each micro-batch, the step's item count in each
         assert len({int(micro["num_items_in_batch"]) for micro in first}) == 1
         assert int(first[0]["num_items_in_batch"]) == accumulation * 2 * 7  # shifted labels
+
+
+def test_hf_trainer_with_its_own_compute_loss_replays_it(tmp_path, monkeypatch):
+    """The subclass pops the labels and calls the model without them: the callback records
+    what compute_loss received (labels included) and the workload replays that compute_loss,
+    so the dump's verification passes and the bundle replays, and the Trainer gets its own
+    compute_loss back after training."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.syspath_prepend(str(HERE))
+    out = tmp_path / "own-loss.bundle"
+    trainer, callback = hf_defective_run(tmp_path, out, {"own_loss": True}, own_loss=True)
+    with pytest.warns(UserWarning, match=f"step {FAULTY_STEP}: nonfinite"):
+        trainer.train()
+    assert trainer.state.global_step == FAULTY_STEP + 1
+    assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
+    check_alarm_bundle(out, "forward:model.layers.0.self_attn.q_proj")
+    first, _ = Bundle.open(out).load_step(0)
+    assert sorted(first) == ["input_ids", "labels", "num_items_in_batch"]
+    assert "compute_loss" not in vars(trainer) and callback.failure is None
+
+
+def test_a_dump_whose_replay_raises_is_written_and_warned_about(tmp_path, monkeypatch):
+    """The factory's train_step raises KeyError('loss') when the dump re-executes the first
+    step: the bundle is written with a failed verification naming it, a warning says so,
+    and the alarm stops training as usual; nothing is raised out of train()."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.syspath_prepend(str(HERE))
+    out = tmp_path / "broken.bundle"
+    trainer, callback = hf_defective_run(tmp_path, out, {"broken": True})
+    with pytest.warns(UserWarning) as warned:
+        trainer.train()
+    messages = [str(w.message) for w in warned]
+    assert any("the workload cannot replay the ring's bundle" in m for m in messages), messages
+    assert trainer.state.global_step == FAULTY_STEP + 1
+    verification = Bundle.open(out).verification
+    assert (verification.status, verification.problem) == (
+        "failed",
+        "the workload's step raised KeyError: 'loss'",
+    )
+
+
+def test_a_failure_of_the_callback_is_warned_and_training_goes_on(tmp_path, monkeypatch):
+    """The alarm's bundle cannot be written (its folder is a file): the callback warns, stops
+    watching and gives the Trainer its compute_loss back; train() runs to max_steps."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.syspath_prepend(str(HERE))
+    (tmp_path / "not-a-folder").write_text("")
+    trainer, callback = hf_defective_run(tmp_path, tmp_path / "not-a-folder" / "x.bundle", {})
+    with pytest.warns(UserWarning, match="SdcReplayCallback failed in on_step_end") as warned:
+        trainer.train()
+    assert trainer.state.global_step == 8
+    assert callback.failure is not None and not callback.watching
+    assert "compute_loss" not in vars(trainer)
+    assert any("stops watching and training goes on unwatched" in str(w.message) for w in warned)
 
 
 def lightning_trainer(lightning, callbacks: list, max_steps: int = 8, **options):
