@@ -61,7 +61,7 @@ def test_replicas_on_another_kind_of_machine_are_incomparable_and_accuse_no_one(
     consensus = report["consensus"]
     assert (consensus["verdict"], consensus["suspects"]) == ("incomparable", [])
     assert [d["verdict"] for d in report["devices"]] == ["incomparable", "incomparable"]
-    assert report["record"] == {"verdict": "match"} or report["record"]["verdict"] != "persistent"
+    assert report["record"]["verdict"] != "persistent"  # the record is not accused either
     for device in report["devices"]:
         first = device["fingerprint_differences"][0]
         assert first.startswith(f"probe: {MM} [") and first.endswith("gives other bits here")

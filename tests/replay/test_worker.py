@@ -308,7 +308,8 @@ def test_fault_at_record_time_is_recording_suspect(root, cli):
     assert result.exit_code == 1, result.stderr
     data = json.loads(result.stdout)
     assert data["schema"] == "sdcreplay.replay/1"
-    assert data["record"] == {"verdict": "persistent"}
+    assert data["record"]["verdict"] == "persistent"
+    assert data["record"]["identity"]["label"] == "cpu"  # the recording device, named
     assert data["consensus"]["verdict"] == "recording_suspect"
     assert data["consensus"]["suspects"] == ["record"]
     assert data["consensus"]["first_divergence"] == {
