@@ -315,3 +315,17 @@ def pytest_terminal_summary(terminalreporter) -> None:
                 for backend, tally in counts.items()
             )
         )
+
+
+def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
+    """Hand-edit the manifest; ``rehash`` keeps its own SHA-256 valid so the validator is what is
+    tested."""
+    import json
+
+    from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
+
+    manifest = json.loads((path / MANIFEST).read_text())
+    edit(manifest)
+    if rehash and isinstance(manifest, dict):
+        manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, rewrite_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -88,16 +88,6 @@ def write_bundle(path: Path, steps: int = 2, close: bool = True) -> BundleWriter
     if close:
         writer.close()
     return writer
-
-
-def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
-    """Hand-edit the manifest; ``rehash`` keeps its own SHA-256 valid so the validator is what is
-    tested."""
-    manifest = json.loads((path / MANIFEST).read_text())
-    edit(manifest)
-    if rehash and isinstance(manifest, dict):
-        manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
-    (path / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
 def canonical(value):
