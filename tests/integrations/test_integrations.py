@@ -341,9 +341,7 @@ def test_lightning_step_that_raises_leaves_nothing_patched(tmp_path, monkeypatch
     assert not (tmp_path / "crash.bundle").exists()
 
 
-def test_a_failure_of_the_lightning_callback_is_warned_and_training_goes_on(
-    tmp_path, monkeypatch
-):
+def test_a_failure_of_the_lightning_callback_is_warned_and_training_goes_on(tmp_path, monkeypatch):
     """The alarm's bundle cannot be written (its folder is a file): a warning, the callback
     stops watching (the recorder's capture lets go of backward), fit() runs to max_steps."""
     lightning = pytest.importorskip("lightning")
