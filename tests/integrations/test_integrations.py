@@ -339,3 +339,36 @@ def test_lightning_step_that_raises_leaves_nothing_patched(tmp_path, monkeypatch
     assert torch.autograd.backward is backward  # the recorder's capture let go
     assert callback.watch.recorder.ring_steps == [0, 1]  # the step cut short is not held
     assert not (tmp_path / "crash.bundle").exists()
+
+
+def test_a_failure_of_the_lightning_callback_is_warned_and_training_goes_on(tmp_path, monkeypatch):
+    """The alarm's bundle cannot be written (its folder is a file): a warning, the callback
+    stops watching (the recorder's capture lets go of backward), fit() runs to max_steps."""
+    lightning = pytest.importorskip("lightning")
+    monkeypatch.syspath_prepend(str(HERE))
+    from lightning.pytorch import Callback
+    from lightning_workload import batches, make_module
+
+    from sdcreplay.integrations.lightning import SdcReplayCallback
+
+    defect = Defect(f"kind=nan,op=aten.addmm,step={FAULTY_STEP},nth=0,index=0")
+
+    class DefectCallback(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            defect.enter(trainer.global_step, pl_module, trainer.optimizers[0])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            defect.leave()
+
+    (tmp_path / "not-a-folder").write_text("")
+    callback = SdcReplayCallback(
+        tmp_path / "not-a-folder" / "x.bundle", f"{HERE / 'lightning_workload.py'}:make_workload",
+        workload_kwargs={"seed": 0}, ring=RING,
+    )  # fmt: skip
+    trainer = lightning_trainer(lightning, [DefectCallback(), callback])
+    backward = torch.autograd.backward
+    loader = torch.utils.data.DataLoader(batches(0), batch_size=None)
+    with pytest.warns(UserWarning, match="SdcReplayCallback failed in on_train_batch_end"):
+        trainer.fit(make_module(0), loader)
+    assert trainer.global_step == 8 and not callback.watching
+    assert torch.autograd.backward is backward

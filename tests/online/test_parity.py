@@ -347,3 +347,13 @@ def test_a_dtensor_that_differs_is_a_mismatch_on_the_local_shard(
             {str(bit): 1},
         )
         assert seen["shard_of"] == 1 and "of rank 1's local shard (a DTensor)" in seen["message"]
+
+
+def test_forensics_compare_dtensors_on_the_local_shard(ranks: list[dict]) -> None:
+    """Each rank's 4-element shard: rank 1's element 2 differs in bit 4, rank 0's not at all."""
+    found = [result["forensics"] for result in ranks]
+    assert [(f["count"], f["total"], f["indices"], f["local_shard"]) for f in found] == [
+        (0, 4, [], True),
+        (1, 4, [2], True),
+    ]
+    assert found[1]["bits"] == {"width": 32, "histogram": {"4": 1}}
