@@ -77,8 +77,7 @@ def bisect(
         _plotter()
     named = job.path if job is not None else opened.path  # never inside a job bundle
     out = Path(out) if out else named.with_name(named.name + ".bisect")
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    work = _work_directory(out)
     (out / OPERATOR_FILE).unlink(missing_ok=True)  # a report never shows an earlier run's call
     base: dict = {
         "schema": SCHEMA,
@@ -324,6 +323,21 @@ def bisect(
             )
         )
     return finish(out, result, on_event)
+
+
+def _work_directory(out: Path) -> Path:
+    """The report's work directory, created before any device process starts; a report that
+    cannot be written there is refused now, not after the replays."""
+    work = out / "work"
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SdcReplayError(
+            f"cannot create the report directory {str(out)[:300]}: {exc.strerror}",
+            "Choose an --out directory that can be written (not under a file or /proc, each "
+            "name at most 255 bytes).",
+        ) from exc
+    return work
 
 
 def _sequence_hint(suspect: str, reference: str, theirs: dict, ours: dict) -> str:

@@ -20,7 +20,7 @@ from ..compare.messages import Messages, recorded_log
 from ..compare.origin import NO_ORIGIN, Origin, find_origin
 from ..errors import SdcReplayError, StructureError
 from .launch import followed
-from .replicas import DeviceRun, case_gaps, caveat_for
+from .replicas import DeviceRun, case_gaps, caveat_for, incomparable_failure
 from .worker import DeviceFailure, DeviceResult
 
 VERDICT_ORDER = ("persistent", "transient", "recording_suspect", "undecided", "incomparable")
@@ -148,6 +148,14 @@ class JobReplayReport:
 
     def failure(self) -> SdcReplayError | None:
         """Why the replay could not give a full answer (exit 3), or None."""
+        if self.verdict == "incomparable":
+            incomparable = {
+                f"rank {rank.rank} {label}": differences
+                for rank in self.ranks
+                if rank.consensus is not None
+                for label, differences in rank.consensus.incomparable.items()
+            }
+            return incomparable_failure(self.bundle, incomparable)
         if not self.failed or self.exit_code != 3:
             return None
         results = {

@@ -8,8 +8,10 @@ and read up to a limit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +123,54 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
+HDF5_ERRORS = (
+    KeyError,
+    RuntimeError,
+    OSError,
+    ValueError,
+    TypeError,
+    OverflowError,
+    IndexError,
+    NotImplementedError,
+)
+"""What h5py raises for a damaged file: HDF5's error stack mapped onto builtins, e.g.
+``RuntimeError: Unable to get group info (addr overflow ...)`` or ``KeyError: 'Unable to
+synchronously open object (message not aligned)'``."""
+
+DAMAGED_HDF5_HINT = (
+    "Its bytes are the ones the manifest vouches for, so it was damaged before it was hashed "
+    "(a disk, a copy) or edited together with its hash: take an intact copy of the bundle from "
+    "where it was recorded, or record the step again."
+)
+
+
+@contextlib.contextmanager
+def damaged_hdf5(filename: str | Path) -> Iterator[None]:
+    """Any error h5py raises while reading ``filename`` (a bundle's HDF5 file) as a BundleError
+    that says the file is damaged; a BundleError raised inside keeps its own words."""
+    try:
+        yield
+    except BundleError:
+        raise
+    except HDF5_ERRORS as exc:
+        said = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+        raise BundleError(
+            f"{filename} is damaged: {type(exc).__name__}: {said[:300]}", DAMAGED_HDF5_HINT
+        ) from exc
+
+
 def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
     """Refuse an HDF5 file whose data lives elsewhere: external links or storage, virtual datasets.
 
     Such a file reads other files of the machine while its own SHA-256 still
-    matches, so editing them would change a replay's verdict unseen.
+    matches, so editing them would change a replay's verdict unseen. A file whose
+    structure cannot be walked is damaged (``damaged_hdf5``).
     """
+    with damaged_hdf5(handle.filename):
+        _check_links(handle, limit)
+
+
+def _check_links(handle: h5py.File, limit: int) -> None:
     pending = [handle]
     seen = 0
     while pending:
