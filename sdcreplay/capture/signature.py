@@ -288,15 +288,14 @@ def _check_declared(
         )
     if frame_limits is None:
         return
-    if number >= len(frame_limits):
-        raise BundleError(
-            f"signature log {path} is damaged: it holds more frames than the manifest's steps "
-            f"({len(frame_limits) - 1})"
-        )
-    if declared > frame_limits[number]:
+    # A frame past the manifest's steps may hold what its largest step can: the log is then
+    # refused for the step the manifest does not list, naming it.
+    steps = frame_limits[1:] or frame_limits
+    limit = frame_limits[number] if number < len(frame_limits) else max(steps)
+    if declared > limit:
         raise BundleError(
             f"signature log {path} is damaged: frame {number} declares {declared} bytes of text, "
-            f"more than the manifest's step can hold ({frame_limits[number]})",
+            f"more than the manifest's step can hold ({limit})",
             hint,
         )
 
