@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle
+from ..bundle.manifest import part_dir
 from ..capture.signature import SignatureLog
 from ..compare.logs import RECORD, Consensus, compare_logs, vote
 from ..compare.messages import Messages, recorded_log
@@ -149,13 +150,18 @@ class JobReplayReport:
     def failure(self) -> SdcReplayError | None:
         """Why the replay could not give a full answer (exit 3), or None."""
         if self.verdict == "incomparable":
-            incomparable = {
-                f"rank {rank.rank} {label}": differences
+            judged = [
+                (rank.rank, rank.consensus.incomparable)
                 for rank in self.ranks
-                if rank.consensus is not None
-                for label, differences in rank.consensus.incomparable.items()
+                if rank.consensus is not None and rank.consensus.incomparable
+            ]
+            incomparable = {
+                f"rank {rank} {label}": differences
+                for rank, found in judged
+                for label, differences in found.items()
             }
-            return incomparable_failure(self.bundle, incomparable)
+            probed = str(Path(self.bundle) / part_dir(judged[0][0])) if judged else None
+            return incomparable_failure(self.bundle, incomparable, probed)
         if not self.failed or self.exit_code != 3:
             return None
         results = {

@@ -129,15 +129,18 @@ def case_gaps(bundle: Bundle) -> list[str]:
     return gaps
 
 
-def incomparable_failure(bundle: str, incomparable: dict[str, list[str]]) -> SdcReplayError:
+def incomparable_failure(
+    bundle: str, incomparable: dict[str, list[str]], probed: str | None = None
+) -> SdcReplayError:
     """No verdict (exit 3): no replica ran on a machine that computes like the recording's, so
-    nothing it computed is evidence either way. ``incomparable``: what differs, per replica."""
+    nothing it computed is evidence either way. ``incomparable``: what differs, per replica;
+    ``probed``: the bundle ``doctor --against`` takes (a job's: one rank's part)."""
     differences = "; ".join(f"{label}: {diffs[0]}" for label, diffs in incomparable.items())
     return SdcReplayError(
         f"no verdict: no replica ran on a machine comparable with the recording's ({differences})",
         "Replay on the recording's kind of machine (its CPU or GPU model and software: "
-        f"`sdcreplay info {bundle}`); `sdcreplay doctor --against {bundle}` on a machine says "
-        "whether it can judge this bundle.",
+        f"`sdcreplay info {bundle}`); `sdcreplay doctor --against {probed or bundle}` on a "
+        "machine says whether it can judge this bundle.",
     )
 
 
