@@ -310,6 +310,17 @@ def unreadable_structures(path: Path, signature: bytes) -> None:
     path.write_bytes(data.replace(signature, b"X" + signature[1:]))
 
 
+def heap_object_grown(path: Path, by: int = 128) -> None:
+    """The size of the first object of the file's first global heap collection (where
+    variable-length strings live) grown by ``by`` bytes: libhdf5, walking the collection, then
+    lands in its zeroed free space on an object of size 0 and never leaves it."""
+    data = bytearray(path.read_bytes())
+    size_at = data.index(b"GCOL\x01\x00\x00\x00") + 16 + 8  # collection header, object header
+    size = int.from_bytes(data[size_at : size_at + 8], "little")
+    data[size_at : size_at + 8] = (size + by).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
 def h5_outside(bundle: Path, rng: random.Random) -> str:
     """Data that lives outside the file: an external link or external raw storage (read outside the
     bundle)."""

@@ -462,6 +462,21 @@ def test_a_damaged_hdf5_file_the_manifest_vouches_for_is_named(
     assert_explained(cli("info", small_bundle), f"{small_bundle / name} is damaged: {raised}")
 
 
+def test_a_step_file_whose_global_heap_libhdf5_would_walk_forever_is_refused_at_once(
+    tmp_path: Path, small_bundle: Path, cli
+):
+    """Left to libhdf5, reading the batch's structure never returns (a device process would be
+    killed as hung, a library replay would wait forever)."""
+    bundle_fuzz.heap_object_grown(small_bundle / "steps/000001.h5")
+    bundle_fuzz.rehash(small_bundle, "steps/000001.h5")
+    assert_explained(
+        cli("replay", small_bundle, "-d", "cpu:0", "--logs", tmp_path / "logs"),
+        f"{small_bundle / 'steps/000001.h5'} is damaged: the global heap at byte ",
+    )
+    with pytest.raises(BundleError, match="has an object of 0 bytes at byte"):
+        replay_on_device(small_bundle, "cpu")
+
+
 def test_a_damaged_state_file_read_in_the_device_processes_is_named(
     tmp_path: Path, small_bundle: Path, cli
 ):

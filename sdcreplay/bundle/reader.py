@@ -24,6 +24,7 @@ from ..capture.signature import (
 )
 from ..errors import BundleError
 from ..storage.safeio import (
+    check_global_heaps,
     check_json_value,
     check_self_contained,
     damaged_hdf5,
@@ -154,7 +155,8 @@ class Bundle:
         return self.manifest.complete
 
     def verify_files(self) -> None:
-        """Check every listed file's size and SHA-256, and that HDF5 files hold all their data.
+        """Check every listed file's size and SHA-256, and that HDF5 files hold all their data
+        and can be read safely.
 
         In an incomplete bundle an append-only log may be longer than listed
         (the recording died between appending a step and rewriting the
@@ -179,6 +181,7 @@ class Bundle:
                     "(damaged or edited)"
                 )
             if name.endswith(".h5"):
+                check_global_heaps(file)  # before libhdf5 reads a heap it would loop in
                 self._open_h5(name).close()  # refuses data kept outside the file
 
     @property

@@ -9,6 +9,7 @@ and read up to a limit.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -157,6 +158,49 @@ def damaged_hdf5(filename: str | Path) -> Iterator[None]:
         raise BundleError(
             f"{filename} is damaged: {type(exc).__name__}: {said[:300]}", DAMAGED_HDF5_HINT
         ) from exc
+
+
+_COLLECTION = b"GCOL\x01\x00\x00\x00"  # a global heap collection: signature, version 1
+_COLLECTION_HEADER_BYTES = 16  # the signature, version, reserved bytes, the collection's size
+_OBJECT_HEADER_BYTES = 16  # an object's index, reference count, reserved bytes and size
+
+
+def check_global_heaps(path: Path) -> None:
+    """Refuse an HDF5 file whose global heap libhdf5 would read forever or past its end.
+
+    The global heap holds variable-length strings (a tree's skeleton, the Python RNG state).
+    libhdf5 walks a collection's objects when it first reads one of them and, at a free-space
+    object of size 0 (a damaged size makes it land on one), never advances: a loop in C that
+    no timeout of this process reaches. Each collection is walked here first, as libhdf5 walks
+    it (lengths of 8 bytes, as h5py writes them).
+    """
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            start = data.find(_COLLECTION)
+            while start >= 0:
+                _check_collection(path, data, start)
+                start = data.find(_COLLECTION, start + 1)
+
+
+def _check_collection(path: Path, data: mmap.mmap, start: int) -> None:
+    end = start + int.from_bytes(data[start + 8 : start + 16], "little")
+    if end > len(data) or end < start + _COLLECTION_HEADER_BYTES:
+        return  # no collection libhdf5 would walk (it refuses one past the file's end)
+    position = start + _COLLECTION_HEADER_BYTES
+    while position + _OBJECT_HEADER_BYTES <= end:  # a shorter tail is free space
+        index = int.from_bytes(data[position : position + 2], "little")
+        size = int.from_bytes(data[position + 8 : position + 16], "little")
+        # An object's header and its data padded to 8 bytes; free space (index 0) as it says.
+        need = _OBJECT_HEADER_BYTES + (size + 7) // 8 * 8 if index else size
+        if need == 0 or position + need > end:
+            raise BundleError(
+                f"{path} is damaged: the global heap at byte {start} has an object of "
+                f"{size} bytes at byte {position} that does not fit it",
+                DAMAGED_HDF5_HINT,
+            )
+        position += need
 
 
 def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:

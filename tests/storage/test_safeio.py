@@ -1,5 +1,5 @@
 """Reading files a stranger may have prepared: a damaged HDF5 file is refused naming the file,
-whatever h5py raises while its structure is walked."""
+whatever h5py raises while its structure is walked, and before libhdf5 could loop in it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from bundle_fuzz import unreadable_structures
+from bundle_fuzz import heap_object_grown, unreadable_structures
 
 from sdcreplay.errors import BundleError
-from sdcreplay.storage.safeio import check_self_contained
+from sdcreplay.storage.safeio import check_global_heaps, check_self_contained
 
 
 def written(path: Path) -> Path:
@@ -54,3 +54,22 @@ def test_an_object_whose_header_cannot_be_read_is_named_as_damaged(tmp_path):
         f"{path} is damaged: KeyError: Unable to synchronously open object "
         "(bad object header version number)"
     )
+
+
+def test_a_global_heap_libhdf5_would_walk_forever_is_refused_before_it_reads_it(tmp_path):
+    path = written(tmp_path / "000000.h5")
+    with h5py.File(path, "a") as handle:
+        handle["batch"].attrs["skeleton"] = '{"list": []}'  # a variable-length string: the heap
+    check_global_heaps(path)  # as written
+    heap_object_grown(path)
+    heap = path.read_bytes().index(b"GCOL")
+    with pytest.raises(BundleError) as caught:
+        check_global_heaps(path)
+    assert caught.value.message.startswith(
+        f"{path} is damaged: the global heap at byte {heap} has an object of 0 bytes at byte "
+    )
+
+
+def test_the_global_heaps_of_every_file_sdcreplay_writes_pass(small_bundle):
+    for path in sorted(small_bundle.rglob("*.h5")):
+        check_global_heaps(path)
