@@ -288,6 +288,39 @@ def h5_delete(bundle: Path, rng: random.Random) -> str:
     return f"{name} del {target}"
 
 
+def h5_bytes(bundle: Path, rng: random.Random) -> str:
+    """A few bits of an HDF5 file flipped (mostly in its structure: object headers, B-trees,
+    heaps), the manifest vouching for the file as it is then."""
+    name = rng.choice(_h5_files(bundle))
+    data = bytearray((bundle / name).read_bytes())
+    for _ in range(rng.randint(1, 8)):
+        span = min(len(data), 4096) if rng.random() < 0.7 else len(data)
+        data[rng.randrange(span)] ^= 1 << rng.randrange(8)
+    (bundle / name).write_bytes(bytes(data))
+    rehash(bundle, name)
+    return f"{name} bits flipped"
+
+
+def unreadable_structures(path: Path, signature: bytes) -> None:
+    """Every structure of an HDF5 file marked ``signature`` (HDF5's own tags: TREE a B-tree
+    node, HEAP a local heap, SNOD a symbol table node, GCOL the global heap of variable-length
+    strings) made unreadable, as a flipped bit would."""
+    data = path.read_bytes()
+    assert signature in data
+    path.write_bytes(data.replace(signature, b"X" + signature[1:]))
+
+
+def heap_object_grown(path: Path, by: int = 128) -> None:
+    """The size of the first object of the file's first global heap collection (where
+    variable-length strings live) grown by ``by`` bytes: libhdf5, walking the collection, then
+    lands in its zeroed free space on an object of size 0 and never leaves it."""
+    data = bytearray(path.read_bytes())
+    size_at = data.index(b"GCOL\x01\x00\x00\x00") + 16 + 8  # collection header, object header
+    size = int.from_bytes(data[size_at : size_at + 8], "little")
+    data[size_at : size_at + 8] = (size + by).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
 def h5_outside(bundle: Path, rng: random.Random) -> str:
     """Data that lives outside the file: an external link or external raw storage (read outside the
     bundle)."""
@@ -362,6 +395,62 @@ def _edit_log(bundle: Path, name: str, fields: list[str], rng: random.Random) ->
     return f"{name} {edit}"
 
 
+def _compressed_frames(raw: bytes) -> list[bytes]:
+    """The compressed bytes of each frame."""
+    frames = []
+    while raw:
+        obj = zstandard.ZstdDecompressor().decompressobj()
+        obj.decompress(raw)
+        frames.append(raw[: len(raw) - len(obj.unused_data)])
+        raw = obj.unused_data
+    return frames
+
+
+def declaring(frame: bytes, size: int) -> bytes:
+    """``frame`` with its header's content size set to ``size`` (a 4-byte size field, as in a
+    frame of 64 KiB or more; its checksum left as it was)."""
+    descriptor = frame[4]
+    assert descriptor >> 6 == 2, "a frame with a 4-byte content size"
+    start = 5 + (0 if descriptor & 0x20 else 1) + (0, 1, 2, 4)[descriptor & 3]
+    return frame[:start] + size.to_bytes(4, "little") + frame[start + 4 :]
+
+
+def bomb_frame(kind: str, lines: list[str], rng: random.Random) -> bytes:
+    """A frame of a log's lines that expands hugely: ``ratio``: its lines repeated to 64 MiB
+    (a few KiB compressed); ``limit``: a step's signature entries padded past what the
+    manifest's entry count allows, within the ratio a frame may declare; ``lie``: a header that
+    declares less than the frame holds."""
+    compressor = zstandard.ZstdCompressor(write_checksum=True)
+    text = ("\n".join(lines) + "\n").encode()
+    if kind == "ratio":
+        return compressor.compress(text * ((64 << 20) // len(text) + 1))
+    if kind == "limit":
+        pad = rng.randbytes(2600).hex()  # 5200 characters per entry: more than 4 KiB
+        padded = [line[:-1] + f', "pad": "{pad}{index}"}}' for index, line in enumerate(lines)]
+        return compressor.compress(("\n".join(padded) + "\n").encode())
+    frame = compressor.compress(text * ((128 << 10) // len(text) + 1))
+    return declaring(frame, len(text))
+
+
+def log_bomb(bundle: Path, rng: random.Random) -> str:
+    """One frame of the signature log, or of a job part's message log, replaced by a
+    decompression bomb made of its own lines, the manifest vouching for the file as it is
+    then."""
+    messages = _compressed_frames((bundle / MESSAGES).read_bytes())
+    name = MESSAGES if len(messages) > 1 and rng.random() < 0.5 else SIGNATURES  # any read
+    path = bundle / name
+    frames = _compressed_frames(path.read_bytes())
+    position = rng.randrange(len(frames))
+    lines = _frames(frames[position])[0].decode().splitlines()
+    kind = rng.choice(
+        ["ratio", "limit", "lie"] if name == SIGNATURES and position else ["ratio", "lie"]
+    )
+    frames[position] = bomb_frame(kind, lines, rng)
+    path.write_bytes(b"".join(frames))
+    rehash(bundle, name)
+    return f"{name} frame {position} {kind} bomb"
+
+
 def log_edit(bundle: Path, rng: random.Random) -> str:
     return _edit_log(bundle, SIGNATURES, ["step", "name", "digest"], rng)
 
@@ -380,7 +469,9 @@ SEMANTIC: dict[str, Callable[[Path, random.Random], str]] = {
     "h5_data": h5_data,
     "h5_delete": h5_delete,
     "h5_outside": h5_outside,
+    "h5_bytes": h5_bytes,
     "log_edit": log_edit,
+    "log_bomb": log_bomb,
 }
 INERT = {"manifest_inert"}
 

@@ -422,6 +422,10 @@ def test_unwritable_out_and_logs_are_named(tmp_path: Path, cli, small_bundle: Pa
     assert_explained(
         cli("replay", small_bundle, "--logs", target), "cannot create the log directory"
     )
+    assert_explained(
+        cli("bisect", small_bundle, "--suspect", "cpu:1", "--step", "0", "--out", target),
+        "cannot create the report directory",
+    )
 
 
 def test_a_seed_out_of_range_is_a_usage_error(tmp_path: Path, cli):
@@ -441,6 +445,75 @@ def test_a_signature_log_without_checksums_in_a_bundle_is_refused(small_bundle: 
     while "checksum" not in bundle_fuzz.log_edit(small_bundle, rng):
         pass
     assert_explained(cli("info", small_bundle), "has no checksum")
+
+
+@pytest.mark.parametrize(
+    ("name", "signature", "raised"),
+    [
+        ("state.h5", b"TREE", "RuntimeError: Unable to get group info (wrong B-tree signature)"),
+        ("steps/000001.h5", b"HEAP", "RuntimeError: Link iteration failed (bad local heap"),
+    ],
+)
+def test_a_damaged_hdf5_file_the_manifest_vouches_for_is_named(
+    small_bundle: Path, cli, name, signature, raised
+):
+    bundle_fuzz.unreadable_structures(small_bundle / name, signature)
+    bundle_fuzz.rehash(small_bundle, name)
+    assert_explained(cli("info", small_bundle), f"{small_bundle / name} is damaged: {raised}")
+
+
+def test_a_step_file_whose_global_heap_libhdf5_would_walk_forever_is_refused_at_once(
+    tmp_path: Path, small_bundle: Path, cli
+):
+    """Left to libhdf5, reading the batch's structure never returns (a device process would be
+    killed as hung, a library replay would wait forever)."""
+    bundle_fuzz.heap_object_grown(small_bundle / "steps/000001.h5")
+    bundle_fuzz.rehash(small_bundle, "steps/000001.h5")
+    assert_explained(
+        cli("replay", small_bundle, "-d", "cpu:0", "--logs", tmp_path / "logs"),
+        f"{small_bundle / 'steps/000001.h5'} is damaged: the global heap at byte ",
+    )
+    with pytest.raises(BundleError, match="has an object of 0 bytes at byte"):
+        replay_on_device(small_bundle, "cpu")
+
+
+def test_a_damaged_state_file_read_in_the_device_processes_is_named(
+    tmp_path: Path, small_bundle: Path, cli
+):
+    """Walking state.h5 never reads its trees' structure (the global heap); each device process
+    reads it when it loads the state, and says the bundle's file is damaged."""
+    bundle_fuzz.unreadable_structures(small_bundle / "state.h5", b"GCOL")
+    bundle_fuzz.rehash(small_bundle, "state.h5")
+    result = cli("replay", small_bundle, "-d", "cpu:0", "-d", "cpu:1", "--logs", tmp_path / "l")
+    assert_explained(
+        result,
+        f"every device failed: {small_bundle / 'state.h5'} is damaged: OSError: Can't "
+        "synchronously read data (bad global heap collection signature)",
+        "the manifest vouches for",
+    )
+    assert "failed at start-up" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [
+        ("ratio", "compressed bytes (a decompression bomb)"),
+        ("limit", "more than the manifest's step can hold"),
+        ("lie", "does not inflate to the {text} bytes its header declares"),
+    ],
+)
+def test_a_decompression_bomb_in_a_signature_log_is_refused_before_it_is_inflated(
+    small_bundle: Path, cli, kind, needle
+):
+    path = small_bundle / "signatures.jsonl.zst"
+    frames = bundle_fuzz._compressed_frames(path.read_bytes())
+    text = bundle_fuzz._frames(frames[1])[0]  # step 0's entries
+    frames[1] = bundle_fuzz.bomb_frame(kind, text.decode().splitlines(), random.Random(0))
+    path.write_bytes(b"".join(frames))
+    bundle_fuzz.rehash(small_bundle, "signatures.jsonl.zst")
+    needle = needle.format(text=len(text))
+    for command in (("info", small_bundle), ("replay", small_bundle, "-d", "cpu:0")):
+        assert_explained(cli(*command), f"signature log {path} is damaged: frame 1 ", needle)
 
 
 # -- properties ------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from .report import (
     command_line,
     total,
 )
-from .tasks import run_fetch_task, run_isolate_task, run_oplog_task
+from .tasks import UNSTEADY_STEP, run_fetch_task, run_isolate_task, run_oplog_task
 
 
 def bisect(
@@ -233,8 +233,7 @@ def _localize(
         raise StructureError(
             f"{suspect} runs a different sequence of operators than {reference} in step {step}: "
             f"{sus['structure_error']}",
-            "The devices run different code or configuration (different kernels chosen?); "
-            "this is not silent data corruption.",
+            _sequence_hint(suspect, reference, sus["environment"], ref_log["environment"]),
         )
     if not sus["divergent"]:
         return finish(
@@ -379,6 +378,28 @@ def _localize(
             )
         )
     return finish(result, on_event)
+
+
+def _sequence_hint(suspect: str, reference: str, theirs: dict, ours: dict) -> str:
+    """Why two devices ran other operators in the same step: other kernels, or the step."""
+    if _kind(theirs) == _kind(ours):
+        return (
+            f"{suspect} and {reference} are the same kind of device with the same torch "
+            f"({theirs['device']['name']}). " + UNSTEADY_STEP
+        )
+    return (
+        f"{suspect} ({theirs['device']['name']}, torch {theirs['torch']}) and {reference} "
+        f"({ours['device']['name']}, torch {ours['torch']}) choose other kernels or "
+        "decompositions for this step, and bisect compares them call for call: bisect again "
+        "with a reference of the suspect's model and software. This says nothing about the "
+        "device's arithmetic."
+    )
+
+
+def _kind(environment: dict) -> tuple:
+    """What decides which kernels a step gets: the device's type and model, and torch."""
+    device = environment["device"]
+    return (device["type"], device["name"], device.get("capability"), environment["torch"])
 
 
 def _plotter():

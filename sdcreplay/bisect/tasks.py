@@ -165,7 +165,7 @@ def run_oplog_task(
         finally:
             session.close()
         if entry.continuation is not None and entries != entry.continuation:
-            _refuse_unreproduced(step)
+            _refuse_unreproduced(step, _first_other_entry(entry.continuation, entries))
         environment = determinism.environment(session.device)
         if expected is None:
             path = work / "oplog-reference.json"
@@ -180,7 +180,12 @@ def run_oplog_task(
             }
         structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
         if structure_error:
-            return {"structure_error": structure_error, "repeat": repeat, "steps_run": steps_run}
+            return {
+                "structure_error": structure_error,
+                "repeat": repeat,
+                "environment": environment,
+                "steps_run": steps_run,
+            }
         if oplog.divergent is not None or differing:
             case_path = work / "suspect-call.h5"
             # Comparing against a log, the oplog keeps a call only when it diverges.
@@ -288,15 +293,58 @@ def run_fetch_task(
 
 
 def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, step: int) -> None:
-    calls = [row[3] for row in expected["operators"]]
-    if state_digests != expected["state"] or [r.digests for r in oplog.records] != calls:
-        _refuse_unreproduced(step)
+    """The reference's run from the saved state made its first run's calls with its outputs."""
+    rows = expected["operators"]
+    saved = expected["state"]
+    differing = sorted(n for n in {*saved, *state_digests} if saved.get(n) != state_digests.get(n))
+    if differing:
+        _refuse_unreproduced(step, f"the state loaded is not the state saved ({differing[0]})")
+    for record, row in zip(oplog.records, rows):
+        site, (phase, module, op, digests) = record.site, row
+        if site.key != (op, module, phase):
+            raise SdcReplayError(
+                f"the reference does not run the same operators twice in step {step}: operator "
+                f"call {site.index}: {site.op} under {site.module} ({site.phase}) now, "
+                f"{op} under {module} ({phase}) the first time",
+                UNSTEADY_STEP,
+            )
+        if record.digests != digests:
+            _refuse_unreproduced(
+                step,
+                f"operator call {site.index} ({site.op} under {site.module}, {site.phase}) "
+                "gives other outputs",
+            )
+    if len(oplog.records) != len(rows):
+        raise SdcReplayError(
+            f"the reference does not run the same operators twice in step {step}: "
+            f"{len(oplog.records)} operator calls now, {len(rows)} the first time",
+            UNSTEADY_STEP,
+        )
 
 
-def _refuse_unreproduced(step: int) -> None:
+UNSTEADY_STEP = (
+    "No kernel choice differs between two runs on one device: the step takes another path "
+    "from run to run, through a branch on something the bundle does not hold (the time, the "
+    "environment, a counter outside the state objects) or through work on another thread "
+    "(a callback, a data loader worker). Make the step depend only on its batch and state "
+    "(docs/recording.md); this says nothing about the device's arithmetic."
+)
+"""Why one kind of device runs other operators in the same step: the step, not a kernel."""
+
+
+def _first_other_entry(first: list[tuple[str, str]], again: list[tuple[str, str]]) -> str:
+    """The first signature entry the step run from the saved state gives otherwise."""
+    for (name, digest), (name_again, digest_again) in zip(first, again):
+        if (name, digest) != (name_again, digest_again):
+            return f"its signature entry {name} differs"
+    return f"it has {len(again)} signature entries, {len(first)} the first time"
+
+
+def _refuse_unreproduced(step: int, difference: str) -> None:
     """Every run after the window starts from the saved state: it must be the whole state."""
     raise SdcReplayError(
-        f"the reference does not reproduce its own step {step} from the state saved entering it",
+        f"the reference does not reproduce its own step {step} from the state saved entering "
+        f"it: {difference}",
         "The step depends on state outside the model, optimizer and the workload's state "
         "objects (a Python counter?); give it to the workload as a state object "
         "(docs/recording.md), since bisect starts the step from what the saved state holds.",

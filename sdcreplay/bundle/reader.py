@@ -5,6 +5,7 @@ Format: docs/bundle-format.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -13,11 +14,20 @@ from typing import TYPE_CHECKING, Any
 import h5py
 
 from ..capture.message import Message
-from ..capture.signature import SignatureLog, read_records, read_signature_log
+from ..capture.signature import (
+    MAX_ENTRY_BYTES,
+    MAX_MESSAGE_BYTES,
+    SignatureLog,
+    bundle_frame_limits,
+    read_records,
+    read_signature_log,
+)
 from ..errors import BundleError
 from ..storage.safeio import (
+    check_global_heaps,
     check_json_value,
     check_self_contained,
+    damaged_hdf5,
     read_limited,
     regular_file_inside,
 )
@@ -172,7 +182,8 @@ class Bundle:
         return self.manifest.complete
 
     def verify_files(self) -> None:
-        """Check every listed file's size and SHA-256, and that HDF5 files hold all their data.
+        """Check every listed file's size and SHA-256, and that HDF5 files hold all their data
+        and can be read safely.
 
         In an incomplete bundle an append-only log may be longer than listed
         (the recording died between appending a step and rewriting the
@@ -197,6 +208,7 @@ class Bundle:
                     "(damaged or edited)"
                 )
             if name.endswith(".h5"):
+                check_global_heaps(file)  # before libhdf5 reads a heap it would loop in
                 self._open_h5(name).close()  # refuses data kept outside the file
 
     @property
@@ -214,7 +226,9 @@ class Bundle:
     def signature_log(self) -> SignatureLog:
         """The recorded log; it must hold exactly the manifest's steps and entry counts."""
         log = read_signature_log(
-            regular_file_inside(self.path, SIGNATURES), size=self.manifest.files[SIGNATURES].size
+            regular_file_inside(self.path, SIGNATURES),
+            size=self.manifest.files[SIGNATURES].size,
+            frame_limits=bundle_frame_limits([s.entries for s in self.steps], MAX_ENTRY_BYTES),
         )
         if log.meta.get("device_type") != self.manifest.device_type:
             raise BundleError(
@@ -264,8 +278,11 @@ class Bundle:
 
         Every step the manifest counts messages for must hold exactly that many, in issue order.
         """
+        counts = [step.messages for step in self.steps if step.messages]
         meta, records = read_records(
-            regular_file_inside(self.path, MESSAGES), size=self.manifest.files[MESSAGES].size
+            regular_file_inside(self.path, MESSAGES),
+            size=self.manifest.files[MESSAGES].size,
+            frame_limits=bundle_frame_limits(counts, MAX_MESSAGE_BYTES),
         )
         if meta.get("kind") != "messages":
             raise BundleError(f"{MESSAGES} in {self.path} is not a message log")
@@ -304,17 +321,20 @@ class Bundle:
             raise
         return handle
 
+    def _damaged(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """h5py's errors while reading the bundle's HDF5 file ``name`` (a group missing, a
+        damaged structure) as the file being damaged, named in the bundle."""
+        return damaged_hdf5(self.path / name)
+
     def load_step(self, index: int) -> tuple[Any, RngState]:
         from ..storage import tensorio
 
         record = next((step for step in self.steps if step.index == index), None)
         if record is None:
             raise BundleError(f"the bundle has no step {index} (it has {self.step_indices})")
-        with self._open_h5(record.file) as handle:
+        with self._open_h5(record.file) as handle, self._damaged(record.file):
             try:
                 return tensorio.read_tree(handle["batch"]), read_rng(handle["rng"])
-            except KeyError as exc:
-                raise BundleError(f"{record.file} is damaged: {exc}") from exc
             except BundleError as exc:
                 raise BundleError(f"{record.file}: {exc.message}", exc.hint) from exc
 
@@ -327,14 +347,9 @@ class Bundle:
         state = self.manifest.state
         if isinstance(state, CheckpointState):
             return load_checkpoint(state)
-        with self._open_h5(STATE) as handle:
-            try:
-                model = tensorio.read_tree(handle["model"])
-                optimizer = (
-                    tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
-                )
-            except KeyError as exc:
-                raise BundleError(f"{STATE} is damaged: {exc}") from exc
+        with self._open_h5(STATE) as handle, self._damaged(STATE):
+            model = tensorio.read_tree(handle["model"])
+            optimizer = tensorio.read_tree(handle["optimizer"]) if "optimizer" in handle else None
         if not (
             isinstance(model, dict)
             and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())
@@ -361,11 +376,8 @@ class Bundle:
         names = self.state_object_names
         if not names:
             return {}
-        with self._open_h5(STATE) as handle:
-            try:
-                return {name: tensorio.read_tree(handle["objects"][name]) for name in names}
-            except KeyError as exc:
-                raise BundleError(f"{STATE} is damaged: {exc}") from exc
+        with self._open_h5(STATE) as handle, self._damaged(STATE):
+            return {name: tensorio.read_tree(handle["objects"][name]) for name in names}
 
     @property
     def verification(self) -> Verification:

@@ -181,12 +181,19 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _digest(tensors: list[torch.Tensor]) -> str | None:
-    """One tensor's digest, or a SHA-256 over several tensors' digests."""
+    """One tensor's digest, or a SHA-256 over several tensors' digests.
+
+    The log's own work, never the step's operators: it runs inside an operator capture (a
+    call's input, a functional output when ``wait_tensor`` waits for it, the output of a call
+    that had completed when its digest was attached, which then runs at once on the step's
+    thread), so it is marked as the capture's own wherever it runs."""
     from .digest import tensor_digest
+    from .operators import _own_work
 
     if not tensors:
         return None
-    digests = [tensor_digest(t) for t in tensors]
+    with _own_work():
+        digests = [tensor_digest(t) for t in tensors]
     if len(digests) == 1:
         return digests[0]
     return "sha256:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
@@ -461,9 +468,11 @@ class MessageLog:
         """Wait for and digest the functional calls of the step nobody waited for."""
         import torch
 
+        from .operators import _own_work
+
         for call in self._unwaited:
             if call.outputs:
-                with torch.no_grad():
+                with torch.no_grad(), _own_work():  # the log's wait, not the step's
                     for tensor in call.outputs:
                         torch.ops._c10d_functional.wait_tensor(tensor)
                 self._set_output(call.position, _digest(call.outputs))
@@ -473,7 +482,12 @@ class MessageLog:
         """Hand back a Work that completes once the output is digested, so whoever waits for
         the call (DDP's reducer through its future, ``dist.all_reduce`` through ``wait``)
         reads it only after; the step does not wait for it (DDP overlaps its buckets with the
-        backward). A Work without a future (gloo's recv) is waited for here instead."""
+        backward). A Work without a future (gloo's recv) is waited for here instead.
+
+        The digest runs on the thread that completes the call (gloo's), or at once on this one
+        when the call has already completed (a small broadcast, such as DDP's when it rebuilds
+        its buckets, often has): which one depends on the machine's load, so ``_digest`` is
+        never seen by an operator capture on either."""
         work = _work_of(result)
         try:
             future = work.get_future() if work is not None else _done(outputs)

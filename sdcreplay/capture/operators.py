@@ -35,12 +35,16 @@ _capture_work = threading.local()
 
 @contextlib.contextmanager
 def _own_work() -> Iterator[None]:
-    """Mark the capture's own tensor work, which an OperatorMode must not count as the step's."""
-    _capture_work.active = True
+    """Mark the capture's own tensor work on this thread, which an OperatorMode never counts as
+    the step's: whichever thread runs it (a collective's digest runs on gloo's thread, or inline
+    on the step's when the call had completed) and however deeply nested (the mark holds until
+    the outermost one ends)."""
+    depth = getattr(_capture_work, "depth", 0)
+    _capture_work.depth = depth + 1
     try:
         yield
     finally:
-        _capture_work.active = False
+        _capture_work.depth = depth
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,7 @@ class OperatorMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_capture_work, "active", False) or func.namespace == "c10d":
+        if getattr(_capture_work, "depth", 0) or func.namespace == "c10d":
             # collectives are messages (collectives.py), not operators to digest or corrupt
             return func(*args, **kwargs)
         site = self._site(func, args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,18 @@ SCHEMA = "sdcreplay.signatures/1"
 MAX_LOG_BYTES = 1 << 30
 MAX_TEXT_BYTES = 8 << 30
 MAX_ENTRIES = 100_000_000
+MAX_RATIO = 256
+"""A frame may declare at most this many bytes of text per compressed byte (plus
+``RATIO_SLACK``): the JSON lines sdcreplay writes hold digests and compress about 6:1; a frame
+that claims far more is a decompression bomb, refused before it is inflated."""
+RATIO_SLACK = 64 << 10
+MAX_HEADER_BYTES = 64 << 10
+"""A bundle's log header (its first frame): a schema and a device type or a kind."""
+MAX_ENTRY_BYTES = 4 << 10
+"""One signature entry's line at most (a step's frame in a bundle may declare its manifest's
+entry count times this)."""
+MAX_MESSAGE_BYTES = 4 << 20
+"""One collective message's line at most (the tensor sizes of a coalesced call)."""
 
 
 PROGRAM = "program"
@@ -126,14 +139,18 @@ def write_signature_log(path: Path, log: SignatureLog) -> None:
         writer.append_step(step, entries)
 
 
-def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
-    """Read a log; ``size`` limits it to its first bytes (what a manifest vouches for).
+def read_signature_log(
+    path: Path, size: int | None = None, frame_limits: Sequence[int] | None = None
+) -> SignatureLog:
+    """Read a log; ``size`` limits it to its first bytes (what a manifest vouches for), and
+    ``frame_limits`` the text each frame may declare, header first (what the manifest's steps
+    can hold: ``bundle_frame_limits``).
 
     Every frame must be complete: a log cut off mid-frame is damaged, never
     read as fewer entries.
     """
     path = Path(path)
-    lines = _read_lines(path, size)
+    lines = _read_lines(path, size, frame_limits)
     try:
         meta = read_header(path, lines)
         steps: dict[int, list[tuple[str, str]]] = {}
@@ -148,7 +165,13 @@ def read_signature_log(path: Path, size: int | None = None) -> SignatureLog:
     return SignatureLog(meta=meta, steps=steps)
 
 
-def _read_lines(path: Path, size: int | None) -> list[str]:
+def bundle_frame_limits(counts: Sequence[int], line_bytes: int) -> list[int]:
+    """The text each frame of a bundle's log may declare: the header, then one frame per step
+    of ``counts`` lines (entries, or messages) of at most ``line_bytes`` each."""
+    return [MAX_HEADER_BYTES, *(count * line_bytes for count in counts)]
+
+
+def _read_lines(path: Path, size: int | None, frame_limits: Sequence[int] | None) -> list[str]:
     """The log's lines, header first; ``size``: only the first bytes (what a manifest vouches
     for)."""
     limit = MAX_LOG_BYTES if size is None else size
@@ -157,7 +180,7 @@ def _read_lines(path: Path, size: int | None) -> list[str]:
         raise BundleError(
             f"signature log {path} is {len(raw)} bytes, expected at least {size} (truncated)"
         )
-    text = _decompress_frames(path, raw)
+    text = _decompress_frames(path, raw, frame_limits)
     lines = text.split("\n")[:-1] if text else []
     if len(lines) > MAX_ENTRIES:
         raise BundleError(f"signature log {path} holds more than {MAX_ENTRIES} entries")
@@ -178,9 +201,12 @@ def read_header(path: Path, lines: list[str]) -> dict:
     return meta
 
 
-def read_records(path: Path, size: int | None = None) -> tuple[dict, list[dict]]:
-    """A log of JSON objects (a bundle's message log): its header and the objects after it."""
-    lines = _read_lines(Path(path), size)
+def read_records(
+    path: Path, size: int | None = None, frame_limits: Sequence[int] | None = None
+) -> tuple[dict, list[dict]]:
+    """A log of JSON objects (a bundle's message log): its header and the objects after it
+    (``size``, ``frame_limits``: as for ``read_signature_log``)."""
+    lines = _read_lines(Path(path), size, frame_limits)
     try:
         meta = read_header(path, lines)
         records = [json.loads(line) for line in lines[1:]]
@@ -193,47 +219,105 @@ def read_records(path: Path, size: int | None = None) -> tuple[dict, list[dict]]
     return meta, records
 
 
-def _decompress_frames(path: Path, raw: bytes) -> str:
+def _decompress_frames(path: Path, raw: bytes, frame_limits: Sequence[int] | None) -> str:
     """The frames' text, in order; each frame whole, with its checksum, ending with a newline.
 
-    The writer puts the content size and a checksum in every frame header; a
-    frame without them is not one sdcreplay wrote, and the declared sizes bound
-    what decompression may produce.
+    The writer puts the content size and a checksum in every frame header; a frame without
+    them is not one sdcreplay wrote. Before a frame is inflated, the size its header declares
+    is checked against its compressed length (``MAX_RATIO``), what the manifest's steps can
+    hold (``frame_limits``) and ``MAX_TEXT_BYTES`` in all; it is then inflated into exactly
+    that many bytes, so a frame holding more than it declares stops there.
     """
     decompressor = zstandard.ZstdDecompressor()
     parts: list[str] = []
-    total = 0
+    total, start, view = 0, 0, memoryview(raw)
+
+    def damaged(what: str) -> BundleError:
+        return BundleError(f"signature log {path} is damaged: {what}")
+
     try:
-        while raw:
-            header = zstandard.get_frame_parameters(raw)
+        while start < len(raw):
+            number = len(parts)
+            header = zstandard.get_frame_parameters(view[start:])
             if not header.has_checksum:
-                raise BundleError(
-                    f"signature log {path} is damaged: frame {len(parts)} has no checksum"
-                )
-            total += header.content_size
+                raise damaged(f"frame {number} has no checksum")
+            end = _frame_end(view, start, header.has_checksum)
+            if end is None:
+                raise damaged("it ends in the middle of a frame (truncated)")
+            declared = header.content_size
+            if declared == zstandard.CONTENTSIZE_UNKNOWN:
+                raise damaged(f"frame {number} declares no size")
+            _check_declared(path, number, declared, end - start, frame_limits)
+            total += declared
             if total > MAX_TEXT_BYTES:
-                raise BundleError(
-                    f"signature log {path} is damaged: frame {len(parts)} declares "
-                    f"no size or more than {MAX_TEXT_BYTES} bytes of text in all"
+                raise damaged(f"its frames declare more than {MAX_TEXT_BYTES} bytes of text")
+            try:  # into exactly the declared size: a frame holding more stops there
+                inflated = decompressor.decompress(view[start:end])
+            except zstandard.ZstdError as exc:
+                raise damaged(
+                    f"frame {number} does not inflate to the {declared} bytes its header "
+                    f"declares ({exc})"
+                ) from exc
+            if len(inflated) != declared:
+                raise damaged(
+                    f"frame {number} holds {len(inflated)} bytes, its header says {declared}"
                 )
-            frame = decompressor.decompressobj()
-            chunk = frame.decompress(raw)
-            if not frame.eof:
-                raise BundleError(
-                    f"signature log {path} is damaged: it ends in the middle of a frame (truncated)"
-                )
-            if len(chunk) != header.content_size:
-                raise BundleError(
-                    f"signature log {path} is damaged: frame {len(parts)} holds "
-                    f"{len(chunk)} bytes, its header says {header.content_size}"
-                )
-            text = chunk.decode("utf-8")
+            text = inflated.decode("utf-8")
             if not text.endswith("\n"):
-                raise BundleError(
-                    f"signature log {path} is damaged: a frame does not end with a complete line"
-                )
+                raise damaged("a frame does not end with a complete line")
             parts.append(text)
-            raw = frame.unused_data
+            start = end
     except (zstandard.ZstdError, UnicodeDecodeError) as exc:
         raise BundleError(f"signature log {path} is damaged: {exc}") from exc
     return "".join(parts)
+
+
+def _check_declared(
+    path: Path, number: int, declared: int, compressed: int, frame_limits: Sequence[int] | None
+) -> None:
+    """Refuse a frame that declares more text than it could hold, before it is inflated."""
+    hint = (
+        "sdcreplay never writes such a frame: the log was damaged or made to exhaust the memory "
+        "of whoever reads it; take an intact copy from where it was recorded."
+    )
+    if declared > MAX_RATIO * compressed + RATIO_SLACK:
+        raise BundleError(
+            f"signature log {path} is damaged: frame {number} declares {declared} bytes of text "
+            f"in {compressed} compressed bytes (a decompression bomb)",
+            hint,
+        )
+    if frame_limits is None:
+        return
+    # A frame past the manifest's steps may hold what its largest step can: the log is then
+    # refused for the step the manifest does not list, naming it.
+    steps = frame_limits[1:] or frame_limits
+    limit = frame_limits[number] if number < len(frame_limits) else max(steps)
+    if declared > limit:
+        raise BundleError(
+            f"signature log {path} is damaged: frame {number} declares {declared} bytes of text, "
+            f"more than the manifest's step can hold ({limit})",
+            hint,
+        )
+
+
+_BLOCK_HEADER_BYTES = 3
+_RLE_BLOCK, _RESERVED_BLOCK = 1, 3
+_CHECKSUM_BYTES = 4
+
+
+def _frame_end(view: memoryview, start: int, has_checksum: bool) -> int | None:
+    """Where the zstd frame at ``start`` ends, read from its block headers (nothing inflated),
+    or None when the data ends first."""
+    position = start + zstandard.frame_header_size(view[start:])
+    while True:
+        if position + _BLOCK_HEADER_BYTES > len(view):
+            return None
+        block = int.from_bytes(view[position : position + _BLOCK_HEADER_BYTES], "little")
+        last, kind, length = block & 1, (block >> 1) & 3, block >> 3
+        if kind == _RESERVED_BLOCK:
+            raise zstandard.ZstdError(f"a block of the reserved type at byte {position}")
+        position += _BLOCK_HEADER_BYTES + (1 if kind == _RLE_BLOCK else length)
+        if last:
+            break
+    position += _CHECKSUM_BYTES if has_checksum else 0
+    return position if position <= len(view) else None

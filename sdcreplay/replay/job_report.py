@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle
+from ..bundle.manifest import part_dir
 from ..capture.signature import SignatureLog
 from ..compare.logs import RECORD, Consensus, compare_logs, vote
 from ..compare.messages import Messages, recorded_log
 from ..compare.origin import NO_ORIGIN, Origin, find_origin
 from ..errors import SdcReplayError, StructureError
 from .launch import followed
-from .replicas import DeviceRun, case_gaps, caveat_for
+from .replicas import DeviceRun, case_gaps, caveat_for, incomparable_failure
 from .worker import DeviceFailure, DeviceResult
 
 VERDICT_ORDER = ("persistent", "transient", "recording_suspect", "undecided", "incomparable")
@@ -148,6 +149,19 @@ class JobReplayReport:
 
     def failure(self) -> SdcReplayError | None:
         """Why the replay could not give a full answer (exit 3), or None."""
+        if self.verdict == "incomparable":
+            judged = [
+                (rank.rank, rank.consensus.incomparable)
+                for rank in self.ranks
+                if rank.consensus is not None and rank.consensus.incomparable
+            ]
+            incomparable = {
+                f"rank {rank} {label}": differences
+                for rank, found in judged
+                for label, differences in found.items()
+            }
+            probed = str(Path(self.bundle) / part_dir(judged[0][0])) if judged else None
+            return incomparable_failure(self.bundle, incomparable, probed)
         if not self.failed or self.exit_code != 3:
             return None
         results = {

@@ -134,6 +134,21 @@ def case_gaps(bundle: Bundle) -> list[str]:
     return gaps
 
 
+def incomparable_failure(
+    bundle: str, incomparable: dict[str, list[str]], probed: str | None = None
+) -> SdcReplayError:
+    """No verdict (exit 3): no replica ran on a machine that computes like the recording's, so
+    nothing it computed is evidence either way. ``incomparable``: what differs, per replica;
+    ``probed``: the bundle ``doctor --against`` takes (a job's: one rank's part)."""
+    differences = "; ".join(f"{label}: {diffs[0]}" for label, diffs in incomparable.items())
+    return SdcReplayError(
+        f"no verdict: no replica ran on a machine comparable with the recording's ({differences})",
+        "Replay on the recording's kind of machine (its CPU or GPU model and software: "
+        f"`sdcreplay info {bundle}`); `sdcreplay doctor --against {probed or bundle}` on a "
+        "machine says whether it can judge this bundle.",
+    )
+
+
 def caveat_for(bundle: Bundle) -> str | None:
     """What a reader of a replay of this bundle must know before blaming the recording device."""
     if bundle.verified:
@@ -180,7 +195,11 @@ class ReplayReport:
 
     def failure(self) -> SdcReplayError | None:
         """Why the replay could not give a full answer (exit 3), or None."""
-        if not self.failed or self.exit_code != 3:
+        if self.exit_code != 3:
+            return None
+        if self.consensus is not None and self.consensus.verdict == "incomparable":
+            return incomparable_failure(self.bundle, self.consensus.incomparable)
+        if not self.failed:
             return None
         failed = [(run.device, run.error) for run in self.devices if run.error is not None]
         names = "; ".join(f"{device}: {error['message']}" for device, error in failed)

@@ -8,8 +8,11 @@ and read up to a limit.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +124,97 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
+HDF5_ERRORS = (
+    KeyError,
+    RuntimeError,
+    OSError,
+    ValueError,
+    TypeError,
+    OverflowError,
+    IndexError,
+    NotImplementedError,
+)
+"""What h5py raises for a damaged file: HDF5's error stack mapped onto builtins, e.g.
+``RuntimeError: Unable to get group info (addr overflow ...)`` or ``KeyError: 'Unable to
+synchronously open object (message not aligned)'``."""
+
+DAMAGED_HDF5_HINT = (
+    "Its bytes are the ones the manifest vouches for, so it was damaged before it was hashed "
+    "(a disk, a copy) or edited together with its hash: take an intact copy of the bundle from "
+    "where it was recorded, or record the step again."
+)
+
+
+@contextlib.contextmanager
+def damaged_hdf5(filename: str | Path) -> Iterator[None]:
+    """Any error h5py raises while reading ``filename`` (a bundle's HDF5 file) as a BundleError
+    that says the file is damaged; a BundleError raised inside keeps its own words."""
+    try:
+        yield
+    except BundleError:
+        raise
+    except HDF5_ERRORS as exc:
+        said = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+        raise BundleError(
+            f"{filename} is damaged: {type(exc).__name__}: {said[:300]}", DAMAGED_HDF5_HINT
+        ) from exc
+
+
+_COLLECTION = b"GCOL\x01\x00\x00\x00"  # a global heap collection: signature, version 1
+_COLLECTION_HEADER_BYTES = 16  # the signature, version, reserved bytes, the collection's size
+_OBJECT_HEADER_BYTES = 16  # an object's index, reference count, reserved bytes and size
+
+
+def check_global_heaps(path: Path) -> None:
+    """Refuse an HDF5 file whose global heap libhdf5 would read forever or past its end.
+
+    The global heap holds variable-length strings (a tree's skeleton, the Python RNG state).
+    libhdf5 walks a collection's objects when it first reads one of them and, at a free-space
+    object of size 0 (a damaged size makes it land on one), never advances: a loop in C that
+    no timeout of this process reaches. Each collection is walked here first, as libhdf5 walks
+    it (lengths of 8 bytes, as h5py writes them).
+    """
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            start = data.find(_COLLECTION)
+            while start >= 0:
+                _check_collection(path, data, start)
+                start = data.find(_COLLECTION, start + 1)
+
+
+def _check_collection(path: Path, data: mmap.mmap, start: int) -> None:
+    end = start + int.from_bytes(data[start + 8 : start + 16], "little")
+    if end > len(data) or end < start + _COLLECTION_HEADER_BYTES:
+        return  # no collection libhdf5 would walk (it refuses one past the file's end)
+    position = start + _COLLECTION_HEADER_BYTES
+    while position + _OBJECT_HEADER_BYTES <= end:  # a shorter tail is free space
+        index = int.from_bytes(data[position : position + 2], "little")
+        size = int.from_bytes(data[position + 8 : position + 16], "little")
+        # An object's header and its data padded to 8 bytes; free space (index 0) as it says.
+        need = _OBJECT_HEADER_BYTES + (size + 7) // 8 * 8 if index else size
+        if need == 0 or position + need > end:
+            raise BundleError(
+                f"{path} is damaged: the global heap at byte {start} has an object of "
+                f"{size} bytes at byte {position} that does not fit it",
+                DAMAGED_HDF5_HINT,
+            )
+        position += need
+
+
 def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
     """Refuse an HDF5 file whose data lives elsewhere: external links or storage, virtual datasets.
 
     Such a file reads other files of the machine while its own SHA-256 still
-    matches, so editing them would change a replay's verdict unseen.
+    matches, so editing them would change a replay's verdict unseen. A file whose
+    structure cannot be walked is damaged (``damaged_hdf5``).
     """
+    with damaged_hdf5(handle.filename):
+        _check_links(handle, limit)
+
+
+def _check_links(handle: h5py.File, limit: int) -> None:
     pending = [handle]
     seen = 0
     while pending:

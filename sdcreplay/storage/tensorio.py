@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import BundleError
-from .safeio import check_json_value
+from .safeio import HDF5_ERRORS, check_json_value, damaged_hdf5
 
 _NATIVE = {
     torch.float16: np.float16,
@@ -151,8 +151,10 @@ def read_tensor(dataset: h5py.Dataset, keep_strides: bool = False) -> torch.Tens
     try:
         dtype, shape = _tensor_layout(dataset)
         data = np.ascontiguousarray(dataset[()])
-    except (KeyError, OSError, ValueError, TypeError, OverflowError) as exc:
-        raise BundleError(f"cannot read tensor {dataset.name}: {exc}") from exc
+    except HDF5_ERRORS as exc:
+        raise BundleError(
+            f"cannot read tensor {dataset.name} of {dataset.file.filename}: {exc}"
+        ) from exc
     if dtype in _NATIVE:
         tensor = torch.from_numpy(data.astype(_NATIVE[dtype], copy=False))
     else:
@@ -212,17 +214,21 @@ def write_tree(group: h5py.Group, obj: Any) -> None:
 
 
 def read_tree(group: h5py.Group, keep_strides: bool = False) -> Any:
-    """The nest :func:`write_tree` stored; ``keep_strides`` restores each tensor's memory layout."""
+    """The nest :func:`write_tree` stored; ``keep_strides`` restores each tensor's memory layout.
+    What a damaged file makes h5py raise is a BundleError naming the file."""
     if not isinstance(group, h5py.Group):
         raise BundleError(f"{group.name} is a dataset where a group of tensors was expected")
-    try:
-        skeleton = json.loads(group.attrs["skeleton"])
-    except RecursionError as exc:
-        raise BundleError(f"the structure of {group.name} nests deeper than 32 levels") from exc
-    except (KeyError, ValueError, TypeError) as exc:
-        raise BundleError(f"{group.name} has no readable structure: {str(exc)[:200]}") from exc
-    check_json_value(skeleton, f"the structure of {group.name}")
-    return _decode(skeleton, group, keep_strides)
+    with damaged_hdf5(group.file.filename):
+        try:
+            skeleton = json.loads(group.attrs["skeleton"])
+        except RecursionError as exc:
+            raise BundleError(f"the structure of {group.name} nests deeper than 32 levels") from exc
+        except (KeyError, ValueError, TypeError) as exc:
+            raise BundleError(
+                f"{group.name} of {group.file.filename} has no readable structure: {str(exc)[:200]}"
+            ) from exc
+        check_json_value(skeleton, f"the structure of {group.name}")
+        return _decode(skeleton, group, keep_strides)
 
 
 def _encode(obj: Any, tensors: list[torch.Tensor]) -> dict:

@@ -26,10 +26,12 @@ import torch
 
 import sdcreplay
 from sdcreplay.bisect.divergent_step import _first_divergence
-from sdcreplay.bisect.localize import bisect
+from sdcreplay.bisect.localize import _sequence_hint, bisect
 from sdcreplay.bisect.operator_case import OPERATOR_FILE, OperatorCase, place, resolve_op
 from sdcreplay.bisect.report import REPORT_FILE, BisectResult
-from sdcreplay.bisect.tasks import run_oplog_task
+from sdcreplay.bisect.tasks import _check_reproduced, run_oplog_task
+from sdcreplay.capture import determinism
+from sdcreplay.capture.operators import OperatorLog, OperatorMode
 from sdcreplay.compare.forensics import element_forensics
 from sdcreplay.errors import SdcReplayError
 
@@ -616,6 +618,9 @@ def test_structural_difference_stops_with_exit_3(structural_bundle, tmp_path):
     assert "Error:" in result.stderr and "Hint:" in result.stderr
     assert "different sequence of operators" in result.stderr
     assert "aten.mul.Tensor" in result.stderr  # the extra call is named
+    # Both are this CPU with this torch: no kernel choice, the step's own path differs.
+    assert "cpu:1 and cpu:0 are the same kind of device with the same torch" in result.stderr
+    assert "the step takes another path from run to run" in result.stderr
     assert "Traceback" not in result.output + result.stderr
 
 
@@ -633,6 +638,7 @@ def test_suspect_running_fewer_operators_is_a_structural_difference(
     monkeypatch.setenv("SDCREPLAY_DEVICE", "cpu:2")
     suspect = run_oplog_task(**task, device="cpu:2", expected_log=reference["oplog"], repeats=1)
     made = reference["operators"] - 1
+    assert suspect.pop("environment")["device"] == reference["environment"]["device"]
     assert suspect == {
         "structure_error": f"operator call {made}: nothing here, aten.mul_.Tensor under <outside> "
         "(forward) on the reference",
@@ -659,7 +665,7 @@ def test_bisect_from_a_plain_python_script(llama_bundle, tmp_path):
     script = tmp_path / "plain_script.py"
     script.write_text(
         textwrap.dedent(f"""
-        from sdcreplay.bisect.localize import bisect
+        from sdcreplay.bisect.localize import _sequence_hint, bisect
 
         print("script body ran")
         result = bisect(
@@ -1085,6 +1091,39 @@ def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path)
     with pytest.raises(SdcReplayError, match=refused) as caught:
         bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
     assert "outside the model, optimizer and the workload's state objects" in caught.value.hint
+    assert str(caught.value).endswith("saved entering it: its signature entry loss differs")
+
+
+def test_two_kinds_of_device_running_other_operators_are_told_to_take_a_like_reference():
+    cpu = determinism.environment(torch.device("cpu"))
+    gpu = {**cpu, "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "capability": "9.0"}}
+    hint = _sequence_hint("cuda:0", "cpu:0", gpu, cpu)
+    assert hint.startswith(f"cuda:0 (NVIDIA H100 80GB HBM3, torch {torch.__version__}) and cpu:0")
+    assert "choose other kernels or decompositions" in hint
+    assert "a reference of the suspect's model and software" in hint
+    assert "same kind" in _sequence_hint("cpu:1", "cpu:0", cpu, cpu)
+
+
+def test_a_reference_that_runs_other_operators_from_its_saved_state_names_the_call():
+    """The reference's run from the saved state (fetch) is checked against its first run call
+    for call: another operator is the step's own path changing, not the saved state."""
+    oplog = OperatorLog()
+    with OperatorMode(torch.nn.Linear(2, 2), None, [oplog], step=1):
+        torch.ones(3).add(1).mul(2)
+    first_run = [[r.site.phase, r.site.module, r.site.op, r.digests] for r in oplog.records]
+    expected = {"state": {}, "operators": first_run}
+    _check_reproduced(expected, {}, oplog, 1)  # the same run: nothing to say
+    first_run[1][2] = "aten.sub.Tensor"
+    with pytest.raises(SdcReplayError) as caught:
+        _check_reproduced(expected, {}, oplog, 1)
+    assert str(caught.value) == (
+        "the reference does not run the same operators twice in step 1: operator call 1: "
+        "aten.add.Tensor under <outside> (forward) now, aten.sub.Tensor under <outside> "
+        "(forward) the first time"
+    )
+    assert caught.value.hint.startswith("No kernel choice differs between two runs on one device")
+    with pytest.raises(SdcReplayError, match=r"saved entering it: the state loaded is not the "):
+        _check_reproduced({"state": {"param:w": "1"}, "operators": []}, {"param:w": "2"}, oplog, 1)
 
 
 # ---------------------------------------------------------------------------

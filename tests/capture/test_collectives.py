@@ -18,6 +18,9 @@ from conftest import TESTS
 
 from sdcreplay.bundle.job_bundle import JobBundle, is_job_bundle
 from sdcreplay.capture import determinism
+from sdcreplay.capture.collectives import LAYOUTS, MessageLog, _below_autograd
+from sdcreplay.capture.digest import CPU_ALGORITHM
+from sdcreplay.capture.operators import OperatorLog, OperatorMode
 from sdcreplay.errors import SdcReplayError
 from sdcreplay.replay.session import ReplaySession
 from tests.conftest import SMALL, run_torchrun
@@ -252,3 +255,85 @@ def test_nccl_settings_are_recorded_switches_and_compared_in_cuda_fingerprints(m
     assert determinism.fingerprint_differences(recorded, here) == [
         "nccl.nvls_enable: recorded '1', here '0'"
     ]
+
+
+# ---------------------------------------------------------------------------
+# The log's own digests are never the step's operators, on whichever thread they run.
+
+
+@pytest.fixture
+def lone_rank():
+    """This process as the one rank of a gloo group: real c10d calls, completed on gloo's
+    thread."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def operators_seen(step, message_log: MessageLog | None = None) -> list[str]:
+    """The operator calls an OperatorMode names while ``step`` runs (under ``message_log``)."""
+    oplog = OperatorLog()
+    if message_log is not None:
+        message_log.begin_step(0)
+    with OperatorMode(torch.nn.Linear(2, 2), None, [oplog], step=0):
+        step()
+    if message_log is not None:
+        message_log.end_step()
+    return [record.site.op for record in oplog.records]
+
+
+def test_a_broadcast_that_completed_before_its_digest_was_attached_adds_no_operator_call(
+    lone_rank,
+):
+    """DDP's bucket rebuild in its second iteration: a broadcast of one integer, often done
+    before the log attaches its digest, which then runs at once on the step's own thread (on
+    gloo's when it was not done yet: which one depends on the machine's load). Here the call is
+    waited for before the log attaches it, every time."""
+    log = MessageLog(CPU_ALGORITHM)
+    order = torch.tensor([3])  # small enough to be kept exactly: its digest calls operators
+    broadcast = torch.ops.c10d.broadcast_.default
+    arguments = ([order], lone_rank.boxed(), 0, 0, True, -1)
+
+    def issue_and_complete():
+        result = _below_autograd(broadcast, arguments, {})
+        result[1].wait()
+        return result
+
+    def step():
+        (order + 1).sum()
+        log.call(LAYOUTS["broadcast_"], issue_and_complete, arguments, {})
+        (order * 2).sum()
+
+    step_alone = ["aten.add.Tensor", "aten.sum.default", "aten.mul.Tensor", "aten.sum.default"]
+    assert operators_seen(step, log) == step_alone
+    assert [(m.profiling_name, m.output_digest) for m in log.messages] == [
+        ("gloo:broadcast", "=int64:0000000000000003")
+    ]
+
+
+def test_collectives_under_a_message_log_leave_the_steps_operator_calls_as_they_are(lone_rank):
+    """Input digests, outputs digested on any thread, a functional collective's output digested
+    when ``wait_tensor`` waits for it: the log's work, not the step's."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as functional
+
+    def step():
+        small, large = torch.tensor([1]), torch.arange(8.0)
+        for tensor in (small, large):
+            dist.all_reduce(tensor)
+            dist.broadcast(tensor, 0)
+        reduced = functional.all_reduce(torch.tensor([2.0]), "sum", lone_rank)
+        (reduced.wait() + small).sum()
+
+    alone = operators_seen(step)
+    assert "aten.detach.default" not in alone and "aten.view.dtype" not in alone
+    log = MessageLog(CPU_ALGORITHM)
+    assert operators_seen(step, log) == alone
+    assert [m.profiling_name for m in log.messages] == ["gloo:all_reduce", "gloo:broadcast"] * 2 + [
+        "gloo:all_reduce"
+    ]
+    assert log.messages[-1].output_digest == "=float32:40000000"  # 2.0 summed over one rank

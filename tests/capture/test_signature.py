@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from bundle_fuzz import declaring
 
 from sdcreplay.capture.signature import (
+    MAX_ENTRY_BYTES,
     SCHEMA,
     SignatureLog,
     SignatureLogWriter,
+    bundle_frame_limits,
     layer_of,
     phase_of,
     read_signature_log,
@@ -279,3 +282,58 @@ def test_step_frames_hold_the_bytes_json_dumps_writes(tmp_path: Path):
         for name, digest in entries
     ]
     assert read_signature_log(tmp_path / "log.zst").steps == {12: entries}
+
+
+# ---------------------------------------------------------------------------
+# Decompression bombs: a frame's declared size is checked before it is inflated.
+
+
+def _log_with_frame(tmp_path: Path, frame: bytes) -> Path:
+    """A real log of step 0, then ``frame`` as step 1's."""
+    path = tmp_path / "log.zst"
+    writer = SignatureLogWriter(path, {"device_type": "cpu"})
+    writer.append_step(0, STEPS[0])
+    path.write_bytes(path.read_bytes() + frame)
+    return path
+
+
+LINE = b'{"step":1,"name":"loss","digest":"=float32:3f800000"}\n'
+
+
+def test_a_frame_declaring_far_more_text_than_it_compresses_is_refused_before_inflating(tmp_path):
+    bomb = zstandard.ZstdCompressor(write_checksum=True).compress(LINE * ((64 << 20) // len(LINE)))
+    path = _log_with_frame(tmp_path, bomb)
+    declared = zstandard.get_frame_parameters(bomb).content_size
+    with pytest.raises(BundleError) as caught:
+        read_signature_log(path)
+    assert caught.value.message == (
+        f"signature log {path} is damaged: frame 2 declares {declared} bytes of text in "
+        f"{len(bomb)} compressed bytes (a decompression bomb)"
+    )
+    assert "exhaust the memory" in caught.value.hint
+
+
+def test_a_frame_holding_more_than_its_header_declares_is_never_inflated_past_it(tmp_path):
+    lying = declaring(zstandard.ZstdCompressor(write_checksum=True).compress(LINE * 4000), 54)
+    assert zstandard.get_frame_parameters(lying).content_size == len(LINE) == 54
+    refused = "is damaged: frame 2 does not inflate to the 54 bytes its header declares"
+    with pytest.raises(BundleError, match=refused):
+        read_signature_log(_log_with_frame(tmp_path, lying))
+
+
+def test_frames_over_what_the_manifest_lists_are_refused_before_inflating(tmp_path):
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(LINE * 3)
+    path = _log_with_frame(tmp_path, frame)
+    log = read_signature_log(path, None, bundle_frame_limits([3, 3], MAX_ENTRY_BYTES))
+    assert {step: len(entries) for step, entries in log.steps.items()} == {0: 3, 1: 3}
+    over = r"frame 2 declares 162 bytes of text, more than the manifest's step can hold \(0\)"
+    with pytest.raises(BundleError, match=over):
+        read_signature_log(path, None, bundle_frame_limits([3, 0], MAX_ENTRY_BYTES))
+    # A frame past the manifest's steps may hold what its largest step can (step 0's: 4 lines
+    # of 54 bytes here; the bundle then refuses the step it does not list).
+    assert len(read_signature_log(path, None, bundle_frame_limits([4], 54)).steps) == 2
+    longer = _log_with_frame(
+        tmp_path, zstandard.ZstdCompressor(write_checksum=True).compress(LINE * 5)
+    )
+    with pytest.raises(BundleError, match=r"frame 2 declares 270 bytes .* can hold \(216\)"):
+        read_signature_log(longer, None, bundle_frame_limits([4], 54))

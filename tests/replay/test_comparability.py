@@ -69,6 +69,19 @@ def test_replicas_on_another_kind_of_machine_are_incomparable_and_accuse_no_one(
     assert MM in consensus["advice"] and "doctor --against" in consensus["advice"]
 
 
+def test_an_incomparable_replay_says_why_there_is_no_verdict_and_what_to_do(bundle, cli):
+    done = cli("replay", bundle, *_replicas(2), env={"SDCREPLAY_OTHER_MACHINE": MM})
+    assert done.exit_code == 3
+    error = next(line for line in done.stderr.splitlines() if line.startswith("Error:"))
+    assert error.startswith(
+        "Error: no verdict: no replica ran on a machine comparable with the recording's "
+        f"(cpu:0: probe: {MM} ["
+    )
+    hint = done.stderr[done.stderr.index("Hint:") :]
+    assert "the recording's kind of machine" in hint
+    assert f"sdcreplay doctor --against {bundle}" in " ".join(hint.split())
+
+
 def test_of_three_replicas_the_two_comparable_ones_judge_and_the_third_is_named(bundle, cli):
     env = {"SDCREPLAY_OTHER_MACHINE": f"{MM}@cpu:2"}
     code, report = _replay(cli, bundle, *_replicas(3), env=env)

@@ -126,6 +126,26 @@ def test_a_job_a_users_torchrun_script_recorded_replays_through_the_cli(cli, ddp
     assert [rank["consensus"]["verdict"] for rank in replayed["ranks"]] == ["correct"] * 2
 
 
+def test_a_job_replayed_on_another_kind_of_machine_says_why_there_is_no_verdict(
+    cli, ddp_job, tmp_path
+):
+    """Every rank's replica computes aten.mm with other bits (another CPU model, simulated):
+    incomparable, exit 3 with the reason and what to do, doctor pointed at a rank's part."""
+    job, _ = ddp_job
+    done = cli(
+        "replay", job, "--trust-workload", "--logs", tmp_path / "logs", *TIMEOUT,
+        env={"SDCREPLAY_OTHER_MACHINE": "aten.mm.default"},
+    )  # fmt: skip
+    assert done.exit_code == 3, done.output
+    error = next(line for line in done.stderr.splitlines() if line.startswith("Error:"))
+    assert error.startswith(
+        "Error: no verdict: no replica ran on a machine comparable with the recording's "
+        "(rank 0 cpu: probe: aten.mm.default ["
+    )
+    hint = " ".join(done.stderr[done.stderr.index("Hint:") :].split())
+    assert f"`sdcreplay doctor --against {job / 'ranks' / '000000'}`" in hint
+
+
 def test_a_bitflip_on_rank_2_of_4_is_its_origin_and_bisect_names_the_operator(cli, job4, tmp_path):
     # Replica 0 (cpu:0-3) replays clean, replica 1 (cpu:4-7) with the fault on its rank 2.
     devices = [arg for n in range(8) for arg in ("-d", f"cpu:{n}")]

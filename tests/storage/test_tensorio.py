@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from bundle_fuzz import unreadable_structures
 
 from sdcreplay.errors import BundleError
 from sdcreplay.storage import tensorio
@@ -298,3 +299,18 @@ def test_map_tensors_keeps_the_structure():
     assert torch.equal(doubled["a"], torch.tensor([2.0]))
     assert isinstance(doubled["b"][1], tuple) and doubled["b"][1][1] == 3
     assert doubled["c"] == "s"
+
+
+def test_a_tree_whose_structure_cannot_be_read_names_the_damaged_file(tmp_path: Path):
+    """The structure is a variable-length string kept in the file's global heap; walking the
+    file never reads it, loading the tree does (a bundle's state.h5 in a device process)."""
+    path = tmp_path / "state.h5"
+    with h5py.File(path, "w") as handle:
+        tensorio.write_tree(handle.create_group("model"), {"w": torch.ones(2)})
+    unreadable_structures(path, b"GCOL")
+    with h5py.File(path, "r") as handle, pytest.raises(BundleError) as caught:
+        tensorio.read_tree(handle["model"])
+    assert caught.value.message == (
+        f"{path} is damaged: OSError: Can't synchronously read data "
+        "(bad global heap collection signature)"
+    )
