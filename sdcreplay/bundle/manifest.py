@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import BundleError
+from ..kinds import SIGNATURE_LEVELS
 from ..storage.safeio import check_json_value
 from .rules import (
     BOOL,
@@ -160,6 +161,10 @@ class CaptureSettings(Record):
 
     max_depth: int | None = None  # forward/backward entries of modules at most this deep
     program: bool = False  # hyper:, step_grad:, optim:, state: entries
+    # What the record holds: every layer's entries, or the step's boundary only (program
+    # entries included); replay captures the layer level either way and votes the record at
+    # the entries it has. Absent: "layer".
+    level: str = "layer"
 
 
 @dataclass(kw_only=True)
@@ -375,6 +380,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "capture": OPTIONAL_OBJECT,
     "capture.max_depth": optional(integer(0, 1024)),
     "capture.program": absent_or(BOOL),
+    "capture.level": absent_or(choice(*SIGNATURE_LEVELS)),
     "state_objects": optional(
         Check(
             lambda v: (
@@ -430,6 +436,12 @@ def _validate_manifest(manifest: Any) -> None:
             "a bundle is evidence and is not edited.",
         )
     _check_fields(manifest, MANIFEST_FIELDS)
+    capture = manifest.get("capture") or {}
+    _require(
+        capture.get("level", "layer") == "layer" or capture.get("program") is True,
+        "capture.program is true at capture.level 'boundary' (its program entries are its "
+        "boundary)",
+    )
     state = manifest["state"]
     _check_fields(state, STATE_KINDS[state["kind"]].RULES, "state.")
     if "trigger" in manifest:

@@ -195,7 +195,12 @@ class Bundle:
                 f"{str(log.meta.get('device_type'))[:32]!r}, "
                 f"the manifest says {self.manifest.device_type!r}"
             )
-        log.meta.update(source=str(self.path), device=self.manifest.device, role="record")
+        log.meta.update(
+            source=str(self.path),
+            device=self.manifest.device,
+            role="record",
+            level=self.manifest.capture.level,
+        )
         if list(log.steps) != self.step_indices:
             raise BundleError(
                 f"the signature log holds steps {list(log.steps)}, "

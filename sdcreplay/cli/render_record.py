@@ -112,7 +112,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
             *_job_rows(about),
             ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
             *_trigger_rows(about.trigger),
-            ["signature entries", str(about.entries)],
+            ["signature entries", f"{about.entries} ({_level_text(about.signature_level)})"],
             ["state", state_text],
             ["verified", _verification_text(about.verification)],
             ["kernel probe", _probe_text(about.probe)],
@@ -138,6 +138,15 @@ def render_info(output: Output, about: BundleInfo) -> None:
         ["property", "recorded", "result-affecting"],
         rows or [["-", "not recorded (older bundle)", "-"]],
     )
+
+
+def _level_text(level: str) -> str:
+    if level == "boundary":
+        return (
+            "boundary level: losses, what the optimizer is given, the parameters it produced; "
+            "replicas compute every layer"
+        )
+    return "layer level: every module's output and gradient"
 
 
 def _probe_text(probe: dict | None) -> str:

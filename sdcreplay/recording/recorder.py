@@ -50,6 +50,7 @@ from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
+from ..kinds import SIGNATURE_LEVELS, SignatureLevel
 from ..storage.tensorio import map_tensors
 from ..workload.definition import canonical_ref, check_state_objects
 from .dump import RingDumper, dump_trigger
@@ -76,7 +77,10 @@ class Recorder:
     ranks' dumps at the same step write one job bundle). ``data_parallel``: the
     DistributedDataParallel the step runs ``model`` through, when ``model`` is the plain
     module (a DDP given as ``model`` is found by itself): a replay's fresh DDP then runs the
-    iterations it had run before the first step (its bucket rebuild).
+    iterations it had run before the first step (its bucket rebuild). ``signature``: what each
+    step's signature log holds, ``"layer"`` (every module: forensics) or ``"boundary"`` (the
+    production level: losses, what the optimizer is given and the parameters it produced;
+    replay computes every layer: docs/recording.md, "Signature levels").
     """
 
     def __init__(
@@ -98,10 +102,16 @@ class Recorder:
         inject: Sequence[str] = (),
         ring: int | None = None,
         data_parallel: torch.nn.Module | None = None,
+        signature: SignatureLevel = "layer",
     ):
         if verify not in VERIFY_MODES:
             raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
         _check_ring(ring, checkpoint)
+        if signature not in SIGNATURE_LEVELS:
+            raise SdcReplayError(
+                f"signature={signature!r} is not one of {', '.join(SIGNATURE_LEVELS)}",
+                "Record with signature='layer' (every module) or 'boundary' (production).",
+            )
         first_param = next(model.parameters())
         self.device = first_param.device
         self.model, self.optimizer = model, optimizer
@@ -138,7 +148,12 @@ class Recorder:
             environment=Environment(**determinism.environment(self.device)),
             determinism=Switches(**switches),
             fingerprint=determinism.fingerprint(self.device),
-            capture=CaptureSettings(max_depth=max_depth, program=True),
+            capture=CaptureSettings(  # the level is written where it is not the default
+                max_depth=max_depth,
+                program=True,
+                level=signature,
+                absent=frozenset() if signature != "layer" else frozenset({"level"}),
+            ),
             distributed=self._job.distributed if self._job else None,
         )
         self._ring = None if ring is None else StepRing(ring)
@@ -161,7 +176,12 @@ class Recorder:
             status = "pending" if self.verify_mode != "off" else "off"
             self._writer.set_verification(self.verify_mode, status)
         self._capture = SignatureCapture(
-            model, optimizer, max_depth=max_depth, state=self.state_objects, program=True
+            model,
+            optimizer,
+            max_depth=max_depth,
+            state=self.state_objects,
+            program=True,
+            level=signature,
         )
         # Right after the capture's own post-hook: nothing runs between the two.
         self._hook: RemovableHandle | None = optimizer.register_step_post_hook(

@@ -23,7 +23,7 @@ from ..capture import determinism
 from ..capture.layers import grads_entering, state_digests
 from ..capture.message import Message
 from ..capture.probe import collecting_calls, record_probe
-from ..capture.signature import is_program_entry
+from ..capture.signature import at_level, is_program_entry
 from ..errors import MessageOrderError, SdcReplayError
 from ..replay.session import ReplaySession
 
@@ -81,7 +81,9 @@ class FirstStepCheck:
             except MessageOrderError as exc:
                 return exc.message + self._unknown_ddp_note(session.bundle)
             self.probe = record_probe(list(calls.calls.values()), self.device).to_json()
-            recorded = session.bundle.signature_log().steps[record.index]
+            log = session.bundle.signature_log()
+            recorded = log.steps[record.index]  # replay holds every layer, the record its level
+            replayed = [(name, digest) for name, digest in replayed if at_level(name, log.level)]
             problem = describe_first_difference(recorded, replayed)
             if problem is None and self._distributed:
                 problem = describe_message_difference(

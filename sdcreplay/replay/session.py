@@ -88,12 +88,14 @@ class ReplaySession:
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
         capture = self.bundle.manifest.capture
+        # Every layer, whatever the record holds: the replicas vote at every entry, the record
+        # at the entries its level has (compare/logs.py).
         self.capture = SignatureCapture(
             self.workload.model,
             self.workload.optimizer,
             max_depth=capture.max_depth,
             state=self.workload.state,
-            program=capture.program,
+            program=capture.program or capture.level != "layer",
         )
 
     def _warm_up_ddp(self, batch: object, index: int) -> None:

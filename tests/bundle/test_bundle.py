@@ -291,7 +291,8 @@ def test_a_recorded_manifest_survives_from_json_and_to_json(small_bundle: Path):
     assert manifest.steps[1].index == 1 and manifest.steps[1].file == "steps/000001.h5"
     assert manifest.files[STATE].size == (small_bundle / STATE).stat().st_size
     assert manifest.workload.ref == "builtin:tiny-llama" and manifest.workload.kwargs["seed"] == 0
-    assert manifest.capture == CaptureSettings(max_depth=None, program=True)
+    assert manifest.capture.to_json() == {"max_depth": None, "program": True}
+    assert manifest.capture.level == "layer"  # the default, not written
     assert manifest.verification.status == "passed" and manifest.verification.passed
 
 
@@ -585,6 +586,11 @@ HAND_EDITS = {
         "verification.status is null",
     ),
     "capture-a-list": (_set(["capture"], []), "capture is \\[\\], expected an object"),
+    "capture-level-unknown": (_set(["capture", "level"], "every"), "capture.level"),
+    "capture-boundary-without-program": (
+        lambda m: m["capture"].update(level="boundary", program=False),
+        "capture.program is true at capture.level 'boundary'",
+    ),
 }
 
 
