@@ -204,3 +204,14 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     done = run_torchrun(script, 2, str(root / "job.bundle"), str(results), "ddp")
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "job.bundle", results
+
+
+def planted(model, optimizer, spec: str | None, step: int, label: str = "cpu"):
+    """The operator mode of a step with fault ``spec`` planted (None: a clean step)."""
+    from sdcreplay.capture.faults import Injector, parse_specs
+    from sdcreplay.capture.operators import OperatorMode
+
+    if spec is None:
+        return contextlib.nullcontext()
+    injector = Injector(parse_specs([spec], include_env=False), label)
+    return OperatorMode(model, optimizer, [injector], step)

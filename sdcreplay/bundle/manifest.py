@@ -252,6 +252,7 @@ class StepRecord(Record):
         "seconds": optional(number(0, MAX_STEP_SECONDS)),
         "grads": absent_or(choice(*GRADS_ENTERING)),
         "messages": absent_or(integer(0, 10_000_000)),
+        "stopped": absent_or(BOOL),
     }
     index: int
     file: str
@@ -260,6 +261,9 @@ class StepRecord(Record):
     grads: str = "none"  # what the gradients held when the step began: none | zero | kept
     seconds: float | None = None  # how long it took when recorded: replay's hang timeout
     messages: int | None = None  # a job's rank part: the step's logged collective messages
+    # A detector stopped the step at its optimizer's step, before the update (its entries end
+    # with what the optimizer was given); replay stops it there too. Absent: false.
+    stopped: bool = False
 
 
 @dataclass(kw_only=True)
@@ -469,6 +473,10 @@ def _validate_manifest(manifest: Any) -> None:
         )
         _require(
             step["file"] in files, f"steps[{position}].file {step['file']!r} is not listed in files"
+        )
+        _require(
+            not (step.get("stopped") and step["optimizer_step"]),
+            f"steps[{position}] is stopped before its optimizer step, yet took it",
         )
         previous = index
     for name in STREAMS:

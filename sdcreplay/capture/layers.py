@@ -324,8 +324,12 @@ class SignatureCapture:
                     yield names[id(param)], param
 
     def _on_optimizer_begin(self, optimizer, args, kwargs) -> None:
-        """What the optimizer is about to use: each group's hyper-parameters and the gradients."""
-        if self._digester is None:
+        self.record_optimizer_inputs(optimizer)
+
+    def record_optimizer_inputs(self, optimizer: torch.optim.Optimizer) -> None:
+        """What the optimizer is about to use: each group's hyper-parameters and the gradients
+        (its step pre-hook; called directly for a step a detector stops before it)."""
+        if self._digester is None or not self.program:
             return
         with _own_work():
             for name, value in hyper_items(optimizer):

@@ -3,10 +3,11 @@
 A trainer runs its own step, so no detector can drive it (nor roll it back and
 recompute it): the callbacks *observe* each step instead. ``StepWatch`` opens a
 ring ``Recorder`` step when the framework hands over the batch, notes the
-gradient norms and a copy of the parameters just before the optimizer's update,
-and when the step ends gives ``UpdateDetector.observe`` the loss, gradient norms
-and update norms. On an alarm the detector dumps the ring (the alarmed step is
-its last one) and the callback stops training (``stop_on_alarm``).
+gradient norms just before the optimizer's update (and a copy of the parameters
+where the detector judges updates, ``when="after_update"``), and when the step
+ends gives ``UpdateDetector.judge`` what it saw. On an alarm the detector dumps
+the ring (the alarmed step is its last one) and the callback stops training
+(``stop_on_alarm``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..capture.layers import grads_entering
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
-from ..online.alarms import Alarm, observe
+from ..online.alarms import Alarm, Observation, gradient_norms, observe
 from ..online.update_detector import UpdateDetector
 from ..recording.recorder import Recorder
 
@@ -86,6 +87,7 @@ class StepWatch:
         self._losses: list[torch.Tensor] = []
         self._grad_norms: dict[str, float] = {}
         self._before: TrainingSnapshot | None = None
+        self._reached_optimizer = False
 
     @property
     def alarms(self) -> list[Alarm]:
@@ -102,6 +104,7 @@ class StepWatch:
         if clear_grads and grads_entering(self.model) != "none":
             self.optimizer.zero_grad(set_to_none=True)
         self._losses, self._grad_norms, self._before = [], {}, None
+        self._reached_optimizer = False
         step = self.recorder.step(batch)
         step.__enter__()
         self._open = step
@@ -116,13 +119,13 @@ class StepWatch:
             self._losses.append(loss.detach().reshape(()))
 
     def before_optimizer(self) -> None:
-        """Gradients as the optimizer will use them; parameters before its update."""
-        with _own_work(), torch.no_grad():
-            grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
-            if grads:
-                norms = torch.stack([torch.linalg.vector_norm(g.double()) for _, g in grads])
-                self._grad_norms = dict(zip([n for n, _ in grads], norms.tolist()))
-            self._before = TrainingSnapshot.take(self.model, None, {}, grads=False, rng=False)
+        """Gradients as the optimizer will use them; the parameters before its update only
+        where the detector judges the update (``when="after_update"``: a copy)."""
+        self._grad_norms = gradient_norms(self.model)
+        self._reached_optimizer = True
+        if self.detector.when == "after_update":
+            with _own_work():
+                self._before = TrainingSnapshot.take(self.model, None, {}, grads=False, rng=False)
 
     def end(self) -> Alarm | None:
         """The step ended: record it, then judge it (an alarm dumps the ring first)."""
@@ -131,11 +134,14 @@ class StepWatch:
             return None
         step.__exit__(None, None, None)
         index, self.step_index = self.step_index, self.step_index + 1
-        if self._before is None:  # the optimizer did not step: no update to judge
+        if not self._reached_optimizer:  # the optimizer did not step: nothing to judge
             return None
         loss = torch.stack(self._losses).mean() if self._losses else None
-        seen = observe(self.model, self._before, loss, self._grad_norms)
-        self._before = None
+        if self._before is not None:
+            seen = observe(self.model, self._before, loss, self._grad_norms)
+        else:
+            seen = Observation(None if loss is None else float(loss), self._grad_norms, {})
+        self._before, self._reached_optimizer = None, False
         alarm = self.detector.judge(seen, step=index)
         if alarm is not None:
             warnings.warn(f"sdcreplay: {alarm.describe()}", stacklevel=2)

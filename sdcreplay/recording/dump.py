@@ -103,6 +103,7 @@ class RingDumper:
                     grads=step.grads,
                     seconds=step.seconds,
                     messages=step.messages,
+                    stopped=step.stopped,
                 )
             writer.set_trigger(trigger)
             # Called from inside the loop's step, the verification must not reach it: neither

@@ -189,7 +189,8 @@ class Recorder:
         )
         self._next_index = start_step
         self._first_index = start_step
-        self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
+        self._pending: tuple[int, Any, determinism.RngState, str, float, bool] | None = None
+        self._stopped = False  # the open step was stopped before its optimizer's update
         self._open_batch: Any = None  # the stored batch of the step whose block is open
         self._in_block = False
         self._ddp_rebuilt_at_start: bool | None = None  # a job's DDP, as the step began
@@ -243,16 +244,16 @@ class Recorder:
         self._capture.begin_step(rng)
         if self._messages is not None:
             self._messages.begin_step(self._next_index)
-        self._open_batch, self._in_block = stored_batch, True
+        self._open_batch, self._in_block, self._stopped = stored_batch, True, False
         try:
             with self._capture.backward_capture():
                 yield
         finally:
             self._open_batch, self._in_block = None, False
         self._capture.close_window()
-        self._pending = (self._next_index, stored_batch, rng, grads, started)
+        self._pending = (self._next_index, stored_batch, rng, grads, started, self._stopped)
         self._next_index += 1
-        if self._capture.optimizer_stepped:
+        if self._capture.optimizer_stepped or self._stopped:  # nothing of the step comes later
             self._finish_pending()
 
     def extend_batch(self, micro_batch: Any) -> None:
@@ -265,11 +266,23 @@ class Recorder:
             )
         self._open_batch.append(_stored(micro_batch))
 
+    def stop_before_optimizer(self) -> None:
+        """The open step stops now, at its optimizer's step, before the update (a detector
+        judged it there and stops it): what the optimizer was about to be given is recorded,
+        and the step is kept as stopped (replay stops it there too)."""
+        if not self._in_block:
+            raise SdcReplayError(
+                "stop_before_optimizer() needs an open step",
+                "Call it inside `with recorder.step(batch):`, as the optimizer's step begins.",
+            )
+        self._capture.record_optimizer_inputs(self.optimizer)
+        self._stopped = True
+
     def _finish_pending(self, at_optimizer_step: bool = False) -> None:
         """Write the step that ended; ``at_optimizer_step``: called from the optimizer's hook."""
         if self._pending is None:
             return
-        index, batch, rng, grads, started = self._pending
+        index, batch, rng, grads, started, stopped = self._pending
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
@@ -295,10 +308,22 @@ class Recorder:
                 grads=grads,
                 seconds=seconds,
                 messages=messages,
+                stopped=stopped,
             )
         elif self._ring is not None:
             self._ring.add(
-                HeldStep(index, batch, rng, entries, stepped, grads, seconds, messages, ddp_before)
+                HeldStep(
+                    index,
+                    batch,
+                    rng,
+                    entries,
+                    stepped,
+                    grads,
+                    seconds,
+                    messages,
+                    ddp_before,
+                    stopped,
+                )  # fmt: skip
             )
         self.steps_written += 1
         self.entries_written += len(entries)

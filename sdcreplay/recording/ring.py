@@ -44,6 +44,7 @@ class HeldStep:
     seconds: float
     messages: list[Message] | None = None
     ddp_iterations_before: int | None = None
+    stopped: bool = False  # a detector stopped it before its optimizer's update
 
     @cached_property  # asked after every step, for every held step
     def nbytes(self) -> int:

@@ -38,6 +38,10 @@ from ..workload.definition import Workload, build_workload
 from .worker import device_task
 
 
+class _StoppedBeforeUpdate(Exception):
+    """Ends a replayed step where its recording was stopped, at the optimizer's step."""
+
+
 class ReplaySession:
     """A workload rebuilt from a bundle, in the state before its first step."""
 
@@ -211,8 +215,8 @@ class ReplaySession:
         log = self.message_log
         if log is not None:
             log.begin_step(record.index, self.recorded_messages.get(record.index, []))
-        try:
-            with mode, self.capture.backward_capture():
+        try:  # stopped where the recording stopped: before the mode's optimizer phase
+            with self._stopped_like(record), mode, self.capture.backward_capture():
                 if self.workload.train_step is not None:
                     self.workload.train_step(batch)
                 else:
@@ -227,6 +231,25 @@ class ReplaySession:
             self.last_messages = log.end_step()
         return self.capture.end_step()
 
+    @contextlib.contextmanager
+    def _stopped_like(self, record: StepRecord) -> Iterator[None]:
+        """A step a detector stopped before its optimizer's update is stopped there again, once
+        the capture's own pre-hook took what the optimizer was given."""
+        if not record.stopped:
+            yield
+            return
+
+        def stop(optimizer, args, kwargs) -> None:
+            raise _StoppedBeforeUpdate
+
+        handle = self.optimizer.register_step_pre_hook(stop)
+        try:
+            yield
+        except _StoppedBeforeUpdate:
+            pass
+        finally:
+            handle.remove()
+
     def _set_gradients(self, grads: str) -> None:
         """Give the step the gradients the loop's step began with (it may have accumulated)."""
         if grads != "kept":
@@ -235,7 +258,7 @@ class ReplaySession:
     def _default_step(self, record: StepRecord, batch) -> None:
         """A loss_fn-only workload: backward, and the optimizer step only where the loop took it."""
         self.workload.loss(batch).backward()
-        if record.optimizer_step:
+        if record.optimizer_step or record.stopped:
             self.optimizer.step()
 
     def save_state(self, path: Path) -> None:
