@@ -160,3 +160,44 @@ class BackwardLosses:
     def value(self) -> float | None:
         total = self.tensor()
         return None if total is None else float(total)
+
+
+def update_sketch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's sums along its last dimension and along its first (a vector's: its
+    sum), in float32: a sketch whose change between two updates is that of the update's rows'
+    and columns' sums, which a corrupted element (or a burst along a row or a column) moves
+    about as much as it moves the update itself, with no copy."""
+    with _own_work(), torch.no_grad():
+        return {name: _sums(p.detach()) for name, p in model.named_parameters()}
+
+
+def _sums(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() < 2:
+        return tensor.sum(dtype=torch.float32).reshape(1)
+    rows = tensor.sum(dim=-1, dtype=torch.float32).reshape(-1)
+    return torch.cat([rows, tensor.sum(dim=0, dtype=torch.float32).reshape(-1)])
+
+
+def sketch_distances(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """The norm of each sketch's change: a parameter's update, measured on its sketch."""
+    names = [name for name in after if name in before and before[name].shape == after[name].shape]
+    if not names:
+        return {}
+    with _own_work(), torch.no_grad():
+        changes = [after[name] - before[name].to(after[name].device) for name in names]
+        norms = torch._foreach_norm(changes)
+        values = torch.stack([norm.to(norms[0].device) for norm in norms]).tolist()
+    return dict(zip(names, values))
+
+
+def learning_rates(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
+    """Each parameter's learning rate in its param group now."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    rates = {}
+    for name, param in model.named_parameters():
+        group = group_of.get(id(param))
+        if group is not None and "lr" in group:
+            rates[name] = float(group["lr"])
+    return rates

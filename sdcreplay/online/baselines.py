@@ -26,8 +26,8 @@ class Thresholds:
     warmup: int = 10
     spike_factor: float = 10.0
     spike_steps: int = 100
-    grad_factor: float = 4.0
-    grad_sigmas: float = 6.0
+    jump_factor: float = 4.0
+    jump_sigmas: float = 6.0
 
     def __post_init__(self) -> None:
         if (
@@ -35,16 +35,16 @@ class Thresholds:
             or self.sigmas < 0
             or not 0 <= self.ema_decay < 1
             or self.window < 2
-            or self.grad_factor < 1
-            or self.grad_sigmas < 0
+            or self.jump_factor < 1
+            or self.jump_sigmas < 0
         ):
             raise SdcReplayError(
                 f"UpdateDetector(alpha={self.alpha}, sigmas={self.sigmas}, "
                 f"ema_decay={self.ema_decay}, window={self.window}, "
-                f"grad_factor={self.grad_factor}, grad_sigmas={self.grad_sigmas}) is not a "
+                f"jump_factor={self.jump_factor}, jump_sigmas={self.jump_sigmas}) is not a "
                 "threshold",
-                "alpha, sigmas, grad_sigmas >= 0; 0 <= ema_decay < 1; window >= 2; "
-                "grad_factor >= 1.",
+                "alpha, sigmas, jump_sigmas >= 0; 0 <= ema_decay < 1; window >= 2; "
+                "jump_factor >= 1.",
             )
 
 
@@ -87,15 +87,17 @@ class Baselines:
     ``nonfinite:loss`` / ``nonfinite:grad:NAME`` / ``nonfinite:update:NAME``: NaN or Inf.
     ``loss_spike`` / ``grad_spike``: the loss / global gradient norm above ``spike_factor``
     x the largest of the first ``spike_steps`` steps (Megatron's rule). After ``warmup``
-    accepted steps, per parameter: ``grad:NAME``, its gradient norm above both
-    ``grad_factor`` x its EMA and its EMA + ``grad_sigmas`` x the spread of its last
+    accepted steps, per parameter: ``grad:NAME``, its gradient norm *jumps*: above both
+    ``jump_factor`` x its EMA and its EMA + ``jump_sigmas`` x the spread of its last
     ``window`` accepted norms (both: a small, noisy gradient is judged by its spread, a
-    steady one by the factor); ``update:NAME`` (judged after the update only), its update
-    norm off its EMA by more than ``max(alpha x EMA, sigmas x spread)``.
+    steady one by the factor); ``update:NAME``, its update norm off its EMA by more than
+    ``max(alpha x EMA, sigmas x spread)`` (``exact_updates``: the update's own norm, from a
+    copy) or, measured on a sketch of the update (its rows' sums), jumps as a gradient does.
     """
 
-    def __init__(self, thresholds: Thresholds):
+    def __init__(self, thresholds: Thresholds, *, exact_updates: bool):
         self.thresholds = thresholds
+        self.exact_updates = exact_updates
         self.accepted = 0
         self._grads = _Series()
         self._updates = _Series()
@@ -104,13 +106,15 @@ class Baselines:
 
     def reasons(self, seen: Observation) -> list[str]:
         """Why ``seen`` is unusual (empty: it is not)."""
+        before = self.reasons_before_update(seen)
+        return before if _nonfinite(before) else before + self.reasons_of_update(seen)
+
+    def reasons_before_update(self, seen: Observation) -> list[str]:
+        """The reasons its loss and gradients give (the update is not judged)."""
         found = []
         if seen.loss is not None and not math.isfinite(seen.loss):
             found.append("nonfinite:loss")
         found += [f"nonfinite:grad:{n}" for n, v in seen.grad_norms.items() if not math.isfinite(v)]
-        found += [
-            f"nonfinite:update:{n}" for n, v in seen.update_norms.items() if not math.isfinite(v)
-        ]
         if found:
             return found
         limits = self.thresholds
@@ -122,18 +126,38 @@ class Baselines:
             found.append("grad_spike")
         if self.accepted < limits.warmup:
             return found
-        for name, norm in seen.grad_norms.items():
-            spread = self._grads.spread(name)
-            if spread is not None:
-                ema, std = spread
-                if norm > max(limits.grad_factor * ema, ema + limits.grad_sigmas * std):
-                    found.append(f"grad:{name}")
+        found += [f"grad:{name}" for name in self._jumps(self._grads, seen.grad_norms)]
+        return found
+
+    def reasons_of_update(self, seen: Observation) -> list[str]:
+        """The reasons its update gives."""
+        nonfinite = [f"nonfinite:update:{n}" for n, v in seen.update_norms.items()]
+        nonfinite = [
+            r for r, v in zip(nonfinite, seen.update_norms.values()) if not math.isfinite(v)
+        ]
+        if nonfinite or self.accepted < self.thresholds.warmup:
+            return nonfinite
+        limits, found = self.thresholds, []
+        sigmas = limits.sigmas if self.exact_updates else limits.jump_sigmas
         for name, norm in seen.update_norms.items():
             spread = self._updates.spread(name)
+            known = len(self._updates.recent.get(name, ()))  # the first update has no sketch
+            if spread is not None and (self.exact_updates or known >= limits.warmup):
+                ema, std = spread
+                if abs(norm - ema) > max(limits.alpha * ema, sigmas * std):
+                    found.append(f"update:{name}")
+        return found
+
+    def _jumps(self, series: _Series, values: dict[str, float]) -> list[str]:
+        """The names whose value jumps above both ``jump_factor`` x its EMA and its EMA +
+        ``jump_sigmas`` x its spread."""
+        limits, found = self.thresholds, []
+        for name, norm in values.items():
+            spread = series.spread(name)
             if spread is not None:
                 ema, std = spread
-                if abs(norm - ema) > max(limits.alpha * ema, limits.sigmas * std):
-                    found.append(f"update:{name}")
+                if norm > max(limits.jump_factor * ema, ema + limits.jump_sigmas * std):
+                    found.append(name)
         return found
 
     def accept(self, seen: Observation) -> None:
@@ -146,6 +170,10 @@ class Baselines:
             self._first_losses.append(abs(seen.loss))
         if seen.grad_norms and len(self._first_grad_norms) < limits.spike_steps:
             self._first_grad_norms.append(seen.grad_norm)
+
+
+def _nonfinite(reasons: list[str]) -> bool:
+    return any(reason.startswith("nonfinite:") for reason in reasons)
 
 
 def _spikes(value: float | None, first: list[float], steps: int, factor: float) -> bool:

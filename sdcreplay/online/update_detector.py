@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -48,19 +49,21 @@ class UpdateDetector:
     """Runs the loop's step and alarms on unusual gradients and updates; recomputes an alarm.
 
     The rules (``baselines.Baselines``; seeds/001 and Megatron's rerun state machine):
-    ``nonfinite:loss``, ``nonfinite:grad:NAME`` (and ``nonfinite:update:NAME`` after the
-    update); ``loss_spike`` / ``grad_spike``: the loss / global gradient norm above
-    ``spike_factor`` x the largest of the first ``spike_steps`` steps; after ``warmup``
-    accepted steps, ``grad:NAME``: a gradient's norm above both ``grad_factor`` x its EMA
-    and its EMA + ``grad_sigmas`` x the spread of its last ``window`` accepted norms;
-    with ``when="after_update"`` also ``update:NAME``: the parameter's update norm off its
-    EMA by more than ``max(alpha * EMA, sigmas * spread)``.
+    ``nonfinite:loss``, ``nonfinite:grad:NAME``, ``nonfinite:update:NAME``; ``loss_spike`` /
+    ``grad_spike``: the loss / global gradient norm above ``spike_factor`` x the largest of
+    the first ``spike_steps`` steps; after ``warmup`` accepted steps, ``grad:NAME``: a
+    gradient's norm above both ``jump_factor`` x its EMA and its EMA + ``jump_sigmas`` x the
+    spread of its last ``window`` accepted norms; ``update:NAME``: the parameter's update
+    norm off its EMA by more than ``max(alpha * EMA, sigmas * spread)``.
 
-    ``when="before_update"`` (the default) judges at the optimizer's step and copies
-    nothing: an alarmed execution is stopped before the update and taken back by discarding
-    its gradients (the step must begin with none pending, as after ``zero_grad``).
-    ``when="after_update"`` copies the state before every step (``snapshot_device``: where)
-    and restores it.
+    ``when="before_update"`` (the default) judges the loss and gradients at the optimizer's
+    step and copies nothing: an alarmed execution is stopped before the update and taken back
+    by discarding its gradients (the step must begin with none pending, as after
+    ``zero_grad``). Its update is judged once applied, on a sketch (rows' and columns' sums
+    per learning rate, ``jump_sigmas`` for the spread): such an alarm cannot be recomputed
+    and is left unresolved (dumped, warned about; training goes on). ``when="after_update"``
+    copies the state before every step (``snapshot_device``: where), judges the update's own
+    norm and restores the copy to recompute.
 
     An alarmed step is recomputed on the same device. A different result is ``transient``
     (the recompute is kept once it passes); the same result is reproducible: ``correct``
@@ -88,8 +91,8 @@ class UpdateDetector:
         warmup: int = 10,
         spike_factor: float = 10.0,
         spike_steps: int = 100,
-        grad_factor: float = 4.0,
-        grad_sigmas: float = 6.0,
+        jump_factor: float = 4.0,
+        jump_sigmas: float = 6.0,
         max_recomputes: int = 3,
         persistent_after: int = 3,
         second_opinion: SecondOpinion | None = None,
@@ -99,8 +102,8 @@ class UpdateDetector:
         group: Any = None,
     ):
         thresholds = Thresholds(
-            alpha, sigmas, ema_decay, window, warmup, spike_factor, spike_steps, grad_factor,
-            grad_sigmas,
+            alpha, sigmas, ema_decay, window, warmup, spike_factor, spike_steps, jump_factor,
+            jump_sigmas,
         )  # fmt: skip
         if max_recomputes < 1 or persistent_after < 1:
             raise SdcReplayError("max_recomputes and persistent_after must be at least 1")
@@ -121,7 +124,7 @@ class UpdateDetector:
         self.recorder = recorder
         self.next_step = start_step
         self.alarms: list[Alarm] = []
-        self._baselines = Baselines(thresholds)
+        self._baselines = Baselines(thresholds, exact_updates=when == "after_update")
         self._steps: BeforeUpdate | AfterUpdate = (
             BeforeUpdate(self.workload)
             if when == "before_update"
@@ -182,6 +185,10 @@ class UpdateDetector:
             with recording if recording is not None else contextlib.nullcontext():
                 loss, original, _ = self._execute(batch, decide, recording=True)
             step_seconds = self._step_seconds
+            if not reasons and self.when == "before_update":
+                late = self._baselines.reasons_of_update(original)  # the update is applied
+                if _highest(int(bool(late)), self.group):
+                    return self._unresolved(step, late or [PEER_ALARM], original, loss)
             if not reasons:
                 self._reproducible_in_a_row = 0
                 self._baselines.accept(original)
@@ -192,6 +199,26 @@ class UpdateDetector:
             return self._resolve(batch, alarm)
         finally:  # everything but the loop's own step (the first execution) is overhead
             self._overhead += time.perf_counter() - started - step_seconds
+
+    def _unresolved(
+        self, step: int, reasons: list[str], seen: Observation, loss: Any
+    ) -> torch.Tensor | None:
+        """An unusual update seen once applied (judged before the update, nothing was copied
+        to take it back): an alarm left unresolved, the ring dumped with the step as its last
+        (a replay elsewhere tells a fault from a genuine update), a warning; training goes on
+        (the loop may stop on ``last_alarm``). Its update norms join no baseline."""
+        self._counts["detections"] += 1
+        alarm = Alarm(step, reasons, original=seen)
+        self.alarms.append(alarm)
+        if self.recorder is not None:
+            self._dump(alarm)
+        warnings.warn(
+            f"sdcreplay: {alarm.describe()}: the update was applied; judged before updates, "
+            "the detector keeps no copy to take it back",
+            stacklevel=3,
+        )
+        self._baselines.accept(Observation(seen.loss, seen.grad_norms, {}))
+        return loss
 
     def judge(self, seen: Observation, *, step: int) -> Alarm | None:
         """Judge a step the detector did not run (a Trainer callback's): a clean one joins the

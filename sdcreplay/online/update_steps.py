@@ -20,14 +20,26 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from ..capture.layers import grads_entering
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
 from ..workload.definition import Workload
-from .alarms import BackwardLosses, Observation, gradient_norms, gradient_result, observe
+from .alarms import (
+    BackwardLosses,
+    Observation,
+    gradient_norms,
+    gradient_result,
+    learning_rates,
+    observe,
+    sketch_distances,
+    update_sketch,
+)
 from .replay_check import _Baseline, _weakly
 
 Decide = Callable[[Observation], bool]
@@ -57,11 +69,17 @@ class BeforeUpdate:
         self._recorder: Any = None
         self._recompute = False
         self._seen: Observation | None = None
-        self._hook = register_optimizer_step_pre_hook(_weakly(self._optimizer_begins))
-        weakref.finalize(self, self._hook.remove)
+        self._sketch: dict[str, torch.Tensor] | None = None  # after the last update
+        self._hooks = [
+            register_optimizer_step_pre_hook(_weakly(self._optimizer_begins)),
+            register_optimizer_step_post_hook(_weakly(self._optimizer_ended)),
+        ]
+        for hook in self._hooks:
+            weakref.finalize(self, hook.remove)
 
     def close(self) -> None:
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
 
     def begin(self, step: int) -> None:
         """The step starts: note what its forward and backward may change (nothing is copied
@@ -112,6 +130,24 @@ class BeforeUpdate:
         if self._recorder is not None:
             self._recorder.stop_before_optimizer()
         raise _Stopped
+
+    def _optimizer_ended(self, optimizer, args, kwargs) -> None:
+        """The update went through: its norms, measured on a sketch (each parameter's rows'
+        sums against those after the previous update; one pass, no copy) and divided by the
+        learning rate it was made with (a schedule's warm-up or decay is no anomaly). The
+        scheduler steps after the optimizer, so the groups still hold that rate here."""
+        seen = self._seen
+        if seen is None or optimizer is not self.workload.optimizer or seen.update_norms:
+            return
+        sketch = update_sketch(self.workload.model)
+        if self._sketch is not None:
+            rates = learning_rates(optimizer, self.workload.model)
+            seen.update_norms = {
+                name: norm / rates[name]
+                for name, norm in sketch_distances(self._sketch, sketch).items()
+                if rates.get(name)
+            }
+        self._sketch = sketch
 
     def _judged(self, seen: Observation, decide: Decide) -> bool:
         """``decide``'s word; an execution it stops keeps the result a recompute must repeat."""

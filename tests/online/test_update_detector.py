@@ -390,3 +390,35 @@ def test_the_dump_holds_the_alarmed_execution_stopped_before_its_update(
     assert replayed.exit_code == 1, replayed.output
     device = json.loads(replayed.stdout)["devices"][0]["first_divergence"]
     assert (device["step"], device["name"]) == (10, first.name)
+
+
+def test_an_unusual_update_is_seen_once_applied_dumped_and_left_unresolved(tmp_path: Path):
+    """A fault in the optimizer's own arithmetic (AdamW's write of the new weights) changes
+    nothing the optimizer is given: judged before the update, the step passes; the sketch of
+    the update (its rows' and columns' sums, divided by the learning rate) sees it once
+    applied. Nothing was copied to take it back: the alarm is dumped, warned about and left
+    unresolved, and training goes on."""
+    spec = (
+        "kind=bitflip,op=aten.addcdiv_,module=layers.0.mlp.w1.weight,phase=optimizer,"
+        "step=12,nth=0,index=5,bit=25"
+    )
+    workload = small_llama()
+    recorder = ring_recorder(workload, tmp_path / "update.bundle")
+    detector = UpdateDetector(workload, recorder=recorder)
+    with pytest.warns(UserWarning, match="the update was applied"):
+        for i in range(14):
+            with planted(workload.model, workload.optimizer, spec, i):
+                detector.run_step(workload.get_batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.reasons, alarm.classification) == (
+        12,
+        ["update:layers.0.mlp.w1.weight"],
+        None,
+    )
+    assert alarm.recomputes == 0 and detector.metrics()["detections"] == 1
+    bundle = Bundle.open(alarm.bundle)
+    assert bundle.step_indices[-1] == 12 and not bundle.steps[-1].stopped
+    assert bundle.manifest.trigger.reason.endswith("(unresolved)")
+    # the step's recorded parameters hold the corrupted write: a healthy replay differs there
+    first = compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu")).first
+    assert (first.step, first.name) == (12, "param:layers.0.mlp.w1.weight")
