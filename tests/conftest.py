@@ -215,3 +215,17 @@ def planted(model, optimizer, spec: str | None, step: int, label: str = "cpu"):
         return contextlib.nullcontext()
     injector = Injector(parse_specs([spec], include_env=False), label)
     return OperatorMode(model, optimizer, [injector], step)
+
+
+def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
+    """Hand-edit a bundle's manifest; ``rehash`` keeps its own SHA-256 valid so the validator
+    is what is tested."""
+    import json
+
+    from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
+
+    manifest = json.loads((path / MANIFEST).read_text())
+    edit(manifest)
+    if rehash and isinstance(manifest, dict):
+        manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -37,7 +37,13 @@ class Tokens(Dataset):
 
 
 def make_trainer(
-    out_dir: str, *, seed: int = 0, max_steps: int = 8, accumulation: int = 1, callbacks=()
+    out_dir: str,
+    *,
+    seed: int = 0,
+    max_steps: int = 8,
+    accumulation: int = 1,
+    callbacks=(),
+    save_steps: int | None = None,
 ) -> Trainer:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
@@ -49,7 +55,8 @@ def make_trainer(
         learning_rate=1e-3,
         max_grad_norm=1.0,
         logging_strategy="no",
-        save_strategy="no",
+        save_strategy="no" if save_steps is None else "steps",
+        save_steps=save_steps or 500,
         report_to=[],
         use_cpu=True,
         seed=seed,

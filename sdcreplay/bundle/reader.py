@@ -22,6 +22,7 @@ from ..storage.safeio import (
     regular_file_inside,
 )
 from . import trust
+from .checkpoints import load_checkpoint
 from .manifest import (
     JOB_SCHEMA,
     MANIFEST,
@@ -43,7 +44,7 @@ from .manifest import (
     sha256_file,
 )
 from .rules import Check, _check_fields, _is_int, integer, nullable, optional, text
-from .state import load_checkpoint, read_rng
+from .state import read_rng
 
 if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
     from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch

@@ -61,13 +61,16 @@ def _trigger_rows(trigger: dict | None) -> list[list[str]]:
     """Why a ring buffer wrote the bundle (none for a bundle recorded step by step)."""
     if trigger is None:
         return []
-    return [
+    rows = [
         [
             "written because",
             f"{escape(trigger['reason'])} ({escape(trigger['source'])}, at step "
             f"{trigger['step']}; ring of the last {trigger['ring']} steps)",
         ]
     ]
+    if trigger.get("note"):
+        rows.append(["window", escape(trigger["note"])])
+    return rows
 
 
 def _job_rows(about: BundleInfo) -> list[list[str]]:
@@ -90,7 +93,8 @@ def render_info(output: Output, about: BundleInfo) -> None:
     state_text = (
         f"embedded ({state['file']})"
         if state["kind"] == "embedded"
-        else f"checkpoint {state['path']} (sha256 {state['sha256'][:12]}...)"
+        else f"checkpoint {state['path']} ({_checkpoint_kind(state)}, sha256 "
+        f"{state['sha256'][:12]}...)"
     )
     if about.state_objects:
         state_text += f"; state objects {', '.join(about.state_objects)}"
@@ -138,6 +142,14 @@ def render_info(output: Output, about: BundleInfo) -> None:
         ["property", "recorded", "result-affecting"],
         rows or [["-", "not recorded (older bundle)", "-"]],
     )
+
+
+def _checkpoint_kind(state: dict) -> str:
+    kind = {"hf": "a Trainer checkpoint", "dcp": "a torch.distributed.checkpoint"}.get(
+        state.get("format") or "torch", "a torch.save file"
+    )
+    files = state.get("files")
+    return f"{kind} of {len(files)} files" if files else kind
 
 
 def _level_text(level: str) -> str:

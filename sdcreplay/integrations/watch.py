@@ -24,6 +24,7 @@ from ..capture.layers import grads_entering
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
+from ..kinds import SignatureLevel
 from ..online.alarms import Alarm, Observation, gradient_norms, observe
 from ..online.update_detector import UpdateDetector
 from ..recording.recorder import Recorder
@@ -62,6 +63,8 @@ class StepWatch:
         detector: Mapping[str, Any] | None = None,
         verify: bool | str = True,
         start_step: int = 0,
+        signature: SignatureLevel = "layer",
+        max_window: int = 1000,
     ):
         self.model, self.optimizer = model, optimizer
         self.recorder = Recorder(
@@ -74,6 +77,8 @@ class StepWatch:
             ring=ring,
             verify=verify,
             start_step=start_step,
+            signature=signature,
+            max_window=max_window,
         )
         self.detector = UpdateDetector(
             model=model,
@@ -147,6 +152,19 @@ class StepWatch:
             warnings.warn(f"sdcreplay: {alarm.describe()}", stacklevel=2)
         return alarm
 
+    def checkpoint_saved(self, path: str | Path, *, clear_grads: bool = False) -> None:
+        """The trainer just saved a checkpoint at ``path``: the ring's window starts there
+        (``Recorder.checkpoint_saved``); ``clear_grads``: drop the last step's gradients first
+        (a framework whose next step drops them anyway, as ``begin`` does). A checkpoint the
+        ring cannot anchor on is warned about, never raised out of training: the ring goes on
+        copying the state."""
+        if clear_grads and grads_entering(self.model) != "none":
+            self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self.recorder.checkpoint_saved(path)
+        except SdcReplayError as exc:
+            warnings.warn(f"sdcreplay: {exc.message} ({exc.hint})", stacklevel=2)
+
     def _abandon_open_step(self) -> None:
         """A step the framework began but never ended (an exception between two callbacks) is
         no evidence: the Recorder discards it at the next step."""
@@ -166,8 +184,10 @@ class WatchOptions:
 
     ``path``: where an alarm's bundle goes; ``workload`` and ``workload_kwargs`` name the
     factory replay calls (docs/online.md, "Callbacks"); ``ring``: steps kept; ``detector``:
-    ``UpdateDetector`` keyword arguments; ``stop_on_alarm``: stop training after an alarm.
-    ``alarms`` lists the alarms, each with its bundle.
+    ``UpdateDetector`` keyword arguments; ``stop_on_alarm``: stop training after an alarm;
+    ``signature`` and ``max_window``: the Recorder's (the window since the trainer's last
+    checkpoint, which the callbacks announce from the trainer's own save). ``alarms`` lists
+    the alarms, each with its bundle.
     """
 
     def __init__(
@@ -180,11 +200,14 @@ class WatchOptions:
         detector: Mapping[str, Any] | None = None,
         stop_on_alarm: bool = True,
         verify: bool | str = True,
+        signature: SignatureLevel = "layer",
+        max_window: int = 1000,
     ):
         self.path, self.workload = Path(path), workload
         self.workload_kwargs = dict(workload_kwargs or {})
         self.ring, self.detector = ring, dict(detector or {})
         self.stop_on_alarm, self.verify = stop_on_alarm, verify
+        self.signature, self.max_window = signature, max_window
         self.watch: StepWatch | None = None
 
     @property
@@ -210,5 +233,7 @@ class WatchOptions:
             detector=self.detector,
             verify=self.verify,
             start_step=start_step,
+            signature=self.signature,
+            max_window=self.max_window,
         )
         return self.watch

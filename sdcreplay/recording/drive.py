@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
 from ..bundle.reader import Bundle
-from ..bundle.state import checkpoint_reference, load_checkpoint
 from ..capture import determinism
 from ..capture.faults import Injector, parse_specs
 from ..capture.operators import OperatorMode

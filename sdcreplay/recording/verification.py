@@ -50,17 +50,27 @@ class FirstStepCheck:
         self._distributed = distributed
         self.probe: dict | None = None  # the last re-execution's kernel probe (sdcreplay.probe/1)
 
-    def problem(self, bundle_path: Path, *, live_state: bool) -> str | None:
+    def problem(
+        self,
+        bundle_path: Path,
+        *,
+        live_state: bool,
+        expected_start: dict[str, str] | None = None,
+    ) -> str | None:
         """Re-execute the bundle's first step; ``live_state``: the loop's state must also equal
-        replay's after it (true only while the loop is at the start of its second step)."""
+        replay's after it (true only while the loop is at the start of its second step);
+        ``expected_start``: the digests the parameters and buffers the bundle starts from must
+        have (a window anchored on the loop's checkpoint: the state when it was saved)."""
         # Building the workload reseeds the generators; the loop goes on from its own states.
         saved = determinism.capture_rng(self.device)
         try:
-            return self._reexecute_first_step(bundle_path, live_state)
+            return self._reexecute_first_step(bundle_path, live_state, expected_start)
         finally:
             determinism.restore_rng(saved, self.device)
 
-    def _reexecute_first_step(self, bundle_path: Path, live_state: bool) -> str | None:
+    def _reexecute_first_step(
+        self, bundle_path: Path, live_state: bool, expected_start: dict[str, str] | None
+    ) -> str | None:
         """Replay the first step as `sdcreplay replay` would, in this process: what differs, or
         None."""
         try:
@@ -74,6 +84,10 @@ class FirstStepCheck:
                     f"Recorder was given {sorted(self.state_objects)}: pass the same, by the same "
                     f"names (Recorder(..., state=workload.state))"
                 )
+            if expected_start is not None:
+                problem = _start_difference(session, expected_start)
+                if problem is not None:
+                    return problem
             record = session.bundle.steps[0]
             try:
                 with collecting_calls(self.device) as calls:
@@ -128,6 +142,21 @@ class FirstStepCheck:
                     f"after the workload's step: the loop zeroes (or keeps) gradients outside it"
                 )
         return None
+
+
+def _start_difference(session: ReplaySession, expected: dict[str, str]) -> str | None:
+    """Does the checkpoint the bundle references hold the state the loop had as it said it
+    saved it?"""
+    loaded = state_digests(session.model)
+    changed = next((name for name, digest in expected.items() if loaded.get(name) != digest), None)
+    if changed is None:
+        return None
+    state = session.bundle.manifest.state
+    return (
+        f"{changed} in checkpoint {getattr(state, 'path', '?')} differs from the model's when "
+        "checkpoint_saved() was called: the checkpoint holds another state (saved before the "
+        "optimizer step, of another model, or written again since?)"
+    )
 
 
 def describe_first_difference(

@@ -79,7 +79,7 @@ class ReplaySession:
         self.workload.model.to(self.device)
         model_state, optimizer_state = self._as_sharded(*self.bundle.load_state())
         try:
-            self.workload.model.load_state_dict(model_state)
+            self.workload.model.load_state_dict(_with_tied_twins(model_state, self.model))
             if optimizer_state is not None:
                 self.workload.optimizer.load_state_dict(optimizer_state)
             self._load_state_objects()
@@ -297,6 +297,24 @@ class ReplaySession:
 
     def close(self) -> None:
         self.capture.close()
+
+
+def _with_tied_twins(model_state: dict, model: torch.nn.Module) -> dict:
+    """A state dict that names a tied parameter once (a Hugging Face checkpoint's weights):
+    its twins, the same tensor in the model, take its value."""
+    live = model.state_dict(keep_vars=True)
+    missing = [name for name in live if name not in model_state]
+    if not missing:
+        return model_state
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in live.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    completed = dict(model_state)
+    for name in missing:
+        twin = next((other for other in names_of[id(live[name])] if other in model_state), None)
+        if twin is not None:
+            completed[name] = model_state[twin]
+    return completed
 
 
 def replay_on_device(

@@ -418,7 +418,7 @@ from pathlib import Path
 import torch
 import sdcreplay
 
-sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(Path(__file__).parent))
 from shared_counter import calls  # a global step counter in another module: not in the bundle
 
 

@@ -357,7 +357,7 @@ def test_a_dump_from_inside_a_step_leaves_that_step_out_and_untouched(tmp_path):
     ],
 )
 def test_a_malformed_trigger_is_refused_by_name(small_bundle, edit, message):
-    from test_bundle import rewrite_manifest
+    from conftest import rewrite_manifest
 
     from sdcreplay.errors import BundleError
 
