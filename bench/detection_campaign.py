@@ -329,15 +329,21 @@ class Replay:
 
 
 class Updates:
-    """``online.UpdateDetector`` with seeds/001's alpha (0.05) and Megatron's 10x rule."""
+    """``online.UpdateDetector`` as it comes (judged before the update, nothing copied), with
+    Megatron's 10x rule against the campaign's first steps."""
 
     name = "UpdateDetector"
+    when = "before_update"
 
     def __init__(self, workload: Workload, args: argparse.Namespace):
         from sdcreplay.online.update_detector import UpdateDetector
 
         self.detector = UpdateDetector(
-            workload, alpha=args.alpha, warmup=args.warmup, spike_steps=args.spike_steps
+            workload,
+            alpha=args.alpha,
+            warmup=args.warmup,
+            spike_steps=args.spike_steps,
+            when=self.when,  # type: ignore[arg-type]
         )
 
     def run(self, step: int, batch) -> dict | None:
@@ -369,7 +375,19 @@ class Updates:
         self.detector.close()
 
 
-DETECTORS: dict[str, type] = {"ReplayCheck": Replay, "UpdateDetector": Updates}
+class CopiedUpdates(Updates):
+    """``UpdateDetector(when="after_update")``: seeds/001's update rule (alpha 0.05) on a copy
+    of the state taken before every step."""
+
+    name = "UpdateDetector(after_update)"
+    when = "after_update"
+
+
+DETECTORS: dict[str, type] = {
+    "ReplayCheck": Replay,
+    "UpdateDetector": Updates,
+    "UpdateDetector(after_update)": CopiedUpdates,
+}
 
 
 # ---------------------------------------------------------------------------

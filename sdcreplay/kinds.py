@@ -13,6 +13,11 @@ from typing import Literal
 
 PhaseName = Literal["forward", "backward", "optimizer"]
 
+# What a recorded step's signature log holds: every layer's entries (the forensic level), or
+# only the step's boundary (the production level: docs/recording.md, "Signature levels").
+SignatureLevel = Literal["layer", "boundary"]
+SIGNATURE_LEVELS: tuple[SignatureLevel, ...] = ("layer", "boundary")
+
 
 class Phase(str, Enum):
     """A phase of a training step, as an option value (``--phase``)."""

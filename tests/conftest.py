@@ -329,3 +329,14 @@ def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
     if rehash and isinstance(manifest, dict):
         manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def planted(model, optimizer, spec: str | None, step: int, label: str = "cpu"):
+    """The operator mode of a step with fault ``spec`` planted (None: a clean step)."""
+    from sdcreplay.capture.faults import Injector, parse_specs
+    from sdcreplay.capture.operators import OperatorMode
+
+    if spec is None:
+        return contextlib.nullcontext()
+    injector = Injector(parse_specs([spec], include_env=False), label)
+    return OperatorMode(model, optimizer, [injector], step)

@@ -59,6 +59,7 @@ def make_trainer(
     accumulation: int = 1,
     own_loss: bool = False,
     callbacks=(),
+    save_steps: int | None = None,
 ) -> Trainer:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
@@ -70,7 +71,8 @@ def make_trainer(
         learning_rate=1e-3,
         max_grad_norm=1.0,
         logging_strategy="no",
-        save_strategy="no",
+        save_strategy="no" if save_steps is None else "steps",
+        save_steps=save_steps or 500,
         report_to=[],
         use_cpu=True,
         seed=seed,

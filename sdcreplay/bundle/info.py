@@ -41,6 +41,7 @@ class BundleInfo:
     fingerprint: dict | None
     must_match: dict
     trusted: bool
+    signature_level: str = "layer"  # what the signature log holds: layer | boundary
     trigger: dict | None = None
     probe: dict | None = None  # the kernel probe: calls, skipped (None: the bundle has none)
     ranks: int | None = None  # a job bundle: its world size
@@ -124,6 +125,7 @@ def _describe_bundle(bundle: Bundle) -> BundleInfo:
         fingerprint=manifest.fingerprint,
         must_match=must_match(manifest.fingerprint or {}, probed=bundle.has_probe),
         trusted=bundle.trusted,
+        signature_level=manifest.capture.level,
         trigger=None if manifest.trigger is None else manifest.trigger.to_json(),
         probe=_probe_summary(bundle.probe()),
     )

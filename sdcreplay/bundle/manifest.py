@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import BundleError
+from ..kinds import SIGNATURE_LEVELS
 from ..storage.safeio import check_json_value
 from .rules import (
     BOOL,
@@ -160,6 +161,10 @@ class CaptureSettings(Record):
 
     max_depth: int | None = None  # forward/backward entries of modules at most this deep
     program: bool = False  # hyper:, step_grad:, optim:, state: entries
+    # What the record holds: every layer's entries, or the step's boundary only (program
+    # entries included); replay captures the layer level either way and votes the record at
+    # the entries it has. Absent: "layer".
+    level: str = "layer"
 
 
 @dataclass(kw_only=True)
@@ -187,11 +192,17 @@ class Trigger(Record):
         "source": text(64),
         "step": integer(0, 2**31 - 1),
         "ring": integer(1, 2**31 - 1),
+        "anchor": absent_or(choice("snapshot", "checkpoint")),
+        "note": absent_or(text(REASON_LIMIT)),
     }
     reason: str  # what the alarm (or the person) said
     source: str  # who asked: "user", "ReplayCheck", "UpdateDetector", "record", ...
     step: int  # the last step in the bundle
     ring: int  # the ring's size K: the bundle holds at least the last K steps (or all)
+    # where the window starts: a copy of the state, or the loop's own checkpoint (the state
+    # names it); absent in bundles older than checkpoint anchors: "snapshot"
+    anchor: str = "snapshot"
+    note: str | None = None  # what the window holds, in words, where it is not the last K
 
 
 @dataclass(kw_only=True)
@@ -203,20 +214,52 @@ class EmbeddedState(Record):
     file: str = STATE
 
 
+CHECKPOINT_FORMATS = ("torch", "hf", "dcp")
+
+_CHECKPOINT_FILE = re.compile(r"\.?[A-Za-z0-9_][A-Za-z0-9_.=-]{0,254}")
+"""A file directly in a checkpoint directory (``model.safetensors``, ``.metadata``)."""
+
+
+def _checks(obj: dict, rules: dict[str, Check]) -> bool:
+    return set(obj) >= set(rules) and all(rule.test(obj[key]) for key, rule in rules.items())
+
+
 @dataclass(kw_only=True)
 class CheckpointState(Record):
-    """A ``torch.save``d checkpoint outside the bundle the recording started from, pinned by
-    its SHA-256 (checked before every load)."""
+    """A checkpoint outside the bundle the recording started from, pinned by its SHA-256
+    (checked before every load): a ``torch.save`` file, or (``format``) a Hugging Face
+    Trainer checkpoint directory or a torch.distributed.checkpoint directory, whose ``files``
+    replay reads each have their own and ``sha256`` is that of their listing
+    (bundle/checkpoints.py)."""
 
     RULES: ClassVar[dict[str, Check]] = {
         "path": text(4096),
         "sha256": SHA256,
         "size": optional(integer(0, MAX_FILE_BYTES)),
+        "format": absent_or(choice(*CHECKPOINT_FORMATS)),
+        "files": absent_or(
+            Check(
+                lambda v: (
+                    isinstance(v, dict)
+                    and 0 < len(v) <= 100_000
+                    and all(
+                        isinstance(name, str)
+                        and _CHECKPOINT_FILE.fullmatch(name) is not None
+                        and isinstance(meta, dict)
+                        and _checks(meta, FileMeta.RULES)
+                        for name, meta in v.items()
+                    )
+                ),
+                "an object of file names in the checkpoint's directory -> {size, sha256}",
+            )
+        ),
     }
     kind: str = "checkpoint"
     path: str
     size: int | None = None
     sha256: str
+    format: str | None = None  # absent: "torch", a torch.save file
+    files: dict[str, FileMeta] | None = None  # a directory's files replay reads
 
 
 StateRef = EmbeddedState | CheckpointState
@@ -247,6 +290,7 @@ class StepRecord(Record):
         "seconds": optional(number(0, MAX_STEP_SECONDS)),
         "grads": absent_or(choice(*GRADS_ENTERING)),
         "messages": absent_or(integer(0, 10_000_000)),
+        "stopped": absent_or(BOOL),
     }
     index: int
     file: str
@@ -255,6 +299,9 @@ class StepRecord(Record):
     grads: str = "none"  # what the gradients held when the step began: none | zero | kept
     seconds: float | None = None  # how long it took when recorded: replay's hang timeout
     messages: int | None = None  # a job's rank part: the step's logged collective messages
+    # A detector stopped the step at its optimizer's step, before the update (its entries end
+    # with what the optimizer was given); replay stops it there too. Absent: false.
+    stopped: bool = False
 
 
 @dataclass(kw_only=True)
@@ -317,7 +364,7 @@ class Manifest(Record):
             "workload": WorkloadRef._read(obj["workload"]),
             "environment": Environment._read(obj["environment"]),
             "determinism": Switches._read(obj["determinism"]),
-            "state": STATE_KINDS[obj["state"]["kind"]]._read(obj["state"]),
+            "state": _read_state(obj["state"]),
             "steps": [StepRecord._read(step) for step in obj["steps"]],
             "files": {name: FileMeta._read(meta) for name, meta in obj["files"].items()},
         }
@@ -334,6 +381,13 @@ class Manifest(Record):
     @property
     def state_object_names(self) -> list[str]:
         return list(self.state_objects or [])
+
+
+def _read_state(obj: dict) -> StateRef:
+    if obj["kind"] == "checkpoint" and "files" in obj:
+        files = {name: FileMeta._read(meta) for name, meta in obj["files"].items()}
+        return CheckpointState._read(obj, files=files)
+    return STATE_KINDS[obj["kind"]]._read(obj)
 
 
 # The rules of the manifest's top level and its singular objects: dotted path -> rule, checked
@@ -375,6 +429,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "capture": OPTIONAL_OBJECT,
     "capture.max_depth": optional(integer(0, 1024)),
     "capture.program": absent_or(BOOL),
+    "capture.level": absent_or(choice(*SIGNATURE_LEVELS)),
     "state_objects": optional(
         Check(
             lambda v: (
@@ -430,8 +485,19 @@ def _validate_manifest(manifest: Any) -> None:
             "a bundle is evidence and is not edited.",
         )
     _check_fields(manifest, MANIFEST_FIELDS)
+    capture = manifest.get("capture") or {}
+    _require(
+        capture.get("level", "layer") == "layer" or capture.get("program") is True,
+        "capture.program is true at capture.level 'boundary' (its program entries are its "
+        "boundary)",
+    )
     state = manifest["state"]
     _check_fields(state, STATE_KINDS[state["kind"]].RULES, "state.")
+    _require(
+        state["kind"] != "checkpoint"
+        or ("files" in state) == (state.get("format", "torch") in ("hf", "dcp")),
+        "state.files lists a directory checkpoint's files (format hf or dcp), and only those",
+    )
     if "trigger" in manifest:
         _check_fields(manifest["trigger"], Trigger.RULES, "trigger.")
     files = manifest["files"]
@@ -457,6 +523,10 @@ def _validate_manifest(manifest: Any) -> None:
         )
         _require(
             step["file"] in files, f"steps[{position}].file {step['file']!r} is not listed in files"
+        )
+        _require(
+            not (step.get("stopped") and step["optimizer_step"]),
+            f"steps[{position}] is stopped before its optimizer step, yet took it",
         )
         previous = index
     for name in STREAMS:

@@ -32,6 +32,7 @@ from ..storage.safeio import (
     regular_file_inside,
 )
 from . import trust
+from .checkpoints import load_checkpoint
 from .manifest import (
     JOB_SCHEMA,
     MANIFEST,
@@ -53,7 +54,7 @@ from .manifest import (
     sha256_file,
 )
 from .rules import Check, _check_fields, _is_int, integer, nullable, optional, text
-from .state import load_checkpoint, read_rng
+from .state import read_rng
 
 if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
     from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch
@@ -236,7 +237,12 @@ class Bundle:
                 f"{str(log.meta.get('device_type'))[:32]!r}, "
                 f"the manifest says {self.manifest.device_type!r}"
             )
-        log.meta.update(source=str(self.path), device=self.manifest.device, role="record")
+        log.meta.update(
+            source=str(self.path),
+            device=self.manifest.device,
+            role="record",
+            level=self.manifest.capture.level,
+        )
         if list(log.steps) != self.step_indices:
             raise BundleError(
                 f"the signature log holds steps {list(log.steps)}, "

@@ -1,5 +1,5 @@
 """The state a recorded step starts from: RNG states, model, optimizer and state objects'
-state dicts in HDF5, and checkpoints outside the bundle pinned by their SHA-256.
+state dicts in HDF5 (checkpoints outside the bundle: checkpoints.py).
 
 torch (and tensorio) are imported inside these functions only, where tensors are read or
 written, so that `sdcreplay info` runs without torch.
@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import h5py
 import numpy as np
 
-from ..errors import BundleError, CheckpointError
-from .manifest import CheckpointState, sha256_file
+from ..errors import BundleError
 
 if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
     from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch
@@ -102,49 +101,3 @@ def write_state(
             tensorio.write_tree(handle.create_group("optimizer"), optimizer_state)
         for name, state in (objects or {}).items():
             tensorio.write_tree(handle.require_group("objects").create_group(name), state)
-
-
-def checkpoint_reference(path: Path) -> CheckpointState:
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    return CheckpointState(path=str(path), size=path.stat().st_size, sha256=sha256_file(path))
-
-
-def verify_checkpoint(reference: CheckpointState) -> Path:
-    """Refuse a checkpoint that is missing or whose SHA-256 changed since the recording."""
-    path = Path(reference.path)
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} referenced by the bundle does not exist",
-            "Restore the checkpoint at that path (the bundle holds its SHA-256 to check it).",
-        )
-    size = path.stat().st_size
-    if reference.size is not None and size != reference.size:
-        raise CheckpointError(
-            f"checkpoint {path} changed since the recording "
-            f"({size} bytes, recorded {reference.size})",
-            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
-        )
-    actual = sha256_file(path)
-    if actual != reference.sha256:
-        raise CheckpointError(
-            f"checkpoint {path} changed since the recording (SHA-256 {actual[:16]}..., "
-            f"recorded {reference.sha256[:16]}...)",
-            "Replay needs the exact checkpoint the step was recorded from; restore it from backup.",
-        )
-    return path
-
-
-def load_checkpoint(reference: CheckpointState) -> tuple[dict, dict | None]:
-    """Verify the checkpoint is the recorded one, then load it without pickle."""
-    import torch
-
-    path = verify_checkpoint(reference)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from exc
-    if isinstance(obj, dict) and "model" in obj:
-        return obj["model"], obj.get("optimizer")
-    return obj, None

@@ -300,10 +300,12 @@ class BundleWriter:
         grads: str = "none",
         seconds: float | None = None,
         messages: list[Message] | None = None,
+        stopped: bool = False,
     ) -> None:
         """``grads``: what the gradients held as the step began; ``seconds``: how long the step
         took while recording (replay's timeout comes from it); ``messages``: a rank's logged
-        collectives (a job's part), one frame of the message log per step that has any."""
+        collectives (a job's part), one frame of the message log per step that has any;
+        ``stopped``: a detector stopped the step before its optimizer's update."""
         from ..storage import tensorio
 
         name = step_file(index)
@@ -315,7 +317,7 @@ class BundleWriter:
         if messages:
             self._messages.append_records([message.to_json() for message in messages])
         self._note_stream_files()
-        unset = {"seconds"} if seconds is None else set()
+        unset = ({"seconds"} if seconds is None else set()) | (set() if stopped else {"stopped"})
         self.manifest.steps.append(
             StepRecord(
                 index=index,
@@ -325,6 +327,7 @@ class BundleWriter:
                 grads=grads,
                 seconds=None if seconds is None else round(float(seconds), 6),
                 messages=None if messages is None else len(messages),
+                stopped=stopped,
                 absent=frozenset(unset | ({"messages"} if messages is None else set())),
             )
         )

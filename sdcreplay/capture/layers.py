@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from ..errors import SdcReplayError
+from ..kinds import SIGNATURE_LEVELS, SignatureLevel
 from .determinism import RngState
 from .digest import Digester, SignatureValue
 from .operators import ROOT, _own_work
@@ -170,7 +171,10 @@ class SignatureCapture:
     produce the same names in the same order. ``program`` adds the entries
     that make the program visible (``hyper:``, ``step_grad:``, ``optim:``,
     ``state:``, ``state_tensor:``); bundles recorded before they existed
-    replay without them.
+    replay without them. ``level="boundary"`` keeps only the step's boundary
+    (``signature.BOUNDARY_KINDS``: RNG, state objects, losses, what the optimizer is given
+    and the parameters and buffers it produced, program entries included): no module is
+    hooked, no gradient digested after each backward, no optimizer state digested.
     """
 
     def __init__(
@@ -181,10 +185,17 @@ class SignatureCapture:
         *,
         state: dict | None = None,
         program: bool = False,
+        level: SignatureLevel = "layer",
     ):
+        if level not in SIGNATURE_LEVELS:
+            raise SdcReplayError(
+                f"signature level {level!r} is not one of {', '.join(SIGNATURE_LEVELS)}",
+                "Use signature='layer' (every module: forensics) or 'boundary' (production).",
+            )
         self.model = model
         self.state_objects = dict(state or {})
-        self.program = program
+        self.level = level
+        self.program = program or level == "boundary"
         self._digester: Digester | None = None
         self._in_forward_window = False
         self._calls: Counter[str] = Counter()
@@ -194,7 +205,7 @@ class SignatureCapture:
         self._updated_state_positions: dict[str, int] = {}
         self._param_names: dict[int, str] | None = None
         self._handles = []
-        for path, module in model.named_modules():
+        for path, module in model.named_modules() if level == "layer" else ():
             if not within_depth(path, max_depth):
                 continue
             self._handles.append(
@@ -275,8 +286,9 @@ class SignatureCapture:
                 self._add("loss", loss)
 
     def record_gradients(self) -> None:
-        """Every parameter's gradient (``grad:NAME``; ``grad:NAME#1`` after a second backward)."""
-        if self._digester is None:
+        """Every parameter's gradient (``grad:NAME``; ``grad:NAME#1`` after a second backward);
+        not at the boundary level."""
+        if self._digester is None or self.level == "boundary":
             return
         with _own_work():
             for name, param in self.model.named_parameters():
@@ -312,8 +324,12 @@ class SignatureCapture:
                     yield names[id(param)], param
 
     def _on_optimizer_begin(self, optimizer, args, kwargs) -> None:
-        """What the optimizer is about to use: each group's hyper-parameters and the gradients."""
-        if self._digester is None:
+        self.record_optimizer_inputs(optimizer)
+
+    def record_optimizer_inputs(self, optimizer: torch.optim.Optimizer) -> None:
+        """What the optimizer is about to use: each group's hyper-parameters and the gradients
+        (its step pre-hook; called directly for a step a detector stops before it)."""
+        if self._digester is None or not self.program:
             return
         with _own_work():
             for name, value in hyper_items(optimizer):
@@ -328,7 +344,7 @@ class SignatureCapture:
         if self._digester is None:
             return
         with _own_work():
-            if self.program:  # the state the update was computed from comes first
+            if self.program and self.level == "layer":  # the state the update came from first
                 for name, param in self._named_group_params(optimizer):
                     for key, value in optimizer.state.get(param, {}).items():
                         if isinstance(value, torch.Tensor):

@@ -16,6 +16,7 @@ from pathlib import Path
 import zstandard
 
 from ..errors import BundleError
+from ..kinds import SIGNATURE_LEVELS, SignatureLevel
 from ..storage.safeio import check_json_value, read_limited
 
 SCHEMA = "sdcreplay.signatures/1"
@@ -41,9 +42,14 @@ PROGRAM = "program"
 (hyper-parameters, state objects' numbers): a divergence there is a different program."""
 
 
+def entry_kind(name: str) -> str:
+    """``forward``, ``grad``, ``loss``, ... : what an entry is, from its name."""
+    return name.split(":", 1)[0].split("#", 1)[0]
+
+
 def phase_of(name: str) -> str:
     """forward / backward / optimizer / state / program, from the entry's name."""
-    kind = name.split(":", 1)[0].split("#", 1)[0]
+    kind = entry_kind(name)
     return {
         "forward": "forward",
         "loss": "forward",
@@ -63,6 +69,24 @@ def phase_of(name: str) -> str:
 
 def is_program_entry(name: str) -> bool:
     return phase_of(name) == PROGRAM
+
+
+BOUNDARY_KINDS = frozenset(
+    {"rng", "state", "state_tensor", "loss", "hyper", "step_grad", "param", "buffer", "collective"}
+)
+"""The entries of the ``boundary`` level: what the step starts from (RNG, state objects), the
+loss of every backward, what the optimizer is given (hyper-parameters, gradients), what it
+produced (parameters, buffers) and a job's messages. The ``layer`` level has every entry."""
+
+
+def at_level(name: str, level: SignatureLevel) -> bool:
+    """Does a log of ``level`` hold the entry ``name``?"""
+    return level == "layer" or entry_kind(name) in BOUNDARY_KINDS
+
+
+def coarser(first: SignatureLevel, second: SignatureLevel) -> SignatureLevel:
+    """The level two logs can be compared at: the one holding fewer entries."""
+    return max(first, second, key=SIGNATURE_LEVELS.index)
 
 
 def layer_of(name: str) -> str:
@@ -88,6 +112,22 @@ class SignatureLog:
 
     def entry_count(self) -> int:
         return sum(len(entries) for entries in self.steps.values())
+
+    @property
+    def level(self) -> SignatureLevel:
+        """What the log holds (``meta["level"]``; logs older than levels hold every layer)."""
+        level = self.meta.get("level", "layer")
+        return level if level in SIGNATURE_LEVELS else "layer"
+
+    def at(self, level: SignatureLevel) -> SignatureLog:
+        """This log as a log of ``level`` holds it: the entries of a coarser level only."""
+        if level == self.level or level == "layer":
+            return self
+        steps = {
+            step: [(name, digest) for name, digest in entries if at_level(name, level)]
+            for step, entries in self.steps.items()
+        }
+        return SignatureLog(meta={**self.meta, "level": level}, steps=steps)
 
 
 _json_string = json.encoder.encode_basestring_ascii

@@ -13,7 +13,7 @@ cache) is set back to ``None``, and one the step set to ``None`` gets its copy.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,19 +32,59 @@ def _copy_tensor(tensor: torch.Tensor, device: torch.device | None) -> torch.Ten
     return tensor.to(device, copy=True)
 
 
-def copy_state(value: Any, device: torch.device | None = None) -> Any:
-    """A deep copy of a state_dict-like nest whose tensors are copied (to ``device``)."""
+def copy_state(
+    value: Any,
+    device: torch.device | None = None,
+    copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Any:
+    """A deep copy of a state_dict-like nest whose tensors are copied (to ``device``, or by
+    ``copy_tensor``)."""
     if isinstance(value, torch.Tensor):
-        return _copy_tensor(value, device)
+        return _copy_tensor(value, device) if copy_tensor is None else copy_tensor(value)
     if isinstance(value, Mapping):
         copied = type(value)() if isinstance(value, dict) else {}
-        copied.update((key, copy_state(item, device)) for key, item in value.items())
+        copied.update((key, copy_state(item, device, copy_tensor)) for key, item in value.items())
         if hasattr(value, "_metadata"):  # a module state_dict's version information
             copied._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
         return copied
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(copy_state(item, device) for item in value)
+        return type(value)(copy_state(item, device, copy_tensor) for item in value)
     return copy.deepcopy(value)
+
+
+class _HostCopies:
+    """Copies of accelerator tensors to the host that the step does not wait for: into pinned
+    host memory (PyTorch's caching host allocator reuses it), on a side stream that first
+    waits for the work already queued, ``non_blocking``; ``event`` is done when they are.
+    Tensors already on the CPU are copied as they are."""
+
+    _streams: dict[torch.device, Any] = {}  # one side stream per device, made once
+
+    def __init__(self, device: torch.device):
+        self.event: Any = None
+        self._stream: Any = None
+        if device.type == "cuda":
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._stream = stream
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if self._stream is None or not tensor.is_cuda:
+            return tensor.to("cpu", copy=True)
+        with torch.cuda.stream(self._stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(self._stream)  # its memory outlives the copy
+        return host
+
+    def finish(self) -> Any:
+        """The event the copies are done at (None: they already are)."""
+        if self._stream is not None:
+            self.event = self._stream.record_event()
+        return self.event
 
 
 def _nest_nbytes(value: Any) -> int:
@@ -95,6 +135,7 @@ class TrainingSnapshot:
     rng: RngState | None
     device: torch.device
     restores_params: bool = True
+    pending: Any = None  # the copies' CUDA event while a non-blocking copy is in flight
 
     @classmethod
     def take(
@@ -107,22 +148,34 @@ class TrainingSnapshot:
         rng: bool = True,
         params: bool = True,
         device: torch.device | str | None = None,
+        non_blocking: bool = False,
     ) -> TrainingSnapshot:
         """Copy the training state now; ``device`` (e.g. ``"cpu"``) moves the copy off the
         accelerator, None keeps each tensor on its own device. ``params=False`` leaves the
-        parameters out (a forward/backward that never steps the optimizer cannot change them)."""
+        parameters out (a forward/backward that never steps the optimizer cannot change them).
+
+        ``non_blocking`` (to the CPU, no gradients: a ring buffer's window) copies from a GPU
+        without making the step wait (``_HostCopies``): the buffers, which a forward changes,
+        are first copied on the device; ``before_update()`` must run before the optimizer
+        changes anything (its step pre-hook: a wait on the device, not on the host), and the
+        copy is read only after ``ready()`` (``restore`` calls it).
+        """
         store = torch.device(device) if device is not None else None
         step_device = _model_device(model)
         objects = dict(state_objects or {})
-        return cls(
+        asynchronous = non_blocking and store is not None and store.type == "cpu" and not grads
+        buffer_values = dict(model.named_buffers())
+        if asynchronous and step_device.type == "cuda":  # queued before the side stream waits
+            buffer_values = {n: b.detach().clone() for n, b in buffer_values.items()}
+        host = _HostCopies(step_device) if asynchronous else None
+        copy_one = host if host is not None else (lambda t: _copy_tensor(t, store))
+        snapshot = cls(
             model=model,
             optimizer=optimizer,
             state_objects=objects,
-            params=(
-                {n: _copy_tensor(p, store) for n, p in model.named_parameters()} if params else {}
-            ),
+            params={n: copy_one(p) for n, p in model.named_parameters()} if params else {},
             restores_params=params,
-            buffers={n: _copy_tensor(b, store) for n, b in model.named_buffers()},
+            buffers={n: copy_one(b) for n, b in buffer_values.items()},
             empty_buffers=_empty_buffers(model),
             grads=(
                 {
@@ -133,7 +186,9 @@ class TrainingSnapshot:
                 else None
             ),
             optimizer_state=(
-                copy_state(optimizer.state_dict(), store) if optimizer is not None else None
+                copy_state(optimizer.state_dict(), store, copy_one)
+                if optimizer is not None
+                else None
             ),
             object_states={
                 name: copy_state(obj.state_dict(), store) for name, obj in objects.items()
@@ -141,6 +196,21 @@ class TrainingSnapshot:
             rng=capture_rng(step_device) if rng else None,
             device=step_device,
         )
+        snapshot.pending = None if host is None else host.finish()
+        return snapshot
+
+    def before_update(self) -> None:
+        """The parameters and optimizer state are about to change: the device waits for a
+        non-blocking copy still reading them (the host does not)."""
+        if self.pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.pending)
+
+    def ready(self) -> TrainingSnapshot:
+        """Wait until a non-blocking copy is done (then the copy can be read)."""
+        if self.pending is not None:
+            self.pending.synchronize()
+            self.pending = None
+        return self
 
     def restore(self) -> None:
         """Put the copied state back into the same objects, in place.
@@ -148,6 +218,7 @@ class TrainingSnapshot:
         The snapshot stays usable: each restore loads fresh copies, so a rolled-back step can
         be rolled back again.
         """
+        self.ready()
         params = dict(self.model.named_parameters())
         self._restore_empty_buffers()
         buffers = dict(self.model.named_buffers())

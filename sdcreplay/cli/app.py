@@ -25,6 +25,7 @@ from .options import (
     NoLedgerOpt,
     OutOpt,
     ReferenceOpt,
+    Signature,
     TrustedWorkloadOpt,
     TrustOpt,
     _seed_in_range,
@@ -82,6 +83,14 @@ def record(
             "activation digests, cheaper recording. Default: every module.",
         ),
     ] = None,
+    signature: Annotated[
+        Signature,
+        typer.Option(
+            help="What each step's signature log holds: layer (every module's output and "
+            "gradient, for forensics) or boundary (the production level: losses, what the "
+            "optimizer is given and the parameters it produced; replay computes every layer).",
+        ),
+    ] = Signature.layer,
     verify: Annotated[
         bool,
         typer.Option(
@@ -139,6 +148,7 @@ def record(
         "verify": verify,
         "ring": ring,
         "dump_on": [choice.value for choice in dump_on or []] or (["update"] if ring else []),
+        "signature": signature.value,
     }
     if nproc is not None:
         from ..recording.job import record_job

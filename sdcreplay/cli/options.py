@@ -93,6 +93,13 @@ class DumpOn(str, Enum):
     end = "end"
 
 
+class Signature(str, Enum):
+    """What a recorded step's signature log holds (`record --signature`)."""
+
+    layer = "layer"
+    boundary = "boundary"
+
+
 def parse_kwargs(pairs: list[str]) -> dict:
     kwargs = {}
     for pair in pairs:

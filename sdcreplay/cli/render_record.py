@@ -61,13 +61,16 @@ def _trigger_rows(trigger: dict | None) -> list[list[str]]:
     """Why a ring buffer wrote the bundle (none for a bundle recorded step by step)."""
     if trigger is None:
         return []
-    return [
+    rows = [
         [
             "written because",
             f"{escape(trigger['reason'])} ({escape(trigger['source'])}, at step "
             f"{trigger['step']}; ring of the last {trigger['ring']} steps)",
         ]
     ]
+    if trigger.get("note"):
+        rows.append(["window", escape(trigger["note"])])
+    return rows
 
 
 def _job_rows(about: BundleInfo) -> list[list[str]]:
@@ -90,7 +93,8 @@ def render_info(output: Output, about: BundleInfo) -> None:
     state_text = (
         f"embedded ({state['file']})"
         if state["kind"] == "embedded"
-        else f"checkpoint {state['path']} (sha256 {state['sha256'][:12]}...)"
+        else f"checkpoint {state['path']} ({_checkpoint_kind(state)}, sha256 "
+        f"{state['sha256'][:12]}...)"
     )
     if about.state_objects:
         state_text += f"; state objects {', '.join(about.state_objects)}"
@@ -112,7 +116,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
             *_job_rows(about),
             ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
             *_trigger_rows(about.trigger),
-            ["signature entries", str(about.entries)],
+            ["signature entries", f"{about.entries} ({_level_text(about.signature_level)})"],
             ["state", state_text],
             ["verified", _verification_text(about.verification)],
             ["kernel probe", _probe_text(about.probe)],
@@ -140,6 +144,23 @@ def render_info(output: Output, about: BundleInfo) -> None:
         rows or [["-", "not recorded (older bundle)", "-"]],
         fold=[1],
     )
+
+
+def _checkpoint_kind(state: dict) -> str:
+    kind = {"hf": "a Trainer checkpoint", "dcp": "a torch.distributed.checkpoint"}.get(
+        state.get("format") or "torch", "a torch.save file"
+    )
+    files = state.get("files")
+    return f"{kind} of {len(files)} files" if files else kind
+
+
+def _level_text(level: str) -> str:
+    if level == "boundary":
+        return (
+            "boundary level: losses, what the optimizer is given, the parameters it produced; "
+            "replicas compute every layer"
+        )
+    return "layer level: every module's output and gradient"
 
 
 def _probe_text(probe: dict | None) -> str:

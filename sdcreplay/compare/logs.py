@@ -17,13 +17,14 @@ from pathlib import Path
 from ..bundle.reader import Bundle
 from ..capture.signature import (
     SignatureLog,
+    coarser,
     is_program_entry,
     layer_of,
     phase_of,
     read_signature_log,
 )
 from ..errors import BundleError, StructureError
-from ..kinds import ConsensusVerdict, DeviceVerdictName
+from ..kinds import SIGNATURE_LEVELS, ConsensusVerdict, DeviceVerdictName
 
 RECORD = "record"
 
@@ -182,6 +183,10 @@ def check_comparable(a: SignatureLog, b: SignatureLog) -> None:
 
 
 def check_structure(reference: SignatureLog, candidate: SignatureLog, steps: list[int]) -> None:
+    """Same steps, same entries in the same order, at the level both logs hold (a record of
+    the ``boundary`` level against a replay's ``layer`` log: the replay's boundary entries)."""
+    level = coarser(reference.level, candidate.level)
+    reference, candidate = reference.at(level), candidate.at(level)
     for step in steps:
         if step not in reference.steps or step not in candidate.steps:
             where = "first" if step not in reference.steps else "second"
@@ -216,9 +221,11 @@ def compare_logs(
     """Every divergent entry of ``candidate`` against ``reference``, in execution order.
 
     ``steps`` limits the comparison (a replay may stop early); by default both
-    logs must hold the same steps.
+    logs must hold the same steps. Logs of two levels are compared at the entries both hold.
     """
     check_comparable(reference, candidate)
+    level = coarser(reference.level, candidate.level)
+    reference, candidate = reference.at(level), candidate.at(level)
     if steps is None:
         if sorted(reference.steps) != sorted(candidate.steps):
             raise StructureError(
@@ -340,27 +347,87 @@ def _modal(values: list[str]) -> str:
     return next(value for value in values if counts[value] == best)
 
 
+Ballots = dict[int, list[str | None]]
+"""A voter's value at each entry of each step of the full log; None: it has no say there."""
+
+
+def _ballots(logs: list[SignatureLog], names: dict[int, list[str]], steps: list[int]) -> Ballots:
+    """A voter's most frequent value over its runs, at each entry its logs hold."""
+    ballots: Ballots = {}
+    for step in steps:
+        runs = [dict(log.steps[step]) for log in logs]
+        ballots[step] = [
+            _modal([run[name] for run in runs]) if name in runs[0] else None for name in names[step]
+        ]
+    return ballots
+
+
+def _record_ballots(
+    record: SignatureLog,
+    replicas: dict[str, Ballots],
+    names: dict[int, list[str]],
+    steps: list[int],
+) -> Ballots:
+    """The record's ballots: its own value at each entry it holds; at an entry its level lacks
+    (a ``boundary`` record's layers), the value of the replicas that reproduce every entry it
+    holds of that step, where they all agree (a deterministic step that ends in the same
+    boundary computed the same inside), else no say."""
+    ballots: Ballots = {}
+    for step in steps:
+        held = dict(record.steps[step])
+        agreeing = [
+            replica[step]
+            for replica in replicas.values()
+            if all(
+                replica[step][position] == held[name]
+                for position, name in enumerate(names[step])
+                if name in held
+            )
+        ]
+        row: list[str | None] = []
+        for position, name in enumerate(names[step]):
+            if name in held:
+                row.append(held[name])
+                continue
+            values = {replica[position] for replica in agreeing}
+            row.append(values.pop() if len(values) == 1 else None)
+        ballots[step] = row
+    return ballots
+
+
 def _tally(voters: dict[str, list[SignatureLog]], steps: list[int]) -> tuple[SignatureLog, set]:
     """The winning value of every entry, and the entries ``(step, name)`` that are tied.
 
     Each voter votes with its most frequent value over its runs. A value wins
     when more voters hold it than any other value and at least two agree (so
     three healthy replicas outvote seven that are each wrong in their own way);
-    at a tie the first voter's (the record's) value stands in the log.
+    at a tie the first voter's (the record's) value stands in the log. The entries are
+    those of the voter whose log holds most (a replica's every layer); a record of a
+    coarser level votes as ``_record_ballots`` says.
     """
-    first_voter = next(iter(voters.values()))[0]
-    reference = SignatureLog(meta={**first_voter.meta, "role": "consensus"})
+    full = min(
+        (log for logs in voters.values() for log in logs),
+        key=lambda log: SIGNATURE_LEVELS.index(log.level),
+    )
+    names = {step: [name for name, _ in full.steps[step]] for step in steps}
+    replicas = {
+        voter: _ballots(logs, names, steps) for voter, logs in voters.items() if voter != RECORD
+    }
+    ballots = dict(replicas)
+    if RECORD in voters:
+        record = voters[RECORD][0]
+        ballots = {RECORD: _record_ballots(record, replicas, names, steps), **replicas}
+    reference = SignatureLog(meta={**full.meta, "role": "consensus"})
     ties = set()
     for step in steps:
         entries = []
-        for position, (name, _) in enumerate(first_voter.steps[step]):
-            ballots = [
-                _modal([log.steps[step][position][1] for log in logs]) for logs in voters.values()
-            ]
-            ranked = Counter(ballots).most_common(2)
+        for position, name in enumerate(names[step]):
+            cast = [row[step][position] for row in ballots.values()]
+            present = [value for value in cast if value is not None]
+            ranked = Counter(present).most_common(2)
             value = ranked[0][0]
             if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
-                value = ballots[0]
+                value = present[0]
                 ties.add((step, name))
             entries.append((name, value))
         reference.steps[step] = entries
@@ -409,15 +476,19 @@ def vote(
     comparable replicas agreeing against it (one is a tie), and nothing in
     ``case_gaps`` (what the caller knows is missing: an unverified recording, no
     kernel probe); short of it the verdict is ``undecided`` and ``missing`` says why.
+    A record of a coarser level than the replicas' (``boundary``) is judged at the entries
+    it holds, the replicas at every entry (``_record_ballots``: how the record votes there).
     """
     incomparable = {
         label: diffs for label, diffs in (incomparable or {}).items() if label in replicas
     }
     steps = sorted(record.steps)
+    first_replica = next((log for logs in replicas.values() for log in logs), record)
     for logs in replicas.values():
         for log in logs:
             check_comparable(record, log)
-            check_structure(record, log, steps)
+            check_structure(record, log, steps)  # at the record's level
+            check_structure(first_replica, log, steps)  # at every entry
     voters = {RECORD: [record], **{k: v for k, v in replicas.items() if k not in incomparable}}
     reference, ties = _tally(voters, steps)
     verdicts = {voter: _judge(reference, logs, steps, ties) for voter, logs in voters.items()}

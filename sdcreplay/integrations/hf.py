@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import SdcReplayError
 from ..workload.definition import Workload
@@ -123,6 +124,13 @@ class SdcReplayCallback(WatchOptions, TrainerCallback):
             alarm = self.watch.end()
             if alarm is not None and self.stop_on_alarm:
                 control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        """The Trainer saved its checkpoint of this step: the ring's window starts there."""
+        if self.watch is not None:
+            self.watch.checkpoint_saved(
+                Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            )
 
     def on_train_end(self, args, state, control, **kwargs):
         with self.guarded("on_train_end"):

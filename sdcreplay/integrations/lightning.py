@@ -15,9 +15,11 @@ is Lightning's automatic optimization of one batch. Contract and limits: docs/on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.optimizer import (
     _configure_optimizers,
@@ -86,6 +88,8 @@ class SdcReplayCallback(WatchOptions, Callback):
     every recorded step starts at an optimizer-step boundary, as a bundle needs.
     """
 
+    _saving: tuple[Any, CheckpointIO] | None = None  # the strategy and its own CheckpointIO
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         scheduler = _scheduler_to_record(trainer, pl_module)  # refused before training starts
         with self.guarded("on_train_start"):
@@ -95,6 +99,17 @@ class SdcReplayCallback(WatchOptions, Callback):
                 state={SCHEDULER: scheduler} if scheduler is not None else {},
                 start_step=trainer.global_step,
             )
+            # Every checkpoint the Trainer writes (ModelCheckpoint, trainer.save_checkpoint)
+            # goes through its strategy's CheckpointIO: told once it is written, the ring's
+            # window starts there.
+            strategy = trainer.strategy
+            self._saving = (strategy, strategy.checkpoint_io)
+            strategy.checkpoint_io = _TellingCheckpointIO(strategy.checkpoint_io, self._saved)
+
+    def _saved(self, path: Path) -> None:
+        if self.watching and self.watch is not None:  # the next batch drops the gradients
+            with self.guarded("checkpoint saved"):
+                self.watch.checkpoint_saved(path, clear_grads=True)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.watching:
@@ -118,12 +133,42 @@ class SdcReplayCallback(WatchOptions, Callback):
                 trainer.should_stop = True
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._saving is not None:
+            strategy, own = self._saving
+            strategy.checkpoint_io, self._saving = own, None
         with self.guarded("on_train_end"):
             self.stop_watching()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception) -> None:
         """A step cut short is no evidence: close it (and the recorder's hooks) now."""
         self.on_train_end(trainer, pl_module)
+
+
+class _TellingCheckpointIO(CheckpointIO):
+    """The strategy's own CheckpointIO, calling ``saved(path)`` after each checkpoint it
+    wrote (a synchronous one: an asynchronous CheckpointIO tells before the file is whole)."""
+
+    def __init__(self, inner: CheckpointIO, saved: Callable[[Path], None]):
+        self.inner, self.saved = inner, saved
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        self.saved(Path(path))
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        return self.inner.load_checkpoint(
+            path, map_location=map_location, weights_only=weights_only
+        )
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
 
 
 def module_workload(

@@ -3,12 +3,13 @@
 A trainer runs its own step, so no detector can drive it (nor roll it back and
 recompute it): the callbacks *observe* each step instead. ``StepWatch`` opens a
 ring ``Recorder`` step when the framework hands over the batch, notes the
-gradient norms and a copy of the parameters just before the optimizer's update,
-and when the step ends gives ``UpdateDetector.observe`` the loss, gradient norms
-and update norms. On an alarm the detector dumps the ring (the alarmed step is
-its last one) and the callback stops training (``stop_on_alarm``). A failure of
-the callback's own never reaches the trainer's loop: it is warned about and the
-callback stops watching (``WatchOptions.guarded``); training goes on.
+gradient norms just before the optimizer's update (and a copy of the parameters
+where the detector judges updates, ``when="after_update"``), and when the step
+ends gives ``UpdateDetector.judge`` what it saw. On an alarm the detector dumps
+the ring (the alarmed step is its last one) and the callback stops training
+(``stop_on_alarm``). A failure of the callback's own never reaches the trainer's
+loop: it is warned about and the callback stops watching
+(``WatchOptions.guarded``); training goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from ..capture.layers import grads_entering
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
-from ..online.alarms import Alarm, observe
+from ..kinds import SignatureLevel
+from ..online.alarms import Alarm, Observation, gradient_norms, observe
 from ..online.update_detector import UpdateDetector
 from ..recording.recorder import Recorder
 
@@ -63,6 +65,8 @@ class StepWatch:
         detector: Mapping[str, Any] | None = None,
         verify: bool | str = True,
         start_step: int = 0,
+        signature: SignatureLevel = "layer",
+        max_window: int = 1000,
     ):
         self.model, self.optimizer = model, optimizer
         self.recorder = Recorder(
@@ -75,6 +79,8 @@ class StepWatch:
             ring=ring,
             verify=verify,
             start_step=start_step,
+            signature=signature,
+            max_window=max_window,
         )
         self.detector = UpdateDetector(
             model=model,
@@ -88,6 +94,7 @@ class StepWatch:
         self._losses: list[torch.Tensor] = []
         self._grad_norms: dict[str, float] = {}
         self._before: TrainingSnapshot | None = None
+        self._reached_optimizer = False
 
     @property
     def alarms(self) -> list[Alarm]:
@@ -104,6 +111,7 @@ class StepWatch:
         if clear_grads and grads_entering(self.model) != "none":
             self.optimizer.zero_grad(set_to_none=True)
         self._losses, self._grad_norms, self._before = [], {}, None
+        self._reached_optimizer = False
         step = self.recorder.step(batch)
         step.__enter__()
         self._open = step
@@ -118,13 +126,13 @@ class StepWatch:
             self._losses.append(loss.detach().reshape(()))
 
     def before_optimizer(self) -> None:
-        """Gradients as the optimizer will use them; parameters before its update."""
-        with _own_work(), torch.no_grad():
-            grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
-            if grads:
-                norms = torch.stack([torch.linalg.vector_norm(g.double()) for _, g in grads])
-                self._grad_norms = dict(zip([n for n, _ in grads], norms.tolist()))
-            self._before = TrainingSnapshot.take(self.model, None, {}, grads=False, rng=False)
+        """Gradients as the optimizer will use them; the parameters before its update only
+        where the detector judges the update (``when="after_update"``: a copy)."""
+        self._grad_norms = gradient_norms(self.model)
+        self._reached_optimizer = True
+        if self.detector.when == "after_update":
+            with _own_work():
+                self._before = TrainingSnapshot.take(self.model, None, {}, grads=False, rng=False)
 
     def end(self) -> Alarm | None:
         """The step ended: record it, then judge it (an alarm dumps the ring first)."""
@@ -133,15 +141,31 @@ class StepWatch:
             return None
         step.__exit__(None, None, None)
         index, self.step_index = self.step_index, self.step_index + 1
-        if self._before is None:  # the optimizer did not step: no update to judge
+        if not self._reached_optimizer:  # the optimizer did not step: nothing to judge
             return None
         loss = torch.stack(self._losses).mean() if self._losses else None
-        seen = observe(self.model, self._before, loss, self._grad_norms)
-        self._before = None
+        if self._before is not None:
+            seen = observe(self.model, self._before, loss, self._grad_norms)
+        else:
+            seen = Observation(None if loss is None else float(loss), self._grad_norms, {})
+        self._before, self._reached_optimizer = None, False
         alarm = self.detector.judge(seen, step=index)
         if alarm is not None:
             warnings.warn(f"sdcreplay: {alarm.describe()}", stacklevel=2)
         return alarm
+
+    def checkpoint_saved(self, path: str | Path, *, clear_grads: bool = False) -> None:
+        """The trainer just saved a checkpoint at ``path``: the ring's window starts there
+        (``Recorder.checkpoint_saved``); ``clear_grads``: drop the last step's gradients first
+        (a framework whose next step drops them anyway, as ``begin`` does). A checkpoint the
+        ring cannot anchor on is warned about, never raised out of training: the ring goes on
+        copying the state."""
+        if clear_grads and grads_entering(self.model) != "none":
+            self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self.recorder.checkpoint_saved(path)
+        except SdcReplayError as exc:
+            warnings.warn(f"sdcreplay: {exc.message} ({exc.hint})", stacklevel=2)
 
     def _abandon_open_step(self) -> None:
         """A step the framework began but never ended (an exception between two callbacks) is
@@ -162,9 +186,11 @@ class WatchOptions:
 
     ``path``: where an alarm's bundle goes; ``workload`` and ``workload_kwargs`` name the
     factory replay calls (docs/online.md, "Callbacks"); ``ring``: steps kept; ``detector``:
-    ``UpdateDetector`` keyword arguments; ``stop_on_alarm``: stop training after an alarm.
-    ``alarms`` lists the alarms, each with its bundle; ``failure`` says why the callback
-    stopped watching (None while it watches).
+    ``UpdateDetector`` keyword arguments; ``stop_on_alarm``: stop training after an alarm;
+    ``signature`` and ``max_window``: the Recorder's (the window since the trainer's last
+    checkpoint, which the callbacks announce from the trainer's own save). ``alarms`` lists
+    the alarms, each with its bundle; ``failure`` says why the callback stopped watching
+    (None while it watches).
     """
 
     def __init__(
@@ -177,11 +203,14 @@ class WatchOptions:
         detector: Mapping[str, Any] | None = None,
         stop_on_alarm: bool = True,
         verify: bool | str = True,
+        signature: SignatureLevel = "layer",
+        max_window: int = 1000,
     ):
         self.path, self.workload = Path(path), workload
         self.workload_kwargs = dict(workload_kwargs or {})
         self.ring, self.detector = ring, dict(detector or {})
         self.stop_on_alarm, self.verify = stop_on_alarm, verify
+        self.signature, self.max_window = signature, max_window
         self.watch: StepWatch | None = None
         self.failure: str | None = None
 
@@ -236,5 +265,7 @@ class WatchOptions:
             detector=self.detector,
             verify=self.verify,
             start_step=start_step,
+            signature=self.signature,
+            max_window=self.max_window,
         )
         return self.watch

@@ -6,13 +6,16 @@ opinion and the trainer callbacks (``integrations/watch.py``) all speak of it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ..capture.digest import Digester
+from ..capture.layers import observed_backward
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 
@@ -25,8 +28,10 @@ class Observation:
 
     loss: float | None
     grad_norms: dict[str, float]  # at the optimizer's step (empty: it did not step)
-    update_norms: dict[str, float]  # ||parameter after - before|| per parameter
-    result: tuple[str, ...]  # digests of the loss, parameters and buffers after the step
+    update_norms: dict[str, float]  # ||parameter after - before|| per parameter (after it)
+    # What a recompute must reproduce: digests of the loss, parameters and buffers after the
+    # step, or (judged before the update) of the loss and the gradients the optimizer is given
+    result: tuple[str, ...] = ()
 
     @property
     def grad_norm(self) -> float:
@@ -96,3 +101,103 @@ def observe(
         result = tuple(digest for _, digest in digester.entries())
     value = None if loss is None else float(loss.detach())
     return Observation(value, grad_norms, update_norms, result)
+
+
+def gradient_norms(model: torch.nn.Module) -> dict[str, float]:
+    """Each parameter's gradient norm now (one fused pass per device and one sync); a norm that
+    overflows float32 is taken again in float64, so Inf means a NaN or an Inf is there."""
+    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    norms: dict[str, float] = {}
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, grad in named:
+        by_device.setdefault(grad.device, []).append((name, grad))
+    with _own_work(), torch.no_grad():
+        for group in by_device.values():
+            values = torch._foreach_norm([grad for _, grad in group])
+            fetched = torch.stack([value.float() for value in values]).tolist()
+            for (name, grad), value in zip(group, fetched):
+                if not math.isfinite(value) and bool(torch.isfinite(grad).all()):
+                    value = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+                norms[name] = value
+    return norms
+
+
+def gradient_result(model: torch.nn.Module, loss: torch.Tensor | None) -> tuple[str, ...]:
+    """Digests of the loss and of every gradient as the optimizer is about to be given them:
+    what a recompute judged before the update must reproduce."""
+    with _own_work():
+        digester = Digester()
+        digester.add("loss", None if loss is None else loss.detach())
+        for name, param in model.named_parameters():
+            digester.add(name, param.grad)
+        return tuple(digest for _, digest in digester.entries())
+
+
+class BackwardLosses:
+    """The losses handed to ``backward()`` in a step, summed: the step's loss as the optimizer's
+    step begins (divided by a GradScaler's scale among ``state``, which multiplied it)."""
+
+    def __init__(self, state: dict[str, Any]):
+        self._scalers = [obj for obj in state.values() if isinstance(obj, torch.amp.GradScaler)]
+        self.losses: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def observing(self) -> Iterator[None]:
+        self.losses = []
+        with observed_backward(lambda loss: self.losses.append(loss.detach()), lambda: None):
+            yield
+
+    def tensor(self) -> torch.Tensor | None:
+        if not self.losses:
+            return None
+        with _own_work():
+            total = torch.stack([loss.float().reshape(()) for loss in self.losses]).sum()
+            for scaler in self._scalers:
+                if scaler.is_enabled():
+                    total = total / scaler.get_scale()
+        return total
+
+    def value(self) -> float | None:
+        total = self.tensor()
+        return None if total is None else float(total)
+
+
+def update_sketch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's sums along its last dimension and along its first (a vector's: its
+    sum), in float32: a sketch whose change between two updates is that of the update's rows'
+    and columns' sums, which a corrupted element (or a burst along a row or a column) moves
+    about as much as it moves the update itself, with no copy."""
+    with _own_work(), torch.no_grad():
+        return {name: _sums(p.detach()) for name, p in model.named_parameters()}
+
+
+def _sums(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() < 2:
+        return tensor.sum(dtype=torch.float32).reshape(1)
+    rows = tensor.sum(dim=-1, dtype=torch.float32).reshape(-1)
+    return torch.cat([rows, tensor.sum(dim=0, dtype=torch.float32).reshape(-1)])
+
+
+def sketch_distances(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """The norm of each sketch's change: a parameter's update, measured on its sketch."""
+    names = [name for name in after if name in before and before[name].shape == after[name].shape]
+    if not names:
+        return {}
+    with _own_work(), torch.no_grad():
+        changes = [after[name] - before[name].to(after[name].device) for name in names]
+        norms = torch._foreach_norm(changes)
+        values = torch.stack([norm.to(norms[0].device) for norm in norms]).tolist()
+    return dict(zip(names, values))
+
+
+def learning_rates(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
+    """Each parameter's learning rate in its param group now."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    rates = {}
+    for name, param in model.named_parameters():
+        group = group_of.get(id(param))
+        if group is not None and "lr" in group:
+            rates[name] = float(group["lr"])
+    return rates

@@ -18,7 +18,7 @@ from ..capture.determinism import capture_rng, restore_rng
 from ..capture.snapshot import TrainingSnapshot, copy_state
 from ..storage.tensorio import map_tensors
 from ..workload.definition import Workload
-from .alarms import Alarm, Observation, observe
+from .alarms import Alarm, BackwardLosses, Observation, gradient_norms, observe
 
 SecondOpinion = Callable[[Alarm, TrainingSnapshot, Any], bool]
 """``(alarm, snapshot before the step, batch) -> True`` when another device, from the same
@@ -32,7 +32,8 @@ class ReplicaOpinion:
 
     ``make_workload`` builds the same workload (e.g. ``lambda: build_workload(ref, kwargs)``);
     it is built once, on first use. The alarmed result is confirmed (``correct``) when the
-    replica's loss and every update norm agree within ``rtol`` (devices round differently).
+    replica's loss and every gradient and update norm the alarm was judged on agree within
+    ``rtol`` (devices round differently).
     """
 
     def __init__(
@@ -53,12 +54,22 @@ class ReplicaOpinion:
             restore_rng(saved, before.device)
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
-        seen = self.last = outcome[0]
+        before_update, after_update = outcome[0]
         original = alarm.original
         assert original is not None
-        return self._close(seen.loss, original.loss) and all(
-            self._close(seen.update_norms.get(name), norm)
-            for name, norm in original.update_norms.items()
+        # judged after the update: on the loss the step returned; before it: on the losses
+        # handed to backward (update_steps.BackwardLosses)
+        seen = self.last = after_update if original.update_norms else before_update
+        return (
+            self._close(seen.loss, original.loss)
+            and all(
+                self._close(seen.grad_norms.get(name), norm)
+                for name, norm in original.grad_norms.items()
+            )
+            and all(
+                self._close(seen.update_norms.get(name), norm)
+                for name, norm in original.update_norms.items()
+            )
         )
 
     def _close(self, a: float | None, b: float | None) -> bool:
@@ -77,8 +88,20 @@ class ReplicaOpinion:
                 restore_rng(before.rng, self.device)
             moved = map_tensors(batch, lambda t: t.to(self.device))
             state = TrainingSnapshot.take(replica.model, None, grads=False, rng=False)
-            loss = replica.run_step(moved)
-            outcome.append(observe(replica.model, state, loss, {}))
+            losses = BackwardLosses(replica.state)
+            norms: dict[str, float] = {}
+
+            def optimizer_begins(optimizer, args, kwargs) -> None:
+                norms.update({} if norms else gradient_norms(replica.model))
+
+            hook = replica.optimizer.register_step_pre_hook(optimizer_begins)
+            try:
+                with losses.observing():
+                    loss = replica.run_step(moved)
+            finally:
+                hook.remove()
+            before_update = Observation(losses.value(), norms, {})
+            outcome.append((before_update, observe(replica.model, state, loss, norms)))
         except BaseException as exc:  # handed to the training thread
             outcome.append(exc)
 

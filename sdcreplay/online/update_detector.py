@@ -1,74 +1,79 @@
-"""The update detector: alarms on unusual optimizer updates inside training.
+"""The update detector: alarms on unusual gradients and updates inside training.
 
-``UpdateDetector`` watches the statistics of each optimizer update (update norms
-against an EMA baseline, NaN/Inf, Megatron's loss and gradient-norm spikes) and,
-on an alarm, rolls the step back, recomputes it and classifies the alarm as
-Megatron's rerun state machine does. It drives the loop's own step and, given a
-ring ``Recorder``, records every step through it and dumps a bundle when an alarm
+``UpdateDetector`` judges each step on statistics the optimizer's step already has at hand
+(the loss, each gradient's norm against its EMA, NaN/Inf, Megatron's loss and gradient-norm
+spikes) and, on an alarm, recomputes it and classifies the alarm as Megatron's rerun state
+machine does. By default it judges before the optimizer's update and copies nothing: an
+alarmed step is stopped before anything is updated and recomputed from the unchanged
+parameters (``update_steps.BeforeUpdate``); ``when="after_update"`` judges the update's norms
+instead, from a copy of the state before every step. It drives the loop's own step and,
+given a ring ``Recorder``, records every step through it and dumps a bundle when an alarm
 needs evidence. See docs/online.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from collections import Counter, deque
+import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from ..capture.operators import _own_work
-from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
 from ..ledger.notes import note
 from ..ledger.verdicts import alarm_record
 from ..workload.definition import Workload
 from .agreement import _highest
-from .alarms import Alarm, Classification, Observation, observe, summarize_reasons
+from .alarms import Alarm, Classification, Observation, summarize_reasons
+from .baselines import Baselines, Thresholds
 from .second_opinion import SecondOpinion
 from .step import step_workload
 from .stopping import NonFiniteResultError, PersistentFaultError, RecomputeLimitError
+from .update_steps import AfterUpdate, BeforeUpdate, Decide
 
 PEER_ALARM = "peer"
 """The reason on a rank that raised no alarm itself but rolls back with one that did."""
+
+When = Literal["before_update", "after_update"]
 
 # What a recompute showed, ordered so that the largest over the ranks decides for all.
 _PASSED, _REPEATED, _OTHER = 0, 1, 2
 
 
-@dataclass
-class _Baselines:
-    """Per-parameter EMA and recent window of update norms; Megatron's spike references."""
-
-    ema: dict[str, float] = field(default_factory=dict)
-    recent: dict[str, deque] = field(default_factory=dict)
-    accepted: int = 0
-    first_losses: list[float] = field(default_factory=list)
-    first_grad_norms: list[float] = field(default_factory=list)
+def _go_on(seen: Observation) -> bool:
+    return True
 
 
 class UpdateDetector:
-    """Runs the loop's step and alarms on unusual optimizer updates; rolls back and recomputes.
+    """Runs the loop's step and alarms on unusual gradients and updates; recomputes an alarm.
 
-    Checks, after each step (seeds/001 and Megatron's rerun state machine):
-    ``nonfinite:loss``, ``nonfinite:grad:NAME``, ``nonfinite:update:NAME``;
-    ``loss_spike`` / ``grad_spike``: the loss / global gradient norm (taken at the
-    optimizer's step, before it) above ``spike_factor`` x the largest of the first
-    ``spike_steps`` steps; ``update:NAME``: the parameter's update norm differs from
-    its EMA by more than ``max(alpha * EMA, sigmas * std)`` of its last ``window``
-    accepted updates (after ``warmup`` accepted steps).
+    The rules (``baselines.Baselines``; seeds/001 and Megatron's rerun state machine):
+    ``nonfinite:loss``, ``nonfinite:grad:NAME``, ``nonfinite:update:NAME``; ``loss_spike`` /
+    ``grad_spike``: the loss / global gradient norm above ``spike_factor`` x the largest of
+    the first ``spike_steps`` steps; after ``warmup`` accepted steps, ``grad:NAME``: a
+    gradient's norm above both ``jump_factor`` x its EMA and its EMA + ``jump_sigmas`` x the
+    spread of its last ``window`` accepted norms; ``update:NAME``: the parameter's update
+    norm off its EMA by more than ``max(alpha * EMA, sigmas * spread)``.
 
-    On an alarm the step is rolled back (``TrainingSnapshot`` taken before it) and
-    recomputed on the same device. A different result is ``transient`` (the
-    recompute is kept once it passes); the same result is reproducible: ``correct``
-    when ``second_opinion`` confirms it elsewhere, ``persistent`` when it does not
-    (the step is rolled back and ``PersistentFaultError`` raised). Without a second
-    opinion a reproducible alarm is ``correct``, unless the last ``persistent_after``
-    steps all ended in reproducible alarms: then ``persistent``. Under torch.distributed
-    the ranks of ``group`` agree on every decision, so they run the same executions.
+    ``when="before_update"`` (the default) judges the loss and gradients at the optimizer's
+    step and copies nothing: an alarmed execution is stopped before the update and taken back
+    by discarding its gradients (the step must begin with none pending, as after
+    ``zero_grad``). Its update is judged once applied, on a sketch (rows' and columns' sums
+    per learning rate, ``jump_sigmas`` for the spread): such an alarm cannot be recomputed
+    and is left unresolved (dumped, warned about; training goes on). ``when="after_update"``
+    copies the state before every step (``snapshot_device``: where), judges the update's own
+    norm and restores the copy to recompute.
+
+    An alarmed step is recomputed on the same device. A different result is ``transient``
+    (the recompute is kept once it passes); the same result is reproducible: ``correct``
+    when ``second_opinion`` confirms it elsewhere, ``persistent`` when it does not (the
+    step is taken back and ``PersistentFaultError`` raised). Without a second opinion a
+    reproducible alarm is ``correct``, unless the last ``persistent_after`` steps all ended
+    in reproducible alarms: then ``persistent``. Under torch.distributed the ranks of
+    ``group`` agree on every decision, so they run the same executions.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class UpdateDetector:
         train_step: Callable[[Any], torch.Tensor | None] | None = None,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         state: Mapping[str, Any] | None = None,
+        when: When = "before_update",
         alpha: float = 0.05,
         sigmas: float = 3.0,
         ema_decay: float = 0.9,
@@ -87,6 +93,8 @@ class UpdateDetector:
         warmup: int = 10,
         spike_factor: float = 10.0,
         spike_steps: int = 100,
+        jump_factor: float = 4.0,
+        jump_sigmas: float = 6.0,
         max_recomputes: int = 3,
         persistent_after: int = 3,
         second_opinion: SecondOpinion | None = None,
@@ -96,40 +104,45 @@ class UpdateDetector:
         group: Any = None,
         ledger: bool = True,
     ):
-        if alpha < 0 or sigmas < 0 or not 0 <= ema_decay < 1 or window < 2:
-            raise SdcReplayError(
-                f"UpdateDetector(alpha={alpha}, sigmas={sigmas}, ema_decay={ema_decay}, "
-                f"window={window}) is not a threshold",
-                "alpha, sigmas >= 0; 0 <= ema_decay < 1; window >= 2.",
-            )
+        thresholds = Thresholds(
+            alpha, sigmas, ema_decay, window, warmup, spike_factor, spike_steps, jump_factor,
+            jump_sigmas,
+        )  # fmt: skip
         if max_recomputes < 1 or persistent_after < 1:
             raise SdcReplayError("max_recomputes and persistent_after must be at least 1")
+        if when not in ("before_update", "after_update"):
+            raise SdcReplayError(
+                f"when={when!r} is not a moment to judge a step",
+                "Pass when='before_update' (the default: no copy) or 'after_update' (a copy "
+                "of the state before every step, the update's norms judged).",
+            )
         self.workload = step_workload(
             workload, model, optimizer, train_step, loss_fn, state, "UpdateDetector"
         )
-        self.alpha, self.sigmas, self.ema_decay = alpha, sigmas, ema_decay
-        self.window, self.warmup = window, warmup
-        self.spike_factor, self.spike_steps = spike_factor, spike_steps
+        self.when = when
+        self.thresholds = thresholds
         self.max_recomputes, self.persistent_after = max_recomputes, persistent_after
         self.second_opinion = second_opinion
         self.group = group
         self.ledger = ledger  # append transient and persistent alarms to the device ledger
-        self.snapshot_device = snapshot_device
         self.recorder = recorder
         self.next_step = start_step
         self.alarms: list[Alarm] = []
-        self._baselines = _Baselines()
+        self._baselines = Baselines(thresholds, exact_updates=when == "after_update")
+        self._steps: BeforeUpdate | AfterUpdate = (
+            BeforeUpdate(self.workload)
+            if when == "before_update"
+            else AfterUpdate(self.workload, snapshot_device)
+        )
         self._reproducible_in_a_row = 0
         self._counts: Counter[str] = Counter()
         self._overhead = 0.0
         self._recompute_seconds = 0.0
-        self._grad_norms: dict[str, float] | None = None
         self._step_seconds = 0.0
-        self._hook = self.workload.optimizer.register_step_pre_hook(self._optimizer_begins)
 
     def close(self) -> None:
         """Remove the optimizer hook."""
-        self._hook.remove()
+        self._steps.close()
 
     def __enter__(self) -> UpdateDetector:
         return self
@@ -163,29 +176,53 @@ class UpdateDetector:
         self._counts["steps"] += 1
         started, step_seconds = time.perf_counter(), 0.0
         try:
-            with _own_work():
-                snapshot = TrainingSnapshot.take(
-                    self.workload.model,
-                    self.workload.optimizer,
-                    self.workload.state,
-                    device=self.snapshot_device,
-                )
+            self._steps.begin(step)
+            reasons: list[str] = []
+
+            def decide(seen: Observation) -> bool:
+                found = self.reasons(seen)
+                alarmed = bool(_highest(int(bool(found)), self.group))  # the same on every rank
+                reasons[:] = (found or [PEER_ALARM]) if alarmed else []
+                return not alarmed
+
             recording = self.recorder.step(batch) if self.recorder is not None else None
             with recording if recording is not None else contextlib.nullcontext():
-                loss, original = self._observe(batch, snapshot)
+                loss, original, _ = self._execute(batch, decide, recording=True)
             step_seconds = self._step_seconds
-            reasons = self.reasons(original)
-            if not _highest(int(bool(reasons)), self.group):  # every rank agrees: no alarm
+            if not reasons and self.when == "before_update":
+                late = self._baselines.reasons_of_update(original)  # the update is applied
+                if _highest(int(bool(late)), self.group):
+                    return self._unresolved(step, late or [PEER_ALARM], original, loss)
+            if not reasons:
                 self._reproducible_in_a_row = 0
-                self._accept(original)
+                self._baselines.accept(original)
                 return loss
-            reasons = reasons or [PEER_ALARM]  # rolled back with the rank that alarmed
             self._counts["detections"] += 1
-            alarm = Alarm(step, reasons, original=original)
+            alarm = Alarm(step, list(reasons), original=original)
             self.alarms.append(alarm)
-            return self._resolve(batch, snapshot, alarm, loss)
+            return self._resolve(batch, alarm)
         finally:  # everything but the loop's own step (the first execution) is overhead
             self._overhead += time.perf_counter() - started - step_seconds
+
+    def _unresolved(
+        self, step: int, reasons: list[str], seen: Observation, loss: Any
+    ) -> torch.Tensor | None:
+        """An unusual update seen once applied (judged before the update, nothing was copied
+        to take it back): an alarm left unresolved, the ring dumped with the step as its last
+        (a replay elsewhere tells a fault from a genuine update), a warning; training goes on
+        (the loop may stop on ``last_alarm``). Its update norms join no baseline."""
+        self._counts["detections"] += 1
+        alarm = Alarm(step, reasons, original=seen)
+        self.alarms.append(alarm)
+        if self.recorder is not None:
+            self._dump(alarm)
+        warnings.warn(
+            f"sdcreplay: {alarm.describe()}: the update was applied; judged before updates, "
+            "the detector keeps no copy to take it back",
+            stacklevel=3,
+        )
+        self._baselines.accept(Observation(seen.loss, seen.grad_norms, {}))
+        return loss
 
     def judge(self, seen: Observation, *, step: int) -> Alarm | None:
         """Judge a step the detector did not run (a Trainer callback's): a clean one joins the
@@ -194,7 +231,7 @@ class UpdateDetector:
         self.next_step = step + 1
         reasons = self.reasons(seen)
         if not reasons:
-            self._accept(seen)
+            self._baselines.accept(seen)
             return None
         self._counts["detections"] += 1
         alarm = Alarm(step, reasons, original=seen)
@@ -203,78 +240,25 @@ class UpdateDetector:
             self._dump(alarm)
         return alarm
 
-    def _observe(self, batch: Any, snapshot: TrainingSnapshot) -> tuple[Any, Observation]:
-        self._grad_norms = {}
-        started = time.perf_counter()
-        try:
-            loss = self.workload.run_step(batch)
-            grad_norms = self._grad_norms
-        finally:
-            self._grad_norms = None
-            self._step_seconds = time.perf_counter() - started
-        return loss, observe(self.workload.model, snapshot, loss, grad_norms)
-
-    def _optimizer_begins(self, optimizer, args, kwargs) -> None:
-        if self._grad_norms is None or self._grad_norms:
-            return
-        with _own_work():
-            named = [
-                (n, p.grad) for n, p in self.workload.model.named_parameters() if p.grad is not None
-            ]
-            if named:
-                norms = torch.stack(
-                    [torch.linalg.vector_norm(g, dtype=torch.float64) for _, g in named]
-                )
-                self._grad_norms.update(zip([n for n, _ in named], norms.tolist()))
-
     def reasons(self, seen: Observation) -> list[str]:
         """Why ``seen`` is unusual against the baselines (empty: it is not)."""
-        found = []
-        if seen.loss is not None and not math.isfinite(seen.loss):
-            found.append("nonfinite:loss")
-        found += [f"nonfinite:grad:{n}" for n, v in seen.grad_norms.items() if not math.isfinite(v)]
-        found += [
-            f"nonfinite:update:{n}" for n, v in seen.update_norms.items() if not math.isfinite(v)
-        ]
-        if found:
-            return found
-        base = self._baselines
-        if _spikes(seen.loss, base.first_losses, self.spike_steps, self.spike_factor):
-            found.append("loss_spike")
-        if seen.grad_norms and _spikes(
-            seen.grad_norm, base.first_grad_norms, self.spike_steps, self.spike_factor
-        ):
-            found.append("grad_spike")
-        if base.accepted >= self.warmup:
-            for name, norm in seen.update_norms.items():
-                recent = base.recent.get(name)
-                if recent is None or len(recent) < 2:
-                    continue
-                ema = base.ema[name]
-                std = _std(recent)
-                if abs(norm - ema) > max(self.alpha * ema, self.sigmas * std):
-                    found.append(f"update:{name}")
-        return found
+        return self._baselines.reasons(seen)
 
-    def _accept(self, seen: Observation) -> None:
-        base = self._baselines
-        base.accepted += 1
-        for name, norm in seen.update_norms.items():
-            previous = base.ema.get(name)
-            base.ema[name] = (
-                norm
-                if previous is None
-                else self.ema_decay * previous + (1 - self.ema_decay) * norm
+    def _execute(
+        self, batch: Any, decide: Decide, *, recompute: bool = False, recording: bool = False
+    ) -> tuple[Any, Observation, bool]:
+        started = time.perf_counter()
+        try:
+            return self._steps.run(
+                batch,
+                decide,
+                recompute=recompute,
+                recorder=self.recorder if recording else None,
             )
-            base.recent.setdefault(name, deque(maxlen=self.window)).append(norm)
-        if seen.loss is not None and len(base.first_losses) < self.spike_steps:
-            base.first_losses.append(abs(seen.loss))
-        if seen.grad_norms and len(base.first_grad_norms) < self.spike_steps:
-            base.first_grad_norms.append(seen.grad_norm)
+        finally:
+            self._step_seconds = time.perf_counter() - started
 
-    def _resolve(
-        self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, loss: Any
-    ) -> torch.Tensor | None:
+    def _resolve(self, batch: Any, alarm: Alarm) -> torch.Tensor | None:
         """Recompute until every rank's execution passes (transient, or correct on a rank that
         only followed another's alarm), or one repeats its predecessor (reproducible), at most
         ``max_recomputes`` times. Every decision is agreed by all ranks, so they run the same
@@ -285,66 +269,79 @@ class UpdateDetector:
         started = time.perf_counter()
         try:
             while alarm.recomputes < self.max_recomputes:
-                with _own_work():
-                    snapshot.restore()
+                self._steps.rollback()
                 alarm.recomputes += 1
                 self._counts["recomputes"] += 1
-                loss, again = self._observe(batch, snapshot)
+                outcome: list[tuple[int, int, bool]] = []
+                decide = self._recompute_decision(previous, outcome)
+                loss, again, kept = self._execute(batch, decide, recompute=True)
                 alarm.recomputed = again
-                repeated = again.result == previous.result
-                outcome = _PASSED if not self.reasons(again) else _REPEATED if repeated else _OTHER
-                agreed = _highest(outcome, self.group)
+                local, agreed, repeated = outcome[0]
                 if agreed == _PASSED:
-                    if repeated:  # this rank only followed: its step was right
-                        return self._correct(alarm, again, loss)
-                    return self._transient(batch, snapshot, alarm, again, loss)
+                    self._reproducible_in_a_row = 0
+                    self._classify(alarm, "correct" if repeated else "transient")
+                    # a rank that only followed another's alarm repeated its own, right step
+                    return self._keep(batch, alarm, again, loss, kept, dump=not repeated)
                 if agreed == _REPEATED:
-                    return self._reproducible(batch, snapshot, alarm, again, loss, outcome)
+                    return self._reproducible(batch, alarm, again, loss, local, kept)
                 previous = again
-            self._give_up(snapshot, alarm)
+            self._give_up(alarm)
             raise RecomputeLimitError(alarm, self.max_recomputes)
         finally:
             self._recompute_seconds += time.perf_counter() - started
 
-    def _transient(
-        self, batch: Any, snapshot: TrainingSnapshot, alarm: Alarm, kept: Observation, loss: Any
-    ) -> torch.Tensor | None:
-        """Keep the recompute. With a recorder: dump the alarmed execution, take it back, and
-        record the step once more so the ring holds what training goes on from."""
-        self._reproducible_in_a_row = 0
-        self._classify(alarm, "transient")
-        if self.recorder is not None:
-            self._dump(alarm)
-            self.recorder.rewind()
-            with _own_work():
-                snapshot.restore()
-            with self.recorder.step(batch):
-                loss, kept = self._observe(batch, snapshot)
-        self._accept(kept)
-        return loss
+    def _recompute_decision(
+        self, previous: Observation, outcome: list[tuple[int, int, bool]]
+    ) -> Decide:
+        """How a recompute is judged (the outcome, agreed by the ranks, goes in ``outcome``):
+        it goes on through the update when every rank passed and no recorder must record it."""
 
-    def _correct(self, alarm: Alarm, kept: Observation, loss: Any) -> torch.Tensor | None:
-        self._classify(alarm, "correct")
-        self._accept(kept)
+        def decide(again: Observation) -> bool:
+            repeated = again.result == previous.result
+            local = _PASSED if not self.reasons(again) else _REPEATED if repeated else _OTHER
+            agreed = _highest(local, self.group)
+            outcome.append((local, agreed, repeated))
+            return agreed == _PASSED and self.recorder is None
+
+        return decide
+
+    def _keep(
+        self, batch: Any, alarm: Alarm, seen: Observation, loss: Any, kept: bool, *, dump: bool
+    ) -> torch.Tensor | None:
+        """Training goes on from this step. With a recorder, the ring's alarmed execution is
+        dumped (``dump``) and, unless it is the step kept, taken back and the step recorded
+        once more; without one, a recompute that was stopped runs once more to be kept."""
+        recorder = self.recorder
+        if recorder is not None and dump:
+            self._dump(alarm)
+        if recorder is not None and (dump or not self._steps.keeps_alarmed_execution):
+            recorder.rewind()
+            self._steps.rollback()
+            with recorder.step(batch):
+                loss, seen, _ = self._execute(batch, _go_on, recording=True)
+        elif not kept:
+            self._steps.rollback()
+            loss, seen, _ = self._execute(batch, _go_on)
+        self._baselines.accept(seen)
         return loss
 
     def _reproducible(
         self,
         batch: Any,
-        snapshot: TrainingSnapshot,
         alarm: Alarm,
         seen: Observation,
         loss: Any,
         outcome: int,
+        kept: bool,
     ) -> torch.Tensor | None:
         """The same result again (on some rank): correct if another device agrees (or,
-        without one, unless it keeps happening), else persistent: roll back and raise, on
+        without one, unless it keeps happening), else persistent: take it back and raise, on
         every rank."""
         confirmed = True
         if outcome == _REPEATED:
             self._reproducible_in_a_row += 1
             if self.second_opinion is not None:
-                confirmed = self.second_opinion(alarm, snapshot, batch)
+                confirmed = self.second_opinion(alarm, self._steps.snapshot(), batch)
                 if not confirmed:
                     device = getattr(self.second_opinion, "device", None)
                     alarm.contradicted_by = "the second opinion" if device is None else str(device)
@@ -353,15 +350,18 @@ class UpdateDetector:
         if not _highest(int(not confirmed), self.group):
             original = alarm.original
             if outcome == _PASSED and original is not None and seen.result != original.result:
-                return self._transient(batch, snapshot, alarm, seen, loss)
+                self._reproducible_in_a_row = 0
+                self._classify(alarm, "transient")
+                return self._keep(batch, alarm, seen, loss, kept, dump=True)
             nonfinite = any(reason.startswith("nonfinite:") for reason in alarm.reasons)
             if _highest(int(outcome == _REPEATED and nonfinite), self.group):
                 self._classify(alarm, "correct")  # this device is not accused, yet NaN stays out
-                self._give_up(snapshot, alarm)
+                self._give_up(alarm)
                 raise NonFiniteResultError(alarm)
-            return self._correct(alarm, seen, loss)
+            self._classify(alarm, "correct")
+            return self._keep(batch, alarm, seen, loss, kept, dump=False)
         self._classify(alarm, "persistent")
-        self._give_up(snapshot, alarm)
+        self._give_up(alarm)
         raise PersistentFaultError(alarm)
 
     def _classify(self, alarm: Alarm, classification: Classification) -> None:
@@ -382,13 +382,12 @@ class UpdateDetector:
                 ]
             )
 
-    def _give_up(self, snapshot: TrainingSnapshot, alarm: Alarm) -> None:
+    def _give_up(self, alarm: Alarm) -> None:
         """Dump the alarmed step, then the state as before it (the ring's too)."""
         if self.recorder is not None:
             self._dump(alarm)
             self.recorder.rewind()
-        with _own_work():
-            snapshot.restore()
+        self._steps.rollback()
 
     def _dump(self, alarm: Alarm) -> None:
         assert self.recorder is not None
@@ -398,14 +397,3 @@ class UpdateDetector:
             source="UpdateDetector",
         )
         alarm.bundle = str(path)
-
-
-def _spikes(value: float | None, first: list[float], steps: int, factor: float) -> bool:
-    """Megatron's rule: above ``factor`` x the largest of the first ``steps`` values (which
-    must all have been seen)."""
-    return value is not None and len(first) >= steps and abs(value) > factor * max(first)
-
-
-def _std(values: deque) -> float:
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))

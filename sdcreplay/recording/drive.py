@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
 from ..bundle.reader import Bundle
-from ..bundle.state import checkpoint_reference, load_checkpoint
 from ..capture import determinism
 from ..capture.faults import Injector, parse_specs
 from ..capture.operators import OperatorMode
 from ..devices import torch_device
 from ..errors import FaultSpecError, SdcReplayError
+from ..kinds import SignatureLevel
 from ..online.replay_check import ReplayCheck
 from ..online.stopping import TrainingStopped
 from ..online.update_detector import UpdateDetector
@@ -84,6 +85,7 @@ def record(
     on_step: Callable[[int, float | None], None] | None = None,
     ring: int | None = None,
     dump_on: Sequence[str] = (),
+    signature: SignatureLevel = "layer",
 ) -> RecordSummary:
     """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
 
@@ -93,6 +95,7 @@ def record(
     ``dump_on`` asks (DUMP_ON): ``update`` / ``replay``, an ``UpdateDetector`` /
     ``ReplayCheck`` (every step) drives each step and dumps on an alarm (a mismatch, a
     persistent fault or a recompute limit also ends the run); ``end``, when the run ends.
+    ``signature``: the level each step's log holds (``Recorder(signature=...)``).
     """
     detecting = check_dump_on(ring, dump_on, inject)
     kwargs = dict(kwargs or {})
@@ -125,6 +128,7 @@ def record(
         inject=inject,
         ring=ring,
         data_parallel=built.data_parallel,
+        signature=signature,
     )
     detector = _detector(detecting, built, recorder)
     peak_nbytes, stopped = 0, None

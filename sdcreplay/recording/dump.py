@@ -22,6 +22,7 @@ from ..bundle.writer import BundleWriter
 from ..capture.collectives import MessageLog
 from ..capture.layers import SignatureCapture
 from ..capture.snapshot import TrainingSnapshot
+from .anchors import CheckpointAnchor
 from .ring import HeldStep, model_state_dict
 from .verification import FirstStepCheck
 
@@ -55,7 +56,7 @@ class RingDumper:
         self,
         number: int,
         held: list[HeldStep],
-        start: TrainingSnapshot,
+        start: TrainingSnapshot | CheckpointAnchor,
         trigger: Trigger,
         messages: MessageLog | None,
         ring_problem: str | None,
@@ -83,7 +84,7 @@ class RingDumper:
         self,
         path: Path,
         held: list[HeldStep],
-        start: TrainingSnapshot,
+        start: TrainingSnapshot | CheckpointAnchor,
         trigger: Trigger,
         job: JobRecording | None,
         ring_problem: str | None,
@@ -92,7 +93,11 @@ class RingDumper:
         settings = dict(self._bundle_settings, distributed=job and job.distributed)
         writer = BundleWriter(path, overwrite=self._overwrite, **settings)
         try:
-            writer.embed_state(model_state_dict(start), start.optimizer_state, start.object_states)
+            if isinstance(start, CheckpointAnchor):
+                writer.reference_checkpoint(start.reference(), start.object_states)
+            else:
+                optimizer_state = start.ready().optimizer_state  # a copy still in flight
+                writer.embed_state(model_state_dict(start), optimizer_state, start.object_states)
             for step in held:
                 writer.add_step(
                     step.index,
@@ -103,19 +108,25 @@ class RingDumper:
                     grads=step.grads,
                     seconds=step.seconds,
                     messages=step.messages,
+                    stopped=step.stopped,
                 )
             writer.set_trigger(trigger)
             # Called from inside the loop's step, the verification must not reach it: neither
             # through a fault injector's mode nor through the capture of the open step.
+            expected = start.digests if isinstance(start, CheckpointAnchor) else None
             with _disable_current_modes(), self._capture.paused():
-                self._verify_dump(writer, job, ring_problem)
+                self._verify_dump(writer, job, ring_problem, expected)
         except BaseException:
             writer.abort()
             raise
         return writer.close()
 
     def _verify_dump(
-        self, writer: BundleWriter, job: JobRecording | None, ring_problem: str | None
+        self,
+        writer: BundleWriter,
+        job: JobRecording | None,
+        ring_problem: str | None,
+        expected_start: dict[str, str] | None,
     ) -> None:
         if self.verify_mode == "off":
             writer.set_verification("off", "off")
@@ -132,7 +143,9 @@ class RingDumper:
                 None,
             )
         self._check.probe = None
-        problem = problem or self._check.problem(writer.path, live_state=False)
+        problem = problem or self._check.problem(
+            writer.path, live_state=False, expected_start=expected_start
+        )
         if self._check.probe is not None:
             writer.set_probe(self._check.probe)
         writer.set_verification(self.verify_mode, "failed" if problem else "passed", problem)
@@ -153,13 +166,23 @@ class RingDumper:
             number += 1
 
 
-def dump_trigger(reason: str, source: str, held: list[HeldStep], size: int) -> Trigger:
-    """What asked for a dump of ``held`` from a ring of ``size`` steps."""
+def dump_trigger(
+    reason: str, source: str, held: list[HeldStep], size: int, window: tuple[str, str | None]
+) -> Trigger:
+    """What asked for a dump of ``held`` from a ring of ``size`` steps, and where its
+    ``window`` starts (``StepRing.window_note``)."""
+    anchor, note = window
     return Trigger(
         reason=_shortened(reason, Trigger.REASON_LIMIT),
         source=_shortened(source, 64),
         step=held[-1].index,
         ring=size,
+        anchor=anchor,
+        note=None if note is None else _shortened(note, Trigger.REASON_LIMIT),
+        # written where they say more than a copy of the state (the default, and older bundles)
+        absent=frozenset(
+            (["note"] if note is None else []) + (["anchor"] if anchor == "snapshot" else [])
+        ),
     )
 
 

@@ -16,6 +16,7 @@ from ..bundle.job_bundle import job_partial_path
 from ..bundle.writer import claim_output
 from ..devices import validate_label
 from ..heartbeat import HEARTBEAT
+from ..kinds import SignatureLevel
 from ..replay.job import _same, check_fault_ranks
 from ..replay.job_report import ranks_failure
 from ..replay.launch import run_ranks
@@ -39,6 +40,7 @@ def run_rank_record_task(
     verify: bool = True,
     ring: int | None = None,
     dump_on: Sequence[str] = (),
+    signature: SignatureLevel = "layer",
 ) -> dict:
     """One rank of a recording: the workload under a Recorder, which writes this rank's part
     (with a ring: of each job bundle the ranks dump together)."""
@@ -57,6 +59,7 @@ def run_rank_record_task(
         on_step=lambda index, _: HEARTBEAT.beat(f"step {index}"),
         ring=ring,
         dump_on=dump_on,
+        signature=signature,
     )
     return summary.to_json()
 
@@ -96,6 +99,7 @@ def record_job(
     timeout: float = UNKNOWN_STEP_TIMEOUT,
     ring: int | None = None,
     dump_on: Sequence[str] = (),
+    signature: SignatureLevel = "layer",
 ) -> JobRecordSummary:
     """Record ``workload`` on ``nproc`` ranks (``sdcreplay record --nproc``): one job bundle
     (with ``ring``: one per dump, as ``record`` dumps a single process's ring).
@@ -126,6 +130,7 @@ def record_job(
         "verify": verify,
         "ring": ring,
         "dump_on": list(dump_on),
+        "signature": signature,
     }
     logs = out.with_name(out.name + ".logs")
     results = run_ranks(

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
 from ..bundle.jobs import JobRecording, ddp_buckets_rebuilt, ddp_iterations_before, distributed_job
 from ..bundle.manifest import (
     CaptureSettings,
@@ -41,27 +42,24 @@ from ..bundle.manifest import (
     WorkloadRef,
     part_dir,
 )
-from ..bundle.state import checkpoint_reference, load_checkpoint
 from ..bundle.writer import BundleWriter
 from ..capture import determinism
 from ..capture.collectives import MessageLog
 from ..capture.digest import algorithm_for
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
-from ..capture.operators import _own_work
-from ..capture.snapshot import TrainingSnapshot
 from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
-from ..ledger.notes import note
-from ..ledger.verdicts import dump_record
+from ..kinds import SIGNATURE_LEVELS, SignatureLevel
 from ..storage.tensorio import map_tensors
 from ..workload.definition import check_state_objects, recorded_ref
-from .dump import RingDumper, dump_trigger
+from .dump import RingDumper
 from .ring import HeldStep, StepRing
+from .ring_mode import RingMode
 from .verification import FirstStepCheck
 
 VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
 
-class Recorder:
+class Recorder(RingMode):
     """Writes the steps of a training loop into a bundle at ``path``.
 
     ``workload`` names the factory replay will call (with ``workload_kwargs``) to
@@ -75,10 +73,16 @@ class Recorder:
     --inject`), which the check re-executes under too. ``ring=K`` writes nothing while
     recording: the last K steps stay in memory (ring.py) until ``dump(reason)`` writes them
     as a bundle at ``path`` (docs/recording.md, "Ring buffer"; under torch.distributed the
-    ranks' dumps at the same step write one job bundle). ``data_parallel``: the
-    DistributedDataParallel the step runs ``model`` through, when ``model`` is the plain
-    module (a DDP given as ``model`` is found by itself): a replay's fresh DDP then runs the
-    iterations it had run before the first step (its bucket rebuild).
+    ranks' dumps at the same step write one job bundle); after ``checkpoint_saved(path)`` the
+    window starts at the loop's checkpoint and holds every step since, at most ``max_window``
+    (then the ring copies the state every K steps again until the next checkpoint).
+    ``data_parallel``: the DistributedDataParallel the step runs ``model`` through, when
+    ``model`` is the plain module (a DDP given as ``model`` is found by itself): a replay's
+    fresh DDP then runs the iterations it had run before the first step (its bucket rebuild).
+    ``signature``: what each step's signature log holds, ``"layer"`` (every module:
+    forensics) or ``"boundary"`` (the production level: losses, what the optimizer is given
+    and the parameters it produced; replay computes every layer: docs/recording.md,
+    "Signature levels").
     """
 
     def __init__(
@@ -101,10 +105,17 @@ class Recorder:
         ring: int | None = None,
         data_parallel: torch.nn.Module | None = None,
         ledger: bool = True,
+        signature: SignatureLevel = "layer",
+        max_window: int = 1000,
     ):
         if verify not in VERIFY_MODES:
             raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
-        _check_ring(ring, checkpoint)
+        _check_ring(ring, checkpoint, max_window)
+        if signature not in SIGNATURE_LEVELS:
+            raise SdcReplayError(
+                f"signature={signature!r} is not one of {', '.join(SIGNATURE_LEVELS)}",
+                "Record with signature='layer' (every module) or 'boundary' (production).",
+            )
         first_param = next(model.parameters())
         self.device = first_param.device
         self.model, self.optimizer = model, optimizer
@@ -142,10 +153,15 @@ class Recorder:
             environment=Environment(**determinism.environment(self.device)),
             determinism=Switches(**switches),
             fingerprint=determinism.fingerprint(self.device),
-            capture=CaptureSettings(max_depth=max_depth, program=True),
+            capture=CaptureSettings(  # the level is written where it is not the default
+                max_depth=max_depth,
+                program=True,
+                level=signature,
+                absent=frozenset() if signature != "layer" else frozenset({"level"}),
+            ),
             distributed=self._job.distributed if self._job else None,
         )
-        self._ring = None if ring is None else StepRing(ring)
+        self._ring = None if ring is None else StepRing(ring, max_window)
         self._ring_problem: str | None = None  # ring mode: why no dump can pass verification
         self.dumps: list[Path] = []
         self._writer: BundleWriter | None = None
@@ -165,15 +181,26 @@ class Recorder:
             status = "pending" if self.verify_mode != "off" else "off"
             self._writer.set_verification(self.verify_mode, status)
         self._capture = SignatureCapture(
-            model, optimizer, max_depth=max_depth, state=self.state_objects, program=True
+            model,
+            optimizer,
+            max_depth=max_depth,
+            state=self.state_objects,
+            program=True,
+            level=signature,
         )
         # Right after the capture's own post-hook: nothing runs between the two.
         self._hook: RemovableHandle | None = optimizer.register_step_post_hook(
             lambda *_: self._finish_pending(at_optimizer_step=True)
         )
+        self._update_hook = (
+            None
+            if self._ring is None
+            else optimizer.register_step_pre_hook(lambda *_: self._update_begins())
+        )
         self._next_index = start_step
         self._first_index = start_step
-        self._pending: tuple[int, Any, determinism.RngState, str, float] | None = None
+        self._pending: tuple[int, Any, determinism.RngState, str, float, bool] | None = None
+        self._stopped = False  # the open step was stopped before its optimizer's update
         self._open_batch: Any = None  # the stored batch of the step whose block is open
         self._in_block = False
         self._ddp_rebuilt_at_start: bool | None = None  # a job's DDP, as the step began
@@ -228,16 +255,16 @@ class Recorder:
         self._capture.begin_step(rng)
         if self._messages is not None:
             self._messages.begin_step(self._next_index)
-        self._open_batch, self._in_block = stored_batch, True
+        self._open_batch, self._in_block, self._stopped = stored_batch, True, False
         try:
             with self._capture.backward_capture():
                 yield
         finally:
             self._open_batch, self._in_block = None, False
         self._capture.close_window()
-        self._pending = (self._next_index, stored_batch, rng, grads, started)
+        self._pending = (self._next_index, stored_batch, rng, grads, started, self._stopped)
         self._next_index += 1
-        if self._capture.optimizer_stepped:
+        if self._capture.optimizer_stepped or self._stopped:  # nothing of the step comes later
             self._finish_pending()
 
     def extend_batch(self, micro_batch: Any) -> None:
@@ -250,11 +277,23 @@ class Recorder:
             )
         self._open_batch.append(_stored(micro_batch))
 
+    def stop_before_optimizer(self) -> None:
+        """The open step stops now, at its optimizer's step, before the update (a detector
+        judged it there and stops it): what the optimizer was about to be given is recorded,
+        and the step is kept as stopped (replay stops it there too)."""
+        if not self._in_block:
+            raise SdcReplayError(
+                "stop_before_optimizer() needs an open step",
+                "Call it inside `with recorder.step(batch):`, as the optimizer's step begins.",
+            )
+        self._capture.record_optimizer_inputs(self.optimizer)
+        self._stopped = True
+
     def _finish_pending(self, at_optimizer_step: bool = False) -> None:
         """Write the step that ended; ``at_optimizer_step``: called from the optimizer's hook."""
         if self._pending is None:
             return
-        index, batch, rng, grads, started = self._pending
+        index, batch, rng, grads, started, stopped = self._pending
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
@@ -280,10 +319,22 @@ class Recorder:
                 grads=grads,
                 seconds=seconds,
                 messages=messages,
+                stopped=stopped,
             )
         elif self._ring is not None:
             self._ring.add(
-                HeldStep(index, batch, rng, entries, stepped, grads, seconds, messages, ddp_before)
+                HeldStep(
+                    index,
+                    batch,
+                    rng,
+                    entries,
+                    stepped,
+                    grads,
+                    seconds,
+                    messages,
+                    ddp_before,
+                    stopped,
+                )  # fmt: skip
             )
         self.steps_written += 1
         self.entries_written += len(entries)
@@ -374,105 +425,10 @@ class Recorder:
         self._release()
         return self.path
 
-    # --- ring mode (ring.py): the last K steps in memory, a bundle only when asked ---
-
-    def _ring_step_begins(self, grads: str) -> None:
-        assert self._ring is not None
-        if self._capture.step_open and not self._continues_held_steps():
-            self._ring.clear()  # the previous step raised mid-way and left the state changed
-        if self._ring.wants_snapshot(grads):
-            with _own_work():  # not the step's operators (an OperatorMode may be active)
-                snapshot = TrainingSnapshot.take(
-                    self.model,
-                    self.optimizer,
-                    self.state_objects,
-                    grads=False,
-                    rng=False,
-                    device="cpu",
-                )
-            self._ring.open_window(snapshot)
-
-    def _continues_held_steps(self) -> bool:
-        """Are parameters and buffers as the last held step left them (a step that raised
-        before its optimizer step, e.g. stopped by a detector, changed none)? Unknown without
-        verification: then no."""
-        held = self._held_end_digests
-        return held is not None and state_digests(self.model) == held
-
-    def rewind(self) -> None:
-        """Forget the last completed step: a detector rolled the state back to before it, to
-        run it again inside ``step()`` under the same index (dump first to keep it). The
-        held steps then end where the step before it ended, so a later step that raised
-        mid-way (a detector stopping it again) still continues them."""
-        if self._ring is None:
-            raise SdcReplayError(
-                "rewind() needs a ring buffer: a step written to disk is not taken back",
-                "Create the Recorder with ring=K.",
-            )
-        self._finish_pending()
-        dropped = self._ring.drop_last()
-        if dropped is None:
-            raise SdcReplayError("the ring holds no completed step to rewind")
-        self._next_index = dropped.index
-        self._end_digests = None
-        self._held_end_digests, self._earlier_end_digests = self._earlier_end_digests, None
-        self.steps_written -= 1
-        self.entries_written -= len(dropped.entries)
-
-    @property
-    def ring_nbytes(self) -> int:
-        """Bytes the ring holds: snapshots' and batches' tensors, RNG states, signature
-        characters (0 without a ring)."""
-        return 0 if self._ring is None else self._ring.nbytes
-
-    @property
-    def ring_steps(self) -> list[int]:
-        """The steps a dump now would write, oldest first."""
-        return [] if self._ring is None else [step.index for step in self._ring.steps]
-
-    def dump(self, reason: str, *, source: str = "user") -> Path:
-        """Write the ring's steps as a complete bundle and return its path.
-
-        The first dump goes to ``path``, later ones to ``path`` with ``-2``, ``-3``... before
-        the suffix (a name already taken is skipped unless ``overwrite``). A step whose block
-        has not ended is not in it (its evidence is incomplete). The bundle's first step is
-        re-executed from the bundle as the verification; a failure is written in the bundle
-        and warned about, never raised: the alarm that asked for the dump matters more.
-
-        Under torch.distributed every rank must call it at the same step, outside a step's
-        block: each writes its held steps as its part of one job bundle (rank 0 names it), and
-        the ranks re-execute their parts' first step together (its collectives need them all).
-        """
-        if self._ring is None:
-            raise SdcReplayError(
-                "dump() needs a ring buffer: this Recorder writes every step as it goes",
-                "Create it with Recorder(..., ring=K) to keep the last K steps in memory.",
-            )
-        if self._messages is not None and self._in_block:
-            raise SdcReplayError(
-                "dump() under torch.distributed inside a step's block: the ranks re-execute the "
-                "dumped steps together, with collectives of their own",
-                "Call dump() on every rank after the step's block ended.",
-            )
-        self._finish_pending()
-        held, start = self._ring.steps, self._ring.start
-        if not held or start is None:
-            raise SdcReplayError(
-                "the ring holds no completed step yet: there is nothing to write",
-                "Dump after a step has ended (a step that began with accumulated gradients "
-                "cannot start a bundle).",
-            )
-        assert self._dumper is not None
-        trigger = dump_trigger(reason, source, held, self._ring.size)
-        path = self._dumper.write(
-            len(self.dumps) + 1, held, start, trigger, self._messages, self._ring_problem
-        )
-        self.dumps.append(path)
-        if self._ledger:
-            note([dump_record(self.label, reason, str(path), held[0].index)])
-        return path
-
     def _release(self) -> None:
+        if self._update_hook is not None:
+            self._update_hook.remove()
+            self._update_hook = None
         if self._hook is not None:
             self._hook.remove()
             self._capture.close()
@@ -499,18 +455,24 @@ def _stored(batch: Any) -> Any:
     return map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
 
 
-def _check_ring(ring: int | None, checkpoint: str | Path | None) -> None:
+def _check_ring(ring: int | None, checkpoint: str | Path | None, max_window: int) -> None:
     if ring is None:
         return
     if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
         raise SdcReplayError(
             f"ring={ring!r} is not a number of steps", "Pass ring=K with K >= 1, or no ring."
         )
+    if isinstance(max_window, bool) or not isinstance(max_window, int) or max_window < ring:
+        raise SdcReplayError(
+            f"max_window={max_window!r} is not a number of steps of at least ring={ring}",
+            "Pass max_window=W >= K: the most steps a window since a checkpoint holds.",
+        )
     if checkpoint is not None:
         raise SdcReplayError(
             "a ring buffer's bundle starts from the state at its window's start, not from the "
-            "checkpoint",
-            "Drop checkpoint= with ring= (the ring embeds its own start state).",
+            "checkpoint the loop started from",
+            "Drop checkpoint= with ring=, and call recorder.checkpoint_saved(path) after each "
+            "checkpoint the loop saves: the ring's window then starts there.",
         )
 
 

@@ -10,6 +10,12 @@ boundary: gradients carried into a step are not in a bundle); as soon as the
 newest window holds K steps the older one is dropped. So the ring always covers
 the last K steps (or every step so far), and holds at most two snapshots and
 2K - 1 steps (batches, RNG states, signature entries) at once.
+
+A loop that saves checkpoints anchors the window on them instead (``anchor``, from
+``Recorder.checkpoint_saved``): the window then starts at the last checkpoint and holds
+every step since, with no snapshot. It holds at most ``max_window`` steps: a window that
+outgrows it goes on from a snapshot taken then, K steps at a time as above, until the next
+checkpoint (``window_note`` says so in each dump's trigger).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from ..capture.determinism import RngState
 from ..capture.snapshot import TrainingSnapshot
 from ..storage.tensorio import map_tensors
+from .anchors import CheckpointAnchor
 
 if TYPE_CHECKING:
     from ..capture.message import Message
@@ -44,6 +51,7 @@ class HeldStep:
     seconds: float
     messages: list[Message] | None = None
     ddp_iterations_before: int | None = None
+    stopped: bool = False  # a detector stopped it before its optimizer's update
 
     @cached_property  # asked after every step, for every held step
     def nbytes(self) -> int:
@@ -57,31 +65,50 @@ class HeldStep:
 
 @dataclass
 class Window:
-    start: TrainingSnapshot  # the state as ``steps[0]`` began
+    start: TrainingSnapshot | CheckpointAnchor  # the state as ``steps[0]`` began
     steps: list[HeldStep]
+
+    @property
+    def anchored(self) -> bool:
+        """Does it start at a checkpoint of the loop's own?"""
+        return isinstance(self.start, CheckpointAnchor)
 
 
 class StepRing:
-    """Windows of recorded steps covering at least the last ``size`` steps."""
+    """Windows of recorded steps covering at least the last ``size`` steps (or every step
+    since the last checkpoint, at most ``max_window``)."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, max_window: int):
+        self.size, self.max_window = size, max_window
         self._windows: list[Window] = []
+        self.checkpoint: CheckpointAnchor | None = None  # the last one the loop saved
+        self.outgrown_at: int | None = None  # the step its window outgrew max_window at
 
     def wants_snapshot(self, grads: str) -> bool:
         """As a step begins: must a new window start here? Not where gradients are carried in
-        (a bundle starts from parameters and optimizer state, never from gradients)."""
+        (a bundle starts from parameters and optimizer state, never from gradients), nor in a
+        checkpoint's window short of ``max_window``."""
         if grads == "kept":
             return False
         if not self._windows:
             return True
-        held = len(self._windows[-1].steps)
+        newest = self._windows[-1]
+        held = len(newest.steps)
+        if newest.anchored:
+            return held >= self.max_window
         return held == 0 or held >= self.size
+
+    def anchor(self, checkpoint: CheckpointAnchor) -> None:
+        """The loop saved a checkpoint: the window starts there (no older step is needed)."""
+        self._windows = [Window(checkpoint, [])]
+        self.checkpoint, self.outgrown_at = checkpoint, None
 
     def open_window(self, snapshot: TrainingSnapshot) -> None:
         """A window starting now (replacing a newest window whose only step never ended)."""
         if self._windows and not self._windows[-1].steps:
             self._windows.pop()
+        if self._windows and self._windows[-1].anchored:  # it outgrew max_window
+            self.outgrown_at = self._windows[-1].steps[-1].index + 1
         self._windows.append(Window(snapshot, []))
 
     def drop_last(self) -> HeldStep | None:
@@ -104,12 +131,36 @@ class StepRing:
             return False
         newest = self._windows[-1]
         newest.steps.append(step)
-        if len(newest.steps) >= self.size:
+        if len(newest.steps) >= self.size and not newest.anchored:
             self._windows = [newest]  # it alone covers the last K steps
         return True
 
+    def window_note(self) -> tuple[str, str | None]:
+        """Where a dump now starts (``"checkpoint"`` or ``"snapshot"``) and, in words, what it
+        holds when that is not simply the last steps from a copy of the state."""
+        held = [window for window in self._windows if window.steps]
+        if not held:
+            return "snapshot", None
+        first, last = held[0].steps[0].index, held[-1].steps[-1].index
+        checkpoint = self.checkpoint
+        if isinstance(held[0].start, CheckpointAnchor):
+            anchor = held[0].start
+            return "checkpoint", (
+                f"steps {first}-{last}: every step since checkpoint {anchor.path} "
+                f"(saved before step {anchor.before_step})"
+            )
+        if checkpoint is not None and self.outgrown_at is not None:
+            return "snapshot", (
+                f"the window since checkpoint {checkpoint.path} (saved before step "
+                f"{checkpoint.before_step}) outgrew max_window={self.max_window} steps at step "
+                f"{self.outgrown_at}; since then the ring copies the state every {self.size} "
+                f"steps until the next checkpoint, and this bundle holds steps {first}-{last} "
+                f"from its copy before step {first}"
+            )
+        return "snapshot", None
+
     @property
-    def start(self) -> TrainingSnapshot | None:
+    def start(self) -> TrainingSnapshot | CheckpointAnchor | None:
         """The state the oldest held step began from."""
         held = [window for window in self._windows if window.steps]
         return held[0].start if held else None

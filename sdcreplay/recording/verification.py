@@ -23,7 +23,7 @@ from ..capture import determinism
 from ..capture.layers import grads_entering, state_digests
 from ..capture.message import Message
 from ..capture.probe import collecting_calls, record_probe
-from ..capture.signature import is_program_entry
+from ..capture.signature import at_level, is_program_entry
 from ..errors import MessageOrderError, SdcReplayError
 from ..replay.session import ReplaySession
 
@@ -50,17 +50,27 @@ class FirstStepCheck:
         self._distributed = distributed
         self.probe: dict | None = None  # the last re-execution's kernel probe (sdcreplay.probe/1)
 
-    def problem(self, bundle_path: Path, *, live_state: bool) -> str | None:
+    def problem(
+        self,
+        bundle_path: Path,
+        *,
+        live_state: bool,
+        expected_start: dict[str, str] | None = None,
+    ) -> str | None:
         """Re-execute the bundle's first step; ``live_state``: the loop's state must also equal
-        replay's after it (true only while the loop is at the start of its second step)."""
+        replay's after it (true only while the loop is at the start of its second step);
+        ``expected_start``: the digests the parameters and buffers the bundle starts from must
+        have (a window anchored on the loop's checkpoint: the state when it was saved)."""
         # Building the workload reseeds the generators; the loop goes on from its own states.
         saved = determinism.capture_rng(self.device)
         try:
-            return self._reexecute_first_step(bundle_path, live_state)
+            return self._reexecute_first_step(bundle_path, live_state, expected_start)
         finally:
             determinism.restore_rng(saved, self.device)
 
-    def _reexecute_first_step(self, bundle_path: Path, live_state: bool) -> str | None:
+    def _reexecute_first_step(
+        self, bundle_path: Path, live_state: bool, expected_start: dict[str, str] | None
+    ) -> str | None:
         """Replay the first step as `sdcreplay replay` would, in this process: what differs, or
         None."""
         try:
@@ -74,6 +84,10 @@ class FirstStepCheck:
                     f"Recorder was given {sorted(self.state_objects)}: pass the same, by the same "
                     f"names (Recorder(..., state=workload.state))"
                 )
+            if expected_start is not None:
+                problem = _start_difference(session, expected_start)
+                if problem is not None:
+                    return problem
             record = session.bundle.steps[0]
             try:
                 with collecting_calls(self.device) as calls:
@@ -83,7 +97,9 @@ class FirstStepCheck:
             except Exception as exc:  # the workload's own code: a finding, not a crash
                 return f"the workload's step raised {type(exc).__name__}: {exc}"
             self.probe = record_probe(list(calls.calls.values()), self.device).to_json()
-            recorded = session.bundle.signature_log().steps[record.index]
+            log = session.bundle.signature_log()
+            recorded = log.steps[record.index]  # replay holds every layer, the record its level
+            replayed = [(name, digest) for name, digest in replayed if at_level(name, log.level)]
             problem = describe_first_difference(recorded, replayed)
             if problem is None and self._distributed:
                 problem = describe_message_difference(
@@ -128,6 +144,21 @@ class FirstStepCheck:
                     f"after the workload's step: the loop zeroes (or keeps) gradients outside it"
                 )
         return None
+
+
+def _start_difference(session: ReplaySession, expected: dict[str, str]) -> str | None:
+    """Does the checkpoint the bundle references hold the state the loop had as it said it
+    saved it?"""
+    loaded = state_digests(session.model)
+    changed = next((name for name, digest in expected.items() if loaded.get(name) != digest), None)
+    if changed is None:
+        return None
+    state = session.bundle.manifest.state
+    return (
+        f"{changed} in checkpoint {getattr(state, 'path', '?')} differs from the model's when "
+        "checkpoint_saved() was called: the checkpoint holds another state (saved before the "
+        "optimizer step, of another model, or written again since?)"
+    )
 
 
 def describe_first_difference(

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.job_bundle import JobBundle
 from ..bundle.manifest import CheckpointState
 from ..bundle.reader import Bundle
-from ..bundle.state import verify_checkpoint
 from ..capture import determinism
 from ..capture.faults import distributed_rank, other_machine_kernels, parse_specs
 from ..capture.signature import read_signature_log, write_signature_log

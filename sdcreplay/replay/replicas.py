@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.manifest import CheckpointState
 from ..bundle.reader import Bundle
-from ..bundle.state import verify_checkpoint
 from ..capture import determinism
 from ..capture.faults import parse_specs
 from ..capture.signature import SignatureLog, read_signature_log

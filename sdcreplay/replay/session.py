@@ -38,6 +38,10 @@ from ..workload.definition import Workload, build_workload
 from .worker import device_task
 
 
+class _StoppedBeforeUpdate(Exception):
+    """Ends a replayed step where its recording was stopped, at the optimizer's step."""
+
+
 class ReplaySession:
     """A workload rebuilt from a bundle, in the state before its first step."""
 
@@ -75,7 +79,7 @@ class ReplaySession:
         self.workload.model.to(self.device)
         model_state, optimizer_state = self._as_sharded(*self.bundle.load_state())
         try:
-            self.workload.model.load_state_dict(model_state)
+            self.workload.model.load_state_dict(_with_tied_twins(model_state, self.model))
             if optimizer_state is not None:
                 self.workload.optimizer.load_state_dict(optimizer_state)
             self._load_state_objects()
@@ -88,12 +92,14 @@ class ReplaySession:
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
         capture = self.bundle.manifest.capture
+        # Every layer, whatever the record holds: the replicas vote at every entry, the record
+        # at the entries its level has (compare/logs.py).
         self.capture = SignatureCapture(
             self.workload.model,
             self.workload.optimizer,
             max_depth=capture.max_depth,
             state=self.workload.state,
-            program=capture.program,
+            program=capture.program or capture.level != "layer",
         )
 
     def _warm_up_ddp(self, batch: object, index: int) -> None:
@@ -209,8 +215,8 @@ class ReplaySession:
         log = self.message_log
         if log is not None:
             log.begin_step(record.index, self.recorded_messages.get(record.index, []))
-        try:
-            with mode, self.capture.backward_capture():
+        try:  # stopped where the recording stopped: before the mode's optimizer phase
+            with self._stopped_like(record), mode, self.capture.backward_capture():
                 if self.workload.train_step is not None:
                     self.workload.train_step(batch)
                 else:
@@ -225,6 +231,25 @@ class ReplaySession:
             self.last_messages = log.end_step()
         return self.capture.end_step()
 
+    @contextlib.contextmanager
+    def _stopped_like(self, record: StepRecord) -> Iterator[None]:
+        """A step a detector stopped before its optimizer's update is stopped there again, once
+        the capture's own pre-hook took what the optimizer was given."""
+        if not record.stopped:
+            yield
+            return
+
+        def stop(optimizer, args, kwargs) -> None:
+            raise _StoppedBeforeUpdate
+
+        handle = self.optimizer.register_step_pre_hook(stop)
+        try:
+            yield
+        except _StoppedBeforeUpdate:
+            pass
+        finally:
+            handle.remove()
+
     def _set_gradients(self, grads: str) -> None:
         """Give the step the gradients the loop's step began with (it may have accumulated)."""
         if grads != "kept":
@@ -233,7 +258,7 @@ class ReplaySession:
     def _default_step(self, record: StepRecord, batch) -> None:
         """A loss_fn-only workload: backward, and the optimizer step only where the loop took it."""
         self.workload.loss(batch).backward()
-        if record.optimizer_step:
+        if record.optimizer_step or record.stopped:
             self.optimizer.step()
 
     def save_state(self, path: Path) -> None:
@@ -272,6 +297,24 @@ class ReplaySession:
 
     def close(self) -> None:
         self.capture.close()
+
+
+def _with_tied_twins(model_state: dict, model: torch.nn.Module) -> dict:
+    """A state dict that names a tied parameter once (a Hugging Face checkpoint's weights):
+    its twins, the same tensor in the model, take its value."""
+    live = model.state_dict(keep_vars=True)
+    missing = [name for name in live if name not in model_state]
+    if not missing:
+        return model_state
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in live.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    completed = dict(model_state)
+    for name in missing:
+        twin = next((other for other in names_of[id(live[name])] if other in model_state), None)
+        if twin is not None:
+            completed[name] = model_state[twin]
+    return completed
 
 
 def replay_on_device(

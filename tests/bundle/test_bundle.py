@@ -50,10 +50,9 @@ from sdcreplay.bundle.manifest import (
     manifest_digest,
 )
 from sdcreplay.bundle.reader import MESSAGE_FIELDS, Bundle
-from sdcreplay.bundle.state import checkpoint_reference, load_checkpoint
 from sdcreplay.bundle.writer import BundleWriter, _readable_json, written_by_us
 from sdcreplay.capture import determinism
-from sdcreplay.errors import BundleError, CheckpointError, SdcReplayError
+from sdcreplay.errors import BundleError, SdcReplayError
 
 
 def header() -> dict:
@@ -281,7 +280,8 @@ def test_a_recorded_manifest_survives_from_json_and_to_json(small_bundle: Path):
     assert manifest.steps[1].index == 1 and manifest.steps[1].file == "steps/000001.h5"
     assert manifest.files[STATE].size == (small_bundle / STATE).stat().st_size
     assert manifest.workload.ref == "builtin:tiny-llama" and manifest.workload.kwargs["seed"] == 0
-    assert manifest.capture == CaptureSettings(max_depth=None, program=True)
+    assert manifest.capture.to_json() == {"max_depth": None, "program": True}
+    assert manifest.capture.level == "layer"  # the default, not written
     assert manifest.verification.status == "passed" and manifest.verification.passed
 
 
@@ -593,6 +593,11 @@ HAND_EDITS = {
         "verification.status is null",
     ),
     "capture-a-list": (_set(["capture"], []), "capture is \\[\\], expected an object"),
+    "capture-level-unknown": (_set(["capture", "level"], "every"), "capture.level"),
+    "capture-boundary-without-program": (
+        lambda m: m["capture"].update(level="boundary", program=False),
+        "capture.program is true at capture.level 'boundary'",
+    ),
 }
 
 
@@ -705,74 +710,6 @@ def test_sweep_of_manifest_byte_flips(fuzz_original):
 
             outcomes.append(_check_damaged(template, original, MANIFEST, flip))
     assert outcomes.count("refused") > 0.8 * len(outcomes)
-
-
-# --- checkpoints ------------------------------------------------------------------
-
-
-def test_checkpoint_reference_and_load(tmp_path: Path):
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt"
-    )
-    reference = checkpoint_reference(tmp_path / "ckpt.pt")
-    assert reference.to_json() == {
-        "kind": "checkpoint",
-        "path": str((tmp_path / "ckpt.pt").resolve()),
-        "size": (tmp_path / "ckpt.pt").stat().st_size,
-        "sha256": hashlib.sha256((tmp_path / "ckpt.pt").read_bytes()).hexdigest(),
-    }
-    model_state, optimizer_state = load_checkpoint(reference)
-    assert torch.equal(model_state["weight"], model.weight.detach())
-    assert optimizer_state["param_groups"][0]["lr"] == 0.1
-
-
-def test_bare_state_dict_checkpoint(tmp_path: Path):
-    torch.save({"weight": torch.ones(2)}, tmp_path / "sd.pt")
-    model_state, optimizer_state = load_checkpoint(checkpoint_reference(tmp_path / "sd.pt"))
-    assert torch.equal(model_state["weight"], torch.ones(2)) and optimizer_state is None
-
-
-def test_changed_checkpoint_is_refused(tmp_path: Path):
-    torch.save({"model": {"w": torch.zeros(2)}}, tmp_path / "ckpt.pt")
-    reference = checkpoint_reference(tmp_path / "ckpt.pt")
-    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "ckpt.pt")
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(reference)
-    assert "changed since the recording" in info.value.message
-    assert "exact checkpoint" in info.value.hint
-
-
-def test_missing_checkpoint_is_refused(tmp_path: Path):
-    with pytest.raises(CheckpointError, match="does not exist"):
-        checkpoint_reference(tmp_path / "nope.pt")
-    torch.save({"w": torch.zeros(1)}, tmp_path / "ckpt.pt")
-    reference = checkpoint_reference(tmp_path / "ckpt.pt")
-    (tmp_path / "ckpt.pt").unlink()
-    with pytest.raises(CheckpointError, match="does not exist"):
-        load_checkpoint(reference)
-
-
-class _Payload:
-    """Unpickling this runs code: it would create a file."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
-
-
-def test_a_checkpoint_is_never_unpickled(tmp_path: Path):
-    marker = tmp_path / "pwned"
-    torch.save(
-        {"model": {"w": torch.zeros(1)}, "extra": _Payload(str(marker))}, tmp_path / "evil.pt"
-    )
-    reference = checkpoint_reference(tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
-        load_checkpoint(reference)
-    assert not marker.exists()
 
 
 def test_state_is_hdf5_with_plain_datasets(small_bundle: Path):

@@ -137,3 +137,49 @@ def test_a_buffer_that_was_none_is_none_again_and_an_emptied_one_comes_back() ->
     model[1].register_buffer("added", torch.zeros(1))
     with pytest.raises(SdcReplayError, match="parameters or buffers changed"):
         snapshot.restore()
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_a_non_blocking_copy_holds_the_state_as_it_was_taken(device: str) -> None:
+    """A ring's copy to the host (pinned memory, a side stream on a GPU): the step goes on while
+    it is copied, the update waits for it on the device, and what is read is the state as the
+    copy was taken, BatchNorm's running statistics (changed by the forward) included."""
+    model, optimizer, state = _setup()
+    model.to(device)
+    _step_on(model, optimizer, device)  # optimizer state exists
+    expected = [t.detach().cpu().clone() for t in model.state_dict().values()]
+    moments = [s["exp_avg"].cpu().clone() for s in optimizer.state.values()]
+    copy = TrainingSnapshot.take(
+        model, optimizer, state, grads=False, rng=False, device="cpu", non_blocking=True
+    )
+    assert (copy.pending is not None) == (device == "cuda")
+    loss = model(torch.randn(4, 6, device=device)).square().mean()  # the forward moves BN
+    loss.backward()
+    copy.before_update()
+    optimizer.step()
+    copy.ready()
+    assert copy.pending is None
+    held = copy.params | copy.buffers
+    assert all(t.device.type == "cpu" for t in held.values())
+    names = list(model.state_dict())
+    assert all(torch.equal(held[n], e) for n, e in zip(names, expected) if n in held)
+    saved = copy.optimizer_state["state"]
+    assert all(torch.equal(saved[i]["exp_avg"], m) for i, m in enumerate(moments))
+
+
+def _step_on(model, optimizer, device: str) -> None:
+    model(torch.randn(4, 6, device=device)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()

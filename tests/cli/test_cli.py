@@ -103,6 +103,22 @@ def test_record_info_replay_json(tmp_path: Path, cli):
     assert re.search(r"^replaying: 1/1, cpu finished \(\d+\.\d s\)$", result.stderr, re.M)
 
 
+def test_record_signature_boundary_and_info_shows_the_level(tmp_path: Path, cli):
+    bundle = tmp_path / "b.bundle"
+    recorded = cli(
+        "record", "builtin:tiny-llama", "--steps", "2", *SMALL_ARGS, "--out", bundle,
+        "--signature", "boundary", "--json",
+    )  # fmt: skip
+    assert recorded.exit_code == 0, recorded.output
+    about = json.loads(cli("info", bundle, "--json").stdout)
+    assert about["signature_level"] == "boundary"
+    assert about["verification"]["status"] == "passed"
+    assert about["entries"] == json.loads(recorded.stdout)["entries"]
+    assert "boundary level" in cli("info", bundle).stderr
+    refused = cli("record", "builtin:tiny-llama", "--signature", "every", "--out", tmp_path / "x")
+    assert refused.exit_code == 2 and "every" in refused.output
+
+
 def test_human_output_goes_to_stderr(small_bundle: Path, cli):
     result = cli("info", small_bundle)
     assert result.exit_code == 0

@@ -453,6 +453,90 @@ def test_vote_refuses_a_replica_of_another_program():
 
 
 # ---------------------------------------------------------------------------
+# a record of the boundary level: the record votes at the entries it holds
+
+
+def _boundary(log: SignatureLog) -> SignatureLog:
+    """What a Recorder(signature="boundary") would have kept of ``log``."""
+    return log.at("boundary")
+
+
+def test_a_boundary_record_holds_only_the_step_boundary():
+    assert [name for name, _ in _boundary(_clean()).steps[0]] == [
+        "rng:cpu",
+        "loss",
+        "param:l0.a.weight",
+        "param:l1.weight",
+    ]
+    assert _boundary(_clean()).level == "boundary" and _clean().level == "layer"
+
+
+def test_a_boundary_record_compares_with_a_replay_at_its_own_entries():
+    comparison = compare_logs(_boundary(_clean()), _clean())
+    assert comparison.identical and comparison.entries == 3 * 4
+    inside = _with(_clean(), {(1, "forward:l1"): "x"})  # a layer the record does not hold
+    assert compare_logs(_boundary(_clean()), inside).identical
+    at_boundary = _with(inside, {(1, "param:l1.weight"): "y"})
+    assert compare_logs(_boundary(_clean()), at_boundary).first == Divergence(
+        1, "param:l1.weight", "1-10", "y"
+    )
+
+
+def test_a_boundary_record_and_two_replicas_name_the_odd_replica_at_its_first_layer():
+    """With two replicas every layer entry would be one against one; the record votes there
+    with the replica that reproduces its boundary, so the faulty replica is named at the layer
+    where it first went wrong."""
+    bad = _with(_clean(), {(1, "backward:l0"): "x", (1, "grad:l0.a.weight"): "x"})
+    bad = _with(bad, {(1, "param:l0.a.weight"): "x", (2, "loss"): "x"})
+    consensus = vote(_boundary(_clean()), {"cpu:0": [_clean()], "cpu:1": [bad]})
+    assert (consensus.verdict, consensus.suspects, consensus.undecided_entries) == (
+        "persistent",
+        ["cpu:1"],
+        0,
+    )
+    assert consensus.first_divergence == Divergence(1, "backward:l0", "1-6", "x")
+    assert {voter: v.verdict for voter, v in consensus.voters.items()} == {
+        "record": "match",
+        "cpu:0": "match",
+        "cpu:1": "persistent",
+    }
+
+
+def test_a_boundary_record_that_left_the_replicas_is_suspect_at_its_boundary():
+    bad_record = _with(_boundary(_clean()), {(1, "param:l0.a.weight"): "x"})
+    consensus = vote(bad_record, {"cpu:0": [_clean()], "cpu:1": [_clean()]})
+    assert (consensus.verdict, consensus.suspects) == ("recording_suspect", ["record"])
+    assert consensus.first_divergence == Divergence(1, "param:l0.a.weight", "1-9", "x")
+
+
+def test_a_corruption_the_boundary_masks_stays_undecided_between_two_replicas():
+    """Both replicas reproduce the record's boundary but differ inside: the record cannot
+    say which one it computed, so neither is accused."""
+    masked = _with(_clean(), {(1, "forward:l0.a"): "x"})
+    consensus = vote(_boundary(_clean()), {"cpu:0": [_clean()], "cpu:1": [masked]})
+    assert (consensus.verdict, consensus.suspects, consensus.undecided_entries) == (
+        "undecided",
+        [],
+        1,
+    )
+    # a third replica decides it
+    consensus = vote(
+        _boundary(_clean()), {"cpu:0": [_clean()], "cpu:1": [masked], "cpu:2": [_clean()]}
+    )
+    assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:1"])
+
+
+def test_replicas_of_a_boundary_record_must_agree_in_structure_among_themselves():
+    other = _log(
+        {step: [*entries, ("forward:extra", "e")] for step, entries in _clean().steps.items()}
+    )
+    with pytest.raises(StructureError, match="forward:extra"):
+        vote(_boundary(_clean()), {"cpu:0": [_clean()], "cpu:1": [other]})
+    with pytest.raises(StructureError, match="different programs"):
+        compare_logs(_boundary(_clean()), _log({s: e[:-1] for s, e in _clean().steps.items()}))
+
+
+# ---------------------------------------------------------------------------
 # sdcreplay diff
 
 

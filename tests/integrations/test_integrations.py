@@ -372,3 +372,107 @@ def test_a_failure_of_the_lightning_callback_is_warned_and_training_goes_on(tmp_
         trainer.fit(make_module(0), loader)
     assert trainer.global_step == 8 and not callback.watching
     assert torch.autograd.backward is backward
+
+
+LATE_FAULT = 7  # after the checkpoint of step 6
+
+
+def check_anchored_bundle(path: Path, checkpoint: Path, first_entry: str) -> None:
+    """The alarm bundle references the trainer's last checkpoint (no copy of the state), holds
+    every step since it, verifies, and a replay from the checkpoint matches the clean step and
+    diverges at the faulty one."""
+    bundle = Bundle.open(path)
+    state = bundle.manifest.state
+    assert (state.kind, Path(state.path)) == ("checkpoint", checkpoint.resolve())
+    assert bundle.step_indices == [6, LATE_FAULT]
+    assert bundle.manifest.trigger.anchor == "checkpoint"
+    assert bundle.manifest.capture.level == "boundary"
+    assert bundle.verification.status == "passed"
+    replayed = sdcreplay.replay_on_device(bundle, "cpu")
+    first = sdcreplay.compare_logs(bundle.signature_log(), replayed).first
+    assert (first.step, first.name) == (LATE_FAULT, first_entry)
+
+
+def test_hf_trainer_checkpoints_anchor_the_ring(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.syspath_prepend(str(HERE))
+    from hf_workload import make_trainer
+    from transformers import TrainerCallback
+
+    from sdcreplay.integrations.hf import SdcReplayCallback
+
+    defect = Defect(
+        "kind=nan,op=aten.mm,module=model.layers.0.self_attn.q_proj,phase=forward,index=0"
+    )
+
+    class DefectCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            if state.global_step == LATE_FAULT:
+                defect.enter(FAULTY_STEP, model, optimizer.optimizer)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            defect.leave()
+
+    out = tmp_path / "hf-anchored.bundle"
+    callback = SdcReplayCallback(
+        out,
+        f"{HERE / 'hf_workload.py'}:make_workload",
+        workload_kwargs={"seed": 0, "max_steps": 8},
+        ring=RING,
+        signature="boundary",
+    )
+    trainer = make_trainer(
+        str(tmp_path / "trainer"), callbacks=[DefectCallback(), callback], save_steps=3
+    )
+    with pytest.warns(UserWarning, match=f"step {LATE_FAULT}: nonfinite"):
+        trainer.train()
+    assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
+    check_anchored_bundle(out, tmp_path / "trainer" / "checkpoint-6", "loss")
+    reference = Bundle.open(out).manifest.state
+    assert reference.format == "hf" and "optimizer.pt" in reference.files
+
+
+def test_lightning_checkpoints_anchor_the_ring(tmp_path, monkeypatch):
+    lightning = pytest.importorskip("lightning")
+    monkeypatch.syspath_prepend(str(HERE))
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_workload import batches, make_module
+
+    from sdcreplay.integrations.lightning import SdcReplayCallback
+
+    defect = Defect("kind=nan,op=aten.addmm,nth=0,index=0")
+
+    class DefectCallback(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == LATE_FAULT:
+                defect.enter(FAULTY_STEP, pl_module, trainer.optimizers[0])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            defect.leave()
+
+    out = tmp_path / "lightning-anchored.bundle"
+    callback = SdcReplayCallback(
+        out,
+        f"{HERE / 'lightning_workload.py'}:make_workload",
+        workload_kwargs={"seed": 0},
+        ring=RING,
+        signature="boundary",
+    )
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    trainer = lightning.Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[DefectCallback(), callback, saving],
+    )
+    loader = torch.utils.data.DataLoader(batches(0), batch_size=None)
+    with pytest.warns(UserWarning, match=f"step {LATE_FAULT}: nonfinite:loss"):
+        trainer.fit(make_module(0), loader)
+    assert [alarm.bundle for alarm in callback.alarms] == [str(out)]
+    check_anchored_bundle(out, tmp_path / "ckpt" / "epoch=0-step=6.ckpt", "loss")
+    assert type(trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # put back

@@ -33,7 +33,7 @@ def test_quick_campaign_reports_every_kind_for_every_detector(
     out = tmp_path / "campaign.json"
     assert campaign.main(["--quick", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    for detector in ("ReplayCheck", "UpdateDetector"):
+    for detector in ("ReplayCheck", "UpdateDetector", "UpdateDetector(after_update)"):
         for kind in ("bitflip", "mask", "burst", "bias", "swap", "all"):
             assert f"| {detector} | {kind} |" in table, (detector, kind)
         for mode in ("sticky", "intermittent", "single"):
@@ -41,7 +41,7 @@ def test_quick_campaign_reports_every_kind_for_every_detector(
     assert "| plain |" in table
     data = json.loads(out.read_text())
     trials = data["trials"]
-    for detector in ("ReplayCheck", "UpdateDetector"):
+    for detector in ("ReplayCheck", "UpdateDetector", "UpdateDetector(after_update)"):
         mine = [t for t in trials if t["detector"] == detector]
         planted = sorted((t["fault"]["kind"], t["fault"]["mode"]) for t in mine if t["fault"])
         assert planted == sorted((k, m) for k in campaign.KINDS for m in campaign.MODES)

@@ -483,3 +483,64 @@ def test_backward_entries_are_the_gradients_each_input_edge_hands_back():
         ("backward:mix[1]", tensor_digest(torch.full((12,), 5.0))),
         ("backward:mix[0]", tensor_digest(torch.full((12,), 3.0))),
     ]
+
+
+BACKWARD_FAULT = "kind=bitflip,op=aten.mm,phase=backward,step=1,nth=2,index=3,bit=20"
+
+
+def test_a_boundary_recording_holds_the_step_boundary_and_replays_at_every_layer(tmp_path: Path):
+    """signature="boundary": the record keeps the losses, what the optimizer is given and the
+    parameters it produced; a replay computes every layer, votes with it at the boundary, and
+    a replica with a fault is named at the layer where it went wrong."""
+    rec, _ = user_loop(tmp_path / "b.bundle", signature="boundary")
+    bundle = Bundle.open(rec.path)
+    assert (bundle.manifest.capture.level, bundle.verified) == ("boundary", True)
+    log = bundle.signature_log()
+    assert log.level == "boundary"
+    assert {kind(name) for name, _ in log.steps[0]} == {
+        "rng",
+        "loss",
+        "hyper",
+        "step_grad",
+        "param",
+        "buffer",
+    }
+    replayed = replay_on_device(bundle, "cpu:0")
+    assert replayed.level == "layer"
+    assert {"forward", "backward", "grad", "optim"} <= {kind(n) for n, _ in replayed.steps[0]}
+    comparison = compare_logs(log, replayed)
+    assert comparison.identical and comparison.entries == log.entry_count()
+    faulty = replay_on_device(bundle, "cpu:1", inject=[BACKWARD_FAULT + ",device=cpu:1"])
+    consensus = sdcreplay.vote(log, {"cpu:0": [replayed], "cpu:1": [faulty]})
+    assert (consensus.verdict, consensus.suspects) == ("persistent", ["cpu:1"])
+    assert consensus.first_divergence.brief() == {
+        "step": 1,
+        "phase": "backward",
+        "name": "grad:layers.0.mlp.w2.weight",
+    }
+
+
+def test_a_fault_while_recording_at_the_boundary_level_accuses_the_record(tmp_path: Path):
+    summary = sdcreplay.record(
+        "builtin:tiny-llama",
+        tmp_path / "b.bundle",
+        steps=2,
+        kwargs=dict(SMALL),
+        inject=[BACKWARD_FAULT],
+        signature="boundary",
+    )
+    bundle = Bundle.open(summary.bundle)
+    logs = {label: [replay_on_device(bundle, label)] for label in ("cpu:0", "cpu:1")}
+    consensus = sdcreplay.vote(bundle.signature_log(), logs)
+    assert (consensus.verdict, consensus.suspects) == ("recording_suspect", ["record"])
+    assert consensus.first_divergence.brief() == {
+        "step": 1,
+        "phase": "optimizer",
+        "name": "step_grad:layers.0.mlp.w2.weight",
+    }
+
+
+def test_an_unknown_signature_level_is_refused_before_anything_is_written(tmp_path: Path):
+    with pytest.raises(SdcReplayError, match="signature='every' is not one of layer, boundary"):
+        tiny_llama_recorder(tmp_path / "b.bundle", signature="every")
+    assert list(tmp_path.iterdir()) == []

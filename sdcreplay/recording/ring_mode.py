@@ -1,0 +1,202 @@
+"""The ring buffer's side of the Recorder: the last steps in memory, a bundle only when asked.
+
+``Recorder(ring=K)`` holds its steps in a ``ring.StepRing`` and writes nothing while it
+records. Each window of held steps starts from a state replay can load: a copy taken as a
+step begins (every K steps), or, once the loop says it saved one
+(``checkpoint_saved(path)``), the job's own checkpoint, which a dump references by SHA-256
+(anchors.py). ``dump(reason)`` writes the held steps as a bundle (dump.py); ``rewind()`` takes
+the last one back for a detector that runs it again.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..capture.collectives import MessageLog
+from ..capture.layers import SignatureCapture, grads_entering, state_digests
+from ..capture.operators import _own_work
+from ..capture.snapshot import TrainingSnapshot
+from ..errors import SdcReplayError
+from ..ledger.notes import note
+from ..ledger.verdicts import dump_record
+from .anchors import CheckpointAnchor
+from .dump import dump_trigger
+
+if TYPE_CHECKING:
+    from .dump import RingDumper
+    from .ring import StepRing
+
+
+class RingMode:
+    """The Recorder's ring methods (it sets these attributes)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    state_objects: dict[str, Any]
+    dumps: list[Path]
+    steps_written: int
+    entries_written: int
+    _ring: StepRing | None
+    _dumper: RingDumper | None
+    _capture: SignatureCapture
+    _messages: MessageLog | None
+    _in_block: bool
+    _next_index: int
+    _ring_problem: str | None
+    _end_digests: dict[str, str] | None
+    _held_end_digests: dict[str, str] | None
+    _earlier_end_digests: dict[str, str] | None
+    _ledger: bool
+    label: str
+    _copy_in_flight: TrainingSnapshot | None = None  # a window's copy the update must await
+
+    def _finish_pending(self, at_optimizer_step: bool = False) -> None:
+        """The Recorder's: write the step that ended."""
+
+    def _ring_step_begins(self, grads: str) -> None:
+        assert self._ring is not None
+        if self._capture.step_open and not self._continues_held_steps():
+            self._ring.clear()  # the previous step raised mid-way and left the state changed
+        if self._ring.wants_snapshot(grads):
+            with _own_work():  # not the step's operators (an OperatorMode may be active)
+                snapshot = TrainingSnapshot.take(
+                    self.model,
+                    self.optimizer,
+                    self.state_objects,
+                    grads=False,
+                    rng=False,
+                    device="cpu",
+                    non_blocking=True,  # from a GPU: the step goes on while it is copied
+                )
+            self._ring.open_window(snapshot)
+            self._copy_in_flight = snapshot if snapshot.pending is not None else None
+
+    def _update_begins(self) -> None:
+        """The optimizer's step pre-hook: its update must not overwrite what a window's copy
+        is still reading (the device waits; the host does not)."""
+        if self._copy_in_flight is not None:
+            self._copy_in_flight.before_update()
+            self._copy_in_flight = None
+
+    def _continues_held_steps(self) -> bool:
+        """Are parameters and buffers as the last held step left them (a step that raised
+        before its optimizer step, e.g. stopped by a detector, changed none)? Unknown without
+        verification: then no."""
+        held = self._held_end_digests
+        return held is not None and state_digests(self.model) == held
+
+    def checkpoint_saved(self, path: str | Path) -> None:
+        """The loop just saved a checkpoint at ``path`` (a ``torch.save`` file of
+        ``{"model", "optimizer"}`` or a Lightning checkpoint, a Hugging Face Trainer checkpoint
+        directory, a ``torch.distributed.checkpoint`` directory of ``{"model", "optimizer"}``),
+        between two steps: the ring's window starts there from now on, holding every step
+        since (at most ``max_window``), and a dump references the checkpoint by SHA-256
+        instead of copying the state. Call it right after the save, before the next step."""
+        if self._ring is None:
+            raise SdcReplayError(
+                "checkpoint_saved() anchors a ring buffer's window; this Recorder writes every "
+                "step from the state it started with",
+                "Create it with Recorder(..., ring=K) (a recording to disk takes checkpoint= "
+                "for the checkpoint it starts from).",
+            )
+        if self._in_block:
+            raise SdcReplayError(
+                "checkpoint_saved() inside a step's block: a window starts between two steps",
+                "Call it right after saving the checkpoint, before the next recorder.step().",
+            )
+        if self._messages is not None:
+            raise SdcReplayError(
+                "checkpoint_saved() under torch.distributed: a job's ring anchors its windows "
+                "on copies of each rank's state for now",
+                "Leave it out under torchrun; the ring copies the state every K steps.",
+            )
+        self._finish_pending()
+        if grads_entering(self.model) == "kept":
+            warnings.warn(
+                f"sdcreplay: checkpoint {path} was saved with gradients accumulated, which it "
+                "does not hold: the ring's window does not start there",
+                stacklevel=2,
+            )
+            return
+        with _own_work():
+            anchor = CheckpointAnchor.saved(path, self.model, self.state_objects, self._next_index)
+        self._ring.anchor(anchor)
+
+    def rewind(self) -> None:
+        """Forget the last completed step: a detector rolled the state back to before it, to
+        run it again inside ``step()`` under the same index (dump first to keep it). The
+        held steps then end where the step before it ended, so a later step that raised
+        mid-way (a detector stopping it again) still continues them."""
+        if self._ring is None:
+            raise SdcReplayError(
+                "rewind() needs a ring buffer: a step written to disk is not taken back",
+                "Create the Recorder with ring=K.",
+            )
+        self._finish_pending()
+        dropped = self._ring.drop_last()
+        if dropped is None:
+            raise SdcReplayError("the ring holds no completed step to rewind")
+        self._next_index = dropped.index
+        self._end_digests = None
+        self._held_end_digests, self._earlier_end_digests = self._earlier_end_digests, None
+        self.steps_written -= 1
+        self.entries_written -= len(dropped.entries)
+
+    @property
+    def ring_nbytes(self) -> int:
+        """Bytes the ring holds: snapshots' and batches' tensors, RNG states, signature
+        characters (0 without a ring)."""
+        return 0 if self._ring is None else self._ring.nbytes
+
+    @property
+    def ring_steps(self) -> list[int]:
+        """The steps a dump now would write, oldest first."""
+        return [] if self._ring is None else [step.index for step in self._ring.steps]
+
+    def dump(self, reason: str, *, source: str = "user") -> Path:
+        """Write the ring's steps as a complete bundle and return its path.
+
+        The first dump goes to ``path``, later ones to ``path`` with ``-2``, ``-3``... before
+        the suffix (a name already taken is skipped unless ``overwrite``). A step whose block
+        has not ended is not in it (its evidence is incomplete). The bundle's first step is
+        re-executed from the bundle as the verification; a failure is written in the bundle
+        and warned about, never raised: the alarm that asked for the dump matters more. A
+        window anchored on a checkpoint references it (and the verification also checks it
+        holds the state the loop had when it was saved).
+
+        Under torch.distributed every rank must call it at the same step, outside a step's
+        block: each writes its held steps as its part of one job bundle (rank 0 names it), and
+        the ranks re-execute their parts' first step together (its collectives need them all).
+        """
+        if self._ring is None:
+            raise SdcReplayError(
+                "dump() needs a ring buffer: this Recorder writes every step as it goes",
+                "Create it with Recorder(..., ring=K) to keep the last K steps in memory.",
+            )
+        if self._messages is not None and self._in_block:
+            raise SdcReplayError(
+                "dump() under torch.distributed inside a step's block: the ranks re-execute the "
+                "dumped steps together, with collectives of their own",
+                "Call dump() on every rank after the step's block ended.",
+            )
+        self._finish_pending()
+        held, start = self._ring.steps, self._ring.start
+        if not held or start is None:
+            raise SdcReplayError(
+                "the ring holds no completed step yet: there is nothing to write",
+                "Dump after a step has ended (a step that began with accumulated gradients "
+                "cannot start a bundle).",
+            )
+        assert self._dumper is not None
+        trigger = dump_trigger(reason, source, held, self._ring.size, self._ring.window_note())
+        path = self._dumper.write(
+            len(self.dumps) + 1, held, start, trigger, self._messages, self._ring_problem
+        )
+        self.dumps.append(path)
+        if self._ledger:
+            note([dump_record(self.label, reason, str(path), held[0].index)])
+        return path
