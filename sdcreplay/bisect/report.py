@@ -81,19 +81,20 @@ class ReportDirectory:
 
     @classmethod
     def begin(cls, out: Path) -> ReportDirectory:
-        if out.exists() and not _replaceable(out):
-            raise SdcReplayError(
-                f"{out} exists and is not a bisect report, so it is not replaced",
-                "Name a new --out directory, or remove that one.",
-            )
         staging = out.with_name(out.name + STAGING_SUFFIX)
         try:
+            if out.exists() and not _replaceable(out):
+                raise SdcReplayError(
+                    f"{out} exists and is not a bisect report, so it is not replaced",
+                    "Name a new --out directory, or remove that one.",
+                )
             shutil.rmtree(staging, ignore_errors=True)  # an earlier failed run's
             (staging / WORK_DIR).mkdir(parents=True)
-        except OSError as exc:
+        except OSError as exc:  # under a file, in /proc, a name longer than 255 bytes, ...
             raise SdcReplayError(
-                f"cannot create the report directory {staging}: {exc.strerror or exc}",
-                "Give --out a directory that can be created (its parent a writable directory).",
+                f"cannot create the report directory {str(staging)[:300]}: {exc.strerror or exc}",
+                "Give --out a directory that can be created (its parent a writable directory, "
+                "each name at most 255 bytes).",
             ) from exc
         return cls(out, staging)
 

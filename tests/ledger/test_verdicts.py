@@ -143,4 +143,8 @@ def test_update_detector_alarms_are_noted_and_accuse_only_when_another_device_di
         (identify("cpu").id, "alarm", "alarm (transient)", False, 10),
         (identify("cpu").id, "alarm", "persistent", True, 10),
     ]
-    assert records[1].evidence == "alarm: step 10 grad_spike -> persistent, cpu computed otherwise"
+    assert records[1].evidence == (
+        "alarm: step 10 grad_spike, grad (3 parameters: tok_embeddings.weight, "
+        "layers.0.attention_norm.weight, layers.0.attn.wq.weight) -> persistent, "
+        "cpu computed otherwise"
+    )
