@@ -367,7 +367,8 @@ class Updates:
         return {
             "step": step,
             "reasons": alarm.reasons[:3],
-            "classification": alarm.classification,
+            # judged once applied, an update that cannot be recomputed is left unresolved
+            "classification": alarm.classification or "unresolved",
             "fatal": fatal,
         }
 

@@ -1,12 +1,14 @@
 """Cost of the online detectors per training step, as ratios to the plain step.
 
-Four copies of ``builtin:tiny-llama`` (same seed) train side by side on the same
+Five copies of ``builtin:tiny-llama`` (same seed) train side by side on the same
 batches; their steps are interleaved in one run, so machine load hits them alike:
 
 - plain: ``Workload.run_step``;
 - ReplayCheck(num_steps=-1): every step replayed once (2 executions + digests);
 - ReplayCheck(num_steps=-1, num_replays=2);
-- UpdateDetector: snapshot before the step, grad/update norms and result digests after.
+- UpdateDetector: judged before the update, nothing copied (the default);
+- UpdateDetector(after_update): snapshot before the step, grad/update norms and result digests
+  after (the copy-based rule).
 
 The medians of wall time (and of the process's CPU time) after a warm-up, and
 the snapshot's size next to the parameters'. No alarm fires on these clean steps
@@ -39,12 +41,14 @@ def main() -> None:
     torch.set_num_threads(1)
     determinism.enable(1)
     kwargs = {"accumulation": args.accumulation}
-    workloads = [build_workload("builtin:tiny-llama", kwargs) for _ in range(4)]
+    workloads = [build_workload("builtin:tiny-llama", kwargs) for _ in range(5)]
+    copied = UpdateDetector(workloads[4], when="after_update")
     runners = {
         "plain": workloads[0].run_step,
         "ReplayCheck x1": ReplayCheck(workloads[1], num_steps=-1).run_step,
         "ReplayCheck x2": ReplayCheck(workloads[2], num_steps=-1, num_replays=2).run_step,
         "UpdateDetector": (detector := UpdateDetector(workloads[3])).run_step,
+        "UpdateDetector(after_update)": copied.run_step,
     }
     wall: dict[str, list[float]] = {name: [] for name in runners}
     cpu: dict[str, list[float]] = {name: [] for name in runners}
@@ -56,7 +60,8 @@ def main() -> None:
             if step >= args.warmup:
                 wall[name].append(time.perf_counter() - started)
                 cpu[name].append(time.process_time() - started_cpu)
-    assert detector.alarms == [], [alarm.describe() for alarm in detector.alarms]
+    for watched in (detector, copied):
+        assert watched.alarms == [], [alarm.describe() for alarm in watched.alarms]
     base_wall, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
     print(f"tiny-llama (default size), accumulation {args.accumulation}, {args.steps} steps")
     print("| step | wall ms | wall ratio | cpu ratio |")
@@ -67,10 +72,13 @@ def main() -> None:
             f"| {name} | {1000 * median_wall:.1f} | x{median_wall / base_wall:.2f} "
             f"| x{median_cpu / base_cpu:.2f} |"
         )
-    model, optimizer = workloads[3].model, workloads[3].optimizer
+    model, optimizer = workloads[4].model, workloads[4].optimizer
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    snapshot = TrainingSnapshot.take(model, optimizer, workloads[3].state)
-    print(f"UpdateDetector snapshot: {snapshot.nbytes / params:.2f}x the parameters' bytes")
+    snapshot = TrainingSnapshot.take(model, optimizer, workloads[4].state)
+    print(
+        f"UpdateDetector(after_update) snapshot: {snapshot.nbytes / params:.2f}x the "
+        "parameters' bytes"
+    )
 
 
 if __name__ == "__main__":

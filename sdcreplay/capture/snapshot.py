@@ -72,8 +72,8 @@ class _HostCopies:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        if self._stream is None or not tensor.is_cuda:
-            return tensor.to("cpu", copy=True)
+        if self._stream is None or not tensor.is_cuda or type(tensor) is not torch.Tensor:
+            return tensor.to("cpu", copy=True)  # a CPU tensor, or a DTensor: as it is
         with torch.cuda.stream(self._stream):
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)

@@ -103,10 +103,14 @@ def observe(
     return Observation(value, grad_norms, update_norms, result)
 
 
-def gradient_norms(model: torch.nn.Module) -> dict[str, float]:
+def gradient_norms(
+    model: torch.nn.Module, parameters: list[tuple[str, torch.nn.Parameter]] | None = None
+) -> dict[str, float]:
     """Each parameter's gradient norm now (one fused pass per device and one sync); a norm that
-    overflows float32 is taken again in float64, so Inf means a NaN or an Inf is there."""
-    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    overflows float32 is taken again in float64, so Inf means a NaN or an Inf is there.
+    ``parameters``: the model's named parameters, when the caller keeps them."""
+    parameters = list(model.named_parameters()) if parameters is None else parameters
+    named = [(name, p.grad) for name, p in parameters if p.grad is not None]
     norms: dict[str, float] = {}
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, grad in named:
@@ -162,41 +166,52 @@ class BackwardLosses:
         return None if total is None else float(total)
 
 
-def update_sketch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's sums along its last dimension and along its first (a vector's: its
-    sum), in float32: a sketch whose change between two updates is that of the update's rows'
-    and columns' sums, which a corrupted element (or a burst along a row or a column) moves
-    about as much as it moves the update itself, with no copy."""
+Sketch = dict[str, tuple[torch.Tensor, ...]]
+"""Per parameter: its sums along its last dimension and along its first (a vector: its sum)."""
+
+
+def update_sketch(named: list[tuple[str, torch.nn.Parameter]]) -> Sketch:
+    """The parameters' sketch, in float32: its change between two updates is that of the
+    update's rows' and columns' sums, which a corrupted element (or a burst along a row or a
+    column) moves about as much as it moves the update itself, with no copy."""
     with _own_work(), torch.no_grad():
-        return {name: _sums(p.detach()) for name, p in model.named_parameters()}
+        return {name: _sums(p.detach()) for name, p in named}
 
 
-def _sums(tensor: torch.Tensor) -> torch.Tensor:
+def _sums(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if tensor.dim() < 2:
-        return tensor.sum(dtype=torch.float32).reshape(1)
-    rows = tensor.sum(dim=-1, dtype=torch.float32).reshape(-1)
-    return torch.cat([rows, tensor.sum(dim=0, dtype=torch.float32).reshape(-1)])
+        return (tensor.sum(dtype=torch.float32).reshape(1),)
+    return tensor.sum(dim=-1, dtype=torch.float32), tensor.sum(dim=0, dtype=torch.float32)
 
 
-def sketch_distances(
-    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
-) -> dict[str, float]:
+def sketch_distances(before: Sketch, after: Sketch) -> dict[str, float]:
     """The norm of each sketch's change: a parameter's update, measured on its sketch."""
-    names = [name for name in after if name in before and before[name].shape == after[name].shape]
+    names = [
+        name
+        for name, sums in after.items()
+        if name in before and [s.shape for s in before[name]] == [s.shape for s in sums]
+    ]
     if not names:
         return {}
     with _own_work(), torch.no_grad():
-        changes = [after[name] - before[name].to(after[name].device) for name in names]
+        changes = [a - b for name in names for a, b in zip(after[name], before[name])]
         norms = torch._foreach_norm(changes)
-        values = torch.stack([norm.to(norms[0].device) for norm in norms]).tolist()
-    return dict(zip(names, values))
+        squares = torch.stack([norm.to(norms[0].device) for norm in norms]).square().tolist()
+    distances, position = {}, 0
+    for name in names:
+        parts = len(after[name])
+        distances[name] = math.sqrt(sum(squares[position : position + parts]))
+        position += parts
+    return distances
 
 
-def learning_rates(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
+def learning_rates(
+    optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]]
+) -> dict[str, float]:
     """Each parameter's learning rate in its param group now."""
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     rates = {}
-    for name, param in model.named_parameters():
+    for name, param in named:
         group = group_of.get(id(param))
         if group is not None and "lr" in group:
             rates[name] = float(group["lr"])

@@ -33,6 +33,7 @@ from ..workload.definition import Workload
 from .alarms import (
     BackwardLosses,
     Observation,
+    Sketch,
     gradient_norms,
     gradient_result,
     learning_rates,
@@ -69,7 +70,9 @@ class BeforeUpdate:
         self._recorder: Any = None
         self._recompute = False
         self._seen: Observation | None = None
-        self._sketch: dict[str, torch.Tensor] | None = None  # after the last update
+        self._sketch: Sketch | None = None  # after the last update
+        # the model's parameters, named once: a step walks the module tree no more
+        self._named = list(workload.model.named_parameters())
         self._hooks = [
             register_optimizer_step_pre_hook(_weakly(self._optimizer_begins)),
             register_optimizer_step_post_hook(_weakly(self._optimizer_ended)),
@@ -139,9 +142,9 @@ class BeforeUpdate:
         seen = self._seen
         if seen is None or optimizer is not self.workload.optimizer or seen.update_norms:
             return
-        sketch = update_sketch(self.workload.model)
+        sketch = update_sketch(self._named)
         if self._sketch is not None:
-            rates = learning_rates(optimizer, self.workload.model)
+            rates = learning_rates(optimizer, self._named)
             seen.update_norms = {
                 name: norm / rates[name]
                 for name, norm in sketch_distances(self._sketch, sketch).items()
@@ -163,7 +166,7 @@ class BeforeUpdate:
         if loss is None and isinstance(returned, torch.Tensor):
             loss = returned.detach()
         seen = Observation(
-            None if loss is None else float(loss), gradient_norms(model), {}, result=()
+            None if loss is None else float(loss), gradient_norms(model, self._named), {}, result=()
         )
         if self._recompute:
             seen.result = gradient_result(model, loss)
