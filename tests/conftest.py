@@ -70,6 +70,22 @@ def tiny_llama_recorder(path: Path, kwargs: dict = SMALL, **recorder_kwargs):
     return workload, recorder
 
 
+def ring_recorder(workload, path: Path, **options):
+    """A ring Recorder of a small tiny-llama workload's last 4 steps."""
+    from sdcreplay import Recorder
+
+    return Recorder(
+        path,
+        "builtin:tiny-llama",
+        workload.model,
+        workload.optimizer,
+        state=workload.state,
+        workload_kwargs=dict(SMALL),
+        ring=4,
+        **options,
+    )
+
+
 @contextlib.contextmanager
 def preserved_global_state() -> Iterator[None]:
     """Put back torch's determinism switches, thread count and the switch env vars."""

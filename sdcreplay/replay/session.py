@@ -370,9 +370,10 @@ def run_replay_task(
 ) -> dict:
     """In a device process: run the bundle's kernel probe, then replay ``repeats`` times, one
     signature log each, in ``log_dir``."""
+    opened = Bundle.open(bundle)  # its files hashed once, for the probe and every repeat
     with other_machine_kernels():
-        probe = run_recorded_probe(Bundle.open(bundle), device)
-        value = _replay_repeats(device, bundle, repeats, log_dir, inject, last_step)
+        probe = run_recorded_probe(opened, device)
+        value = _replay_repeats(device, opened, repeats, log_dir, inject, last_step)
     return {**value, "probe": probe}
 
 
@@ -393,7 +394,7 @@ def run_recorded_probe(bundle: Bundle, device: str) -> dict | None:
 
 def _replay_repeats(
     device: str,
-    bundle: str,
+    bundle: Bundle,
     repeats: int,
     log_dir: str,
     inject: Sequence[str],

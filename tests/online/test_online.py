@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.optim.optimizer as optimizer_module
-from conftest import REPO, SMALL
+from conftest import REPO, SMALL, ring_recorder
 
 from sdcreplay.capture.faults import Injector, parse_specs
 from sdcreplay.capture.operators import OperatorMode
@@ -30,7 +30,6 @@ from sdcreplay.online.step import AttributeScalar
 from sdcreplay.online.stopping import (
     SDCReplayMismatch,
 )
-from sdcreplay.recording.recorder import Recorder
 from sdcreplay.workload.definition import Workload, build_workload
 
 
@@ -388,20 +387,6 @@ def small_llama() -> Workload:
 
 # ---------------------------------------------------------------------------
 # With a ring Recorder: the failing step as a bundle that replay and bisect start from
-
-
-def ring_recorder(workload: Workload, path: Path, **options) -> Recorder:
-    """A ring Recorder of the small tiny-llama's last 4 steps."""
-    return Recorder(
-        path,
-        "builtin:tiny-llama",
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        workload_kwargs=dict(SMALL),
-        ring=4,
-        **options,
-    )
 
 
 WQ = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=2,index=69,bit=22"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, planted
+from conftest import SMALL, planted, ring_recorder
 
-from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
+from sdcreplay import Bundle, compare_logs, replay_on_device
 from sdcreplay.capture.faults import Injector, parse_specs
 from sdcreplay.capture.operators import OperatorMode
 from sdcreplay.errors import SdcReplayError
@@ -344,20 +344,6 @@ def test_after_the_update_a_transient_fault_is_rolled_back_from_the_copy() -> No
 
 # ---------------------------------------------------------------------------
 # With a ring Recorder: the alarmed execution, stopped before its update, is the evidence
-
-
-def ring_recorder(workload: Workload, path: Path, **options) -> Recorder:
-    """A ring Recorder of the small tiny-llama's last 4 steps."""
-    return Recorder(
-        path,
-        "builtin:tiny-llama",
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        workload_kwargs=dict(SMALL),
-        ring=4,
-        **options,
-    )
 
 
 @pytest.mark.parametrize("signature", ["layer", "boundary"])
