@@ -98,11 +98,13 @@ def probe_differences(probe: dict | None) -> list[str]:
     if probe is None or probe["matched"]:
         return []
     outcome = hashlib.sha256(json.dumps(probe["digests"]).encode()).hexdigest()[:12]
-    shown = [
-        f"probe: {call['kernel']} "
-        + (f"raises here ({call['error']})" if "error" in call else "gives other bits here")
-        for call in probe["differing"][:3]
-    ]
+    shown = list(
+        dict.fromkeys(  # one line a kernel: calls that differ only in strides read alike
+            f"probe: {call['kernel']} "
+            + (f"raises here ({call['error']})" if "error" in call else "gives other bits here")
+            for call in probe["differing"]
+        )
+    )[:3]
     return [
         *shown,
         f"probe: {probe['differing_count']} of {probe['ran']} kernels differ from the "
