@@ -12,10 +12,13 @@ class SdcReplayError(Exception):
 
     default_hint = "Run with SDCREPLAY_DEBUG=1 for the full traceback."
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, *, python_hint: str | None = None):
         super().__init__(message)
         self.message = message
         self.hint = hint or self.default_hint
+        # The same advice worded for a Python caller (``overwrite=True`` where the CLI says
+        # ``--overwrite``); the CLI prints ``hint``.
+        self.python_hint = python_hint or self.hint
 
 
 class BundleError(SdcReplayError):
