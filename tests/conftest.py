@@ -262,6 +262,35 @@ def tickets(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Pa
     return [Path(result.ticket) for result in made]
 
 
+@pytest.fixture
+def read_only() -> Iterator:
+    """``read_only(directory)`` makes an existing directory refuse every write for the rest of
+    the test, root's too: a read-only bind mount of it over itself (``chmod 555`` stops only
+    other users than root, so it is the way for a non-root run); skipped where neither works."""
+    mounted: list[Path] = []
+    chmodded: list[Path] = []
+
+    def make(directory: Path) -> Path:
+        if os.geteuid() != 0:
+            directory.chmod(0o555)
+            chmodded.append(directory)
+            return directory
+        path = str(directory)
+        for command in (["--bind", path, path], ["-o", "remount,bind,ro", path]):
+            done = subprocess.run(["mount", *command], capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"running as root, and no read-only mount here: {done.stderr.strip()}")
+            if command[0] == "--bind":
+                mounted.append(directory)
+        return directory
+
+    yield make
+    for directory in reversed(mounted):
+        subprocess.run(["umount", str(directory)], check=True)
+    for directory in chmodded:
+        directory.chmod(0o755)
+
+
 # The ledger's tests run against SQLite always and against PostgreSQL when a server is given
 # (.ci/run starts one and sets this); in CI (CI=true) they must run, never skip.
 POSTGRES_ENV = "SDCREPLAY_TEST_POSTGRES"

@@ -66,9 +66,11 @@ def bisect(
     plot: str | Path | None = None,
     on_event: Callable[[str, str], None] | None = None,
     ledger: bool = True,
+    overwrite: bool = False,
 ) -> BisectResult:
     """Find the first corrupted operator call of a step on ``suspect`` (see module docstring);
-    ``ledger``: append a divergence to the device ledger (docs/fleet.md)."""
+    ``ledger``: append a divergence to the device ledger (docs/fleet.md); ``overwrite``:
+    replace a report already at ``out``, moving it (and the tickets in it) aside."""
     result = _localize(
         bundle,
         rank=rank,
@@ -81,6 +83,7 @@ def bisect(
         out=out,
         plot=plot,
         on_event=on_event,
+        overwrite=overwrite,
     )
     if ledger:
         note_result(result.to_json())
@@ -100,6 +103,7 @@ def _localize(
     out: str | Path | None,
     plot: str | Path | None,
     on_event: Callable[[str, str], None] | None,
+    overwrite: bool,
 ) -> BisectResult:
     on_event = on_event or (lambda kind, text: None)
     job = job_to_bisect(bundle, rank, suspect, repeats)
@@ -119,7 +123,9 @@ def _localize(
     if plot is not None:
         _plotter()
     named = job.path if job is not None else opened.path  # never inside a job bundle
-    written = ReportDirectory.begin(Path(out) if out else named.with_name(named.name + ".bisect"))
+    written = ReportDirectory.begin(
+        Path(out) if out else named.with_name(named.name + ".bisect"), overwrite
+    )
     work, finish = written.work, written.finish
     base: dict = {
         "schema": SCHEMA,

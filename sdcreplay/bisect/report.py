@@ -19,6 +19,7 @@ from typing import Any, ClassVar, get_args
 
 from ..errors import SdcReplayError
 from ..kinds import BisectVerdict
+from ..storage.rundir import make_run_dir, replacing_refused, set_aside
 
 REPORT_FILE = "report.json"
 STATE_FILE = "state.h5"
@@ -26,6 +27,7 @@ ENTRY_STATE_FILE = "state-entering-step.h5"
 SCHEMA = "sdcreplay.bisect/1"
 STAGING_SUFFIX = ".partial"
 WORK_DIR = "work"
+TICKET_FILE = "ticket.json"  # what makes a directory inside a report minimize's ticket
 
 
 @dataclass
@@ -71,32 +73,33 @@ def total(steps: dict[str, int]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class ReportDirectory:
-    """A report being written: everything goes to ``staging`` (``REPORT.partial``, the
-    device processes' work directory included) and `finish` renames it to ``final`` once the
-    report is complete, replacing the report there. A failed run leaves ``final`` untouched
-    (its ``operator.h5`` and ``report.json`` still agree) and its logs in ``staging``."""
+    """A report being written: everything goes to ``staging`` (``REPORT.<time>-<pid>-<random>
+    .partial``, this run's own, the device processes' work directory included) and `finish`
+    renames it to ``final`` once the report is complete. A report already at ``final`` (and
+    the tickets minimize wrote into it) is replaced only when asked (``overwrite``), and then
+    moved aside, never deleted. A failed run leaves ``final`` untouched (its ``operator.h5``
+    and ``report.json`` still agree) and its logs in ``staging``."""
 
     final: Path
     staging: Path
+    overwrite: bool = False
 
     @classmethod
-    def begin(cls, out: Path) -> ReportDirectory:
-        staging = out.with_name(out.name + STAGING_SUFFIX)
+    def begin(cls, out: Path, overwrite: bool = False) -> ReportDirectory:
+        refuse_replacing(out, overwrite)
         try:
-            if out.exists() and not _replaceable(out):
-                raise SdcReplayError(
-                    f"{out} exists and is not a bisect report, so it is not replaced",
-                    "Name a new --out directory, or remove that one.",
-                )
-            shutil.rmtree(staging, ignore_errors=True)  # an earlier failed run's
-            (staging / WORK_DIR).mkdir(parents=True)
-        except OSError as exc:  # under a file, in /proc, a name longer than 255 bytes, ...
+            staging = make_run_dir(out.parent, out.name + ".", STAGING_SUFFIX)
+            (staging / WORK_DIR).mkdir()
+        except (OSError, SdcReplayError) as exc:  # under a file, in /proc, a long name, ...
+            reason = exc.strerror if isinstance(exc, OSError) else exc.message
             raise SdcReplayError(
-                f"cannot create the report directory {str(staging)[:300]}: {exc.strerror or exc}",
+                f"cannot create the report directory beside {str(out)[:300]}: {reason}",
                 "Give --out a directory that can be created (its parent a writable directory, "
                 "each name at most 255 bytes).",
+                python_hint="Give out= a directory that can be created (its parent a writable "
+                "directory, each name at most 255 bytes).",
             ) from exc
-        return cls(out, staging)
+        return cls(out, staging, overwrite)
 
     @property
     def work(self) -> Path:
@@ -107,28 +110,66 @@ class ReportDirectory:
         return Path(_relocated(str(path), str(self.final), str(self.staging)))
 
     def finish(self, data: dict, on_event) -> BisectResult:
-        """Write ``report.json`` (its paths naming the final directory) and put it in place."""
+        """Write ``report.json`` (its paths naming the final directory) and put it in place,
+        the report there before moved aside (``moved_aside`` in the report)."""
         data = _relocated(data, str(self.staging), str(self.final))
+        final = self.final
+        if _holds_nothing(final):
+            shutil.rmtree(final)
+        elif (final.exists() or final.is_symlink()) and self.overwrite and _is_report(final):
+            data["moved_aside"] = str(set_aside(final))
+        elif final.exists() or final.is_symlink():
+            raise self._taken()  # another run finished there while this one ran
         (self.staging / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
-        replaced = self.final.with_name(self.final.name + ".replaced")
-        shutil.rmtree(replaced, ignore_errors=True)
-        if self.final.exists():
-            self.final.rename(replaced)
-        self.staging.rename(self.final)
-        shutil.rmtree(replaced, ignore_errors=True)
+        try:
+            self.staging.rename(final)
+        except OSError as exc:
+            raise self._taken() from exc
         on_event("done", f"report written to {self.final}")
         return BisectResult.from_json(data)
 
+    def _taken(self) -> SdcReplayError:
+        return SdcReplayError(
+            f"{self.final} was written by another run while this one ran; this run's report "
+            f"is in {self.staging}",
+            "Give each bisect its own --out.",
+            python_hint="Give each bisect its own out=.",
+        )
 
-def _replaceable(path: Path) -> bool:
-    """A directory a new report may replace: an earlier report (or a run of it that failed
-    before reports were written whole), or an empty directory."""
+
+def refuse_replacing(out: Path, overwrite: bool) -> None:
+    """Refuse ``out`` unless it is free, holds nothing, or is a report ``overwrite`` may
+    replace; nothing else is ever replaced."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not _is_report(out) and not _holds_nothing(out):
+        raise SdcReplayError(
+            f"{out} exists and is not a bisect report, so it is not replaced",
+            "Name a new --out directory, or remove that one.",
+            python_hint="Name a new out= directory, or remove that one.",
+        )
+    if _holds_nothing(out) or overwrite:
+        return
+    tickets = sorted(p.name for p in out.iterdir() if (p / TICKET_FILE).is_file())
+    names = ", ".join(f"{name}/" for name in tickets)
+    held = f", holding the minimize ticket{'s' * (len(tickets) > 1)} {names}" if tickets else ""
+    raise replacing_refused(out, f"a bisect report{held}")
+
+
+def _holds_nothing(path: Path) -> bool:
+    """An empty directory, or one only an old run's work directory fills."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    return [p.name for p in path.iterdir()] in ([], [WORK_DIR])
+
+
+def _is_report(path: Path) -> bool:
     if not path.is_dir() or path.is_symlink():
         return False
     try:
         report = json.loads((path / REPORT_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
-        return not any(path.iterdir()) or [p.name for p in path.iterdir()] == [WORK_DIR]
+        return False
     return isinstance(report, dict) and report.get("schema") == SCHEMA
 
 

@@ -153,7 +153,7 @@ class JobWriter:
         self.final_path = Path(path)
         self.path = job_partial_path(self.final_path)
         self._overwrite = overwrite
-        _prepare_directory(self.final_path, self.path, overwrite, RANKS)
+        self.moved_aside = _prepare_directory(self.final_path, self.path, overwrite, RANKS)
         self.manifest = JobManifest(
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             world_size=world_size,
@@ -179,7 +179,7 @@ class JobWriter:
             entry.manifest_sha256 = part.manifest.manifest_sha256
         self.manifest.complete = True
         self._save(durable=True)
-        _move_into_place(self.path, self.final_path, self._overwrite)
+        self.moved_aside += _move_into_place(self.path, self.final_path, self._overwrite)
         return self.final_path
 
 

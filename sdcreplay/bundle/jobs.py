@@ -154,6 +154,11 @@ class JobRecording:
         self._store.set(self._key("path"), str(final_path))
         self._store.set(self._key("created"), _OK)
 
+    @property
+    def moved_aside(self) -> list[Path]:
+        """What ``overwrite`` moved away from the job's name (rank 0 knows)."""
+        return [] if self._writer is None else self._writer.moved_aside
+
     def close(self) -> Path:
         """After this rank's part closed: rank 0 waits for every part (with a timeout), ties
         them to the job and renames it; the others wait for that. Returns the job's path."""

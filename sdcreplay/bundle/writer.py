@@ -21,7 +21,8 @@ import h5py
 
 from ..capture.message import Message
 from ..capture.signature import SignatureLogWriter
-from ..errors import BundleError
+from ..errors import BundleError, SdcReplayError
+from ..storage.rundir import replacing_refused, set_aside
 from . import trust
 from .job_manifest import JobManifest
 from .manifest import (
@@ -107,17 +108,18 @@ def written_by_us(path: Path) -> bool:
     return "steps" not in names or all(step_name.fullmatch(entry.name) for entry in steps.iterdir())
 
 
-def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
+def _claim(path: Path, overwrite: bool, refusal: SdcReplayError) -> None:
     """Refuse to write at ``path`` unless it is free, or a bundle ``overwrite`` may replace."""
     if not path.exists() and not path.is_symlink():
         return
     if not overwrite:
-        raise BundleError(f"{path} already exists" + (f" ({what})" if what else ""), hint)
+        raise refusal
     if not written_by_us(path):
         raise BundleError(
             f"{path} exists and is not a bundle; "
             "--overwrite replaces only a bundle sdcreplay wrote",
             "Choose another --out, or move that file or directory away yourself.",
+            python_hint="Choose another out=, or move that file or directory away yourself.",
         )
 
 
@@ -139,35 +141,39 @@ def _parts_written_by_us(ranks: Path) -> bool:
 def claim_output(final: Path, partial: Path, overwrite: bool) -> None:
     """Refuse to record at ``final`` unless it and its ``partial`` twin are free (or bundles
     ``overwrite`` may replace); a job launcher asks before starting its ranks."""
-    _claim(
-        final,
-        overwrite,
-        "",
-        "Choose another --out, or pass --overwrite to replace the old bundle.",
-    )
-    _claim(
-        partial,
-        overwrite,
-        "a leftover partial recording",
-        "It may be the only evidence of a crash: "
-        f"`sdcreplay info {partial}` shows what it holds; "
-        "move it away, or pass --overwrite to replace it.",
-    )
+    _claim(final, overwrite, replacing_refused(final, "", BundleError))
+    leftover = replacing_refused(partial, "a leftover partial recording", BundleError)
+    leftover.hint = f"It may be the only evidence of a crash: `sdcreplay info {partial}` shows "
+    leftover.hint += "what it holds; move it away, or pass --overwrite to move it aside."
+    leftover.python_hint = leftover.hint.replace("pass --overwrite", "pass overwrite=True")
+    _claim(partial, overwrite, leftover)
 
 
-def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) -> None:
-    """Claim ``final`` and its ``partial`` twin, and create ``partial/inner``."""
+def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) -> list[Path]:
+    """Claim ``final`` and its ``partial`` twin, and create ``partial/inner`` (``partial`` in
+    one ``mkdir``: two recordings never share it); a leftover partial is moved aside, and
+    where it went is returned."""
+    moved = []
     try:
         claim_output(final, partial, overwrite)
-        if partial.exists():
-            shutil.rmtree(partial)
+        if partial.exists() or partial.is_symlink():
+            moved.append(set_aside(partial))
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.mkdir()
         (partial / inner).mkdir(parents=True)
+    except FileExistsError as exc:
+        raise BundleError(
+            f"{partial} is being written by another recording",
+            "Give each recording its own --out.",
+            python_hint="Give each recording its own out=.",
+        ) from exc
     except OSError as exc:
         raise BundleError(
             f"cannot create the bundle directory {str(partial)[:200]}: {exc.strerror}",
             "Choose an --out in a writable directory (not under a file or /proc, "
             "each name at most 255 bytes).",
         ) from exc
+    return moved
 
 
 def _save_signed(manifest: Manifest | JobManifest, directory: Path, durable: bool) -> None:
@@ -179,12 +185,23 @@ def _save_signed(manifest: Manifest | JobManifest, directory: Path, durable: boo
     _write_json_atomic(directory / MANIFEST, body, durable)
 
 
-def _move_into_place(partial: Path, final: Path, overwrite: bool) -> None:
-    """Rename a closed recording to its final name (``overwrite``: replacing a bundle there)."""
-    if final.exists() and overwrite:
-        _claim(final, True, "", "")  # still a bundle: it may have changed since
-        shutil.rmtree(final)
-    os.replace(partial, final)
+def _move_into_place(partial: Path, final: Path, overwrite: bool) -> list[Path]:
+    """Rename a closed recording to its final name (``overwrite``: moving a bundle there
+    aside, returned)."""
+    moved = []
+    if (final.exists() or final.is_symlink()) and overwrite:
+        _claim(final, True, BundleError(""))  # still a bundle: it may have changed since
+        moved.append(set_aside(final))
+    try:
+        os.rename(partial, final)  # never onto a bundle another run put there meanwhile
+    except OSError as exc:
+        raise BundleError(
+            f"{final} was written by another recording while this one ran; this one is in "
+            f"{partial}",
+            "Give each recording its own --out.",
+            python_hint="Give each recording its own out=.",
+        ) from exc
+    return moved
 
 
 class BundleWriter:
@@ -211,7 +228,7 @@ class BundleWriter:
     ):
         self.final_path = Path(path)
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
-        _prepare_directory(self.final_path, self.path, overwrite, "steps")
+        self.moved_aside = _prepare_directory(self.final_path, self.path, overwrite, "steps")
         self._overwrite = overwrite
         # Written only once embed_state or reference_checkpoint has set the state; the
         # optional parts not known yet stay out of the JSON until they are.
@@ -342,7 +359,7 @@ class BundleWriter:
         """Mark the bundle complete and move it to its final name."""
         self.manifest.complete = True
         self._save_manifest(durable=True)
-        _move_into_place(self.path, self.final_path, self._overwrite)
+        self.moved_aside += _move_into_place(self.path, self.final_path, self._overwrite)
         return self.final_path
 
     def abort(self) -> None:

@@ -24,6 +24,7 @@ from .options import (
     JsonOpt,
     NoLedgerOpt,
     OutOpt,
+    OverwriteOpt,
     ReferenceOpt,
     Signature,
     TrustedWorkloadOpt,
@@ -73,7 +74,7 @@ def record(
             help="Workload keyword argument KEY=VALUE (repeatable), e.g. -a layers=4.",
         ),
     ] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing bundle at --out.")] = False,
+    overwrite: OverwriteOpt = False,
     inject: InjectOpt = None,
     depth: Annotated[
         int | None,
@@ -201,7 +202,10 @@ def replay(
     inject: InjectOpt = None,
     logs: Annotated[
         Path | None,
-        typer.Option(help="Directory for the replay logs (default: BUNDLE.replay/<time>/)."),
+        typer.Option(
+            help="Directory for the replay logs (default: a new "
+            "BUNDLE.replay/<time>-<pid>-<random>/ of this run's own)."
+        ),
     ] = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
@@ -323,11 +327,13 @@ def bisect(
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     no_ledger: NoLedgerOpt = False,
+    overwrite: OverwriteOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Name a step's first corrupted operator call, the kernel it launched and its wrong bits.
 
-    The report is written to --out (default: BUNDLE.bisect/).
+    The report is written to --out (default: BUNDLE.bisect/); one already there (and the
+    ticket minimize wrote into it) is replaced only with --overwrite, and moved aside.
     """
     preflight(inject, [suspect, reference])
     from ..bisect.localize import bisect as run_bisect
@@ -345,6 +351,7 @@ def bisect(
             plot=plot,
             on_event=progress.begin,
             ledger=not no_ledger,
+            overwrite=overwrite,
         )
 
 
@@ -469,6 +476,7 @@ def minimize(
     inject: InjectOpt = None,
     out: OutOpt = None,
     no_ledger: NoLedgerOpt = False,
+    overwrite: OverwriteOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Measure how often the reported operator fails alone, shrink its inputs, write a ticket.
@@ -476,7 +484,7 @@ def minimize(
     The ticket holds a standalone reproducer and the hardware report.
 
     --reference defaults to the report's; the ticket is written to --out (default:
-    REPORT/ticket).
+    REPORT/ticket); a ticket already there is replaced only with --overwrite, and moved aside.
     """
     preflight(inject, [device, reference])
     from ..minimize.driver import minimize as run_minimize
@@ -498,6 +506,7 @@ def minimize(
             out=out,
             on_progress=on_progress,
             ledger=not no_ledger,
+            overwrite=overwrite,
         )
 
 

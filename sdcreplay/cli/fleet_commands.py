@@ -92,7 +92,11 @@ def screen(
     inject: InjectOpt = None,
     logs: Annotated[
         Path | None,
-        typer.Option(help="Directory for the device processes' files (default CORPUS/.screen/)."),
+        typer.Option(
+            help="Directory in which this run makes its own directory for the device processes' "
+            "files (default CORPUS/.screen/; the system's temporary directory when the corpus "
+            "cannot be written)."
+        ),
     ] = None,
     no_ledger: NoLedgerOpt = False,
     json_mode: JsonOpt = False,

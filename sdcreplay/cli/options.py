@@ -30,6 +30,14 @@ OutOpt = Annotated[
     Path | None,
     typer.Option("--out", help="Directory to write (its default is in the command's description)."),
 ]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace what is already at --out (a bundle, report or ticket sdcreplay wrote): "
+        "the old one is moved aside to NAME.old-<time>-<pid>-<random>, never deleted.",
+    ),
+]
 NoLedgerOpt = Annotated[
     bool,
     typer.Option(

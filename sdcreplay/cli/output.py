@@ -55,6 +55,12 @@ def human_size(size: float) -> str:
     return f"{size:.1f} GiB"
 
 
+def say_moved_aside(output: Output, what: str, moved: str | None) -> None:
+    """Where ``--overwrite`` put the old bundle, report or ticket (it is never deleted)."""
+    if moved:
+        output.say(f"The {what} that was there is now {escape(moved)}")
+
+
 def _longest_word(cell: str) -> int:
     return max((len(word) for word in Text.from_markup(cell).plain.split()), default=0)
 

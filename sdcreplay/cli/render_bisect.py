@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .output import Output, styled
+from .output import Output, say_moved_aside, styled
 
 if TYPE_CHECKING:
     from ..bisect.ops import OpsListing
@@ -68,6 +68,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
             f"{styled('correct')}: no divergence{step} after {report.get('repeats_run')} "
             f"repeat(s) on {result.suspect}."
         )
+        say_moved_aside(output, "report", report.get("moved_aside"))
         return
     rows = [
         ["step", str(result.step)],
@@ -105,6 +106,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
     if report.get("next"):
         output.say(report["next"])
     output.say(f"Report: {result.report}")
+    say_moved_aside(output, "report", report.get("moved_aside"))
     if "plot" in result.findings:
         plot = result.findings["plot"]
         output.say(
@@ -176,6 +178,7 @@ def render_minimize(output: Output, result: MinimizeResult) -> None:
     for warning in result.warnings:
         output.warn(warning)
     output.say(f"Ticket: {result.ticket}")
+    say_moved_aside(output, "ticket", result.moved_aside)
 
 
 def _fault_model_rows(models: dict | None) -> list[list[str]]:

@@ -59,6 +59,8 @@ def render_screen(output: Output, report: ScreenReport) -> None:
         f"{len(report.devices)} devices, {report.corpus_tickets} tickets, {data['seconds']:.1f} s "
         f"of a {report.budget:g} s budget" + (" (drill: injected faults)" if report.inject else "")
     )
+    elsewhere = f" (not in the corpus: {report.logs_elsewhere})" if report.logs_elsewhere else ""
+    output.say(f"Logs: {escape(report.log_dir)}{escape(elsewhere)}")
 
 
 def render_corpus(output: Output, addition: CorpusAddition) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
-from .output import Output, human_size, styled
+from .output import Output, human_size, say_moved_aside, styled
 
 if TYPE_CHECKING:
     from ..bundle.info import BundleInfo
@@ -26,6 +26,8 @@ def render_record(output: Output, summary: RecordSummary) -> None:
         f"{summary.entries} signature entries, {human_size(summary.size_bytes)} "
         f"in {summary.bundle}"
     )
+    for moved in summary.moved_aside:
+        say_moved_aside(output, "bundle", moved)
 
 
 def _render_ring_record(output: Output, summary: RecordSummary, ring: dict) -> None:

@@ -28,6 +28,7 @@ from ..ledger.identity import DeviceIdentity, identify
 from ..ledger.notes import note_result
 from ..replay.processes import run_device_processes
 from ..replay.worker import DeviceResult
+from ..storage.rundir import make_run_dir, temporary_run_dir, writable_dir
 from .corpus import CorpusError, CorpusTicket, read_corpus
 from .screen_task import run_screen_task
 
@@ -120,6 +121,7 @@ class ScreenReport:
     ended: float = 0.0
     launched: float = 0.0  # time.time() the device processes were started
     log_dir: str = ""
+    logs_elsewhere: str | None = None  # why the logs are not under the corpus
     corpus_tickets: int = 0
 
     @property
@@ -143,7 +145,18 @@ class ScreenReport:
             "inject": self.inject,
             "drill": bool(self.inject),
             "log_dir": self.log_dir,
+            "logs_elsewhere": self.logs_elsewhere,
         }
+
+
+def run_directory(corpus: Path, log_dir: str | Path | None) -> tuple[Path, str | None]:
+    """This run's own directory for its device processes' files, inside ``log_dir`` (default
+    ``CORPUS/.screen/``), and why it is not there: a corpus that cannot be written (a
+    read-only mount) screens with its logs under the system's temporary directory."""
+    parent = Path(log_dir) if log_dir else corpus / ".screen"
+    if log_dir is None and not writable_dir(parent):
+        return temporary_run_dir("screen"), f"{corpus} cannot be written"
+    return make_run_dir(parent), None
 
 
 def _ticket_task(ticket: CorpusTicket, corpus: Path, trials: int | None) -> dict:
@@ -218,7 +231,7 @@ def screen(
             else:
                 skipped[label].append({"key": entry.key, "status": "skipped", "reason": reason})
     end = started + budget
-    work = Path(log_dir) if log_dir else corpus / ".screen" / time.strftime("%Y%m%d-%H%M%S")
+    work, elsewhere = run_directory(corpus, log_dir)
     running = [label for label in labels if plans[label]]
     launched = time.time()
     results: dict[str, DeviceResult] = {}
@@ -253,6 +266,7 @@ def screen(
         ],
         specs,
         log_dir=str(work),
+        logs_elsewhere=elsewhere,
         corpus_tickets=len(entries),
         launched=launched,
     )

@@ -98,6 +98,7 @@ class MinimizeResult:
     warnings: list[str]
     commands: list[str]
     seconds: float = 0.0
+    moved_aside: str | None = None  # where the ticket that was at ``ticket`` went (overwrite)
     reference_ci95: list[float] | None = None  # Wilson 95% interval of the reference's rate
     identities: dict | None = None  # device, reference: ledger.identity's DeviceIdentity
 
@@ -122,11 +123,15 @@ def minimize(
     seed: int = 0,
     on_progress: Progress | None = None,
     ledger: bool = True,
+    overwrite: bool = False,
 ) -> MinimizeResult:
     """Measure, shrink and write the ticket (see the module docstring); the ticket path is in the
-    result. ``ledger``: append the measurement to the device ledger (docs/fleet.md)."""
+    result. ``ledger``: append the measurement to the device ledger (docs/fleet.md);
+    ``overwrite``: replace a ticket already at ``out``, moving it aside."""
     report_dir = Path(report_dir)
     report, case = load_report(report_dir)
+    target = Path(out) if out else report_dir / "ticket"
+    ticket.claim_ticket(target, overwrite)
     suspect_label = require_available(device or report["suspect"])
     reference_label = require_available(reference or report["reference"])
     if suspect_label == reference_label:
@@ -184,7 +189,6 @@ def minimize(
             args, kwargs, expected, trials, progress=partial(progress, "minimal")
         )
 
-    target = Path(out) if out else report_dir / "ticket"
     kernels = report.get("kernels") or []
     if suspect.device.type == "cuda":
         kernels = kernel_names(
@@ -249,7 +253,8 @@ def minimize(
         "device": identify(suspect_label).to_json(),
         "reference": identify(reference_label).to_json(),
     }
-    ticket.write_ticket(target, result.to_json(), report, ticket_case)
+    moved = ticket.write_ticket(target, result.to_json(), report, ticket_case, overwrite)
+    result.moved_aside = None if moved is None else str(moved)
     if ledger:
         note_result(result.to_json())
     return result

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ..devices import torch_device
 from ..errors import SdcReplayError
 from ..ledger.identity import identify
 from ..ledger.nvml import nvml_identity
+from ..storage.rundir import make_run_dir, replacing_refused, set_aside
 
 SCHEMA = "sdcreplay.ticket/1"
 REPRO_FILE = "repro.py"
@@ -370,17 +370,31 @@ def _dependence(data_dependent: bool | None) -> str:
     return "no: random data of the same shape, dtype and range fails too"
 
 
-def write_ticket(target: Path, result: dict, report: dict, case: OperatorCase) -> Path:
-    """Write the ticket directory for ``result`` (replacing one already there)."""
-    target = Path(target)
-    if target.exists() and not (target / JSON_FILE).is_file():
+def claim_ticket(target: Path, overwrite: bool) -> None:
+    """Refuse ``target`` unless it is free, an empty directory, or a ticket ``overwrite`` may
+    replace (before any trial runs: a refusal costs a second, not the measurement)."""
+    if not target.exists() and not target.is_symlink():
+        return
+    is_ticket = target.is_dir() and not target.is_symlink() and (target / JSON_FILE).is_file()
+    empty = target.is_dir() and not target.is_symlink() and not any(target.iterdir())
+    if not is_ticket and not empty:
         raise SdcReplayError(
             f"{target} exists and is not a ticket directory",
             "Name a new --out directory, or remove that one.",
+            python_hint="Name a new out= directory, or remove that one.",
         )
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    if is_ticket and not overwrite:
+        raise replacing_refused(target, "a minimize ticket")
+
+
+def write_ticket(
+    target: Path, result: dict, report: dict, case: OperatorCase, overwrite: bool = False
+) -> Path | None:
+    """Write the ticket directory for ``result``; a ticket already there (``overwrite``) is
+    moved aside, and where it went is returned."""
+    target = Path(target)
+    claim_ticket(target, overwrite)
+    staging = make_run_dir(target.parent, target.name + ".", ".partial")
     case.write(staging / INPUTS_FILE)
     with h5py.File(staging / INPUTS_FILE, "a") as handle:
         handle.attrs["op"] = case.op
@@ -389,6 +403,19 @@ def write_ticket(target: Path, result: dict, report: dict, case: OperatorCase) -
     doc = ticket_document(result, report)
     (staging / JSON_FILE).write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
     (staging / MARKDOWN_FILE).write_text(render_markdown(doc), encoding="utf-8")
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    return target
+    claim_ticket(target, overwrite)  # another run may have written one meanwhile
+    moved = None
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()
+    elif target.exists():
+        moved = set_aside(target)
+    try:
+        staging.rename(target)
+    except OSError as exc:
+        raise SdcReplayError(
+            f"{target} was written by another run while this one ran; this run's ticket is in "
+            f"{staging}",
+            "Give each minimize its own --out.",
+            python_hint="Give each minimize its own out=.",
+        ) from exc
+    return moved

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
@@ -46,6 +46,7 @@ class RecordSummary:
     final_loss: float | None
     verification: dict
     ring: dict | None = None  # {size, peak_nbytes, dumps: [{bundle, trigger}], stopped}
+    moved_aside: list[str] = field(default_factory=list)  # what --overwrite moved away
 
     @property
     def exit_code(self) -> int:
@@ -66,6 +67,7 @@ class RecordSummary:
             "final_loss": self.final_loss,
             "verification": self.verification,
             "ring": self.ring,
+            "moved_aside": self.moved_aside,
         }
 
 
@@ -183,6 +185,7 @@ def record(
         final_loss=loss_value,
         verification={} if opened is None else opened.verification.to_json(),
         ring=None if ring is None else _ring_summary(recorder, ring, peak_nbytes, stopped),
+        moved_aside=[str(path) for path in recorder.moved_aside],
     )
 
 

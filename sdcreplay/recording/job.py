@@ -22,6 +22,7 @@ from ..replay.job_report import ranks_failure
 from ..replay.launch import run_ranks
 from ..replay.processes import UNKNOWN_STEP_TIMEOUT
 from ..replay.worker import device_task
+from ..storage.rundir import make_run_dir
 from .drive import RecordSummary, check_dump_on, record
 
 
@@ -132,7 +133,7 @@ def record_job(
         "dump_on": list(dump_on),
         "signature": signature,
     }
-    logs = out.with_name(out.name + ".logs")
+    logs = make_run_dir(out.with_name(out.name + ".logs"))
     results = run_ranks(
         "record", run_rank_record_task, labels, _same(arguments), logs, timeout=timeout
     )
@@ -152,6 +153,7 @@ def record_job(
         final_loss=first["final_loss"],
         verification=first["verification"],
         ring=first["ring"],
+        moved_aside=first["moved_aside"],
         world_size=nproc,
         ranks=[
             {

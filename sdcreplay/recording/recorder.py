@@ -164,6 +164,7 @@ class Recorder(RingMode):
         self._ring = None if ring is None else StepRing(ring, max_window)
         self._ring_problem: str | None = None  # ring mode: why no dump can pass verification
         self.dumps: list[Path] = []
+        self.moved_aside: list[Path] = []  # what overwrite moved away from the bundle's names
         self._writer: BundleWriter | None = None
         if self._ring is None:
             self._writer = BundleWriter(
@@ -410,8 +411,10 @@ class Recorder(RingMode):
             self._release()
         if self._writer is not None:
             self.path = self._writer.close()
+            self.moved_aside += self._writer.moved_aside
         if self._job is not None:
             self.path = self._job.close()
+            self.moved_aside += self._job.moved_aside
         return self.path
 
     def abandon(self) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError
 from ..kinds import DeviceRunVerdict, DeviceVerdictName
 from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
+from ..storage.rundir import make_run_dir
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .session import run_replay_task
 from .worker import DeviceResult
@@ -276,8 +276,8 @@ def refuse_unmatched_specs(values: Sequence[tuple[str, int | None, dict | None]]
 
 
 def default_log_dir(bundle_path: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return bundle_path.with_name(bundle_path.name + ".replay") / stamp
+    """``BUNDLE.replay/<time>-<pid>-<random>/``, created now and this run's alone."""
+    return make_run_dir(bundle_path.with_name(bundle_path.name + ".replay"))
 
 
 def replay_devices(

@@ -117,3 +117,31 @@ def test_a_budget_spent_before_any_process_could_start_runs_nothing_and_says_so(
     for device in data["devices"]:
         assert device["status"] == "incomplete"
         assert [t["status"] for t in device["tickets"]] == ["unrun"] * 3
+
+
+def test_a_read_only_corpus_screens_with_its_logs_in_the_temp_dir_and_says_so(
+    tickets, run_exe, tmp_path, read_only
+):
+    corpus = tmp_path / "corpus"
+    add_tickets(corpus, tickets[:1])
+    read_only(corpus)  # a read-only mount, as a Kubernetes Job's corpus volume
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {"SDCREPLAY_LEDGER": str(tmp_path / "ledger.sqlite"), "TMPDIR": str(temp)}
+    done = run_exe("screen", corpus, "-d", "cpu:0", "--budget", "120", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    logs = Path(report["log_dir"])
+    assert logs.parent == temp / "sdcreplay-screen"
+    assert report["logs_elsewhere"] == f"{corpus} cannot be written"
+    assert (logs / "screen-cpu-0.result.json").is_file()
+    assert not (corpus / ".screen").exists()
+    said = " ".join(done.stderr.split())
+    assert f"Logs: {logs} (not in the corpus: {corpus} cannot be written)" in said
+
+    mine = tmp_path / "my-logs"  # --logs: this run's own directory inside the one named
+    done = run_exe("screen", corpus, "-d", "cpu:0", "--logs", mine, "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert Path(report["log_dir"]).parent == mine and report["logs_elsewhere"] is None
+    assert f"Logs: {report['log_dir']}" in " ".join(done.stderr.split())

@@ -25,7 +25,7 @@ from sdcreplay.bisect.report import REPORT_FILE
 from sdcreplay.bisect.report import SCHEMA as BISECT_SCHEMA
 from sdcreplay.capture.faults import Injector, parse_specs
 from sdcreplay.capture.operators import CallSite, OperatorLog, OperatorMode
-from sdcreplay.errors import DeterminismError
+from sdcreplay.errors import DeterminismError, SdcReplayError
 from sdcreplay.minimize.ddmin import ddmin
 from sdcreplay.minimize.driver import minimize
 from sdcreplay.minimize.shrink import Shrinker, shrink_axes
@@ -301,6 +301,35 @@ def test_cli_json_and_exit_codes(cli, report: Path, tmp_path: Path):
     assert healthy.exit_code == 0, healthy.stderr
     assert json.loads(healthy.stdout)["failures"] == 0
     assert "not reproduced" in healthy.stderr
+
+
+def test_a_ticket_is_replaced_only_when_asked_and_then_moved_aside(cli, report: Path):
+    ticket = report / "ticket"
+    first = minimize(report, trials=20, good_trials=2, inject=[STICKY], ledger=False)
+    assert first.ticket == str(ticket) and first.moved_aside is None
+    before = (ticket / "ticket.json").read_bytes()
+    message = f"{ticket} already exists (a minimize ticket)"
+
+    with pytest.raises(SdcReplayError) as info:  # the Python API, refused before any trial
+        minimize(report, trials=20, inject=[STICKY], ledger=False)
+    assert info.value.message == message and "overwrite=True" in info.value.python_hint
+    args = ["minimize", report, "--trials", "20", "--good-trials", "2", "--inject", STICKY]
+    refused = cli(*args, "--no-ledger")
+    assert refused.exit_code == 3 and "Traceback" not in refused.output
+    said = " ".join(refused.stderr.split())
+    assert f"Error: {message}" in said and "Hint: Pass --overwrite to replace it" in said
+    assert "suspect:" not in refused.stderr  # no trial ran
+    assert (ticket / "ticket.json").read_bytes() == before
+
+    done = cli(*args, "--no-ledger", "--overwrite", "--json")
+    assert done.exit_code == 1, done.output
+    moved = Path(json.loads(done.stdout)["moved_aside"])
+    assert moved.parent == report and moved.name.startswith("ticket.old-")
+    assert (moved / "ticket.json").read_bytes() == before and (ticket / "repro.py").is_file()
+    assert f"The ticket that was there is now {moved}" in " ".join(done.stderr.split())
+    assert sorted(p.name for p in report.iterdir()) == sorted(
+        [OPERATOR_FILE, REPORT_FILE, "ticket", moved.name]
+    )
 
 
 def test_cli_missing_or_damaged_report(cli, report: Path, tmp_path: Path):

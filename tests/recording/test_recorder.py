@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import struct
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMALL, tiny_llama_recorder
+from conftest import REPO, SMALL, SMALL_ARGS, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
@@ -229,12 +230,45 @@ def test_recorder_refuses_a_checkpoint_the_model_was_not_loaded_from(tmp_path: P
         )
 
 
-def test_recorder_refuses_to_overwrite(tmp_path: Path):
-    user_loop(tmp_path / "run.bundle", steps=1)
-    with pytest.raises(BundleError, match="already exists"):
-        user_loop(tmp_path / "run.bundle", steps=1)
-    rec, _ = user_loop(tmp_path / "run.bundle", steps=2, overwrite=True)
+def test_recorder_refuses_to_overwrite_and_then_moves_the_old_bundle_aside(tmp_path: Path):
+    path = tmp_path / "run.bundle"
+    user_loop(path, steps=1)
+    with pytest.raises(BundleError, match="already exists") as info:
+        user_loop(path, steps=1)
+    assert "overwrite=True" in info.value.python_hint and "--" not in info.value.python_hint
+    rec, _ = user_loop(path, steps=2, overwrite=True)
     assert Bundle.open(rec.path).step_indices == [0, 1]
+    [moved] = rec.moved_aside
+    assert moved.name.startswith("run.bundle.old-") and Bundle.open(moved).step_indices == [0]
+
+
+def test_record_over_a_bundle_refuses_without_overwrite_and_moves_it_aside_with(
+    tmp_path: Path, cli, small_bundle: Path
+):
+    args = ["record", "builtin:tiny-llama", "--steps", "1", "--out", small_bundle, *SMALL_ARGS]
+    manifest = (small_bundle / "manifest.json").read_bytes()
+    refused = cli(*args)
+    assert refused.exit_code == 3 and "Traceback" not in refused.output
+    said = " ".join(refused.stderr.split())
+    assert f"Error: {small_bundle} already exists" in said
+    assert (
+        "Hint: Pass --overwrite to replace it (the old one is moved aside to small.bundle.old-"
+        in (said)
+    )
+    assert (small_bundle / "manifest.json").read_bytes() == manifest
+    with pytest.raises(BundleError) as info:  # the Python API says it for Python
+        sdcreplay.record("builtin:tiny-llama", small_bundle, steps=1, kwargs=dict(SMALL))
+    assert info.value.python_hint.startswith("Pass overwrite=True to replace it")
+
+    done = cli(*args, "--overwrite", "--json")
+    assert done.exit_code == 0, done.output
+    [moved] = json.loads(done.stdout)["moved_aside"]
+    assert Path(moved).parent == tmp_path and Path(moved).name.startswith("small.bundle.old-")
+    assert (Path(moved) / "manifest.json").read_bytes() == manifest
+    assert Bundle.open(moved).step_indices == [0, 1] and Bundle.open(small_bundle).step_indices == [
+        0
+    ]
+    assert f"The bundle that was there is now {moved}" in " ".join(done.stderr.split())
 
 
 def test_record_api_summary(tmp_path: Path):
