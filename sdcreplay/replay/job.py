@@ -36,6 +36,7 @@ from ..devices import torch_device, validate_label
 from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, StructureError
 from ..heartbeat import HEARTBEAT
 from ..ledger.notes import note_result
+from ..storage.rundir import claim
 from .job_report import JobReplayReport, _report, ranks_failure
 from .launch import GROUP_TIMEOUT_FACTOR, backend_for, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
@@ -219,7 +220,7 @@ def replay_job(
     first = _check_job(job)
     check_fault_ranks(inject, job.world_size)
     replicas = replica_devices(job, devices)
-    log_dir = Path(log_dir) if log_dir else default_log_dir(job.path)
+    log_dir = claim(log_dir) if log_dir else default_log_dir(job.path)
     timeout = timeout or max(progress_timeout(job.rank(part.rank)) for part in job.ranks)
     runs: dict[int, list[DeviceRun]] = {part.rank: [] for part in job.ranks}
     replica_messages: list[dict[int, list[Messages]]] = []

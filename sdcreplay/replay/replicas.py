@@ -26,7 +26,7 @@ from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError
 from ..kinds import DeviceRunVerdict, DeviceVerdictName
 from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
-from ..storage.rundir import make_run_dir
+from ..storage.rundir import claim, make_run_dir
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .session import run_replay_task
 from .worker import DeviceResult
@@ -317,7 +317,7 @@ def replay_devices(
         raise DeviceError(
             f"device labels repeat: {labels}", "Give each replica its own label: cpu:0, cpu:1, ..."
         )
-    log_dir = Path(log_dir) if log_dir else default_log_dir(opened.path)
+    log_dir = claim(log_dir) if log_dir else default_log_dir(opened.path)
     recorded_fingerprint = opened.manifest.fingerprint
     results = run_device_processes(
         "replay",

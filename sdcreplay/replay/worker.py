@@ -213,7 +213,10 @@ def main(argv: list[str]) -> int:
             )
         )
         status = 3
-    Path(task.result).write_text(json.dumps(result.to_json()))
+    # Whole or absent, never half: the parent may read it the moment it appears.
+    written = Path(f"{task.result}.{os.getpid()}.tmp")
+    written.write_text(json.dumps(result.to_json()))
+    os.replace(written, task.result)
     return status
 
 

@@ -10,6 +10,8 @@ of deleting it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 import tempfile
@@ -20,6 +22,8 @@ from ..errors import SdcReplayError
 
 ATTEMPTS = 16  # names that already exist before giving up (each has 24 random bits)
 ASIDE = ".old-"  # NAME.old-<time>-<pid>-<random>: what --overwrite moved away
+LOCK_FILE = ".sdcreplay-lock"  # in a directory a person named: who writes there now
+_claimed: dict[Path, int] = {}  # the directories this process holds, and their lock's fd
 
 
 def unique_name(prefix: str = "") -> str:
@@ -49,6 +53,45 @@ def make_run_dir(parent: str | Path, prefix: str = "", suffix: str = "") -> Path
             "each name at most 255 bytes).",
         ) from exc
     raise SdcReplayError(f"no new run directory could be named in {parent} ({ATTEMPTS} tries)")
+
+
+def claim(directory: str | Path) -> Path:
+    """Hold ``directory`` (created when missing), one a person named (``--logs``), for this
+    process until it ends: another process that claims it meanwhile is refused rather than
+    mixing its files with these. A lock of the kernel's (``flock``): a process that dies
+    releases it."""
+    directory = Path(directory)
+    key = directory.resolve()
+    if key in _claimed:
+        return directory
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise SdcReplayError(
+            f"cannot create the log directory {str(directory)[:300]}: {exc.strerror or exc}",
+            "Choose a --logs directory that can be written (not under a file or /proc, "
+            "each name at most 255 bytes).",
+            python_hint="Choose a log_dir that can be written (not under a file or /proc, "
+            "each name at most 255 bytes).",
+        ) from exc
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(descriptor, 32).decode(errors="replace").strip() or "?"
+        os.close(descriptor)
+        raise SdcReplayError(
+            f"{directory} is being written by another sdcreplay run (pid {holder})",
+            "Give each run its own --logs, or leave --logs out: each run then makes its own "
+            "directory.",
+            python_hint="Give each call its own log_dir, or leave it out: each call then makes "
+            "its own directory.",
+        ) from None
+    with contextlib.suppress(OSError):
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+    _claimed[key] = descriptor
+    return directory
 
 
 def writable_dir(path: str | Path) -> bool:

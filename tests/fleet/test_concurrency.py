@@ -22,7 +22,7 @@ from sdcreplay.ledger.store import Ledger
 
 ROUNDS = int(os.environ.get("SDCREPLAY_STRESS_ROUNDS", "1"))
 JOBS = 8  # of each command, per round
-DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
+DEVICES = ["cpu:0", "cpu:1"]  # the recording and cpu:0 outvote a planted cpu:1
 REPLAY_FAULT = (
     "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=3,bit=20,"
     "device=cpu:1"
@@ -72,9 +72,9 @@ def _round(exe: str, bundle: Path, corpus: Path, ledger: str, first_job: int, cw
 
 
 EXPECTED = {
-    ("replay", True): {"cpu:0": "match", "cpu:1": "persistent", "cpu:2": "match"},
+    ("replay", True): {"cpu:0": "match", "cpu:1": "persistent"},
     ("replay", False): dict.fromkeys(DEVICES, "match"),
-    ("screen", True): {"cpu:0": "passed", "cpu:1": "failed", "cpu:2": "passed"},
+    ("screen", True): {"cpu:0": "passed", "cpu:1": "failed"},
     ("screen", False): dict.fromkeys(DEVICES, "passed"),
 }
 

@@ -16,7 +16,13 @@ import pytest
 
 from sdcreplay.errors import SdcReplayError
 from sdcreplay.storage import rundir
-from sdcreplay.storage.rundir import make_run_dir, set_aside, temporary_run_dir, writable_dir
+from sdcreplay.storage.rundir import (
+    claim,
+    make_run_dir,
+    set_aside,
+    temporary_run_dir,
+    writable_dir,
+)
 
 ROUNDS = int(os.environ.get("SDCREPLAY_STRESS_ROUNDS", "3"))
 PROCESSES = 16
@@ -115,3 +121,33 @@ def test_a_temporary_run_directory_lies_under_the_system_temp(tmp_path: Path, mo
     monkeypatch.setattr(rundir.tempfile, "tempdir", None)
     made = temporary_run_dir("screen")
     assert made.parent == tmp_path / "sdcreplay-screen" and made.is_dir()
+
+
+HOLDER = """
+import sys
+from sdcreplay.storage.rundir import claim
+claim(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_directory_a_person_named_is_held_by_one_process_at_a_time(tmp_path: Path):
+    logs = tmp_path / "logs"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(logs)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SdcReplayError) as info:
+            claim(logs)
+        assert info.value.message == (
+            f"{logs} is being written by another sdcreplay run (pid {holder.pid})"
+        )
+        assert "--logs" in info.value.hint and "log_dir" in info.value.python_hint
+    finally:
+        holder.communicate("", timeout=60)  # it ends, and the kernel releases its lock
+    assert claim(logs) == logs and claim(logs) == logs  # this process may name it again
