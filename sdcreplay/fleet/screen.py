@@ -121,6 +121,7 @@ class ScreenReport:
     launched: float = 0.0  # time.time() the device processes were started
     log_dir: str = ""
     corpus_tickets: int = 0
+    drill_tickets: int = 0  # tickets made with injected faults: all of them, it tests nothing
 
     @property
     def exit_code(self) -> int:
@@ -142,6 +143,7 @@ class ScreenReport:
             "failed": [d.device for d in self.devices if d.status == "failed"],
             "inject": self.inject,
             "drill": bool(self.inject),
+            "drill_tickets": self.drill_tickets,
             "log_dir": self.log_dir,
         }
 
@@ -254,6 +256,7 @@ def screen(
         specs,
         log_dir=str(work),
         corpus_tickets=len(entries),
+        drill_tickets=sum(entry.drill for entry in entries),
         launched=launched,
     )
     report.ended = time.time()
