@@ -159,8 +159,8 @@ def test_one_planted_fault_is_one_incident_marked_as_a_drill_in_every_record(
     """replay, bisect and minimize of one bundle, each in a scheduler job of its own (the fault
     once by --inject, once by SDCREPLAY_INJECT): every record names the bundle's identity and
     its report, and is marked a drill; the device's state is `drill`, and were the fault real,
-    the replay and bisect would be one incident: suspect, not confirmed. bisect --no-ledger appends nothing, not
-    even its step-finding replays'."""
+    the replay and bisect would be one incident: suspect, not confirmed. bisect --no-ledger
+    appends nothing, not even its step-finding replays'."""
     import dataclasses
     import json
 
