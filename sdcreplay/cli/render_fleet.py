@@ -79,8 +79,10 @@ def render_corpus(output: Output, addition: CorpusAddition) -> None:
             f"added {ticket.key}: {escape(ticket.op)} {ticket.shapes} {', '.join(ticket.dtypes)} "
             f"bits {ticket.bits or '-'} (from {escape(ticket.source)})"
             + (
-                f" [drill: {escape('; '.join(ticket.injected_faults) or 'injected faults')}: "
-                "it tests the tooling, not a device]"
+                escape(
+                    f" [drill: {'; '.join(ticket.injected_faults) or 'injected faults'}: it "
+                    "tests the tooling, not a device]"
+                )
                 if ticket.drill
                 else ""
             )

@@ -49,8 +49,9 @@ def _packet(op: str | None) -> str | None:
 
 
 def reason(device: DeviceState) -> str:
-    """``cuda:3 GPU-... suspect: aten.mm bit 22 rate 1``, from its latest finding: one line."""
-    finding = device.latest_finding
+    """``cuda:3 GPU-... suspect: aten.mm bit 22 rate 1``, from its latest finding (a drill's:
+    its latest drill finding): one line."""
+    finding = device.latest_finding or (device.drills[-1] if device.drills else None)
     words = [device.label, device.id, f"{device.state}:"]
     if finding is not None:
         words.append(finding.command)
