@@ -178,6 +178,7 @@ class JobReplayReport:
             "schema": "sdcreplay.replay/1",
             "bundle": self.bundle,
             "incident": self.incident,
+            "inject": self.injected_specs,
             "job": True,
             "world_size": self.world_size,
             "repeats": self.repeats,

@@ -225,6 +225,7 @@ class ReplayReport:
             "schema": "sdcreplay.replay/1",
             "bundle": self.bundle,
             "incident": self.incident,
+            "inject": self.injected_specs,
             "repeats": self.repeats,
             "log_dir": self.log_dir,
             "record": {"verdict": self.record_verdict, "identity": self.record_identity},
