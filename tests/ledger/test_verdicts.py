@@ -3,6 +3,8 @@ against it, and an online alarm accuses a device only when another computed othe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import SMALL, tiny_llama_recorder
 
@@ -165,6 +167,7 @@ def test_one_planted_fault_is_one_incident_marked_as_a_drill_in_every_record(
     import json
 
     from sdcreplay.bundle.reader import Bundle
+    from sdcreplay.capture.signature import read_signature_log
     from sdcreplay.fleet.states import judge
 
     ledger = str(tmp_path / "ledger.sqlite")
@@ -198,7 +201,10 @@ def test_one_planted_fault_is_one_incident_marked_as_a_drill_in_every_record(
         env={**env, "SLURM_JOB_ID": "1001", "SDCREPLAY_INJECT": spec},
     )
     assert replayed.exit_code == 1, replayed.stderr
-    assert json.loads(replayed.stdout)["incident"] == incident
+    replay = json.loads(replayed.stdout)
+    assert replay["incident"] == incident
+    for row in replay["devices"]:  # the replay logs name it too
+        assert [read_signature_log(Path(log)).meta["incident"] for log in row["logs"]] == [incident]
     found = cli(
         "bisect",
         small_bundle,
