@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 test: lint
 	$(PY) -m pytest -q
 
+# The demo's verdicts (drills) go to demo-out/ledger.sqlite, its secret to demo-out/home:
+# ~/.config/sdcreplay is left alone unless SDCREPLAY_LEDGER / SDCREPLAY_HOME say otherwise.
 demo: $(STAMP)
 	$(VENV)/bin/sdcreplay demo --out demo-out
 

@@ -42,8 +42,8 @@ def first_divergent_step(
     on_event(
         "replay", f"replaying the window on {', '.join(labels)} to find the first divergent step"
     )
-    report = replay_devices(
-        bundle.path, labels, repeats=repeats, inject=inject, log_dir=work / "replay"
+    report = replay_devices(  # the bisect's own record is the evidence: none of its steps'
+        bundle.path, labels, repeats=repeats, inject=inject, log_dir=work / "replay", ledger=False
     )
     for run in report.devices:
         if run.error:
@@ -82,7 +82,9 @@ def first_divergent_job_step(
     logs = {}
     for label in [reference] + ([suspect] if suspect else []):
         labels = [label if r == rank else device for r, device in enumerate(recorded)]
-        report = replay_job(job.path, labels, inject=inject, log_dir=work / f"replay-{label}")
+        report = replay_job(
+            job.path, labels, inject=inject, log_dir=work / f"replay-{label}", ledger=False
+        )
         run = report.ranks[rank].runs[0]
         failed = [run for _, run in report.failed]
         if failed:

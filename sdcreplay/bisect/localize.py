@@ -35,6 +35,7 @@ from ..errors import SdcReplayError, StructureError
 from ..kinds import Isolation
 from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
+from ..ledger.verdicts import incident_of
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
 from .divergent_step import first_divergent_job_step, first_divergent_step
@@ -130,6 +131,7 @@ def _localize(
     base: dict = {
         "schema": SCHEMA,
         "bundle": str(named),
+        "incident": incident_of((job or opened).manifest.manifest_sha256),
         "suspect": suspect or RECORD,
         "reference": reference,
         "inject": list(inject),

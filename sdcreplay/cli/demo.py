@@ -3,12 +3,19 @@
 A healthy recording, then three virtual replicas of which one (cpu:1) has a
 planted defect: a single bit of one matmul output flipped in the forward pass
 of step 1. Each stage is what a person would type; the demo only chains them.
+
+A drill must never reach the person's own files: unless ``SDCREPLAY_LEDGER`` and
+``SDCREPLAY_HOME`` say otherwise, the demo's ledger (``OUT/ledger.sqlite``) and its signing
+secret (``OUT/home``) live in its own directory, so ``~/.config/sdcreplay`` is left as it was
+and no device of this machine is drained by a planted fault.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -17,6 +24,8 @@ from ..bisect.localize import bisect
 from ..bisect.report import BisectResult
 from ..compare.logs import Comparison, compare_logs, load_log
 from ..errors import SdcReplayError
+from ..home import HOME_ENV
+from ..ledger.store import LEDGER_ENV, ledger_location, shown
 from ..minimize.driver import MinimizeResult, minimize
 from ..recording.drive import RecordSummary, record
 from ..replay.replicas import ReplayReport, replay_devices
@@ -46,6 +55,7 @@ class DemoStage:
 class Demo:
     out: Path
     stages: list[DemoStage] = field(default_factory=list)
+    ledger: str = ""  # where its (drill) verdicts went
 
     def result(self, name: str):
         return next(stage.result for stage in self.stages if stage.name == name)
@@ -59,6 +69,7 @@ class Demo:
         return {
             "schema": "sdcreplay.demo/1",
             "out": str(self.out),
+            "ledger": self.ledger,
             "defect": DEFECT,
             "stages": [
                 {"name": stage.name, "command": stage.command, "result": stage.result.to_json()}
@@ -100,12 +111,37 @@ class Demo:
 
 
 DEMO_MARKER = ".sdcreplay-demo"
+DEMO_LEDGER = "ledger.sqlite"
+DEMO_HOME = "home"
+
+
+@contextlib.contextmanager
+def own_files(out: Path) -> Iterator[str]:
+    """While inside: the ledger and the secret are the demo's (in ``out``) unless the person
+    chose them; yields the ledger's location."""
+    chosen = {
+        name: str((out / part).resolve())
+        for name, part in ((LEDGER_ENV, DEMO_LEDGER), (HOME_ENV, DEMO_HOME))
+        if not os.environ.get(name)
+    }
+    saved = {name: os.environ.get(name) for name in chosen}
+    os.environ.update(chosen)
+    try:
+        yield shown(ledger_location())
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_demo(
     out: str | Path, on_stage: Callable[[DemoStage], None] = lambda stage: None, steps: int = 3
 ) -> Demo:
-    """Record, replay on three replicas, diff, bisect, minimize; call ``on_stage`` after each."""
+    """Record, replay on three replicas, diff, bisect, minimize; call ``on_stage`` after each.
+    Its verdicts (drills) go to its own ledger, ``out/ledger.sqlite``, unless
+    ``SDCREPLAY_LEDGER`` names one."""
     out = Path(out)
     ours = (out / DEMO_MARKER).is_file() or (out.is_dir() and not any(out.iterdir()))
     if out.exists() and not ours:
@@ -117,7 +153,12 @@ def run_demo(
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / DEMO_MARKER).write_text("written by sdcreplay demo; replaced by the next one\n")
-    demo = Demo(out)
+    with own_files(out) as ledger:
+        return _run_stages(Demo(out, ledger=ledger), on_stage, steps)
+
+
+def _run_stages(demo: Demo, on_stage: Callable[[DemoStage], None], steps: int) -> Demo:
+    out = demo.out
     bundle = out / "tiny.bundle"
 
     def stage(name: str, command: str, result: StageResult) -> StageResult:

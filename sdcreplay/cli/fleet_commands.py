@@ -50,6 +50,7 @@ class StateName(str, Enum):
     healthy = "healthy"
     suspect = "suspect"
     confirmed = "confirmed"
+    drill = "drill"
     cleared = "cleared"
 
 

@@ -5,10 +5,11 @@ would draw it).
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .output import Output, styled
+from .output import Output, escape, styled
 from .render_bisect import render_bisect, render_minimize
 from .render_record import render_record
 from .render_replay import render_diff, render_replay
@@ -111,3 +112,7 @@ def render_demo(output: Output, demo: Demo) -> None:
             f"\n[bold green]The findings match the planted defect.[/] Ticket for the "
             f"vendor: {demo.result('minimize').ticket}"
         )
+    output.say(
+        f"Its verdicts are drills (injected faults: no device's state moves) in the ledger "
+        f"{escape(demo.ledger)}: sdcreplay devices list --ledger {escape(shlex.quote(demo.ledger))}"
+    )

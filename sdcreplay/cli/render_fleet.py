@@ -15,7 +15,13 @@ if TYPE_CHECKING:
     from ..fleet.export import Export
     from ..fleet.screen import DeviceScreen, ScreenReport
 
-STATE_STYLE = {"healthy": "green", "cleared": "green", "suspect": "yellow", "confirmed": "bold red"}
+STATE_STYLE = {
+    "healthy": "green",
+    "cleared": "green",
+    "drill": "cyan",
+    "suspect": "yellow",
+    "confirmed": "bold red",
+}
 
 
 def _state(state: str) -> str:
@@ -59,6 +65,12 @@ def render_screen(output: Output, report: ScreenReport) -> None:
         f"{len(report.devices)} devices, {report.corpus_tickets} tickets, {data['seconds']:.1f} s "
         f"of a {report.budget:g} s budget" + (" (drill: injected faults)" if report.inject else "")
     )
+    if report.drill_tickets and report.drill_tickets == report.corpus_tickets:
+        output.warn(
+            f"every ticket of {report.corpus} is a drill (made with injected faults): "
+            "a pass says nothing about these devices; build a corpus from tickets of real "
+            "findings"
+        )
     elsewhere = f" (not in the corpus: {report.logs_elsewhere})" if report.logs_elsewhere else ""
     output.say(f"Logs: {escape(report.log_dir)}{escape(elsewhere)}")
 
@@ -68,6 +80,14 @@ def render_corpus(output: Output, addition: CorpusAddition) -> None:
         output.say(
             f"added {ticket.key}: {escape(ticket.op)} {ticket.shapes} {', '.join(ticket.dtypes)} "
             f"bits {ticket.bits or '-'} (from {escape(ticket.source)})"
+            + (
+                escape(
+                    f" [drill: {'; '.join(ticket.injected_faults) or 'injected faults'}: it "
+                    "tests the tooling, not a device]"
+                )
+                if ticket.drill
+                else ""
+            )
         )
     for duplicate in addition.duplicates:
         output.say(

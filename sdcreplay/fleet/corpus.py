@@ -55,13 +55,17 @@ class CorpusTicket:
     source: str
     added: str
     directory: str  # relative to the corpus
+    incident: str | None = None  # the bundle the ticket was minimized from (its identity)
+    injected_faults: tuple[str, ...] = ()  # a drill's faults
 
     def to_json(self) -> dict:
-        return dict(vars(self))
+        return {**vars(self), "injected_faults": list(self.injected_faults)}
 
     @classmethod
-    def from_json(cls, data: dict) -> CorpusTicket:
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+    def from_json(cls, data: dict) -> CorpusTicket:  # an entry of an older corpus lacks some
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        known["injected_faults"] = tuple(known.get("injected_faults") or ())
+        return cls(**known)
 
 
 def defect_key(op: str, shapes: list, dtypes: list[str], bits: list[int]) -> str:
@@ -113,6 +117,8 @@ def read_ticket(path: Path) -> CorpusTicket:
         source=str(path.resolve()),
         added=now(),
         directory="",
+        incident=doc.get("incident"),
+        injected_faults=tuple(doc.get("injected_faults") or ()),
     )
 
 

@@ -1,7 +1,8 @@
 """``sdcreplay devices list|show|clear``: the ledger's devices, their states and histories.
 
 Reading or clearing is the command's whole job, so a ledger that cannot be opened here is
-an error (exit 3), not the warning a verdict's bookkeeping gets.
+an error (exit 3), not the warning a verdict's bookkeeping gets. Reading only reads: a
+ledger on a read-only mount is listed, and one that does not exist is refused, not created.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ LIST_SCHEMA = "sdcreplay.devices/1"
 DEVICE_SCHEMA = "sdcreplay.device/1"
 
 
-def _open(location: str | None) -> Ledger:
+def _open(location: str | None, read_only: bool = True) -> Ledger:
     try:
-        return Ledger.open(location)
+        return Ledger.open(location, read_only=read_only)
     except LedgerError:
         raise
     except Exception as exc:  # sqlite3 / psycopg errors while migrating
@@ -106,8 +107,9 @@ def clear_device(name: str, reason: str, location: str | None = None) -> DeviceH
         raise SdcReplayError(
             "a clearing needs a reason", 'Say why: --reason "RMA returned, fieldiag passed"'
         )
-    with _open(location) as ledger:
-        last = _find(ledger, name)[-1]
+    with _open(location) as reader:  # it exists, and names the device
+        last = _find(reader, name)[-1]
+    with _open(location, read_only=False) as ledger:
         record = Record(
             device_id=last.device_id,
             label=last.label,

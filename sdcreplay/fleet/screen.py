@@ -123,6 +123,7 @@ class ScreenReport:
     log_dir: str = ""
     logs_elsewhere: str | None = None  # why the logs are not under the corpus
     corpus_tickets: int = 0
+    drill_tickets: int = 0  # tickets made with injected faults: all of them, it tests nothing
 
     @property
     def exit_code(self) -> int:
@@ -144,6 +145,7 @@ class ScreenReport:
             "failed": [d.device for d in self.devices if d.status == "failed"],
             "inject": self.inject,
             "drill": bool(self.inject),
+            "drill_tickets": self.drill_tickets,
             "log_dir": self.log_dir,
             "logs_elsewhere": self.logs_elsewhere,
         }
@@ -268,6 +270,7 @@ def screen(
         log_dir=str(work),
         logs_elsewhere=elsewhere,
         corpus_tickets=len(entries),
+        drill_tickets=sum(entry.drill for entry in entries),
         launched=launched,
     )
     report.ended = time.time()

@@ -60,6 +60,17 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX records_by_device ON records (device_id, id)",
         ],
     ),
+    (
+        3,
+        "the incident a record's evidence comes from (the bundle's identity: its commands' "
+        "findings count once) and the drill mark (the injected faults: never evidence)",
+        [
+            "ALTER TABLE records ADD COLUMN incident TEXT",
+            "ALTER TABLE records ADD COLUMN drill TEXT",
+            # A version-2 row said it was a drill only in its evidence.
+            "UPDATE records SET drill = 'marked in the evidence' WHERE evidence LIKE '%[drill: %'",
+        ],
+    ),
 ]
 LATEST = MIGRATIONS[-1][0]
 
@@ -95,6 +106,8 @@ class Record:
     reference_ci_high: float | None = None  # the reference's upper bound, same trials
     rank: int | None = None
     iteration: int | None = None  # the training step, where there is one
+    incident: str | None = None  # what the evidence comes from: ``bundle:<manifest digest>``
+    drill: str | None = None  # the injected faults' specs: a drill, never evidence
     identity: dict = field(default_factory=dict)  # DeviceIdentity.to_json()
     time: str = field(default_factory=now)
     tool_version: str = __version__

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sqlite3
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -54,19 +55,64 @@ def is_off(location: str | None = None) -> bool:
     return ledger_location(location).lower() == OFF
 
 
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: C:\ is a path
+
+
+def scheme_of(location: str) -> str | None:
+    """The URL scheme ``location`` starts with (lower case), None for a plain path."""
+    found = _SCHEME.match(location)
+    return found[1].lower() if found else None
+
+
 def is_postgres(location: str) -> bool:
-    return location.startswith(("postgresql://", "postgres://"))
+    return scheme_of(location) in POSTGRES_SCHEMES
 
 
 def shown(location: str) -> str:
-    """The location without its password, fit for a message."""
+    """The location without its password, fit for a message (whatever it holds)."""
     if not is_postgres(location):
         return location
-    parts = urlsplit(location)
-    if parts.password is None:
+    try:
+        parts = urlsplit(location)
+        password = parts.password
+    except ValueError:  # malformed: hide whatever may follow a ':' before the '@'
+        return re.sub(r":[^:@/]*@", ":***@", location)
+    if password is None:
         return location
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    netloc = parts.netloc.replace(f":{password}@", ":***@")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def check_location(where: str) -> None:
+    """Refuse, by name, what is neither a path, ``sqlite:///PATH`` nor a well-formed
+    ``postgresql://`` URL: a typo must not become a relative SQLite file."""
+    scheme = scheme_of(where)
+    if scheme is None:
+        return
+    if scheme == "sqlite":
+        if not where.lower().startswith("sqlite:///"):
+            raise LedgerError(
+                f"{where!r} is not a SQLite URL (sqlite:///PATH: three slashes, then the path)"
+            )
+        return
+    if scheme not in POSTGRES_SCHEMES:
+        raise LedgerError(
+            f"SDCREPLAY_LEDGER={where!r} names the scheme {scheme!r}, which the ledger does not "
+            "know (it knows a path, sqlite:///PATH and postgresql://)",
+            "Give a path (./name for one with a ':'), sqlite:///PATH, postgresql://HOST/DB, "
+            "or off.",
+        )
+    shape = "postgresql://USER:PASSWORD@HOST:PORT/DB"
+    if not where[len(scheme) + 1 :].startswith("//"):
+        raise LedgerError(f"{shown(where)!r} is not a PostgreSQL URL (write {shape})")
+    try:
+        parts = urlsplit(where)
+        parts.port  # noqa: B018 - reading it checks it
+    except ValueError as exc:
+        raise LedgerError(
+            f"{shown(where)!r} is not a well-formed URL ({exc}; write {shape})"
+        ) from exc
 
 
 @dataclass
@@ -96,29 +142,41 @@ class Ledger:
 
     @classmethod
     def open(
-        cls, location: str | None = None, *, migrate_to: int = LATEST, wait: float | None = None
+        cls,
+        location: str | None = None,
+        *,
+        migrate_to: int = LATEST,
+        wait: float | None = None,
+        read_only: bool = False,
     ) -> Ledger:
         """Open (creating it when absent) and migrate to ``migrate_to`` (tests build old
         ledgers with a smaller one). ``wait``: seconds to wait at most for a lock or a server
-        (default ``BUSY_SECONDS`` and ``CONNECT_SECONDS``)."""
+        (default ``BUSY_SECONDS`` and ``CONNECT_SECONDS``). ``read_only``: only read (a
+        ledger on a read-only mount; one that does not exist is refused, never created)."""
         where = ledger_location(location)
         if where.lower() == OFF:
             raise LedgerError("the ledger is off (SDCREPLAY_LEDGER=off)")
+        check_location(where)
         ledger = (
             cls._postgres(where, CONNECT_SECONDS if wait is None else wait)
             if is_postgres(where)
-            else cls._sqlite(where, BUSY_SECONDS if wait is None else wait)
+            else cls._sqlite(where, BUSY_SECONDS if wait is None else wait, read_only)
         )
         try:
-            ledger._migrate(migrate_to)
+            if read_only:
+                ledger._require_known_version()
+            else:
+                ledger._migrate(migrate_to)
         except BaseException:
             ledger.close()
             raise
         return ledger
 
     @classmethod
-    def _sqlite(cls, where: str, wait: float) -> Ledger:
-        path = Path(where[len("sqlite://") :] if where.startswith("sqlite://") else where)
+    def _sqlite(cls, where: str, wait: float, read_only: bool = False) -> Ledger:
+        path = Path(where[len("sqlite://") :] if where.lower().startswith("sqlite:") else where)
+        if read_only:
+            return cls(cls._sqlite_reader(path, wait), SQLITE, str(path))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             connection = sqlite3.connect(path, timeout=wait, isolation_level=None)
@@ -132,6 +190,27 @@ class Ledger:
             connection.close()
             raise LedgerError(f"cannot open the ledger {path}: {exc}") from exc
         return cls(connection, SQLITE, str(path))
+
+    @staticmethod
+    def _sqlite_reader(path: Path, wait: float) -> Any:
+        """A connection that never writes: on a read-only mount, a WAL ledger whose
+        ``-shm`` cannot be made is read as immutable (nothing there can change it)."""
+        if not path.is_file():
+            raise LedgerError(
+                f"the ledger {path} does not exist",
+                "No verdict has been recorded there: check SDCREPLAY_LEDGER or --ledger "
+                "(`sdcreplay replay`, `bisect`, `minimize` and `screen` create it).",
+            )
+        problem: Exception | None = None
+        for mode in ("ro", "ro&immutable=1"):
+            try:
+                uri = f"{path.resolve().as_uri()}?mode={mode}"
+                connection = sqlite3.connect(uri, uri=True, timeout=wait, isolation_level=None)
+                connection.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+                return connection
+            except sqlite3.Error as exc:
+                problem = exc
+        raise LedgerError(f"cannot read the ledger {path}: {problem}")
 
     @classmethod
     def _postgres(cls, where: str, wait: float) -> Ledger:
@@ -183,17 +262,22 @@ class Ledger:
         cursor.execute("SELECT MAX(version) FROM schema_migrations")
         return int(cursor.fetchone()[0] or 0)
 
+    def _require_known_version(self) -> None:
+        """A reader's check: the ledger has the records table, of a version this knows."""
+        try:
+            version = self.schema_version()
+        except Exception as exc:  # no schema_migrations: not a ledger (or an empty file)
+            raise LedgerError(f"{self.location} holds no ledger ({exc})") from exc
+        if version > LATEST:
+            raise _newer(self.location, version)
+
     def _migrate(self, target: int) -> None:
         with self._writing() as cursor:
             if self.dialect is POSTGRESQL:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
             version = self._applied(cursor)
             if version > LATEST:
-                raise LedgerError(
-                    f"the ledger {self.location} has schema version {version}; this sdcreplay "
-                    f"knows versions up to {LATEST}",
-                    "Upgrade sdcreplay here to the version the rest of the fleet runs.",
-                )
+                raise _newer(self.location, version)
             for number, description, statements in MIGRATIONS:
                 if version < number <= target:
                     for statement in statements:
@@ -231,3 +315,11 @@ class Ledger:
             )
         names = [column[0] for column in cursor.description]
         return [from_row(dict(zip(names, row))) for row in cursor.fetchall()]
+
+
+def _newer(location: str, version: int) -> LedgerError:
+    return LedgerError(
+        f"the ledger {location} has schema version {version}; this sdcreplay knows versions "
+        f"up to {LATEST}",
+        "Upgrade sdcreplay here to the version the rest of the fleet runs.",
+    )

@@ -7,12 +7,16 @@ dumps, which have no JSON, build theirs with `alarm_record` and `dump_record`.
 
 Only evidence is recorded: a device that matched, diverged, failed or passed a reproducer.
 A device whose process died, that was incomparable with the record, or undecided in a tie,
-was not judged and gets no record.
+was not judged and gets no record. Every record carries the incident its evidence comes
+from (``incident``: the bundle's identity, so the replay, bisect and minimize of one bundle
+count once) and, when faults were injected (``--inject``, ``inject=`` or
+``SDCREPLAY_INJECT``), the drill mark: ``drill`` and ``[drill: SPEC]`` in its evidence.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +26,35 @@ from .schema import Record
 JOB_ENV = ("SLURM_JOB_ID", "SDCREPLAY_JOB_ID")
 """Where the scheduler's job id of this run is found, first set wins (docs/fleet.md)."""
 JUDGED = ("match", "persistent", "intermittent")
+INJECT_ENV = "SDCREPLAY_INJECT"  # capture.fault_spec's, read here without importing it
 
 
 def current_job() -> str | None:
     return next((os.environ[name] for name in JOB_ENV if os.environ.get(name)), None)
+
+
+def incident_of(manifest_digest: str | None) -> str | None:
+    """A bundle's identity, the incident every record made from it names: its manifest's
+    SHA-256 (a copy or a move of the bundle is the same incident)."""
+    return f"bundle:{manifest_digest}" if manifest_digest else None
+
+
+def drill_of(specs: Sequence[str] = ()) -> str | None:
+    """The injected faults (``specs`` and ``SDCREPLAY_INJECT``'s), or None: not a drill."""
+    from_env = [s.strip() for s in os.environ.get(INJECT_ENV, "").split(";") if s.strip()]
+    chosen = list(dict.fromkeys([*specs, *from_env]))
+    return "; ".join(chosen) or None
+
+
+def marked(records: list[Record], drill: str | None, incident: str | None) -> list[Record]:
+    """The records, each naming its incident and, for a drill, marked as one."""
+    for record in records:
+        record.incident = record.incident or incident
+        if drill:
+            record.drill = drill
+            if f"[drill: {drill}]" not in record.evidence:
+                record.evidence += f" [drill: {drill}]"
+    return records
 
 
 def _absolute(path: str | None) -> str | None:
@@ -64,13 +93,10 @@ def records_for(result: dict) -> list[Record]:
     """The records a command's JSON result makes; none for a schema that judges no device."""
     schema = result.get("schema")
     convert = _CONVERTERS.get(schema or "")
-    return convert(result) if convert else []
-
-
-def _drill(result: dict) -> str:
-    """What every record of a result made with injected faults says: it tested the tooling."""
-    injected = result.get("inject") or []
-    return f" [drill: {'; '.join(injected)}]" if injected else ""
+    if not convert:
+        return []
+    drill = drill_of(result.get("injected_faults") or result.get("inject") or [])
+    return marked(convert(result), drill, result.get("incident"))
 
 
 def _replay(result: dict) -> list[Record]:
@@ -106,7 +132,16 @@ def _replay(result: dict) -> list[Record]:
     if consensus.get("verdict") == "recording_suspect" and recorder:
         identity = DeviceIdentity.from_json(recorder)
         evidence = "replay: the recording differs from every comparable replica"
-        records.append(make_record(identity, "replay", "recording_suspect", evidence, bundle))
+        records.append(
+            make_record(
+                identity,
+                "replay",
+                "recording_suspect",
+                evidence,
+                bundle,
+                report=result.get("log_dir"),
+            )
+        )
     return records
 
 
@@ -124,7 +159,6 @@ def _bisect(result: dict) -> list[Record]:
         + (f" element {element} of {elements.get('total')}" if element is not None else "")
         + (f" bit {bits}" if bits else "")
         + (f" ({result['isolated']})" if result.get("isolated") else "")
-        + _drill(result)
     )
     return [
         make_record(
@@ -159,7 +193,6 @@ def _minimize(result: dict) -> list[Record]:
         + (f" bit {bits}" if bits else "")
         + (f", 95% interval {low:.3g} to {high:.3g}" if low is not None else "")
         + (f", reference at most {reference_high:.3g}" if reference_high is not None else "")
-        + _drill(result)
     )
     report = result.get("report") or ""
     return [
@@ -207,7 +240,6 @@ def _screen(result: dict) -> list[Record]:
             )
         else:
             evidence = f"screen: passed {row.get('tickets_passed', 0)} tickets"
-        evidence += _drill(result)
         records.append(
             make_record(
                 _identity(row.get("identity"), row["device"]),
@@ -247,14 +279,15 @@ def alarm_record(
     evidence = f"alarm: step {step} {reasons} -> {classification}" + (
         f", {contradicted_by} computed otherwise" if contradicted_by else ""
     )
-    return make_record(
+    record = make_record(
         identify(label), "alarm", verdict, evidence, _absolute(bundle), iteration=step
     )
+    return marked([record], drill_of(), None)[0]
 
 
 def dump_record(label: str, reason: str, bundle: str, first_step: int | None) -> Record:
     """A ring buffer's dump: where the evidence of an alarm now lies (history, not a finding)."""
-    return make_record(
+    record = make_record(
         identify(label),
         "dump",
         "dumped",
@@ -263,3 +296,4 @@ def dump_record(label: str, reason: str, bundle: str, first_step: int | None) ->
         report=_absolute(bundle),
         iteration=first_step,
     )
+    return marked([record], drill_of(), None)[0]

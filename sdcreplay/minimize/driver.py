@@ -101,6 +101,8 @@ class MinimizeResult:
     moved_aside: str | None = None  # where the ticket that was at ``ticket`` went (overwrite)
     reference_ci95: list[float] | None = None  # Wilson 95% interval of the reference's rate
     identities: dict | None = None  # device, reference: ledger.identity's DeviceIdentity
+    incident: str | None = None  # the bundle's identity, from the bisect report
+    injected_faults: list[str] | None = None  # injected here or when bisect found the call
 
     @property
     def exit_code(self) -> int:
@@ -249,6 +251,8 @@ def minimize(
     )
     result.seconds = round(time.perf_counter() - started, 3)
     result.reference_ci95 = list(checked.ci95)
+    result.incident = report.get("incident")
+    result.injected_faults = result.inject or report.get("inject") or []
     result.identities = {
         "device": identify(suspect_label).to_json(),
         "reference": identify(reference_label).to_json(),

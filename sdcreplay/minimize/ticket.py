@@ -72,6 +72,7 @@ def ticket_document(result: dict, report: dict) -> dict:
         "title": _title(result),
         "drill": bool(injected),
         "injected_faults": injected,
+        "incident": result.get("incident"),
         "device": device_identity(result["device"]),
         "reference": device_identity(result["reference"]),
         "observed_on": (report.get("environment") or {}).get("suspect"),

@@ -20,6 +20,7 @@ from ..compare.logs import RECORD, Consensus, compare_logs, vote
 from ..compare.messages import Messages, recorded_log
 from ..compare.origin import NO_ORIGIN, Origin, find_origin
 from ..errors import SdcReplayError, StructureError
+from ..ledger.verdicts import incident_of
 from .launch import followed
 from .replicas import DeviceRun, case_gaps, caveat_for, incomparable_failure
 from .worker import DeviceFailure, DeviceResult
@@ -116,6 +117,7 @@ class JobReplayReport:
     origin: Origin
     caveat: str | None = None
     injected_specs: list[str] = field(default_factory=list)
+    incident: str | None = None  # the job bundle's identity (ledger.verdicts.incident_of)
 
     @property
     def verdict(self) -> str:
@@ -175,6 +177,8 @@ class JobReplayReport:
         return {
             "schema": "sdcreplay.replay/1",
             "bundle": self.bundle,
+            "incident": self.incident,
+            "inject": self.injected_specs,
             "job": True,
             "world_size": self.world_size,
             "repeats": self.repeats,
@@ -258,6 +262,7 @@ def _report(
         next((origin for origin in origins if origin.diverged), NO_ORIGIN),
         caveat_for(job.rank(0)),
         list(inject),
+        incident_of(job.manifest.manifest_sha256),
     )
 
 

@@ -27,6 +27,7 @@ from ..kinds import DeviceRunVerdict, DeviceVerdictName
 from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
 from ..storage.rundir import claim, make_run_dir
+from ..ledger.verdicts import incident_of
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .session import run_replay_task
 from .worker import DeviceResult
@@ -169,6 +170,7 @@ class ReplayReport:
     caveat: str | None = None
     injected_specs: list[str] = field(default_factory=list)  # the --inject specs asked for
     record_identity: dict | None = None  # the recording device's (ledger.identity)
+    incident: str | None = None  # the bundle's identity (ledger.verdicts.incident_of)
 
     @property
     def injection_missed(self) -> bool:
@@ -222,6 +224,8 @@ class ReplayReport:
         return {
             "schema": "sdcreplay.replay/1",
             "bundle": self.bundle,
+            "incident": self.incident,
+            "inject": self.injected_specs,
             "repeats": self.repeats,
             "log_dir": self.log_dir,
             "record": {"verdict": self.record_verdict, "identity": self.record_identity},
@@ -383,6 +387,7 @@ def replay_devices(
             opened.manifest.environment.host,
             opened.manifest.environment.device,
         ).to_json(),
+        incident=incident_of(opened.manifest.manifest_sha256),
     )
     if ledger:
         note_result(report.to_json())

@@ -33,6 +33,7 @@ from ..capture.snapshot import TrainingSnapshot
 from ..devices import torch_device
 from ..errors import BundleError, SdcReplayError, WorkloadError
 from ..heartbeat import HEARTBEAT
+from ..ledger.verdicts import incident_of
 from ..storage.tensorio import map_tensors, read_tree, write_tree
 from ..workload.definition import Workload, build_workload
 from .worker import device_task
@@ -180,6 +181,7 @@ class ReplaySession:
                 "device": self.label,
                 "digest": algorithm_for(self.device.type),
                 "source": str(self.bundle.path),
+                "incident": incident_of(self.bundle.manifest.manifest_sha256),
                 "workload": {
                     "ref": self.bundle.workload_ref,
                     "kwargs": self.bundle.workload_kwargs,

@@ -28,6 +28,11 @@ def test_screen_names_the_faulty_replica_and_its_ticket_and_the_ledger_drains_it
     keys = [ticket["key"] for ticket in addition["added"]]
     assert len(set(keys)) == 3 and addition["tickets"] == 3
     assert [t["bits"] for t in addition["added"]] == [[22], [3], [30]]
+    assert [t["drill"] for t in addition["added"]] == [True] * 3
+    said = run_exe("corpus", "add", tmp_path / "other", tickets[1], env=env)
+    assert "[drill: kind=bitflip," in said.stderr and "it tests the tooling, not a device" in (
+        said.stderr
+    )
     assert addition["duplicates"] == [
         {"ticket": str(tickets[0].resolve()), "key": keys[0], "of": str(tickets[0].resolve())}
     ]
@@ -73,16 +78,21 @@ def test_screen_names_the_faulty_replica_and_its_ticket_and_the_ledger_drains_it
         done.stderr
     )
 
+    assert f"every ticket of {corpus} is a drill (made with injected faults)" in done.stderr
+
     listing = run_exe("devices", "list", "--json", env=env)
     assert listing.returncode == 0, listing.stderr
     states = {row["label"]: row["state"] for row in json.loads(listing.stdout)["devices"]}
-    assert states == {"cpu:0": "healthy", "cpu:1": "suspect", "cpu:2": "healthy"}
+    assert states == {"cpu:0": "healthy", "cpu:1": "drill", "cpu:2": "healthy"}  # never evidence
 
     drain = run_exe("devices", "export", "--format", "slurm", env=env)
-    assert drain.returncode == 0, drain.stderr
-    assert drain.stdout == (
+    assert drain.returncode == 0 and drain.stdout == "", drain.stderr  # a drill drains nothing
+    shown = run_exe("devices", "export", "--format", "slurm", "--state", "drill", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == (
+        "# drill (injected faults, not evidence): "
         f"scontrol update NodeName={host.split('.')[0]} State=DRAIN "
-        f'Reason="sdcreplay: cpu:1 cpu:1@{host} suspect: screen aten.mm element 0 bit 22"\n'
+        f"Reason='sdcreplay: cpu:1 cpu:1@{host} drill: screen aten.mm element 0 bit 22'\n"
     )
 
 

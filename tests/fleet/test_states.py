@@ -24,15 +24,42 @@ def test_no_finding_is_healthy():
 def test_one_finding_is_suspect_and_findings_of_one_job_stay_suspect():
     state = judge([record("match"), record("persistent"), record("divergence", "bisect")])
     assert state.state == "suspect"
-    assert state.reason == "2 findings from one job: bisect: divergence"
+    assert state.reason == "2 findings from one incident (job-1): bisect: divergence"
 
 
 def test_findings_from_two_independent_jobs_confirm():
     state = judge([record("persistent", job="job-1"), record("failed", "screen", job="job-2")])
     assert (state.state, state.reason) == (
         "confirmed",
-        "findings from 2 independent jobs: job-1, job-2",
+        "findings from 2 independent incidents: job-1, job-2",
     )
+
+
+def test_one_incident_judged_in_several_jobs_stays_suspect():
+    one = "bundle:" + "ab" * 32
+    state = judge(
+        [
+            record("persistent", job="1001", incident=one),
+            record("divergence", "bisect", job="1002", incident=one),
+            record("reproduced", "minimize", job="1003", incident=one, ci_low=0.01),
+        ]
+    )
+    assert (state.state, state.reason) == (
+        "suspect",
+        f"3 findings from one incident ({one}): minimize: reproduced",
+    )
+    other = record("failed", "screen", job="1004", incident="screen:1004")
+    assert judge([*state.records, other]).state == "confirmed"
+
+
+def test_drill_findings_are_no_evidence():
+    drill = record("persistent", job="d1", drill="op=aten.mm.default,bit=22")
+    state = judge([drill, record("failed", "screen", job="d2", drill="op=aten.mm.default")])
+    assert (state.state, state.findings, len(state.drills)) == ("drill", [], 2)
+    assert state.reason == (
+        "2 drill findings (injected faults: op=aten.mm.default), no evidence: screen: failed"
+    )
+    assert judge([drill, record("persistent", job="real")]).state == "suspect"
 
 
 def test_a_reproducer_whose_interval_is_disjoint_from_the_reference_confirms():

@@ -92,8 +92,8 @@ def test_a_ledger_of_schema_version_1_is_migrated_with_every_record(ledger_url: 
         assert old.schema_version() == 1
     _insert_raw(ledger_url, V1_INSERT, V1_ROWS)
 
-    with Ledger.open(ledger_url) as ledger:  # today's sdcreplay opens it: migration 2 runs
-        assert ledger.schema_version() == LATEST == 2
+    with Ledger.open(ledger_url) as ledger:  # today's sdcreplay opens it: migrations 2, 3 run
+        assert ledger.schema_version() == LATEST == 3
         records = ledger.records()
         ledger.append([Record("GPU-bbbb", "cuda:1", "h17", "screen", "failed", "screen: x")])
         after = ledger.records()
@@ -104,6 +104,22 @@ def test_a_ledger_of_schema_version_1_is_migrated_with_every_record(ledger_url: 
     assert [r.label for r in records] == ["GPU-aaaa", "GPU-aaaa", "GPU-bbbb", "cpu:1", "cpu:1"]
     assert [r.tool_version for r in records] == ["0.0.9"] * 5
     assert len(after) == 6 and after[-1].finding and after[-1].label == "cuda:1"
+    assert [(r.incident, r.drill) for r in after] == [(None, None)] * 6
+
+
+def test_a_version_2_drill_keeps_its_mark_as_a_drill(ledger_url: str):
+    with Ledger.open(ledger_url, migrate_to=2):
+        pass
+    _insert_raw(
+        ledger_url,
+        V1_INSERT.replace("tool_version)", "tool_version, finding)").replace("?)", "?, ?)"),
+        [
+            (*V1_ROWS[0][:6], "screen: x [drill: op=aten.mm]", None, "0.1", 1),
+            (*V1_ROWS[0][:6], "screen: x", None, "0.1", 1),
+        ],
+    )
+    with Ledger.open(ledger_url) as ledger:
+        assert [r.drill for r in ledger.records()] == ["marked in the evidence", None]
 
 
 def test_a_ledger_from_a_newer_sdcreplay_is_refused(ledger_url: str):

@@ -3,6 +3,8 @@ against it, and an online alarm accuses a device only when another computed othe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import SMALL, tiny_llama_recorder
 
@@ -148,3 +150,110 @@ def test_update_detector_alarms_are_noted_and_accuse_only_when_another_device_di
         "layers.0.attention_norm.weight, layers.0.attn.wq.weight) -> persistent, "
         "cpu computed otherwise"
     )
+
+
+DRILL = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=5,bit=22"
+
+
+def test_one_planted_fault_is_one_incident_marked_as_a_drill_in_every_record(
+    small_bundle, tmp_path, cli
+):
+    """replay, bisect and minimize of one bundle, each in a scheduler job of its own (the fault
+    once by --inject, once by SDCREPLAY_INJECT): every record names the bundle's identity and
+    its report, and is marked a drill; the device's state is `drill`, and were the fault real,
+    the replay and bisect would be one incident: suspect, not confirmed. bisect --no-ledger
+    appends nothing, not even its step-finding replays'."""
+    import dataclasses
+    import json
+
+    from sdcreplay.bundle.reader import Bundle
+    from sdcreplay.capture.signature import read_signature_log
+    from sdcreplay.fleet.states import judge
+
+    ledger = str(tmp_path / "ledger.sqlite")
+    spec = f"{DRILL},device=cpu:1"
+    env = {"SDCREPLAY_LEDGER": ledger}
+    incident = "bundle:" + Bundle.open(small_bundle).manifest.manifest_sha256
+
+    quiet = cli(
+        "bisect",
+        small_bundle,
+        "--suspect",
+        "cpu:1",
+        "--inject",
+        spec,
+        "--out",
+        tmp_path / "quiet.bisect",
+        "--no-ledger",
+        env=env,
+    )
+    assert quiet.exit_code == 1, quiet.stderr
+    assert not (tmp_path / "ledger.sqlite").exists()  # no record, no ledger
+
+    replayed = cli(
+        "replay",
+        small_bundle,
+        "-d",
+        "cpu:0",
+        "-d",
+        "cpu:1",
+        "--json",
+        env={**env, "SLURM_JOB_ID": "1001", "SDCREPLAY_INJECT": spec},
+    )
+    assert replayed.exit_code == 1, replayed.stderr
+    replay = json.loads(replayed.stdout)
+    assert replay["incident"] == incident
+    for row in replay["devices"]:  # the replay logs name it too
+        assert [read_signature_log(Path(log)).meta["incident"] for log in row["logs"]] == [incident]
+    found = cli(
+        "bisect",
+        small_bundle,
+        "--suspect",
+        "cpu:1",
+        "--step",
+        "1",
+        "--inject",
+        spec,
+        "--out",
+        tmp_path / "run.bisect",
+        "--json",
+        env={**env, "SLURM_JOB_ID": "1002"},
+    )
+    assert found.exit_code == 1, found.stderr
+    assert json.loads(found.stdout)["incident"] == incident
+    made = cli(
+        "minimize",
+        tmp_path / "run.bisect",
+        "--trials",
+        "20",
+        "--good-trials",
+        "2",
+        "--inject",
+        spec,
+        "--out",
+        tmp_path / "ticket",
+        "--json",
+        env={**env, "SLURM_JOB_ID": "1003"},
+    )
+    assert made.exit_code == 1, made.stderr
+    assert json.loads((tmp_path / "ticket" / "ticket.json").read_text())["incident"] == incident
+
+    with Ledger.open(ledger) as opened:
+        records = opened.records()
+    assert [(r.command, r.label, r.verdict, r.job) for r in records] == [
+        ("replay", "cpu:0", "match", "1001"),
+        ("replay", "cpu:1", "persistent", "1001"),
+        ("bisect", "cpu:1", "divergence", "1002"),
+        ("minimize", "cpu:1", "reproduced", "1003"),
+    ]
+    for record in records:
+        assert record.incident == incident
+        assert record.drill == spec and record.evidence.endswith(f" [drill: {spec}]")
+        assert record.report, record
+    device = judge([r for r in records if r.label == "cpu:1"])
+    assert device.state == "drill" and device.findings == []
+    # As if real: the replay and bisect, in two jobs, are one incident (minimize's interval,
+    # disjoint from the reference's, would confirm by the reproducer rule alone).
+    as_if_real = judge([dataclasses.replace(r, drill=None) for r in device.records[:2]])
+    assert as_if_real.state == "suspect", as_if_real.reason
+    assert as_if_real.reason.startswith(f"2 findings from one incident ({incident}): bisect")
