@@ -20,7 +20,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import SdcReplayError
+from ..errors import SdcReplayError, error_json, interrupt_exit_code, interrupt_signal
+from ..leftovers import left_by
 
 __all__ = ["Output", "escape", "human_size", "styled"]
 
@@ -141,11 +142,13 @@ class Output:
     def __init__(self, json_mode: bool = False, console: Console | None = None):
         self.json_mode = json_mode
         self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.printed = False  # the one JSON object is on stdout
 
     def data(self, obj: dict) -> None:
-        if self.json_mode:
+        if self.json_mode and not self.printed:
             sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
             sys.stdout.flush()
+            self.printed = True
 
     def say(self, text: str) -> None:
         self.console.print(text)
@@ -205,9 +208,26 @@ class Output:
                 squeezed.add(position)
         return widths, squeezed, excess
 
-    def error(self, exc: SdcReplayError) -> None:
+    def error(self, exc: SdcReplayError, exit_code: int = 3) -> None:
+        """``Error:`` + ``Hint:`` on stderr; with ``--json`` the error object on stdout."""
         self.console.print(f"[bold red]Error:[/] {escape(exc.message)}")
         self.console.print(f"[bold]Hint:[/] {escape(exc.hint)}")
+        self.data(exc.to_json(exit_code))
+
+    def interrupted(self, exc: KeyboardInterrupt) -> None:
+        """A ^C or SIGTERM ended the command: what it left on disk and what to do with it."""
+        name = interrupt_signal(exc).name
+        left = left_by(exc)
+        self.console.print(
+            f"[bold yellow]Interrupted[/] ({name}): every process it started is stopped."
+        )
+        for leftover in left:
+            self.console.print(f"[bold]Left behind:[/] {escape(str(leftover))}")
+        hint = "Run the command again; " + (
+            "what it left is named above." if left else "it left nothing to clean up."
+        )
+        obj = error_json(f"interrupted by {name}", hint, interrupt_exit_code(exc), "interrupted")
+        self.data({**obj, "leftovers": [str(leftover.path) for leftover in left]})
 
     @contextlib.contextmanager
     def stages(self) -> Iterator[Stages]:

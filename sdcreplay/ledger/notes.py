@@ -14,6 +14,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
+from ..errors import message_of
 from .schema import Record
 from .store import Ledger, LedgerError, is_off, ledger_location, shown
 from .tracker import append_tracker_lines
@@ -61,7 +62,7 @@ def note(
         _warn(f"{exc.message}; the verdict is not in the ledger ({exc.hint})")
     except Exception as exc:  # sqlite3, psycopg or OS errors: never the command's failure
         _warn(
-            f"the ledger {where} could not be written ({type(exc).__name__}: {exc}); "
+            f"the ledger {where} could not be written ({type(exc).__name__}: {message_of(exc)}); "
             "the verdict is not in the ledger"
         )
     return False
@@ -72,6 +73,6 @@ def note_result(result: dict, location: str | None = None, *, wait: float | None
     try:
         records = records_for(result)
     except Exception as exc:  # a result this version cannot read: a warning, like a write
-        _warn(f"the result could not be turned into ledger records ({exc})")
+        _warn(f"the result could not be turned into ledger records ({message_of(exc)})")
         return False
     return note(records, location, wait=wait)
