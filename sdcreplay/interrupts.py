@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from . import leftovers
 from .errors import Terminated
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -59,6 +60,7 @@ def handled() -> Iterator[None]:
     """While one command runs: signals as interruptions, the previous handlers after."""
     _received.clear()
     _answered.clear()
+    leftovers.forget()
     saved = _install()
     try:
         yield

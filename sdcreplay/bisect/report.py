@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, get_args
 
+from .. import leftovers
 from ..errors import SdcReplayError
 from ..kinds import BisectVerdict
 
@@ -96,6 +97,12 @@ class ReportDirectory:
                 "Give --out a directory that can be created (its parent a writable directory, "
                 "each name at most 255 bytes).",
             ) from exc
+        leftovers.begin(
+            staging,
+            "an unfinished bisect report",
+            f"its {WORK_DIR}/ holds the device processes' logs; delete it (a new bisect with the "
+            "same output replaces it)",
+        )
         return cls(out, staging)
 
     @property
@@ -115,6 +122,7 @@ class ReportDirectory:
         if self.final.exists():
             self.final.rename(replaced)
         self.staging.rename(self.final)
+        leftovers.end(self.staging)
         shutil.rmtree(replaced, ignore_errors=True)
         on_event("done", f"report written to {self.final}")
         return BisectResult.from_json(data)

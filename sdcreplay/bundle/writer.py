@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 
+from .. import leftovers
 from ..capture.message import Message
 from ..capture.signature import SignatureLogWriter
 from ..errors import BundleError
@@ -187,6 +188,12 @@ def _move_into_place(partial: Path, final: Path, overwrite: bool) -> None:
     os.replace(partial, final)
 
 
+UNFINISHED = (
+    "`sdcreplay info` on it lists the steps it holds (it replays as those); record again with "
+    "--overwrite (overwrite=True) to replace it, or delete it"
+)
+
+
 class BundleWriter:
     """Writes a bundle step by step; see the module docstring for crash safety.
 
@@ -212,6 +219,7 @@ class BundleWriter:
         self.final_path = Path(path)
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
         _prepare_directory(self.final_path, self.path, overwrite, "steps")
+        leftovers.begin(self.path, "an unfinished bundle", UNFINISHED)
         self._overwrite = overwrite
         # Written only once embed_state or reference_checkpoint has set the state; the
         # optional parts not known yet stay out of the JSON until they are.
@@ -343,7 +351,9 @@ class BundleWriter:
         self.manifest.complete = True
         self._save_manifest(durable=True)
         _move_into_place(self.path, self.final_path, self._overwrite)
+        leftovers.end(self.path)
         return self.final_path
 
     def abort(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        leftovers.end(self.path)
