@@ -27,6 +27,7 @@ class SdcReplayError(Exception):
     """The tool could not do its job; ``hint`` says what the person can do."""
 
     default_hint = "Run with SDCREPLAY_DEBUG=1 for the full traceback."
+    default_python_hint: str | None = None  # the default hint for Python, where it names a flag
 
     def __init__(self, message: str, hint: str | None = None, *, python_hint: str | None = None):
         super().__init__(message)
@@ -34,7 +35,8 @@ class SdcReplayError(Exception):
         self.hint = hint or self.default_hint
         # The same advice worded for a Python caller (``overwrite=True`` where the CLI says
         # ``--overwrite``); the CLI prints ``hint``, ``str()`` this.
-        self.python_hint = python_hint or self.hint
+        default = None if hint else self.default_python_hint
+        self.python_hint = python_hint or default or self.hint
 
     def __str__(self) -> str:
         """The message and its hint: what a Python caller's traceback shows. Code that puts an
@@ -106,6 +108,7 @@ class DeviceError(SdcReplayError):
 
 class ReportError(SdcReplayError):
     default_hint = "Pass the report directory written by `sdcreplay bisect --out`."
+    default_python_hint = "Pass the report directory bisect() wrote (its result's .report)."
 
 
 class WorkloadMismatchError(SdcReplayError):
@@ -122,6 +125,10 @@ class UntrustedWorkloadError(SdcReplayError):
     """A bundle names code that the person has not said they trust."""
 
     default_hint = "Add --trust-workload if you trust the workload the bundle names."
+    default_python_hint = (
+        "If you trust the workload the bundle names, run the call inside "
+        "`with sdcreplay.bundle.trust.granting([REFERENCE]):`."
+    )
 
 
 class MessageOrderError(StructureError):

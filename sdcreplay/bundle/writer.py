@@ -108,17 +108,22 @@ def written_by_us(path: Path) -> bool:
     return "steps" not in names or all(step_name.fullmatch(entry.name) for entry in steps.iterdir())
 
 
-def _claim(path: Path, overwrite: bool, what: str, hint: str) -> None:
+def _claim(path: Path, overwrite: bool, what: str, hint: str, python_hint: str) -> None:
     """Refuse to write at ``path`` unless it is free, or a bundle ``overwrite`` may replace."""
     if not path.exists() and not path.is_symlink():
         return
     if not overwrite:
-        raise BundleError(f"{path} already exists" + (f" ({what})" if what else ""), hint)
+        raise BundleError(
+            f"{path} already exists" + (f" ({what})" if what else ""),
+            hint,
+            python_hint=python_hint,
+        )
     if not written_by_us(path):
         raise BundleError(
             f"{path} exists and is not a bundle; "
             "--overwrite replaces only a bundle sdcreplay wrote",
             "Choose another --out, or move that file or directory away yourself.",
+            python_hint="Choose another output path, or move that file or directory away yourself.",
         )
 
 
@@ -145,6 +150,7 @@ def claim_output(final: Path, partial: Path, overwrite: bool) -> None:
         overwrite,
         "",
         "Choose another --out, or pass --overwrite to replace the old bundle.",
+        "Choose another output path, or pass overwrite=True to replace the old bundle.",
     )
     _claim(
         partial,
@@ -153,6 +159,9 @@ def claim_output(final: Path, partial: Path, overwrite: bool) -> None:
         "It may be the only evidence of a crash: "
         f"`sdcreplay info {partial}` shows what it holds; "
         "move it away, or pass --overwrite to replace it.",
+        "It may be the only evidence of a crash: "
+        f"sdcreplay.Bundle.open({str(partial)!r}, verify=False) reads what it holds; "
+        "move it away, or pass overwrite=True to replace it.",
     )
 
 
@@ -168,6 +177,8 @@ def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) 
             f"cannot create the bundle directory {str(partial)[:200]}: {exc.strerror}",
             "Choose an --out in a writable directory (not under a file or /proc, "
             "each name at most 255 bytes).",
+            python_hint="Choose an output path in a writable directory (not under a file or "
+            "/proc, each name at most 255 bytes).",
         ) from exc
 
 
@@ -183,7 +194,7 @@ def _save_signed(manifest: Manifest | JobManifest, directory: Path, durable: boo
 def _move_into_place(partial: Path, final: Path, overwrite: bool) -> None:
     """Rename a closed recording to its final name (``overwrite``: replacing a bundle there)."""
     if final.exists() and overwrite:
-        _claim(final, True, "", "")  # still a bundle: it may have changed since
+        _claim(final, True, "", "", "")  # still a bundle: it may have changed since
         shutil.rmtree(final)
     os.replace(partial, final)
 

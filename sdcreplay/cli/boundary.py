@@ -17,7 +17,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import click
 import typer
 from typer.core import TyperCommand, TyperGroup
 
@@ -45,10 +44,10 @@ class _FlagsTakeNoValue:
         given = list(args)
         try:
             return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[misc]
-        except click.UsageError as exc:
-            if "--json" in given:
+        except typer.TyperException as exc:  # a usage error (typer's own click: exit 2)
+            if "--json" in given and getattr(exc, "exit_code", None) == 2:
                 Output(json_mode=True).data(
-                    error_json(exc.format_message(), USAGE_HINT, exc.exit_code, "usage")
+                    error_json(exc.format_message(), USAGE_HINT, 2, "usage")  # type: ignore[attr-defined]
                 )
             raise
 
@@ -65,7 +64,7 @@ class Group(_FlagsTakeNoValue, TyperGroup):
             return super().main(*args, **kwargs)
         except SystemExit as exc:
             abort = exc.__context__
-            interrupt = abort.__cause__ if isinstance(abort, click.Abort) else None
+            interrupt = abort.__cause__ if isinstance(abort, typer.Abort) else None
             if isinstance(interrupt, KeyboardInterrupt):
                 sys.exit(interrupt_exit_code(interrupt))
             raise

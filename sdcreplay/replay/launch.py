@@ -364,6 +364,7 @@ def run_ranks(
         raise LaunchError(
             f"cannot create the log directory {work_dir}: {exc.strerror}",
             "Choose a --logs/--out directory that can be written.",
+            python_hint="Choose a log_dir/out directory that can be written.",
         ) from exc
     now = time.time()
     stems = [work_dir / f"{kind}-rank{rank}" for rank in range(len(labels))]

@@ -301,6 +301,8 @@ def run_device_processes(
             f"cannot create the log directory {work_dir}: {exc.strerror}",
             "Choose a --logs/--out directory that can be written (not under a file or /proc, "
             "each name at most 255 bytes).",
+            python_hint="Choose a log_dir/out directory that can be written (not under a file "
+            "or /proc, each name at most 255 bytes).",
         ) from exc
     running: dict[str, _DeviceProcess] = {}
     results: dict[str, DeviceResult] = {}
