@@ -66,6 +66,7 @@ class Group(_FlagsTakeNoValue, TyperGroup):
             abort = exc.__context__
             interrupt = abort.__cause__ if isinstance(abort, typer.Abort) else None
             if isinstance(interrupt, KeyboardInterrupt):
+                Output("--json" in sys.argv[1:]).interrupted(interrupt)
                 sys.exit(interrupt_exit_code(interrupt))
             raise
 

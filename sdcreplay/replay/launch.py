@@ -300,8 +300,11 @@ def _signals_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _launcher_quiet() -> Iterator[None]:
-    """The launcher logs every failure it handles; the ranks' failures are reported here."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing")]
+    """The launcher logs every failure (and signal) it handles; the ranks' failures are
+    reported here. Its modules' loggers carry levels of their own, so each is quieted."""
+    prefixes = ("torch.distributed", "torch.multiprocessing")
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(prefixes)]
+    loggers = [logging.getLogger(name) for name in {*prefixes, *names}]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)

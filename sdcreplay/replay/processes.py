@@ -17,6 +17,7 @@ imports torch prints nothing (it ignores ^C afterwards and ends with its last cl
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import multiprocessing
@@ -24,6 +25,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -59,16 +61,40 @@ def process_context(task_module: str):
 
 def _start_server() -> None:
     """Start the forkserver (and multiprocessing's resource tracker), if it is not running,
-    with SIGINT blocked: a ^C while it imports torch would print a KeyboardInterrupt traceback
-    on the person's terminal. A ^C that comes meanwhile reaches this process once it is up."""
+    with SIGINT blocked (a ^C while it imports torch would print a KeyboardInterrupt traceback
+    on the person's terminal; one that comes meanwhile reaches this process once it is up) and
+    their stderr in `server_log`."""
     from multiprocessing import forkserver, resource_tracker
 
-    resource_tracker.ensure_running()  # first: it unblocks SIGINT after starting its process
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    terminal = os.dup(2)
     try:
-        forkserver.ensure_running()
+        with open(server_log(), "ab") as log:
+            os.dup2(log.fileno(), 2)
+        resource_tracker.ensure_running()  # first: it unblocks SIGINT after starting its process
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        os.dup2(terminal, 2)
+        os.close(terminal)
+
+
+def server_log() -> Path:
+    """The forkserver's stderr: what a process forked from it says before its own log file
+    takes over (a child that could not even start, torn down by an interruption) goes there,
+    not onto the person's terminal. Removed when this process ends, unless it holds something."""
+    path = Path(tempfile.gettempdir()) / f"sdcreplay-forkserver-{os.getpid()}.log"
+    if not path.exists():
+        atexit.register(_remove_if_empty, path)
+    return path
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            path.unlink()
 
 
 def end_with(command: int) -> None:
