@@ -114,18 +114,18 @@ def preflight(
     devices: Iterable[str | None] = (),
     paths: dict[str, Iterable[Path | None]] | None = None,
 ) -> None:
-    """Refuse a path that does not exist, a fault spec that does not parse (``--inject`` and
-    ``SDCREPLAY_INJECT``) and a device this machine cannot have, before the command imports
+    """Refuse a fault spec that does not parse (``--inject`` and ``SDCREPLAY_INJECT``), a
+    device this machine cannot have and a path that does not exist, before the command imports
     torch or starts a device process: a typo costs a second, not a run. Exit 3 with
     Error/Hint, as the library would."""
     from ..capture.fault_spec import parse_specs
     from ..devices import require_available
 
-    require_paths(paths or {})
     specs = parse_specs(inject or [])
     for label in devices:
         if label is not None:
             require_available(label)
+    require_paths(paths or {})
     if specs:  # an operator's name needs torch's registry: checked last, and only then
         from ..capture.faults import check_operators
 
