@@ -161,6 +161,7 @@ def test_the_process_layer_knows_no_task() -> None:
     assert graph["sdcreplay.replay.worker"] == {"sdcreplay.errors", "sdcreplay.heartbeat"}
     assert graph["sdcreplay.replay.processes"] == {
         "sdcreplay.errors",
+        "sdcreplay.leftovers",
         "sdcreplay.bundle.trust",
         "sdcreplay.replay.worker",
     }

@@ -113,6 +113,7 @@ def _localize(
         raise SdcReplayError(
             f"the bundle has no step {step} (it has steps {opened.step_indices})",
             "Give --step one of the recorded steps (`sdcreplay info BUNDLE` lists them).",
+            python_hint="Give step= one of the recorded steps (Bundle.open(path).step_indices).",
         )
     reference = require_available(reference)
     suspect = require_available(suspect) if suspect else None
@@ -120,6 +121,7 @@ def _localize(
         raise SdcReplayError(
             "--suspect and --reference are the same device",
             "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
+            python_hint="Compare the suspect with a device you trust, e.g. reference='cpu:0'.",
         )
     if plot is not None:
         _plotter()
@@ -413,12 +415,17 @@ def _kind(environment: dict) -> tuple:
 def _plotter():
     """The heatmap function, checked before any work is done (it draws only at the end)."""
     hint = "Install the plot extra (pip install 'sdcreplay[plot]'), or leave out --plot."
+    python_hint = "Install the plot extra (pip install 'sdcreplay[plot]'), or pass plot=None."
     try:
         from ..compare.plot import plot_element_heatmap
     except ImportError as exc:
-        raise SdcReplayError(f"--plot is not available here: {exc}", hint) from exc
+        raise SdcReplayError(
+            f"--plot is not available here: {exc}", hint, python_hint=python_hint
+        ) from exc
     if importlib.util.find_spec("matplotlib") is None:
-        raise SdcReplayError("--plot needs matplotlib, which is not installed", hint)
+        raise SdcReplayError(
+            "--plot needs matplotlib, which is not installed", hint, python_hint=python_hint
+        )
     return plot_element_heatmap
 
 

@@ -52,6 +52,7 @@ def job_to_bisect(
                 f"--rank {rank} is for a job bundle (record --nproc); {bundle} is a single "
                 "process's bundle",
                 "Leave out --rank.",
+                python_hint="Pass rank=None.",
             )
         return None
     job = JobBundle.open(bundle)
@@ -59,12 +60,15 @@ def job_to_bisect(
         raise SdcReplayError(
             f"{bundle} is a job of {job.world_size} ranks: say which rank to bisect",
             "Give --rank R, e.g. the origin_rank `sdcreplay replay` named.",
+            python_hint="Pass rank=R, e.g. the origin_rank replay_job() reported.",
         )
     if repeats != 1:
         raise SdcReplayError(
             "--repeats is for a single process's bisect: a job's rank runs its step once among "
             "its peers",
             "Leave out --repeats (replay with --repeats shows an intermittent rank first).",
+            python_hint="Pass repeats=1 (replay_job(..., repeats=N) shows an intermittent rank "
+            "first).",
         )
     return job
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, get_args
 
+from .. import leftovers
 from ..errors import SdcReplayError
 from ..kinds import BisectVerdict
 from ..storage.rundir import make_run_dir, replacing_refused, set_aside
@@ -99,6 +100,11 @@ class ReportDirectory:
                 python_hint="Give out= a directory that can be created (its parent a writable "
                 "directory, each name at most 255 bytes).",
             ) from exc
+        leftovers.begin(
+            staging,
+            "an unfinished bisect report",
+            f"its {WORK_DIR}/ holds the device processes' logs; delete it once read",
+        )
         return cls(out, staging, overwrite)
 
     @property
@@ -125,6 +131,7 @@ class ReportDirectory:
             self.staging.rename(final)
         except OSError as exc:
             raise self._taken() from exc
+        leftovers.end(self.staging)
         on_event("done", f"report written to {self.final}")
         return BisectResult.from_json(data)
 

@@ -57,6 +57,7 @@ class JobBundle:
             raise BundleError(
                 f"{str(found)[:300]} is not a bundle directory",
                 "Give the directory `sdcreplay record --nproc N --out` wrote.",
+                python_hint="Give the directory record_job(workload, out, nproc=N) wrote.",
             )
         manifest = JobManifest.from_json(_read_manifest_json(found))
         parts: dict[int, Bundle] = {}

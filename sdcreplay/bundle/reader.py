@@ -134,6 +134,8 @@ def _without_manifest(path: Path) -> BundleError:
         return BundleError(
             f"{path} has no {MANIFEST}: it is not a bundle",
             "Give the directory `sdcreplay record --out` wrote (it holds manifest.json).",
+            python_hint="Give the directory record(workload, out) or a Recorder wrote (it holds "
+            "manifest.json).",
         )
     return BundleError(f"{path} has no {MANIFEST}")  # a bundle's files without it: damaged
 
@@ -166,6 +168,7 @@ class Bundle:
             raise BundleError(
                 f"{str(path)[:300]} is not a bundle directory",
                 "Give the directory `sdcreplay record --out` wrote.",
+                python_hint="Give the directory record(workload, out) or a Recorder wrote.",
             )
         manifest = _read_manifest_json(path)
         if isinstance(manifest, dict) and manifest.get("schema") == JOB_SCHEMA:

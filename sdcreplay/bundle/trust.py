@@ -111,4 +111,6 @@ def require_trusted(ref: str, document: dict) -> None:
         f"the bundle names workload {ref!r}, which is code, and it was not recorded by this user "
         "(no valid signature): nothing was imported or run",
         f"Read that code first; if you trust it, add --trust-workload (or --workload {ref}).",
+        python_hint=f"Read that code first; if you trust it, make the call inside "
+        f"`with sdcreplay.bundle.trust.granting([{ref!r}]):`.",
     )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 
+from .. import leftovers
 from ..capture.message import Message
 from ..capture.signature import SignatureLogWriter
 from ..errors import BundleError, SdcReplayError
@@ -145,7 +146,11 @@ def claim_output(final: Path, partial: Path, overwrite: bool) -> None:
     leftover = replacing_refused(partial, "a leftover partial recording", BundleError)
     leftover.hint = f"It may be the only evidence of a crash: `sdcreplay info {partial}` shows "
     leftover.hint += "what it holds; move it away, or pass --overwrite to move it aside."
-    leftover.python_hint = leftover.hint.replace("pass --overwrite", "pass overwrite=True")
+    leftover.python_hint = (
+        "It may be the only evidence of a crash: "
+        f"sdcreplay.Bundle.open({str(partial)!r}, verify=False) reads what it holds; "
+        "move it away, or pass overwrite=True to move it aside."
+    )
     _claim(partial, overwrite, leftover)
 
 
@@ -172,6 +177,8 @@ def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) 
             f"cannot create the bundle directory {str(partial)[:200]}: {exc.strerror}",
             "Choose an --out in a writable directory (not under a file or /proc, "
             "each name at most 255 bytes).",
+            python_hint="Choose an output path in a writable directory (not under a file or "
+            "/proc, each name at most 255 bytes).",
         ) from exc
     return moved
 
@@ -204,6 +211,12 @@ def _move_into_place(partial: Path, final: Path, overwrite: bool) -> list[Path]:
     return moved
 
 
+UNFINISHED = (
+    "`sdcreplay info` on it lists the steps it holds (it replays as those); record again with "
+    "--overwrite (overwrite=True) to replace it, or delete it"
+)
+
+
 class BundleWriter:
     """Writes a bundle step by step; see the module docstring for crash safety.
 
@@ -229,6 +242,7 @@ class BundleWriter:
         self.final_path = Path(path)
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
         self.moved_aside = _prepare_directory(self.final_path, self.path, overwrite, "steps")
+        leftovers.begin(self.path, "an unfinished bundle", UNFINISHED)
         self._overwrite = overwrite
         # Written only once embed_state or reference_checkpoint has set the state; the
         # optional parts not known yet stay out of the JSON until they are.
@@ -360,7 +374,9 @@ class BundleWriter:
         self.manifest.complete = True
         self._save_manifest(durable=True)
         self.moved_aside += _move_into_place(self.path, self.final_path, self._overwrite)
+        leftovers.end(self.path)
         return self.final_path
 
     def abort(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        leftovers.end(self.path)

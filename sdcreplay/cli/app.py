@@ -33,6 +33,7 @@ from .options import (
     parse_kwargs,
     preflight,
     trusting,
+    workload_file,
 )
 from .output import Output
 from .render_bisect import render_bisect, render_minimize, render_ops
@@ -133,7 +134,9 @@ def record(
     recording; the bundle does not carry them. With --ring nothing is written unless an alarm
     (--dump-on) asks; later bundles get -2, -3... before the suffix.
     """
-    preflight(inject, [device])
+    preflight(
+        inject, [device], {"checkpoint": [checkpoint], "workload file": [workload_file(workload)]}
+    )
     from ..recording.drive import record as record_bundle
 
     target = out or Path("traces") / f"{workload.split(':')[-1].replace('/', '_')}.bundle"
@@ -177,6 +180,7 @@ def record(
 @command(render_info)
 def info(output: Output, bundle: BundleArg, json_mode: JsonOpt = False):
     """Show what a bundle holds and check every file against its SHA-256."""
+    preflight(paths={"bundle": [bundle]})
     from ..bundle.info import describe
 
     return describe(bundle)
@@ -228,7 +232,7 @@ def replay(
     world-size --device labels is one replica, rank 0 first (default: one replica
     on the recorded devices); see docs/distributed.md.
     """
-    preflight(inject, device or [])
+    preflight(inject, device or [], {"bundle": [bundle]})
     from ..bundle.job_bundle import is_job_bundle
     from ..replay.replicas import replay_devices
 
@@ -335,7 +339,7 @@ def bisect(
     The report is written to --out (default: BUNDLE.bisect/); one already there (and the
     ticket minimize wrote into it) is replaced only with --overwrite, and moved aside.
     """
-    preflight(inject, [suspect, reference])
+    preflight(inject, [suspect, reference], {"bundle": [bundle]})
     from ..bisect.localize import bisect as run_bisect
 
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
@@ -372,6 +376,7 @@ def diff(
     Two jobs (job bundles, or a job replay's LOGS/replicaN directory) are compared
     rank by rank, with the origin rank and the first divergent message.
     """
+    preflight(paths={"log": [first, second]})
     from ..compare.jobs import diff_jobs, is_job_log
     from ..compare.logs import diff as compare
 
@@ -404,7 +409,7 @@ def ops(
     json_mode: JsonOpt = False,
 ):
     """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth)."""
-    preflight(devices=[device])
+    preflight(devices=[device], paths={"bundle": [bundle]})
     from ..bisect.ops import list_calls
 
     with trusting(bundle, trust_workload, workload):
@@ -435,7 +440,7 @@ def doctor(
     device did (can it vote on the record)? Exit 1 when the step is not reproducible or the
     machine cannot judge the bundle (a finding, like a divergence).
     """
-    preflight(devices=[device])
+    preflight(devices=[device], paths={"bundle": [against]})
     if against is not None:
         from ..replay.comparability import judge_against
 
@@ -486,7 +491,7 @@ def minimize(
     --reference defaults to the report's; the ticket is written to --out (default:
     REPORT/ticket); a ticket already there is replaced only with --overwrite, and moved aside.
     """
-    preflight(inject, [device, reference])
+    preflight(inject, [device, reference], {"report": [report]})
     from ..minimize.driver import minimize as run_minimize
 
     with output.stages() as progress:

@@ -4,7 +4,8 @@ traceback or picks an exit status itself.
 
 Exit codes: 0 nothing diverged, 1 a finding (a divergence, a device that cannot
 reproduce itself), 2 usage error, 3 the tool could not do its job (printed as
-``Error:`` + ``Hint:``).
+``Error:`` + ``Hint:``), 128 + N ended by signal N (130 ^C, 143 SIGTERM; `interrupts`).
+With ``--json`` a failure is an ``sdcreplay.error/1`` object on stdout.
 """
 
 from __future__ import annotations
@@ -12,19 +13,25 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from ..errors import SdcReplayError, WorkloadError
+from .. import interrupts
+from ..errors import SdcReplayError, WorkloadError, error_json, interrupt_exit_code
 from .output import Output
+
+USAGE_HINT = "Run the command with --help for its arguments and options."
 
 
 class _FlagsTakeNoValue:
     """--help shows no ``<bool>`` beside a flag (``--json``, ``--overwrite/--no-overwrite``,
-    ``--help``): a flag takes no value, and the column is for the values options take."""
+    ``--help``): a flag takes no value, and the column is for the values options take.
+    A usage error on a command line that asks for ``--json`` is also an error object on
+    stdout (exit 2); typer prints it for the person as ever."""
 
     def get_params(self, ctx):
         params = super().get_params(ctx)  # type: ignore[misc]
@@ -33,13 +40,35 @@ class _FlagsTakeNoValue:
                 param.metavar = ""
         return params
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[misc]
+        except typer.TyperException as exc:  # a usage error (typer's own click: exit 2)
+            if "--json" in given and getattr(exc, "exit_code", None) == 2:
+                Output(json_mode=True).data(
+                    error_json(exc.format_message(), USAGE_HINT, 2, "usage")  # type: ignore[attr-defined]
+                )
+            raise
+
 
 class Command(_FlagsTakeNoValue, TyperCommand):
     pass
 
 
 class Group(_FlagsTakeNoValue, TyperGroup):
-    pass
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """A ^C or SIGTERM outside a command's body (while the command line is parsed) exits
+        128 + the signal too; click would say ``Aborted!`` and exit 1."""
+        try:
+            return super().main(*args, **kwargs)
+        except SystemExit as exc:
+            abort = exc.__context__
+            interrupt = abort.__cause__ if isinstance(abort, typer.Abort) else None
+            if isinstance(interrupt, KeyboardInterrupt):
+                Output("--json" in sys.argv[1:]).interrupted(interrupt)
+                sys.exit(interrupt_exit_code(interrupt))
+            raise
 
 
 app = typer.Typer(
@@ -60,9 +89,9 @@ def _exit_code(output: Output, action: Callable[[], int]) -> int:
         return action()
     except (typer.TyperException, typer.Exit, typer.Abort):
         raise  # usage errors (exit 2) are typer's to print
-    except KeyboardInterrupt:
-        output.say("Interrupted.")
-        return 130
+    except KeyboardInterrupt as exc:
+        output.interrupted(exc)
+        return interrupt_exit_code(exc)
     except Exception as exc:
         if debug:
             raise
@@ -114,7 +143,9 @@ def command(
                     output.data(result.to_json())
                 return result.exit_code
 
-            raise typer.Exit(_exit_code(output, action))
+            with interrupts.handled():
+                code = _exit_code(output, action)
+            raise typer.Exit(code)
 
         signature = inspect.signature(body, eval_str=True)
         invoke.__signature__ = signature.replace(  # type: ignore[attr-defined]

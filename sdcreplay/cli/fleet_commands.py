@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from .boundary import app, command
-from .options import InjectOpt, JsonOpt, NoLedgerOpt
+from .options import InjectOpt, JsonOpt, NoLedgerOpt, preflight
 from .output import Output
 from .render_fleet import (
     render_corpus,
@@ -107,6 +107,7 @@ def screen(
     Exit 0 when every device passed, 1 when one failed a ticket, 3 when one could not be
     screened (skipped, out of budget, or its process failed).
     """
+    preflight(paths={"corpus": [corpus]})
     from ..fleet.screen import process_started
     from ..fleet.screen import screen as run_screen
 
@@ -142,6 +143,7 @@ def add(
 ):
     """Add tickets to a corpus; a ticket testing what one already there tests (same operator,
     shapes, dtypes and failing bits) is a duplicate and is left out."""
+    preflight(paths={"ticket": tickets})
     from ..fleet.corpus import add_tickets
 
     return add_tickets(corpus, list(tickets))

@@ -7,6 +7,7 @@ A usage error here is typer's ``BadParameter`` (exit 2), raised before any libra
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
@@ -76,10 +77,55 @@ def trusting(bundle: Path, trust_workload: bool, workload: str | None):
     return granting(refs)
 
 
-def preflight(inject: list[str] | None = None, devices: Iterable[str | None] = ()) -> None:
-    """Refuse a fault spec that does not parse (``--inject`` and ``SDCREPLAY_INJECT``) and a
-    device this machine cannot have, before the command imports torch or starts a device
-    process: a typo costs a second, not a run. Exit 3 with Error/Hint, as the library would."""
+WHAT_PATHS_ARE = {
+    "bundle": "Give the directory `sdcreplay record --out` wrote.",
+    "report": "Pass the report directory written by `sdcreplay bisect --out`.",
+    "corpus": "Give the directory `sdcreplay corpus add CORPUS TICKET...` made.",
+    "ticket": "Give a ticket directory `sdcreplay minimize` wrote (its --out).",
+    "checkpoint": "Give the torch.save'd file (or checkpoint directory) to start from.",
+    "workload file": "Name a workload as path/to/file.py:function with a file that exists.",
+    "log": "Give a bundle directory or a replay log (*.sig.zst).",
+}
+"""What each kind of path a command reads is, said when one is missing."""
+
+
+def require_paths(paths: dict[str, Iterable[Path | None]]) -> None:
+    """Refuse a path that does not exist (``kind -> paths``; a bundle's ``.partial`` twin
+    stands for it, as the reader takes it), before torch is imported: a typo costs a second."""
+    from ..errors import BundleError, CheckpointError, ReportError, SdcReplayError, WorkloadError
+
+    errors = {
+        "bundle": BundleError,
+        "report": ReportError,
+        "checkpoint": CheckpointError,
+        "workload file": WorkloadError,
+    }
+    for kind, given in paths.items():
+        for path in given:
+            if path is None or os.path.lexists(path):
+                continue
+            if kind == "bundle" and os.path.lexists(f"{path}.partial"):
+                continue
+            raise errors.get(kind, SdcReplayError)(
+                f"the {kind} {str(path)[:300]} does not exist", WHAT_PATHS_ARE[kind]
+            )
+
+
+def workload_file(reference: str) -> Path | None:
+    """The file a ``path/to/file.py:function`` reference names (None for the other forms)."""
+    target = reference.rpartition(":")[0]
+    return Path(target) if target.endswith(".py") else None
+
+
+def preflight(
+    inject: list[str] | None = None,
+    devices: Iterable[str | None] = (),
+    paths: dict[str, Iterable[Path | None]] | None = None,
+) -> None:
+    """Refuse a fault spec that does not parse (``--inject`` and ``SDCREPLAY_INJECT``), a
+    device this machine cannot have and a path that does not exist, before the command imports
+    torch or starts a device process: a typo costs a second, not a run. Exit 3 with
+    Error/Hint, as the library would."""
     from ..capture.fault_spec import parse_specs
     from ..devices import require_available
 
@@ -87,6 +133,7 @@ def preflight(inject: list[str] | None = None, devices: Iterable[str | None] = (
     for label in devices:
         if label is not None:
             require_available(label)
+    require_paths(paths or {})
     if specs:  # an operator's name needs torch's registry: checked last, and only then
         from ..capture.faults import check_operators
 

@@ -2,13 +2,16 @@
 
 Every renderer draws through one ``Output``, so the rules hold for all of them: a table
 never cuts a name mid-word, progress is live on a terminal and one line per stage in a
-log, a failure reads ``Error:`` + ``Hint:``, and ``--json`` alone writes to stdout.
+log, a failure reads ``Error:`` + ``Hint:``, ``--json`` alone writes to stdout, and no
+control character that came with a message (a terminal escape sequence in torch's text, a
+carriage return, a bell) reaches the terminal (`without_controls`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -20,7 +23,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import SdcReplayError
+from .. import leftovers
+from ..errors import SdcReplayError, error_json, interrupt_exit_code, interrupt_signal
 
 __all__ = ["Output", "escape", "human_size", "styled"]
 
@@ -40,6 +44,20 @@ VERDICT_STYLE = {
 }
 LONGEST_UNBROKEN = 48  # a value column is never narrower than its longest word, up to this
 FOLD_FLOOR = 8  # the narrowest a value column folds to where the console is too narrow
+
+
+_CONTROLS = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: titles, hyperlinks
+    r"|\x1b[@-_]?"  # any other escape
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"  # C0 but newline and tab, DEL, C1
+)
+
+
+def without_controls(text: str) -> str:
+    """``text`` without terminal control sequences and control characters (newlines and tabs
+    kept): what a message from torch, a workload or a file may carry is printed, never obeyed."""
+    return _CONTROLS.sub("", text)
 
 
 def styled(word: str) -> str:
@@ -104,14 +122,16 @@ class Stages:
         if self.current is None or self.current["stage"] != stage:
             self._close_current()
             self.current = {"stage": stage, "started": time.perf_counter()}
-            self.tasks[stage] = self.progress.add_task(stage, total=total, counts="", note="")
+            self.tasks[stage] = self.progress.add_task(
+                without_controls(stage), total=total, counts="", note=""
+            )
         self.current.update(done=done, total=total, note=note)
         self.progress.update(
             self.tasks[stage],
             completed=done or 0,
             total=total,
             counts=_counts(done, total),
-            note=escape(note),
+            note=escape(without_controls(note)),
         )
 
     def begin(self, stage: str, note: str = "") -> None:
@@ -132,9 +152,8 @@ class Stages:
                 for part in (_counts(current["done"], current["total"]), current["note"])
                 if part
             )
-            self.console.print(
-                f"{escape(current['stage'])}: {escape(said)} ({seconds:.1f} s)", highlight=False
-            )
+            line = f"{escape(current['stage'])}: {escape(said)} ({seconds:.1f} s)"
+            self.console.print(without_controls(line), highlight=False)
         self.current = None
 
     def close(self) -> None:
@@ -147,17 +166,19 @@ class Output:
     def __init__(self, json_mode: bool = False, console: Console | None = None):
         self.json_mode = json_mode
         self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self.printed = False  # the one JSON object is on stdout
 
     def data(self, obj: dict) -> None:
-        if self.json_mode:
+        if self.json_mode and not self.printed:
             sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
             sys.stdout.flush()
+            self.printed = True
 
     def say(self, text: str) -> None:
-        self.console.print(text)
+        self.console.print(without_controls(text))
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]Warning:[/] {escape(text)}")
+        self.say(f"[yellow]Warning:[/] {escape(text)}")
 
     def table(
         self,
@@ -173,6 +194,7 @@ class Output:
         the table is printed as wide as they need (a narrower terminal wraps the line, and the
         name stays one string to copy)."""
         widths, squeezed, excess = self._unbroken_widths(columns, rows, fold)
+        title = None if title is None else without_controls(title)
         table = Table(title=title, title_justify="left", header_style="bold")
         for position, (column, width) in enumerate(zip(columns, widths)):
             if position in squeezed:  # narrower than its longest word: held there, folding
@@ -180,7 +202,7 @@ class Output:
             else:
                 table.add_column(column, overflow="fold", min_width=width)
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*map(without_controls, row))
         wider = self.console.width + excess if excess > 0 else None
         self.console.print(table, width=wider)
 
@@ -211,9 +233,24 @@ class Output:
                 squeezed.add(position)
         return widths, squeezed, excess
 
-    def error(self, exc: SdcReplayError) -> None:
-        self.console.print(f"[bold red]Error:[/] {escape(exc.message)}")
-        self.console.print(f"[bold]Hint:[/] {escape(exc.hint)}")
+    def error(self, exc: SdcReplayError, exit_code: int = 3) -> None:
+        """``Error:`` + ``Hint:`` on stderr; with ``--json`` the error object on stdout."""
+        self.say(f"[bold red]Error:[/] {escape(exc.message)}")
+        self.say(f"[bold]Hint:[/] {escape(exc.hint)}")
+        self.data(exc.to_json(exit_code))
+
+    def interrupted(self, exc: KeyboardInterrupt) -> None:
+        """A ^C or SIGTERM ended the command: what it left on disk and what to do with it."""
+        name = interrupt_signal(exc).name
+        left = leftovers.take()
+        self.say(f"[bold yellow]Interrupted[/] ({name}): every process it started is stopped.")
+        for leftover in left:
+            self.say(f"[bold]Left behind:[/] {escape(str(leftover))}")
+        hint = "Run the command again; " + (
+            "what it left is named above." if left else "it left nothing to clean up."
+        )
+        obj = error_json(f"interrupted by {name}", hint, interrupt_exit_code(exc), "interrupted")
+        self.data({**obj, "leftovers": [str(leftover.path) for leftover in left]})
 
     @contextlib.contextmanager
     def stages(self) -> Iterator[Stages]:

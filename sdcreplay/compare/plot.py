@@ -38,6 +38,7 @@ def _pyplot():
         raise SdcReplayError(
             "drawing a plot needs matplotlib, which is not installed",
             "pip install 'sdcreplay[plot]' (or matplotlib), or leave out --plot.",
+            python_hint="pip install 'sdcreplay[plot]' (or matplotlib), or pass plot=None.",
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

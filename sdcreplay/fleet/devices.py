@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import SdcReplayError
+from ..errors import SdcReplayError, message_of
 from ..ledger.identity import host_name
 from ..ledger.schema import Record
 from ..ledger.store import Ledger, LedgerError
@@ -25,7 +25,8 @@ def _open(location: str | None, read_only: bool = True) -> Ledger:
     except LedgerError:
         raise
     except Exception as exc:  # sqlite3 / psycopg errors while migrating
-        raise LedgerError(f"cannot read the ledger: {type(exc).__name__}: {exc}") from exc
+        said = f"{type(exc).__name__}: {message_of(exc)}"
+        raise LedgerError(f"cannot read the ledger: {said}") from exc
 
 
 @dataclass

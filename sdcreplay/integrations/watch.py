@@ -25,7 +25,7 @@ import torch
 from ..capture.layers import grads_entering
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
-from ..errors import SdcReplayError
+from ..errors import SdcReplayError, message_of
 from ..kinds import SignatureLevel
 from ..online.alarms import Alarm, Observation, gradient_norms, observe
 from ..online.update_detector import UpdateDetector
@@ -230,7 +230,7 @@ class WatchOptions:
         try:
             yield
         except Exception as exc:
-            self.failure = f"{type(exc).__name__}: {exc}"
+            self.failure = f"{type(exc).__name__}: {message_of(exc)}"
             written = ", ".join(alarm.bundle for alarm in self.alarms if alarm.bundle)
             warnings.warn(
                 f"sdcreplay: {type(self).__name__} failed in {event} ({self.failure}); it "

@@ -20,6 +20,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
+from ..errors import message_of
 from .schema import Record
 from .store import (
     BUSY_SECONDS,
@@ -105,7 +106,8 @@ def note(
         _warn(f"{problem.message}; the verdict is not in the ledger ({problem.hint})")
     elif isinstance(problem, Exception):  # sqlite3, psycopg or OS errors: never the command's
         _warn(
-            f"the ledger {where} could not be written ({type(problem).__name__}: {problem}); "
+            f"the ledger {where} could not be written "
+            f"({type(problem).__name__}: {message_of(problem)}); "
             "the verdict is not in the ledger"
         )
     else:
@@ -118,6 +120,6 @@ def note_result(result: dict, location: str | None = None, *, wait: float | None
     try:
         records = records_for(result)
     except Exception as exc:  # a result this version cannot read: a warning, like a write
-        _warn(f"the result could not be turned into ledger records ({exc})")
+        _warn(f"the result could not be turned into ledger records ({message_of(exc)})")
         return False
     return note(records, location, wait=wait)

@@ -140,6 +140,7 @@ def minimize(
         raise SdcReplayError(
             f"--device and --reference are both {suspect_label}",
             "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
+            python_hint="Compare the suspect with a device you trust, e.g. reference='cpu:0'.",
         )
     if min(trials, good_trials, bad_trials or 1) < 1:
         raise SdcReplayError("--trials, --good-trials and --bad-trials must be at least 1")
@@ -171,6 +172,8 @@ def minimize(
             "Run minimize where the report's reference ran "
             "(same device model, torch version and switches), "
             "or name another --reference.",
+            python_hint="Run minimize where the report's reference ran (same device model, "
+            "torch version and switches), or pass another reference=.",
         )
     reproduced = measured.failures > 0
     bad_trials = bad_trials or default_bad_trials(measured.rate, trials)

@@ -33,6 +33,8 @@ def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
             f"isolated {report.get('isolated')})",
             "minimize starts from a bisect that named a corrupted operator; "
             "bisect with --suspect first.",
+            python_hint="minimize starts from a bisect that named a corrupted operator; "
+            "bisect(bundle, suspect=LABEL) first.",
         )
     if not (path / OPERATOR_FILE).is_file():
         raise ReportError(f"{path} has no {OPERATOR_FILE} (the operator's inputs and outputs)")

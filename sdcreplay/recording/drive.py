@@ -199,18 +199,21 @@ def check_dump_on(ring: int | None, dump_on: Sequence[str], inject: Sequence[str
     unknown = sorted(set(dump_on) - set(DUMP_ON))
     detectors = [name for name in DUMP_ON[:2] if name in dump_on]
     problem, hint = None, "--dump-on is update, replay or end (with --ring K)."
+    python_hint = "dump_on holds update, replay or end (with ring=K)."
     if unknown:
         problem = f"--dump-on {unknown[0]!r} is not one of {', '.join(DUMP_ON)}"
     elif dump_on and ring is None:
         problem = "--dump-on needs --ring: without a ring every step is written anyway"
     elif len(detectors) > 1:
         problem = "--dump-on update and replay together: one detector drives each step"
-        hint = "Choose one detector (end may go with either)."
+        hint = python_hint = "Choose one detector (end may go with either)."
     elif detectors and any(spec.kind == "memflip" for spec in parse_specs(inject)):
         problem = "a memflip fault corrupts memory between steps, outside a detector's step"
-        hint = "With a detector, inject operator faults (bitflip, bias, nan...) instead."
+        hint = python_hint = (
+            "With a detector, inject operator faults (bitflip, bias, nan...) instead."
+        )
     if problem is not None:
-        raise SdcReplayError(problem, hint)
+        raise SdcReplayError(problem, hint, python_hint=python_hint)
     return detectors[0] if detectors else None
 
 

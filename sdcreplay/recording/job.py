@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bundle.job_bundle import job_partial_path
-from ..bundle.writer import claim_output
+from ..bundle.writer import UNFINISHED, claim_output
 from ..devices import validate_label
 from ..heartbeat import HEARTBEAT
 from ..kinds import SignatureLevel
+from ..leftovers import writing
 from ..replay.job import _same, check_fault_ranks
 from ..replay.job_report import ranks_failure
 from ..replay.launch import run_ranks
@@ -134,9 +135,10 @@ def record_job(
         "signature": signature,
     }
     logs = make_run_dir(out.with_name(out.name + ".logs"))
-    results = run_ranks(
-        "record", run_rank_record_task, labels, _same(arguments), logs, timeout=timeout
-    )
+    with writing(job_partial_path(out), "an unfinished job bundle", UNFINISHED):
+        results = run_ranks(
+            "record", run_rank_record_task, labels, _same(arguments), logs, timeout=timeout
+        )
     failure = ranks_failure("the recording", results)
     if failure is not None:
         raise failure

@@ -24,7 +24,7 @@ from ..capture.layers import grads_entering, state_digests
 from ..capture.message import Message
 from ..capture.probe import collecting_calls, record_probe
 from ..capture.signature import at_level, is_program_entry
-from ..errors import MessageOrderError, SdcReplayError
+from ..errors import MessageOrderError, SdcReplayError, message_of
 from ..replay.session import ReplaySession
 
 
@@ -95,7 +95,7 @@ class FirstStepCheck:
             except MessageOrderError as exc:
                 return exc.message + self._unknown_ddp_note(session.bundle)
             except Exception as exc:  # the workload's own code: a finding, not a crash
-                return f"the workload's step raised {type(exc).__name__}: {exc}"
+                return f"the workload's step raised {type(exc).__name__}: {message_of(exc)}"
             self.probe = record_probe(list(calls.calls.values()), self.device).to_json()
             log = session.bundle.signature_log()
             recorded = log.steps[record.index]  # replay holds every layer, the record its level

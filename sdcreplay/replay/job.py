@@ -167,6 +167,9 @@ def replica_devices(job: JobBundle, devices: Sequence[str] | None) -> list[list[
             f"Give {size} labels per replica, rank 0 first (e.g. "
             f"{' '.join(f'--device cpu:{r}' for r in range(size))}), or none to replay on the "
             "recorded devices.",
+            python_hint=f"Give {size} labels per replica, rank 0 first (e.g. "
+            f"{[f'cpu:{r}' for r in range(size)]}), or devices=None to replay on the recorded "
+            "devices.",
         )
     groups = [labels[start : start + size] for start in range(0, len(labels), size)]
     for group in groups:

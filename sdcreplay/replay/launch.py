@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bundle import trust
-from ..errors import SdcReplayError
+from ..errors import SdcReplayError, Terminated
 from . import processes, worker
 from .worker import DeviceFailure, DeviceResult, DeviceTask
 
@@ -108,10 +108,14 @@ def join_group(device: str, backend: str, group_timeout: float) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
-def _rank_entry(task_paths: list[str], parent: dict[str, str], backend: str, timeout: float):
+def _rank_entry(
+    task_paths: list[str], parent: dict[str, str], backend: str, timeout: float, command: int
+):
     """One rank, as the launcher starts it: a supervisor that forks the process running the
     task and writes how it ended (``TASK.exit``). The launcher itself reports only the first
-    rank it sees fail; this is how every rank's exit status is known, even an ``os._exit``."""
+    rank it sees fail; this is how every rank's exit status is known, even an ``os._exit``.
+    It ends with the command (``command``: its pid), and its task process with it."""
+    processes.end_with(command)
     environment = _rank_environment(parent)
     os.environ.clear()
     os.environ.update(environment)
@@ -120,7 +124,7 @@ def _rank_entry(task_paths: list[str], parent: dict[str, str], backend: str, tim
     if child == 0:  # never returns into the launcher's code: that is the supervisor's
         status = 3
         try:
-            _die_with_parent()
+            processes.die_with_parent()
             status = _run_rank(path, backend, timeout)
         except BaseException:
             traceback.print_exc()
@@ -135,18 +139,11 @@ def _rank_entry(task_paths: list[str], parent: dict[str, str], backend: str, tim
 
     for name in ("SIGTERM", "SIGINT"):
         signal.signal(getattr(signal, name), forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the forkserver
     status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
     Path(f"{path}.exit").write_text(json.dumps({"status": status, "stopped": bool(stopped)}))
     if status != 0:
         os._exit(status if status > 0 else 128 - status)
-
-
-def _die_with_parent() -> None:
-    """A task process never outlives its supervisor (killed by the launcher after the grace)."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _run_rank(path: str, backend: str, timeout: float) -> int:
@@ -283,8 +280,9 @@ class _Watchdog(threading.Thread):
 
 @contextlib.contextmanager
 def _signals_kept() -> Iterator[None]:
-    """The launcher installs its own handlers (SIGINT raises its SignalException); put ours
-    back afterwards, and turn an interrupt into the KeyboardInterrupt the CLI expects."""
+    """The launcher installs its own handlers (a signal raises its SignalException once it has
+    stopped the ranks); put ours back afterwards, and turn the signal into the interruption
+    the CLI expects (KeyboardInterrupt for SIGINT, `Terminated` for the others)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     saved = {name: signal.getsignal(getattr(signal, name)) for name in _HANDLED_SIGNALS}
@@ -293,7 +291,7 @@ def _signals_kept() -> Iterator[None]:
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from exc
-        raise
+        raise Terminated(exc.sigval) from exc
     finally:
         for name, handler in saved.items():
             if handler is not None:
@@ -302,8 +300,11 @@ def _signals_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _launcher_quiet() -> Iterator[None]:
-    """The launcher logs every failure it handles; the ranks' failures are reported here."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing")]
+    """The launcher logs every failure (and signal) it handles; the ranks' failures are
+    reported here. Its modules' loggers carry levels of their own, so each is quieted."""
+    prefixes = ("torch.distributed", "torch.multiprocessing")
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(prefixes)]
+    loggers = [logging.getLogger(name) for name in {*prefixes, *names}]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
@@ -366,6 +367,7 @@ def run_ranks(
         raise LaunchError(
             f"cannot create the log directory {work_dir}: {exc.strerror}",
             "Choose a --logs/--out directory that can be written.",
+            python_hint="Choose a log_dir/out directory that can be written.",
         ) from exc
     now = time.time()
     stems = [work_dir / f"{kind}-rank{rank}" for rank in range(len(labels))]
@@ -386,7 +388,8 @@ def run_ranks(
             alive=str(rank.alive),
         )
         rank.task.write_text(json.dumps(device_task.to_json()))
-    hung = _launch(ranks, work_dir, backend, timeout, task.__module__)
+    with processes.logs_written(work_dir):
+        hung = _launch(ranks, work_dir, backend, timeout, task.__module__)
     results = {rank.rank: _own_result(rank, hung, timeout) for rank in ranks}
     first = _first_failure(ranks, results, hung)
     for rank in ranks:
@@ -441,7 +444,7 @@ def _launch(
     try:
         with _signals_kept(), _launcher_quiet(), processes.caller_main_hidden():
             elastic_launch(config, _rank_entry)(
-                paths, parent, backend, GROUP_TIMEOUT_FACTOR * timeout
+                paths, parent, backend, GROUP_TIMEOUT_FACTOR * timeout, os.getpid()
             )
     except ChildFailedError:
         pass  # every rank's own ending is in its files

@@ -8,16 +8,25 @@ multiprocessing *forkserver* that has imported torch once (a fresh
 interpreter would pay several seconds per device to import torch and
 torch._dynamo); the server never runs a torch operator or touches CUDA, so
 every child starts clean.
+
+No process outlives the command: an interruption (^C, SIGTERM) kills the running ones
+before it goes on, and each device process ends itself when the command's process ends,
+however it ends (`end_with`). The server is started with ^C blocked, so a ^C while it
+imports torch prints nothing (it ignores ^C afterwards and ends with its last client).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import multiprocessing
 import os
+import select
 import signal
 import sys
+import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -26,6 +35,7 @@ from pathlib import Path
 
 from ..bundle import trust
 from ..errors import SdcReplayError
+from ..leftovers import writing
 from . import worker
 from .worker import DeviceFailure, DeviceResult, DeviceTask
 
@@ -45,11 +55,97 @@ def process_context(task_module: str):
     if _server is None:
         _server = multiprocessing.get_context("forkserver")
         _server.set_forkserver_preload([__name__, task_module, "torch._dynamo"])
+    _start_server()
     return _server
 
 
-def _child(task_path: str, stderr_path: str, env: dict, cwd: str) -> None:
-    """In the forked process: the caller's environment and directory, stderr to a file."""
+def _start_server() -> None:
+    """Start the forkserver (and multiprocessing's resource tracker), if it is not running,
+    with SIGINT blocked (a ^C while it imports torch would print a KeyboardInterrupt traceback
+    on the person's terminal; one that comes meanwhile reaches this process once it is up) and
+    their stderr in `server_log`."""
+    from multiprocessing import forkserver, resource_tracker
+
+    terminal = os.dup(2)
+    try:
+        with open(server_log(), "ab") as log:
+            os.dup2(log.fileno(), 2)
+        resource_tracker.ensure_running()  # first: it unblocks SIGINT after starting its process
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    finally:
+        os.dup2(terminal, 2)
+        os.close(terminal)
+
+
+def server_log() -> Path:
+    """The forkserver's stderr: what a process forked from it says before its own log file
+    takes over (a child that could not even start, torn down by an interruption) goes there,
+    not onto the person's terminal. Removed when this process ends, unless it holds something."""
+    path = Path(tempfile.gettempdir()) / f"sdcreplay-forkserver-{os.getpid()}.log"
+    if not path.exists():
+        atexit.register(_remove_if_empty, path)
+    return path
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            path.unlink()
+
+
+def end_with(command: int) -> None:
+    """End this process (SIGKILL) as soon as process ``command`` ends, however it ends (even
+    by SIGKILL): a device process or rank never outlives the command that started it. A
+    forkserver child's parent is the server, which lives as long as any of its children, so
+    the parent-death signal cannot say this."""
+
+    def watch() -> None:
+        try:
+            descriptor = os.pidfd_open(command)
+        except ProcessLookupError:
+            descriptor = None
+        except OSError:  # no pidfd here (an old kernel): look every half second
+            while _alive(command):
+                time.sleep(0.5)
+            descriptor = None
+        if descriptor is not None:
+            select.select([descriptor], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="sdcreplay-end-with-command", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def die_with_parent() -> None:
+    """SIGKILL when the parent process ends (Linux's parent-death signal); at once where it
+    ended before the request took hold."""
+    if sys.platform == "linux":
+        import ctypes
+
+        parent = os.getppid()
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _child(task_path: str, stderr_path: str, env: dict, cwd: str, command: int) -> None:
+    """In the forked process: the caller's environment and directory, stderr to a file; ^C
+    as the workload would get it (the server it was forked from blocks it)."""
+    end_with(command)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     descriptor = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(descriptor, 2)
     os.close(descriptor)
@@ -64,18 +160,16 @@ def _child(task_path: str, stderr_path: str, env: dict, cwd: str) -> None:
     sys.exit(status)
 
 
-def start(task_path: Path, stderr_path: Path, label: str, task_module: str):
-    """Start the device process for one task; ``.exitcode`` is None while it runs."""
+def device_process(task_path: Path, stderr_path: Path, label: str, task_module: str):
+    """The device process for one task, not started yet (``.start()``); ``.exitcode`` is None
+    while it runs."""
     env = {**os.environ, **trust.child_environment(), "SDCREPLAY_DEVICE": label}
-    process = process_context(task_module).Process(
+    return process_context(task_module).Process(
         target=_child,
-        args=(str(task_path), str(stderr_path), env, os.getcwd()),
+        args=(str(task_path), str(stderr_path), env, os.getcwd(), os.getpid()),
         name=f"sdcreplay-{label}",
         daemon=False,
     )
-    with caller_main_hidden():
-        process.start()
-    return process
 
 
 @contextlib.contextmanager
@@ -168,11 +262,37 @@ class _DeviceProcess(Liveness):
     stderr: Path
 
 
-def _stop(process, grace: float = 5.0) -> None:
-    """SIGKILL and reap, waiting at most ``grace`` seconds."""
-    with contextlib.suppress(OSError, ValueError):
-        process.kill()
-    process.join(grace)
+def _stop_all(started: list, grace: float = 5.0) -> None:
+    """SIGKILL every process, then reap each: one slow to die does not delay the others' kill."""
+    started = [process for process in started if process.pid is not None]
+    for process in started:
+        with contextlib.suppress(OSError, ValueError):
+            process.kill()
+    ends = time.monotonic() + grace
+    for process in started:
+        process.join(max(0.0, ends - time.monotonic()))
+
+
+def logs_written(work_dir: Path):
+    """While device processes or ranks write into ``work_dir``: an interruption names it."""
+    return writing(
+        work_dir,
+        "the logs of an interrupted run",
+        "each process's stderr.txt there says how far it got; delete the directory when done",
+    )
+
+
+def _prepared(stem: Path, task: DeviceTask, task_module: str) -> _DeviceProcess:
+    """One device's files (``<stem>.task.json``, ...) and its process, not started yet."""
+    result, stderr, alive = (
+        Path(f"{stem}.{name}") for name in ("result.json", "stderr.txt", "alive")
+    )
+    task = replace(task, result=str(result), stderr=str(stderr), alive=str(alive))
+    task_path = Path(f"{stem}.task.json")
+    task_path.write_text(json.dumps(task.to_json()))
+    alive.unlink(missing_ok=True)
+    process = device_process(task_path, stderr, task.device, task_module)
+    return _DeviceProcess(alive, time.time(), process, result, stderr)
 
 
 def run_device_processes(
@@ -207,43 +327,34 @@ def run_device_processes(
             f"cannot create the log directory {work_dir}: {exc.strerror}",
             "Choose a --logs/--out directory that can be written (not under a file or /proc, "
             "each name at most 255 bytes).",
+            python_hint="Choose a log_dir/out directory that can be written (not under a file "
+            "or /proc, each name at most 255 bytes).",
         ) from exc
     running: dict[str, _DeviceProcess] = {}
-    for label in devices:
-        stem = work_dir / f"{kind}-{label.replace(':', '-')}"
-        result, stderr, alive = (
-            Path(f"{stem}.{name}") for name in ("result.json", "stderr.txt", "alive")
-        )
-        device_task = DeviceTask(
-            reference,
-            label,
-            str(result),
-            arguments_for(label),
-            dict(environment or {}),
-            stderr=str(stderr),
-            alive=str(alive),
-        )
-        task_path = Path(f"{stem}.task.json")
-        task_path.write_text(json.dumps(device_task.to_json()))
-        alive.unlink(missing_ok=True)
-        process = start(task_path, stderr, label, task.__module__)
-        running[label] = _DeviceProcess(alive, time.time(), process, result, stderr)
     results: dict[str, DeviceResult] = {}
     try:
-        while running:
-            for label, device in list(running.items()):
-                finished = _poll(label, device, timeout, deadline)
-                if finished is None:
-                    continue
-                del running[label]
-                results[label] = finished
-                if on_done is not None:
-                    on_done(label, finished)
-            if running:
-                time.sleep(0.05)
-    finally:
-        for device in running.values():  # interrupted: no process outlives the command
-            _stop(device.process)
+        with logs_written(work_dir):
+            for label in devices:
+                device = running[label] = _prepared(
+                    work_dir / f"{kind}-{label.replace(':', '-')}",
+                    DeviceTask(reference, label, "", arguments_for(label), dict(environment or {})),
+                    task.__module__,
+                )
+                with caller_main_hidden():
+                    device.process.start()
+            while running:
+                for label, device in list(running.items()):
+                    finished = _poll(label, device, timeout, deadline)
+                    if finished is None:
+                        continue
+                    del running[label]
+                    results[label] = finished
+                    if on_done is not None:
+                        on_done(label, finished)
+                if running:
+                    time.sleep(0.05)
+    finally:  # interrupted: no process outlives the command
+        _stop_all([device.process for device in running.values()])
     return results
 
 
@@ -255,7 +366,7 @@ def _poll(
     process = device.process
     status = process.exitcode
     if status is None and deadline is not None and time.time() >= deadline:
-        _stop(process)
+        _stop_all([process])
         return DeviceResult(
             error=DeviceFailure(
                 f"the {label} process was stopped at the deadline (at {device.where()})",
@@ -268,7 +379,7 @@ def _poll(
         return None
     if status is None:
         where = device.where()
-        _stop(process)
+        _stop_all([process])
         return DeviceResult(
             error=DeviceFailure(
                 f"the {label} process timed out after {timeout:g} s without progress "

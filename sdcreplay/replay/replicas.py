@@ -26,8 +26,8 @@ from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError
 from ..kinds import DeviceRunVerdict, DeviceVerdictName
 from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
-from ..storage.rundir import claim, make_run_dir
 from ..ledger.verdicts import incident_of
+from ..storage.rundir import claim, make_run_dir
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
 from .session import run_replay_task
 from .worker import DeviceResult

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import SdcReplayError
+from ..errors import SdcReplayError, interrupt_exit_code, interrupt_signal
 from ..heartbeat import HEARTBEAT
 
 PACKAGE = "sdcreplay"
@@ -191,6 +191,18 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()  # into the device's log file, for whoever debugs it
         result = DeviceResult(error=DeviceFailure(exc.message, exc.hint, kind=type(exc).__name__))
         status = 3
+    except KeyboardInterrupt as exc:  # a ^C reached it, or the workload raised it: no crash
+        traceback.print_exc()
+        result = DeviceResult(
+            error=DeviceFailure(
+                f"the {task.device} process was interrupted ({interrupt_signal(exc).name}) at "
+                f"{HEARTBEAT.where}",
+                "It was stopped from outside (a ^C, a scheduler) or the workload raised "
+                f"KeyboardInterrupt; run it again to get its result. {log_hint}",
+                kind="interrupted",
+            )
+        )
+        status = interrupt_exit_code(exc)
     except SystemExit as exc:  # workload code called sys.exit(): this device's failure
         traceback.print_exc()
         exit_call = f"sys.exit({exc.code!r})"

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import WorkloadError
+from ..errors import WorkloadError, message_of
 
 
 @dataclass
@@ -139,7 +139,7 @@ def resolve_factory(ref: str) -> Callable[..., Workload]:
             ) from exc
         except Exception as exc:  # the module itself raised while importing
             raise WorkloadError(
-                f"importing {target} raised {type(exc).__name__}: {exc}",
+                f"importing {target} raised {type(exc).__name__}: {message_of(exc)}",
                 "Fix the workload module; SDCREPLAY_DEBUG=1 shows the traceback.",
             ) from exc
     factory = getattr(module, attr, None)
@@ -168,7 +168,7 @@ def _load_file(path: Path):
         spec.loader.exec_module(module)
     except Exception as exc:
         raise WorkloadError(
-            f"loading {path} raised {type(exc).__name__}: {exc}",
+            f"loading {path} raised {type(exc).__name__}: {message_of(exc)}",
             "Fix the workload file; SDCREPLAY_DEBUG=1 shows the traceback.",
         ) from exc
     return module
@@ -288,7 +288,7 @@ def build_workload(ref: str, kwargs: dict[str, Any] | None = None) -> Workload:
         workload = factory(**kwargs)
     except Exception as exc:
         raise WorkloadError(
-            f"workload {ref!r} raised {type(exc).__name__}: {exc}",
+            f"workload {ref!r} raised {type(exc).__name__}: {message_of(exc)}",
             "Fix the workload entry point; SDCREPLAY_DEBUG=1 shows the traceback.",
         ) from exc
     if not isinstance(workload, Workload):

@@ -1091,7 +1091,7 @@ def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path)
     with pytest.raises(SdcReplayError, match=refused) as caught:
         bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
     assert "outside the model, optimizer and the workload's state objects" in caught.value.hint
-    assert str(caught.value).endswith("saved entering it: its signature entry loss differs")
+    assert caught.value.message.endswith("saved entering it: its signature entry loss differs")
 
 
 def test_two_kinds_of_device_running_other_operators_are_told_to_take_a_like_reference():
@@ -1116,7 +1116,7 @@ def test_a_reference_that_runs_other_operators_from_its_saved_state_names_the_ca
     first_run[1][2] = "aten.sub.Tensor"
     with pytest.raises(SdcReplayError) as caught:
         _check_reproduced(expected, {}, oplog, 1)
-    assert str(caught.value) == (
+    assert caught.value.message == (
         "the reference does not run the same operators twice in step 1: operator call 1: "
         "aten.add.Tensor under <outside> (forward) now, aten.sub.Tensor under <outside> "
         "(forward) the first time"

@@ -6,6 +6,7 @@ finds wrong (a bit beyond its output's width) is the only answer, never beside a
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,7 +113,9 @@ def test_a_bit_beyond_the_outputs_width_is_the_only_answer(small_bundle: Path, t
         "--inject", spec, "--json",
     )  # fmt: skip
     assert result.exit_code == 3, result.output
-    assert result.stdout == ""
+    error = json.loads(result.stdout)  # the error object alone: no verdict beside it
+    assert error["kind"] == "FaultSpecError" and error["exit_code"] == 3
+    assert error["message"] == "bit 40 does not exist in a 32-bit torch.float32 element"
     lines = result.stderr.strip().splitlines()
     assert lines[-2:] == [
         "Error: bit 40 does not exist in a 32-bit torch.float32 element",

@@ -583,7 +583,7 @@ def test_cli_diff_structural_difference_exit_3(cli, paths, tmp_path):
     assert made.exit_code == 0, made.stderr
     result = cli("diff", paths["bundle"], other, "--json")
     assert result.exit_code == 3
-    assert result.stdout == ""
+    assert json.loads(result.stdout)["kind"] == "StructureError"  # the error object, no result
     assert (
         "Error: the logs describe different programs: "
         "workload builtin:tiny-llama with dim=32 vs dim=48" in result.stderr

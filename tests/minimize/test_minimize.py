@@ -340,7 +340,8 @@ def test_cli_missing_or_damaged_report(cli, report: Path, tmp_path: Path):
     damaged = cli("minimize", report, "--json")
     assert damaged.exit_code == 3
     assert "operator.h5" in damaged.stderr and "Hint:" in damaged.stderr
-    assert damaged.stdout == ""
+    error = json.loads(damaged.stdout)  # --json: the error object, no result
+    assert error["schema"] == "sdcreplay.error/1" and "operator.h5" in error["message"]
 
 
 @pytest.mark.gpu

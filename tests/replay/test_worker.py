@@ -591,3 +591,41 @@ def test_a_task_file_runs_by_hand(small_bundle: Path, tmp_path: Path):
     assert done.returncode == 3
     assert "Error: the device task has no 'function'" in done.stderr and "Hint:" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+INTERRUPTED_WORKLOAD = '''
+"""tiny-llama whose step raises KeyboardInterrupt on the virtual replica cpu:1."""
+import os
+
+from sdcreplay import Workload
+from sdcreplay.workload.tiny_llama import make_workload
+
+
+def make(seed: int = 0) -> Workload:
+    base = make_workload(seed=seed, **KWARGS)
+
+    def loss_fn(model, batch):
+        if os.environ.get("SDCREPLAY_DEVICE") == "cpu:1":
+            raise KeyboardInterrupt
+        return base.loss_fn(model, batch)
+
+    return Workload(base.model, base.optimizer, base.get_batch, loss_fn)
+'''
+
+
+def test_a_workloads_keyboard_interrupt_is_an_interruption_of_its_device(tmp_path):
+    """A KeyboardInterrupt inside a device process (the workload's own, or a ^C that reached
+    only it) is said as an interruption with where it was, not "exited with status 1"."""
+    from conftest import SMALL
+
+    source = tmp_path / "interrupted.py"
+    source.write_text(textwrap.dedent(INTERRUPTED_WORKLOAD).replace("KWARGS", repr(SMALL)))
+    bundle = tmp_path / "interrupted.bundle"
+    record(f"{source}:make", bundle, steps=1, seed=0)
+    report = replay_devices(bundle, ["cpu:0", "cpu:1"], log_dir=tmp_path / "logs", ledger=False)
+    by_device = {run.device: run for run in report.devices}
+    assert by_device["cpu:0"].error is None
+    error = by_device["cpu:1"].error
+    assert error is not None and error["kind"] == "interrupted", error
+    assert error["message"].startswith("the cpu:1 process was interrupted (SIGINT) at "), error
+    assert error["exit_status"] == 130

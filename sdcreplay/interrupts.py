@@ -1,0 +1,70 @@
+"""Signals end a command cleanly: SIGINT raises KeyboardInterrupt (as Python does), SIGTERM
+and SIGHUP raise `errors.Terminated`, so the cleanup a ^C runs (every device process and rank
+stopped, the leftovers named) runs for a scheduler's signal too, and the command exits 128 +
+the signal (130, 143, 129) without a traceback. The command line's (`cli.boundary`); in the
+ground so that the package installs them first thing in the console script's process.
+
+A signal while that cleanup runs is remembered, not raised, so the cleanup finishes (it waits
+at most a few seconds); a third one ends the process at once, as does one after the command
+has answered (while the interpreter shuts down). The console script installs the handlers
+as it imports the package, before typer or torch (`install_for_console_script`); a command
+run inside another program (a test's CliRunner) has them while it runs (`handled`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+
+from . import leftovers
+from .errors import Terminated
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CONSOLE_SCRIPT = "sdcreplay"
+_received: list[int] = []
+_answered: list[bool] = []
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    _received.append(signum)
+    if _answered:
+        sys.stdout.flush()
+        os._exit(128 + signum)
+    if len(_received) == 1:
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+    if len(_received) >= 3:
+        os._exit(128 + _received[0])
+
+
+def _install() -> dict:
+    """Our handlers (main thread only); the ones they replace."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, _interrupt) for signum in HANDLED}
+
+
+def install_for_console_script() -> None:
+    """In the ``sdcreplay`` console script's process, before the command line is even parsed:
+    a signal in its first second gets the same clean end as one later."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    if os.path.basename(main) == CONSOLE_SCRIPT:
+        _install()
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """While one command runs: signals as interruptions, the previous handlers after."""
+    _received.clear()
+    _answered.clear()
+    leftovers.forget()
+    saved = _install()
+    try:
+        yield
+    finally:
+        _answered.append(True)
+        for signum, handler in saved.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
