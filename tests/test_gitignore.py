@@ -17,6 +17,9 @@ WRITTEN = [
     "traces/run.bundle.bisect/ticket/repro.py",
     "traces/tiny-llama.bundle/manifest.json",  # `record builtin:tiny-llama`'s default --out
     "traces/job.bundle.logs/record-rank0.stderr.txt",
+    "traces/walkthrough-ledger.sqlite",
+    "traces/corpus/corpus.json",
+    "traces/spread.png",
 ]
 
 

@@ -11,12 +11,16 @@ import doccheck
 import pytest
 
 BLOCKS = doccheck.all_blocks()
-SESSIONS = doccheck.sessions()
 
 
 @functools.cache
+def all_runs() -> dict[str, dict[str, doccheck.Ran]]:
+    """Every session, run once for the whole suite (side by side), or read from the cache."""
+    return doccheck.run_all()
+
+
 def session_run(name: str) -> dict[str, doccheck.Ran]:
-    return doccheck.run_session(name, SESSIONS[name])
+    return all_runs()[name]
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.where for block in BLOCKS])
@@ -37,6 +41,13 @@ def test_every_block_with_a_command_is_generated() -> None:
         "these blocks show `$ ` commands that no test runs; put "
         "`<!-- sdcreplay-doc: SESSION -->` before each (tests/docs/doccheck.py): "
         + ", ".join(loose)
+    )
+
+
+def test_commands_paste_into_a_shell() -> None:
+    found = [where for block in BLOCKS for where in doccheck.placeholders(block)]
+    assert not found, "placeholders a shell cannot run (use a variable set earlier): " + ", ".join(
+        found
     )
 
 
