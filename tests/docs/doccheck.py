@@ -64,10 +64,13 @@ SETUP: dict[str, list[str]] = {
 }
 
 
+def shown_path(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 @dataclasses.dataclass
 class Command:
     text: str  # as shown, the "$ " and continuation lines joined with newlines
-    shown_output: list[str]
 
     @property
     def shell(self) -> str:
@@ -90,7 +93,7 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.start + 1}"
+        return f"{shown_path(self.path)}:{self.start + 1}"
 
     @property
     def is_source(self) -> bool:
@@ -99,9 +102,9 @@ class Block:
 
     def commands(self) -> list[Command]:
         if "file" in self.options:
-            return [Command(heredoc(f"cat > {shlex.quote(self.options['file'])}", self.body), [])]
+            return [Command(heredoc(f"cat > {shlex.quote(self.options['file'])}", self.body))]
         if self.is_source:
-            return [Command(heredoc("python -", self.body), [])]
+            return [Command(heredoc("python -", self.body))]
         commands: list[Command] = []
         lines = iter(self.body)
         for line in lines:
@@ -109,11 +112,9 @@ class Block:
                 text = [line]
                 while text[-1].endswith("\\"):
                     text.append(next(lines))
-                commands.append(Command("\n".join(text), []))
+                commands.append(Command("\n".join(text)))
             elif not commands:
                 raise DocError(f"{self.where}: output before the first '$ ' command: {line!r}")
-            else:
-                commands[-1].shown_output.append(line)
         if not commands:
             raise DocError(f"{self.where}: a marked block without a '$ ' command")
         return commands
@@ -153,7 +154,7 @@ def blocks(path: Path) -> list[Block]:
             end += 1
         marker = MARKER.match(lines[index - 1]) if index else None
         if marker:
-            where = f"{path.relative_to(REPO)}:{index + 1}"
+            where = f"{shown_path(path)}:{index + 1}"
             session, options = parse_marker(marker["spec"], where)
             found.append(
                 Block(path, index, end, session, options, fence["lang"], lines[index + 1 : end])
@@ -188,7 +189,7 @@ def unmarked_prompt_blocks(path: Path) -> list[str]:
                 end += 1
             body = lines[index + 1 : end]
             if index not in marked and any(line.startswith("$ ") for line in body):
-                loose.append(f"{path.relative_to(REPO)}:{index + 1}")
+                loose.append(f"{shown_path(path)}:{index + 1}")
             index = end + 1
         else:
             index += 1
@@ -289,8 +290,14 @@ def present(text: str, workdir: Path, home: Path) -> str:
             text = text.replace(form + "/", shown).replace(form, shown.rstrip("/") or ".")
     host = socket.gethostname()
     for name in sorted({host, host.split(".")[0]} - {""}, key=len, reverse=True):
-        text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", HOST_SHOWN, text)
+        text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", host_shown(name), text)
     return text
+
+
+def host_shown(name: str) -> str:
+    """The documented host, h17, cut or padded to the real name's length so that the columns
+    of a table stay aligned (h1 for a host named vm, h1700 for node1)."""
+    return (HOST_SHOWN + "0" * len(name))[: len(name)]
 
 
 # What legitimately differs between two runs of the same command, and nothing else.
@@ -300,6 +307,7 @@ VARYING = [
     (re.compile(r"\b\d+(\.\d+)? ?(s|ms|seconds)\b"), "<seconds>"),
     (re.compile(r"\b\d+(\.\d+)? (B|KiB|MiB|GiB)\b"), "<size>"),  # the manifest holds the host
     (re.compile(r"\bpid \d+"), "pid <pid>"),
+    (re.compile(r"(?<![\w.-])h(1(70*)?)?(?![\w-])"), "<host>"),  # host_shown() of any length
     (re.compile(r"[ \t]+"), " "),  # table columns widen and narrow with the values above
     (re.compile(r"([─━═┄-])\1+"), r"\1"),
 ]
@@ -466,8 +474,9 @@ def stale(block: Block, ran: dict[str, Ran]) -> list[str]:
     return list(difflib.unified_diff(block.body, expected, block.where, "a real run", lineterm=""))
 
 
-def rewrite(path: Path, ran_by_session: dict[str, dict[str, Ran]]) -> bool:
-    """Write a page's generated blocks from the runs; True when it changed."""
+def rewrite(path: Path, ran_by_session: dict[str, dict[str, Ran]], force: bool = False) -> bool:
+    """Write a page's generated blocks from the runs (only those that differ by more than what
+    varies between runs, unless forced); True when it changed."""
     lines = path.read_text().split("\n")
     changed = False
     for block in reversed(blocks(path)):
@@ -475,7 +484,7 @@ def rewrite(path: Path, ran_by_session: dict[str, dict[str, Ran]]) -> bool:
         if ran is None or block.is_source or failures(block, ran):
             continue
         body = generated(block, ran)
-        if normalized(body) != normalized(block.body):
+        if body != block.body if force else normalized(body) != normalized(block.body):
             lines[block.start + 1 : block.end] = body
             changed = True
     if changed:
@@ -518,7 +527,7 @@ def python_blocks() -> list[tuple[str, list[str]]]:
                 body = lines[index + 1 : end]
                 if any(PROMPT.match(line) for line in body):
                     body = [PROMPT.sub("", line) for line in body if PROMPT.match(line)]
-                found.append((f"{path.relative_to(REPO)}:{index + 1}", body))
+                found.append((f"{shown_path(path)}:{index + 1}", body))
             index = end + 1
     return found
 

@@ -1,8 +1,9 @@
 """Rewrite every generated block of README.md and docs/*.md from a real run (``make docs``).
 
-``python tests/docs/regenerate.py [SESSION...]`` runs the named sessions (default: all), writes
-the blocks whose output changed and lists the commands that did not run as their page says
-(exit 1 then; those blocks are left as they were).
+``python tests/docs/regenerate.py [--force] [SESSION...]`` runs the named sessions (default:
+all), writes the blocks whose output changed by more than what varies between runs (times,
+stamps, sizes; ``--force``: every block, as this run printed it) and lists the commands that did
+not run as their page says (exit 1 then; those blocks are left as they were).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import time
 import doccheck
 
 
-def main(names: list[str]) -> int:
+def main(arguments: list[str]) -> int:
+    force = "--force" in arguments
+    names = [name for name in arguments if name != "--force"]
     started = time.monotonic()
     known = doccheck.sessions()
     unknown = sorted(set(names) - set(known))
@@ -30,7 +33,7 @@ def main(names: list[str]) -> int:
     changed = [
         str(path.relative_to(doccheck.REPO))
         for path in doccheck.DOCS
-        if doccheck.rewrite(path, runs)
+        if doccheck.rewrite(path, runs, force)
     ]
     print(
         f"{len(runs)} sessions run in {time.monotonic() - started:.0f} s; rewritten: "
