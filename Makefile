@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdcreplay-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo traces bench gpu-check lint clean
+.PHONY: setup test demo docs traces bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ test: lint
 # ~/.config/sdcreplay is left alone unless SDCREPLAY_LEDGER / SDCREPLAY_HOME say otherwise.
 demo: $(STAMP)
 	$(VENV)/bin/sdcreplay demo --out demo-out
+
+# Every command block of README.md and docs/*.md, rewritten from a real run (docs/architecture.md,
+# "Docs that cannot drift"); `make docs SESSIONS=walkthrough` runs one session.
+docs: $(STAMP)
+	$(PY) tests/docs/regenerate.py $(SESSIONS)
 
 traces: $(STAMP)
 	rm -rf traces/tiny.bundle

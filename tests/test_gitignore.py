@@ -19,6 +19,8 @@ WRITTEN = [
     "traces/job.bundle.logs/record-rank0.stderr.txt",
     "traces/walkthrough-ledger.sqlite",  # the walkthrough's own ledger (SDCREPLAY_LEDGER)
     "traces/walkthrough-ledger.sqlite-wal",
+    "traces/corpus/corpus.json",
+    "traces/spread.png",
 ]
 
 

@@ -9,7 +9,15 @@ __getattr__, __dir__ = lazy_exports(
     {
         **{
             name: "logs"
-            for name in ("Comparison", "Consensus", "Divergence", "compare_logs", "diff", "vote")
+            for name in (
+                "Comparison",
+                "Consensus",
+                "Divergence",
+                "compare_logs",
+                "diff",
+                "load_log",
+                "vote",
+            )
         },
         "diff_jobs": "jobs",
     },
