@@ -199,15 +199,6 @@ def _digest(tensors: list[torch.Tensor]) -> str | None:
     return "sha256:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The tensor's storage (PyTorch's work registry finds a functional call's Work by it), or
-    None for a tensor without one (a wrapper subclass)."""
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 @dataclass
 class _Unwaited:
     """A logged functional call whose outputs are not all waited for yet."""
@@ -441,7 +432,9 @@ class MessageLog:
 
     def _digest_when_waited(self, outputs: list[torch.Tensor], position: int) -> None:
         """The functional call's output is read once ``wait_tensor`` waited for each tensor."""
-        storages = {key for key in map(_storage_key, outputs) if key is not None}
+        from .memory import storage_key
+
+        storages = {key for key in map(storage_key, outputs) if key is not None}
         call = _Unwaited(position, outputs, storages)
         with self._lock:
             self._unwaited.append(call)
@@ -451,7 +444,9 @@ class MessageLog:
         """``wait_tensor`` waited for ``tensor``: digest the call it is the last output of."""
         if not self._by_storage:
             return
-        storage = _storage_key(tensor)
+        from .memory import storage_key
+
+        storage = storage_key(tensor)
         if storage is None:
             return
         with self._lock:

@@ -24,6 +24,7 @@ from ..kinds import PhaseName
 from ..storage.tensorio import map_tensors
 from . import determinism
 from .digest import tensor_digest
+from .memory import data_address, storage_address
 
 ROOT = "<root>"
 
@@ -144,13 +145,12 @@ class OperatorMode(TorchDispatchMode):
             for param in group["params"]:
                 name = self._param_names.get(id(param), "optimizer")
                 tensors = [param, param.grad, *optimizer.state.get(param, {}).values()]
-                owner.update(
-                    {
-                        t.data_ptr(): name
-                        for t in tensors
-                        if isinstance(t, torch.Tensor) and t.numel() > 1
-                    }
+                addresses = (
+                    data_address(t)
+                    for t in tensors
+                    if isinstance(t, torch.Tensor) and t.numel() > 1
                 )
+                owner.update({address: name for address in addresses if address is not None})
         self._tensor_owner = owner
 
     def _optimizer_ends(self, optimizer, args, kwargs) -> None:
@@ -168,8 +168,8 @@ class OperatorMode(TorchDispatchMode):
                 module = self._node_module.get(node._sequence_nr(), OUTSIDE)
         elif self._in_optimizer:
             phase = "optimizer"
-            first = next((t for t in _tensors_in(args) if t.data_ptr() in self._tensor_owner), None)
-            module = self._tensor_owner[first.data_ptr()] if first is not None else "optimizer"
+            owners = (self._tensor_owner.get(data_address(t) or 0) for t in _tensors_in(args))
+            module = next((owner for owner in owners if owner is not None), "optimizer")
         else:
             phase = "forward"
             module = self._stack[-1] if self._stack else OUTSIDE
@@ -301,8 +301,9 @@ class OperatorLog:
         the memory it aliases.
         """
         for value in results:
-            if isinstance(value, torch.Tensor) and value.numel():
-                self._writer[memory_address(value)] = record
+            memory = storage_address(value) if isinstance(value, torch.Tensor) else None
+            if memory is not None and value.numel():
+                self._writer[memory] = record
 
     def _trace_inputs(self, func, args) -> list[InputOrigin]:
         schema = getattr(func, "_schema", None)
@@ -317,10 +318,10 @@ class OperatorLog:
             for element, tensor in tensors:
                 if not isinstance(tensor, torch.Tensor) or not tensor.numel():
                     continue
-                memory = memory_address(tensor)
+                memory = storage_address(tensor)
                 name = names[position] if position < len(names) else f"arg{position}"
-                state = None if memory in self._writer else self._state_memory.get(memory)
-                producer = self._writer.get(memory)
+                producer = None if memory is None else self._writer.get(memory)
+                state = None if memory is None or producer else self._state_memory.get(memory)
                 origins.append(InputOrigin(position, element, name, producer, state))
         return origins
 
@@ -356,11 +357,6 @@ class OperatorLog:
                 _cpu_copy(kwargs),
                 _cpu_copy(operator_results(func, args, out)),
             )
-
-
-def memory_address(tensor: torch.Tensor) -> int:
-    """The address of the memory block a tensor lives in (shared by all its views)."""
-    return tensor.untyped_storage().data_ptr()
 
 
 def operator_results(func, args, out) -> list:
