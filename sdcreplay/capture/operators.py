@@ -31,6 +31,9 @@ ROOT = "<root>"
 OUTSIDE = "<outside>"
 """Module path of operators that ran outside every module (e.g. the loss)."""
 
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+"""Operator namespaces of collectives (and ``wait_tensor``): the message log's, not operators."""
+
 _capture_work = threading.local()
 
 
@@ -183,8 +186,9 @@ class OperatorMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_capture_work, "depth", 0) or func.namespace == "c10d":
-            # collectives are messages (collectives.py), not operators to digest or corrupt
+        if getattr(_capture_work, "depth", 0) or func.namespace in COLLECTIVE_NAMESPACES:
+            # collectives are messages (collectives.py), not operators to digest or corrupt: a
+            # functional one's output is not even written until wait_tensor waits for it
             return func(*args, **kwargs)
         site = self._site(func, args)
         for observer in self._before:
