@@ -252,10 +252,27 @@ def _group(group: Any, known: dict[str, tuple[int, str, str]]) -> tuple[int, str
     if found is None:
         if by_name:
             group = dist.distributed_c10d._resolve_process_group(group)
-        names = [str(n) for n in dist.distributed_c10d._world.pg_names.values()]
-        pg_id = names.index(name) if name in names else -1
-        found = known[name] = (pg_id, name, dist.get_backend(group))
+        pg_id, canonical = _canonical_groups().get(name, (-1, name))
+        found = known[name] = (pg_id, canonical, dist.get_backend(group))
     return found
+
+
+def _canonical_groups() -> dict[str, tuple[int, str]]:
+    """Each process group's name -> (pg_id, name) of the first group created over the same
+    ranks: the position in creation order of the groups with distinct members.
+
+    A group is its members: a workload rebuilt in the same process (the Recorder's first-step
+    verification, a script replaying its own part) makes a new ``DeviceMesh`` whose groups
+    are new objects with new names, yet they are the same groups of ranks as the recorded
+    ones, and are logged under the same id and name."""
+    import torch.distributed as dist
+
+    first: dict[tuple[int, ...], tuple[int, str]] = {}
+    canonical = {}
+    for group, name in dist.distributed_c10d._world.pg_names.items():
+        members = tuple(dist.get_process_group_ranks(group))
+        canonical[str(name)] = first.setdefault(members, (len(first), str(name)))
+    return canonical
 
 
 def _below_autograd(op: Any, args: tuple, kwargs: dict) -> Any:
