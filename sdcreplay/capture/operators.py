@@ -60,6 +60,7 @@ class CallSite:
     module: str  # module path; in the optimizer, the parameter the call updates
     op: str  # aten overload, e.g. aten.mm.default
     index: int  # position among all operator calls of the step
+    recompute: bool = False  # a forward call run again in backward (activation checkpointing)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -102,7 +103,7 @@ class OperatorMode(TorchDispatchMode):
         self._before = [o for o in observers if hasattr(o, "before_call")]
         self.step = step
         self.index = 0
-        self._stack: list[str] = []
+        self._stack: list[tuple[str, bool]] = []  # (module path, entered during backward)
         self._node_module: dict[int, str] = {}
         self._last_sequence_nr = torch._C._autograd._get_sequence_nr()
         self._in_optimizer = False
@@ -135,10 +136,10 @@ class OperatorMode(TorchDispatchMode):
         return super().__exit__(*exc_info)
 
     def _push(self, name, module, args) -> None:
-        self._stack.append(name)
+        self._stack.append((name, torch._C._current_autograd_node() is not None))
 
     def _pop(self, name, module, args, output) -> None:
-        if self._stack and self._stack[-1] == name:
+        if self._stack and self._stack[-1][0] == name:
             self._stack.pop()
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
@@ -162,7 +163,12 @@ class OperatorMode(TorchDispatchMode):
     def _site(self, func, args) -> CallSite:
         node = torch._C._current_autograd_node()
         phase: PhaseName
-        if node is not None:
+        recompute = node is not None and bool(self._stack) and self._stack[-1][1]
+        if recompute:
+            # Activation checkpointing runs a module's forward again inside the backward node
+            # that needs its saved tensors: named as the code reads, that module's forward.
+            phase, module = "forward", self._stack[-1][0]
+        elif node is not None:
             phase = "backward"
             variable = getattr(node, "variable", None)
             if variable is not None:
@@ -175,12 +181,12 @@ class OperatorMode(TorchDispatchMode):
             module = next((owner for owner in owners if owner is not None), "optimizer")
         else:
             phase = "forward"
-            module = self._stack[-1] if self._stack else OUTSIDE
+            module = self._stack[-1][0] if self._stack else OUTSIDE
             sequence_nr = torch._C._autograd._get_sequence_nr()
             if sequence_nr != self._last_sequence_nr:
                 self._node_module[sequence_nr - 1] = module
                 self._last_sequence_nr = sequence_nr
-        site = CallSite(self.step, phase, module, op_name(func), self.index)
+        site = CallSite(self.step, phase, module, op_name(func), self.index, recompute)
         self.index += 1
         return site
 
