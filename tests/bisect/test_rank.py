@@ -135,3 +135,39 @@ def test_fsdp2_replays_names_the_origin_rank_and_bisects_each_phase_exactly(
     assert_names(reports, 1, "optimizer", "blocks.0.fc2.weight", "aten.addcdiv_.default")
     for report in reports:  # the parameter's shard on rank 1: rows 4..7 of its 8
         assert report["elements"]["shape"] == [4, 16]
+
+
+def test_tp_replays_names_the_origin_rank_and_bisects_each_phase_exactly(
+    cli, tmp_path, sharded_job
+):
+    """Tensor parallelism on a 1-D mesh: an operator's output is a DTensor (or its local
+    shard), and its functional all_reduce is a message, never an operator of the step."""
+    job = sharded_job("tp", 2)
+    replayed = replay_with_fault_on_second_replica(cli, job, 2, fault(FORWARD, 1, "cpu:3"))
+    assert_clean_first_replica_and_origin(replayed, 2, origin=1)
+    reports = bisect_rank(cli, tmp_path, job, 1, fault(BACKWARD, 1))
+    assert_names(reports, 1, "backward", "blocks.1.fc2", "aten.mm.default")
+    if SHARDED_RUNS > 1:  # the full set, one environment variable away
+        reports = bisect_rank(cli, tmp_path, job, 1, fault(FORWARD, 1))
+        assert_names(reports, 1, "forward", "blocks.1.fc1", "aten.addmm.default")
+        reports = bisect_rank(cli, tmp_path, job, 1, fault(OPTIMIZER, 1))
+        assert_names(reports, 1, "optimizer", "blocks.0.fc2.weight", "aten.addcdiv_.default")
+
+
+def test_fsdp2_x_tp_on_a_2d_mesh_names_the_origin_rank_and_bisects_it(cli, tmp_path, sharded_job):
+    """``init_device_mesh("cpu", (2, 2))``: TP inside pairs of ranks, FSDP2 across them. The
+    fault on rank 3 (dp 1, tp 1) reaches its pair's all_reduce first: rank 3 is the origin."""
+    job = sharded_job("fsdp2+tp", 4)
+    replayed = replay_with_fault_on_second_replica(cli, job, 4, fault(FORWARD, 3, "cpu:7"))
+    assert_clean_first_replica_and_origin(replayed, 4, origin=3)
+    first = replayed["replicas"][1]["first_divergent_message"]
+    assert (first["rank"], first["profiling_name"], first["which"]) == (
+        3,
+        "gloo:all_reduce",
+        "input",
+    )
+    reports = bisect_rank(cli, tmp_path, job, 3, fault(BACKWARD, 3))
+    assert_names(reports, 3, "backward", "blocks.1.fc2", "aten.mm.default")
+    if SHARDED_RUNS > 1:
+        reports = bisect_rank(cli, tmp_path, job, 3, fault(OPTIMIZER, 3))
+        assert_names(reports, 3, "optimizer", "blocks.0.fc2.weight", "aten.addcdiv_.default")
