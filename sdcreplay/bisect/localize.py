@@ -332,6 +332,7 @@ def _localize(
     result.update(
         phase=site.phase,
         module=site.module,
+        recompute=site.recompute,
         op=site.op,
         op_index=site.index,
         output_index=output_index,

@@ -32,6 +32,7 @@ class Call:
     op: str
     nth: int  # position among the step's calls with the same op, module and phase
     outputs: list[dict]  # shape and dtype of each output tensor
+    recompute: bool = False  # the forward run again in backward (activation checkpointing)
 
     def spec(self, step: int) -> str:
         """A fault spec that selects exactly this call."""
@@ -55,7 +56,8 @@ class _Lister:
             {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
             for t in flatten_tensors(out)
         ]
-        self.calls.append(Call(site.index, site.phase, site.module, site.op, nth, outputs))
+        call = Call(site.index, site.phase, site.module, site.op, nth, outputs, site.recompute)
+        self.calls.append(call)
         return out
 
 

@@ -24,12 +24,12 @@ from ..capture import determinism
 from ..capture.determinism import restore_operator_rng
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
+from ..capture.memory import storage_address
 from ..capture.operators import (
     CallSite,
     InputOrigin,
     OperatorLog,
     OperatorRecord,
-    memory_address,
     operator_results,
     state_tensors,
 )
@@ -153,8 +153,10 @@ def run_oplog_task(
         session, digests, state, target = entry.session, entry.digests, entry.state, entry.target
         steps_run += entry.window_steps + 1
         reference = _records_from_json(expected["operators"], step) if expected else None
+        addresses = {storage_address(t): name for name, t in state.items()}
         oplog = OperatorLog(
-            expected=reference, state_memory={memory_address(t): name for name, t in state.items()}
+            expected=reference,
+            state_memory={address: name for address, name in addresses.items() if address},
         )
         try:
             differing = [

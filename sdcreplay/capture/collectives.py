@@ -199,15 +199,6 @@ def _digest(tensors: list[torch.Tensor]) -> str | None:
     return "sha256:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()[:32]
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The tensor's storage (PyTorch's work registry finds a functional call's Work by it), or
-    None for a tensor without one (a wrapper subclass)."""
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 @dataclass
 class _Unwaited:
     """A logged functional call whose outputs are not all waited for yet."""
@@ -261,10 +252,27 @@ def _group(group: Any, known: dict[str, tuple[int, str, str]]) -> tuple[int, str
     if found is None:
         if by_name:
             group = dist.distributed_c10d._resolve_process_group(group)
-        names = [str(n) for n in dist.distributed_c10d._world.pg_names.values()]
-        pg_id = names.index(name) if name in names else -1
-        found = known[name] = (pg_id, name, dist.get_backend(group))
+        pg_id, canonical = _canonical_groups().get(name, (-1, name))
+        found = known[name] = (pg_id, canonical, dist.get_backend(group))
     return found
+
+
+def _canonical_groups() -> dict[str, tuple[int, str]]:
+    """Each process group's name -> (pg_id, name) of the first group created over the same
+    ranks: the position in creation order of the groups with distinct members.
+
+    A group is its members: a workload rebuilt in the same process (the Recorder's first-step
+    verification, a script replaying its own part) makes a new ``DeviceMesh`` whose groups
+    are new objects with new names, yet they are the same groups of ranks as the recorded
+    ones, and are logged under the same id and name."""
+    import torch.distributed as dist
+
+    first: dict[tuple[int, ...], tuple[int, str]] = {}
+    canonical = {}
+    for group, name in dist.distributed_c10d._world.pg_names.items():
+        members = tuple(dist.get_process_group_ranks(group))
+        canonical[str(name)] = first.setdefault(members, (len(first), str(name)))
+    return canonical
 
 
 def _below_autograd(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -441,7 +449,9 @@ class MessageLog:
 
     def _digest_when_waited(self, outputs: list[torch.Tensor], position: int) -> None:
         """The functional call's output is read once ``wait_tensor`` waited for each tensor."""
-        storages = {key for key in map(_storage_key, outputs) if key is not None}
+        from .memory import storage_key
+
+        storages = {key for key in map(storage_key, outputs) if key is not None}
         call = _Unwaited(position, outputs, storages)
         with self._lock:
             self._unwaited.append(call)
@@ -451,7 +461,9 @@ class MessageLog:
         """``wait_tensor`` waited for ``tensor``: digest the call it is the last output of."""
         if not self._by_storage:
             return
-        storage = _storage_key(tensor)
+        from .memory import storage_key
+
+        storage = storage_key(tensor)
         if storage is None:
             return
         with self._lock:

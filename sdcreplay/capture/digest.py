@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import xxhash
 
-from ..storage.tensorio import local_shard
+from .memory import local_shard
 
 __all__ = [
     "CPU_ALGORITHM",

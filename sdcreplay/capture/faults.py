@@ -25,10 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FaultSpecError
-from ..storage.tensorio import local_shard, raw_bits
+from ..storage.tensorio import raw_bits
 from .fault_spec import ENV_VAR as ENV_VAR  # the grammar lives there, torch-free; the names
 from .fault_spec import FaultSpec  # are kept here for everyone who imports them from faults
 from .fault_spec import parse_specs as parse_specs
+from .memory import local_shard, storage_layout
 from .operators import CallSite
 
 _MANTISSA_TOP = {torch.float64: 51, torch.float32: 22, torch.float16: 9, torch.bfloat16: 6}
@@ -299,8 +300,10 @@ def bits_only_alias(tensor: torch.Tensor) -> torch.Tensor:
     would not move it. A fault on a view therefore corrupts the memory the
     view aliases, and a replay never dies of "modified by an inplace operation".
     """
+    tensor = local_shard(tensor)
+    offset, strides = storage_layout(tensor)
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    alias.set_(tensor.untyped_storage(), offset, tensor.size(), strides)
     return alias
 
 

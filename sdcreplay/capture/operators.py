@@ -24,11 +24,15 @@ from ..kinds import PhaseName
 from ..storage.tensorio import map_tensors
 from . import determinism
 from .digest import tensor_digest
+from .memory import data_address, storage_address
 
 ROOT = "<root>"
 
 OUTSIDE = "<outside>"
 """Module path of operators that ran outside every module (e.g. the loss)."""
+
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+"""Operator namespaces of collectives (and ``wait_tensor``): the message log's, not operators."""
 
 _capture_work = threading.local()
 
@@ -56,6 +60,7 @@ class CallSite:
     module: str  # module path; in the optimizer, the parameter the call updates
     op: str  # aten overload, e.g. aten.mm.default
     index: int  # position among all operator calls of the step
+    recompute: bool = False  # a forward call run again in backward (activation checkpointing)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -98,7 +103,7 @@ class OperatorMode(TorchDispatchMode):
         self._before = [o for o in observers if hasattr(o, "before_call")]
         self.step = step
         self.index = 0
-        self._stack: list[str] = []
+        self._stack: list[tuple[str, bool]] = []  # (module path, entered during backward)
         self._node_module: dict[int, str] = {}
         self._last_sequence_nr = torch._C._autograd._get_sequence_nr()
         self._in_optimizer = False
@@ -131,10 +136,10 @@ class OperatorMode(TorchDispatchMode):
         return super().__exit__(*exc_info)
 
     def _push(self, name, module, args) -> None:
-        self._stack.append(name)
+        self._stack.append((name, torch._C._current_autograd_node() is not None))
 
     def _pop(self, name, module, args, output) -> None:
-        if self._stack and self._stack[-1] == name:
+        if self._stack and self._stack[-1][0] == name:
             self._stack.pop()
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
@@ -144,13 +149,12 @@ class OperatorMode(TorchDispatchMode):
             for param in group["params"]:
                 name = self._param_names.get(id(param), "optimizer")
                 tensors = [param, param.grad, *optimizer.state.get(param, {}).values()]
-                owner.update(
-                    {
-                        t.data_ptr(): name
-                        for t in tensors
-                        if isinstance(t, torch.Tensor) and t.numel() > 1
-                    }
+                addresses = (
+                    data_address(t)
+                    for t in tensors
+                    if isinstance(t, torch.Tensor) and t.numel() > 1
                 )
+                owner.update({address: name for address in addresses if address is not None})
         self._tensor_owner = owner
 
     def _optimizer_ends(self, optimizer, args, kwargs) -> None:
@@ -159,7 +163,12 @@ class OperatorMode(TorchDispatchMode):
     def _site(self, func, args) -> CallSite:
         node = torch._C._current_autograd_node()
         phase: PhaseName
-        if node is not None:
+        recompute = node is not None and bool(self._stack) and self._stack[-1][1]
+        if recompute:
+            # Activation checkpointing runs a module's forward again inside the backward node
+            # that needs its saved tensors: named as the code reads, that module's forward.
+            phase, module = "forward", self._stack[-1][0]
+        elif node is not None:
             phase = "backward"
             variable = getattr(node, "variable", None)
             if variable is not None:
@@ -168,23 +177,24 @@ class OperatorMode(TorchDispatchMode):
                 module = self._node_module.get(node._sequence_nr(), OUTSIDE)
         elif self._in_optimizer:
             phase = "optimizer"
-            first = next((t for t in _tensors_in(args) if t.data_ptr() in self._tensor_owner), None)
-            module = self._tensor_owner[first.data_ptr()] if first is not None else "optimizer"
+            owners = (self._tensor_owner.get(data_address(t) or 0) for t in _tensors_in(args))
+            module = next((owner for owner in owners if owner is not None), "optimizer")
         else:
             phase = "forward"
-            module = self._stack[-1] if self._stack else OUTSIDE
+            module = self._stack[-1][0] if self._stack else OUTSIDE
             sequence_nr = torch._C._autograd._get_sequence_nr()
             if sequence_nr != self._last_sequence_nr:
                 self._node_module[sequence_nr - 1] = module
                 self._last_sequence_nr = sequence_nr
-        site = CallSite(self.step, phase, module, op_name(func), self.index)
+        site = CallSite(self.step, phase, module, op_name(func), self.index, recompute)
         self.index += 1
         return site
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_capture_work, "depth", 0) or func.namespace == "c10d":
-            # collectives are messages (collectives.py), not operators to digest or corrupt
+        if getattr(_capture_work, "depth", 0) or func.namespace in COLLECTIVE_NAMESPACES:
+            # collectives are messages (collectives.py), not operators to digest or corrupt: a
+            # functional one's output is not even written until wait_tensor waits for it
             return func(*args, **kwargs)
         site = self._site(func, args)
         for observer in self._before:
@@ -301,8 +311,9 @@ class OperatorLog:
         the memory it aliases.
         """
         for value in results:
-            if isinstance(value, torch.Tensor) and value.numel():
-                self._writer[memory_address(value)] = record
+            memory = storage_address(value) if isinstance(value, torch.Tensor) else None
+            if memory is not None and value.numel():
+                self._writer[memory] = record
 
     def _trace_inputs(self, func, args) -> list[InputOrigin]:
         schema = getattr(func, "_schema", None)
@@ -317,10 +328,10 @@ class OperatorLog:
             for element, tensor in tensors:
                 if not isinstance(tensor, torch.Tensor) or not tensor.numel():
                     continue
-                memory = memory_address(tensor)
+                memory = storage_address(tensor)
                 name = names[position] if position < len(names) else f"arg{position}"
-                state = None if memory in self._writer else self._state_memory.get(memory)
-                producer = self._writer.get(memory)
+                producer = None if memory is None else self._writer.get(memory)
+                state = None if memory is None or producer else self._state_memory.get(memory)
                 origins.append(InputOrigin(position, element, name, producer, state))
         return origins
 
@@ -356,11 +367,6 @@ class OperatorLog:
                 _cpu_copy(kwargs),
                 _cpu_copy(operator_results(func, args, out)),
             )
-
-
-def memory_address(tensor: torch.Tensor) -> int:
-    """The address of the memory block a tensor lives in (shared by all its views)."""
-    return tensor.untyped_storage().data_ptr()
 
 
 def operator_results(func, args, out) -> list:

@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .digest import tensor_digest
+from .memory import local_shard, storage_layout
 
 PROBE_FILE = "probe.json"
 MAX_CALLS = 256
@@ -265,12 +266,14 @@ class _Unprobeable(Exception):
 
 def _describe(value: Any, device: torch.device, measure: bool) -> Any:
     if isinstance(value, torch.Tensor):
+        value = local_shard(value)  # a DTensor's kernel runs on this rank's shard
+        offset, strides = storage_layout(value)
         if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.is_sparse:
             raise _Unprobeable
         spec: dict[str, Any] = {
             "shape": list(value.shape),
-            "stride": list(value.stride()),
-            "offset": value.storage_offset(),
+            "stride": list(strides),
+            "offset": offset,
             "dtype": str(value.dtype).removeprefix("torch."),
             "device": "cpu" if value.device.type == "cpu" and device.type != "cpu" else "step",
         }

@@ -72,7 +72,15 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         return
     rows = [
         ["step", str(result.step)],
-        ["phase", str(report.get("phase"))],
+        [
+            "phase",
+            str(report.get("phase"))
+            + (
+                " (recomputed in backward: activation checkpointing)"
+                if report.get("recompute")
+                else ""
+            ),
+        ],
         ["module", str(report.get("module"))],
     ]
     if report.get("op"):
@@ -200,7 +208,14 @@ def render_ops(output: Output, listing: OpsListing) -> None:
         f"Step {listing.step}: {len(listing.calls)} of {listing.total_calls} operator calls",
         ["call", "phase", "module", "op", "nth", "outputs"],
         [
-            [str(c.index), c.phase, c.module, c.op, str(c.nth), _outputs_text(c.outputs)]
+            [
+                str(c.index),
+                c.phase + (" (recomputed)" if c.recompute else ""),
+                c.module,
+                c.op,
+                str(c.nth),
+                _outputs_text(c.outputs),
+            ]
             for c in listing.calls
         ],
         fold=[5],  # the outputs' shapes fold; an operator or module name is printed whole

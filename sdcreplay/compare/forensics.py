@@ -13,7 +13,8 @@ from collections import Counter
 
 import torch
 
-from ..storage.tensorio import local_shard, raw_bits
+from ..capture.memory import local_shard
+from ..storage.tensorio import raw_bits
 
 
 def words(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ import torch
 
 from ..capture.digest import Digester, SignatureValue
 from ..capture.layers import observed_backward
+from ..capture.memory import local_shard
 from ..capture.message import Message
 from ..capture.operators import _own_work
-from ..storage.tensorio import local_shard
 
 
 @dataclass

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import json
 import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,8 @@ from ..errors import SdcReplayError, interrupt_exit_code, interrupt_signal
 from ..heartbeat import HEARTBEAT
 
 PACKAGE = "sdcreplay"
+PLANTED_FAILURE_VAR = "SDCREPLAY_TEST_INTERNAL_ERROR"
+"""Set to a task reference, a test makes the tool's own code fail as that task starts."""
 _TASKS: dict[str, Callable[..., dict]] = {}
 """Reference (``module:function``) -> each function `device_task` marked, once its module ran."""
 
@@ -167,7 +171,47 @@ class DeviceResult:
         raise ValueError("a device result is an object with a value or an error")
 
 
+_OWN = Path(__file__).resolve().parents[1]
+_BUILTIN_WORKLOADS = _OWN / "workload"  # tiny-llama and tiny-moe are workloads like any other
+_LIBRARIES = tuple(
+    str(Path(spec.origin).resolve().parent)
+    for spec in (importlib.util.find_spec(name) for name in ("torch", "functorch"))
+    if spec is not None and spec.origin
+)
+
+
+def _library(path: str) -> bool:
+    """PyTorch or the standard library: code that runs on behalf of whoever called it."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    in_stdlib = path.startswith(stdlib) and "-packages" not in path[len(stdlib) :]
+    return in_stdlib or path.startswith(_LIBRARIES)
+
+
+def tool_frame(exc: BaseException) -> str | None:
+    """``path:line in function`` of sdcreplay's own code where ``exc`` was raised, or None when
+    the workload's code raised it.
+
+    Decided by the innermost frame that is neither PyTorch nor the standard library (both run
+    on behalf of whoever called them): sdcreplay's own modules (not the built-in workloads)
+    make it the tool's failure, anything else the workload's."""
+    innermost = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not _library(str(Path(frame.filename).resolve())):
+            innermost = frame
+    if innermost is None:
+        return None
+    path, frame = Path(innermost.filename).resolve(), innermost
+    builtin_workload = path.parent == _BUILTIN_WORKLOADS and path.name != "definition.py"
+    if not path.is_relative_to(_OWN) or builtin_workload:
+        return None
+    where = path.relative_to(_OWN.parent)
+    return f"{where}:{frame.lineno} ({frame.name})"
+
+
 def _call(task: DeviceTask) -> dict:
+    planted = os.environ.get(PLANTED_FAILURE_VAR)
+    if planted and planted == task.function:
+        raise RuntimeError(f"a failure planted by {PLANTED_FAILURE_VAR} (a test)")
     function = task_function(task.function)
     try:
         inspect.signature(function).bind(device=task.device, **task.arguments)
@@ -217,13 +261,22 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         first_line = (str(exc).splitlines() or [""])[0][:300]
         what = f"{type(exc).__name__}: {first_line}"
-        result = DeviceResult(
-            error=DeviceFailure(
+        frame = tool_frame(exc)
+        if frame is not None:
+            failure = DeviceFailure(
+                f"internal error in sdcreplay at {HEARTBEAT.where}, in {frame}: {what}",
+                "This is a bug in sdcreplay, not a fault of the workload, the bundle or the "
+                f"device. Please report it with the traceback ({task.stderr or 'stderr'}) and "
+                "the output of `sdcreplay doctor`.",
+                kind="InternalError",
+            )
+        else:
+            failure = DeviceFailure(
                 f"the workload failed at {HEARTBEAT.where}: {what}",
                 "A stored batch or state the workload cannot use (a damaged or foreign bundle), "
                 f"or a workload that changed since the recording. {log_hint}",
             )
-        )
+        result = DeviceResult(error=failure)
         status = 3
     # Whole or absent, never half: the parent may read it the moment it appears.
     written = Path(f"{task.result}.{os.getpid()}.tmp")

@@ -63,9 +63,18 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank, without communication; any other tensor itself."""
+    """A DTensor's shard on this rank, without communication; any other tensor itself.
+
+    The shard itself, never ``to_local()`` with grad enabled: that is an autograd function
+    (a view and a node), which would run as an operator of the step being captured."""
+    shard = getattr(tensor, "_local_tensor", None)
+    if isinstance(shard, torch.Tensor):
+        return shard
     to_local = getattr(tensor, "to_local", None)
-    return tensor if to_local is None else to_local()
+    if to_local is None:
+        return tensor
+    with torch.no_grad():
+        return to_local()
 
 
 def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor) -> h5py.Dataset:

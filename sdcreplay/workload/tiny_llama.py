@@ -72,17 +72,18 @@ class Attention(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
+        batch, seq, _ = x.shape
 
         def split_heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+            # -1 heads: under tensor parallelism a rank holds its share of them
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         q = apply_rotary(split_heads(self.wq(x)), cos, sin)
         k = apply_rotary(split_heads(self.wk(x)), cos, sin)
         v = split_heads(self.wv(x))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(attended.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(attended.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class SwiGLU(nn.Module):
@@ -318,8 +319,10 @@ def make_workload(
 
     ``grad_clip``, ``warmup_steps``/``schedule_steps``, ``accumulation`` and
     ``autocast`` make the step a real loop's (see :class:`LoopOptions`).
-    ``parallel`` ("ddp" or "fsdp2", in a torch.distributed job) trains data-parallel: the
-    same initial weights on every rank, each rank its own shard of the batches.
+    ``parallel`` (in a torch.distributed job): "ddp" or "fsdp2" train data-parallel (the same
+    initial weights on every rank, each rank its own shard of the batches); "tp" splits every
+    block's projections over the ranks (every rank the same batches); "fsdp2+tp" does both on
+    a 2-D mesh (tensor-parallel pairs of ranks, data-parallel across them).
     """
     torch.manual_seed(seed)
     hidden = hidden or default_hidden(dim)
@@ -346,11 +349,12 @@ def make_workload(
         if parallel == "ddp":
             workload.data_parallel = wrapped
         workload.loss_fn = lambda _model, batch: next_token_loss(wrapped, batch)
-        workload.get_batch = rank_shard(workload.get_batch)
+        workload.get_batch = rank_shard(workload.get_batch, parallel)
     return workload
 
 
-PARALLEL = ("ddp", "fsdp2")
+PARALLEL = ("ddp", "fsdp2", "tp", "fsdp2+tp")
+TENSOR_PARALLEL = 2  # ranks per tensor-parallel group under "fsdp2+tp"
 
 
 def data_parallel(model: nn.Module, parallel: str) -> nn.Module:
@@ -373,15 +377,59 @@ def data_parallel(model: nn.Module, parallel: str) -> nn.Module:
         return nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.layers:  # type: ignore[union-attr]
-        fully_shard(block)
-    fully_shard(model)
+    data_mesh = None
+    if "tp" in parallel:
+        mesh = _mesh(parallel)
+        data_mesh = mesh["dp"] if mesh.ndim == 2 else None
+        for block in model.layers:  # type: ignore[union-attr]
+            _tensor_parallel(block, mesh["tp"] if mesh.ndim == 2 else mesh)
+    if "fsdp2" in parallel:
+        for block in model.layers:  # type: ignore[union-attr]
+            fully_shard(block, mesh=data_mesh)
+        fully_shard(model, mesh=data_mesh)
     return model
 
 
-def rank_shard(get_batch: Callable[[int], dict]) -> Callable[[int], dict]:
-    """Rank r's batch i is batch ``i * world_size + r`` of the one synthetic stream."""
+def _mesh(parallel: str):
+    """The device mesh: 1-D over every rank ("tp"), or (dp, tp) with TENSOR_PARALLEL ranks per
+    tensor-parallel group ("fsdp2+tp")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    world_size = dist.get_world_size()
+    if parallel == "tp":
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("tp",))
+    if world_size % TENSOR_PARALLEL:
+        raise ValueError(f"parallel={parallel!r} needs a multiple of {TENSOR_PARALLEL} ranks")
+    shape = (world_size // TENSOR_PARALLEL, TENSOR_PARALLEL)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))
+
+
+def _tensor_parallel(block: nn.Module, mesh) -> None:
+    """Megatron's split of a block: q, k, v and the gate/up projections by columns (each rank
+    its heads, its share of the hidden width), the attention and MLP outputs by rows (summed
+    by an all_reduce)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    columns = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in columns}
+    plan.update({"attn.wo": RowwiseParallel(), "mlp.w2": RowwiseParallel()})
+    parallelize_module(block, mesh, plan)
+
+
+def rank_shard(get_batch: Callable[[int], dict], parallel: str = "ddp") -> Callable[[int], dict]:
+    """Data-parallel rank r of R's batch i is batch ``i * R + r`` of the one synthetic stream
+    (R: every rank, or under tensor parallelism the data-parallel groups: one for "tp")."""
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if "tp" in parallel:
+        tensor_parallel = TENSOR_PARALLEL if "fsdp2" in parallel else world_size
+        rank, world_size = rank // tensor_parallel, world_size // tensor_parallel
     return lambda index: get_batch(index * world_size + rank)

@@ -18,6 +18,7 @@ scenarios share few ``replay_devices`` calls:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -629,3 +630,55 @@ def test_a_workloads_keyboard_interrupt_is_an_interruption_of_its_device(tmp_pat
     assert error is not None and error["kind"] == "interrupted", error
     assert error["message"].startswith("the cpu:1 process was interrupted (SIGINT) at "), error
     assert error["exit_status"] == 130
+
+
+def _raised(function) -> BaseException:
+    try:
+        function()
+    except Exception as exc:  # noqa: BLE001 - the exception is what is judged
+        return exc
+    raise AssertionError("it did not raise")
+
+
+def test_a_failure_is_the_tools_where_sdcreplays_own_code_raised_it(tmp_path: Path):
+    """The innermost frame that is neither PyTorch nor the standard library decides: a torch
+    call made by sdcreplay's code that fails is the tool's, one made by the workload's code the
+    workload's."""
+    user = tmp_path / "user_model.py"
+    user.write_text(
+        "import torch\ndef forward():\n    return torch.mm(torch.ones(2, 3), torch.ones(2, 3))\n"
+    )
+    spec = importlib.util.spec_from_file_location("user_model", user)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert worker.tool_frame(_raised(module.forward)) is None
+    from sdcreplay.capture import memory
+
+    frame = worker.tool_frame(_raised(lambda: memory.storage_position(None, 0)))
+    assert frame is not None and frame.startswith("sdcreplay/capture/memory.py:")
+    assert frame.endswith("(storage_layout)")  # the innermost of its frames
+    from sdcreplay.workload.tiny_llama import Attention
+
+    assert worker.tool_frame(_raised(lambda: Attention(5, 2, 4))) is None  # a built-in workload
+
+
+def test_an_exception_in_sdcreplays_code_in_a_device_process_is_an_internal_error(
+    small_bundle: Path, tmp_path: Path
+):
+    """Planted by SDCREPLAY_TEST_INTERNAL_ERROR as the device task starts: never "the workload
+    failed", never a damaged bundle; the frame in sdcreplay and where to report it."""
+    results = run_device_processes(
+        "replay",
+        run_replay_task,
+        ["cpu:0"],
+        lambda label: {"bundle": str(small_bundle), "repeats": 1, "log_dir": str(tmp_path)},
+        tmp_path,
+        environment={worker.PLANTED_FAILURE_VAR: "sdcreplay.replay.session:run_replay_task"},
+    )
+    error = results["cpu:0"].error
+    assert error is not None and error.kind == "InternalError"
+    assert error.message.startswith("internal error in sdcreplay at ")
+    assert "sdcreplay/replay/worker.py:" in error.message and "(_call)" in error.message
+    assert "workload" not in error.message and "damaged" not in error.hint
+    assert "bug in sdcreplay" in error.hint and "`sdcreplay doctor`" in error.hint
+    assert "replay-cpu-0" in error.hint  # the device's log file, with the traceback
