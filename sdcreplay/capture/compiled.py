@@ -26,9 +26,10 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: the manifest's rule and `info` use this module
+    import torch
 
 ROOT = "<root>"
 OUTSIDE = "<outside>"  # code compiled while no watched region ran (a compiled loss, a step)
@@ -258,20 +259,29 @@ def boundary_hooks(
     module: torch.nn.Module,
     before: Callable[[torch.nn.Module, tuple], None],
     after: Callable[[torch.nn.Module, tuple, Any], None],
+    *,
+    always: bool = False,
 ) -> list[Any]:
     """Forward pre-hook and hook on ``module`` that Dynamo never traces: a block compiled in
     place (``block.compile()``) runs its hooks inside its compiled code, so there they wrap
-    its compiled call instead. Each returned handle has ``remove()``."""
+    its compiled call instead. ``always``: ``after`` runs when the call raises too (with
+    output None). Each returned handle has ``remove()``."""
     compiled = getattr(module, "_compiled_call_impl", None)
     if compiled is None:
         return [
             module.register_forward_pre_hook(before),
-            module.register_forward_hook(after, always_call=True),
+            module.register_forward_hook(after, always_call=always),
         ]
 
     def call(*args: Any, **kwargs: Any) -> Any:
         before(module, args)
-        output = inner(*args, **kwargs)
+        output = None
+        try:
+            output = inner(*args, **kwargs)
+        except BaseException:
+            if always:
+                after(module, args, None)
+            raise
         after(module, args, output)
         return output
 
@@ -324,9 +334,17 @@ def _on_output_code(code: str) -> None:
         compile_id=None if compile_id is None else str(compile_id),
     )
     stack = _stack()
-    for watch in list(_watches.values()):
-        running = next((path for owner, path in reversed(stack) if owner == id(watch)), None)
-        watch._add(graph, running)
+    if stack:  # the innermost watched region running compiled it
+        owner, path = stack[-1]
+        if owner in _watches:
+            _watches[owner]._add(graph, path)
+        return
+    # No region runs: a backward compiled as it runs, under its forward's compile id, or code
+    # compiled outside every watched region.
+    watches = list(_watches.values())
+    owner_of = next((w for w in watches if graph.compile_id in w._by_compile_id), None)
+    for watch in [owner_of] if owner_of is not None else watches:
+        watch._add(graph, None)
 
 
 class _Kind:
@@ -345,9 +363,20 @@ def code_digest(code: str) -> str:
     return hashlib.sha256(normalized.encode()).hexdigest()
 
 
+# Environment variables of Inductor's that choose where files go, not what code is generated.
+_PLACE_ONLY = re.compile(
+    r"TORCHINDUCTOR_(CACHE_DIR|FX_GRAPH_CACHE.*|AUTOGRAD_CACHE|.*LOG.*|"
+    r"COMPILE_THREADS|WORKER_START|.*REMOTE.*)"
+)
+
+
 def codegen_settings() -> dict[str, Any]:
-    """The Inductor settings in force that change generated code and are not their defaults:
-    those Inductor's own FX graph cache key covers, and the CPU vector ISA it generates for."""
+    """The Inductor settings in force that change generated code: those of Inductor's own FX
+    graph cache key that are not at their defaults, the ``TORCHINDUCTOR_*`` variables set
+    (Inductor reads many at import, into its defaults), and the CPU vector ISA it generates
+    for."""
+    import os
+
     from torch._inductor import config
 
     ignored = tuple(config._cache_config_ignore_prefix) + tuple(config._save_config_ignore)
@@ -358,6 +387,9 @@ def codegen_settings() -> dict[str, Any]:
             continue
         if value != entry.default:
             settings[name] = _jsonable(value)
+    for name in sorted(os.environ):
+        if name.startswith("TORCHINDUCTOR_") and not _PLACE_ONLY.fullmatch(name):
+            settings[f"${name}"] = os.environ[name]
     with contextlib.suppress(Exception):  # no C++ compiler: no ISA, and no CPU code either
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -375,6 +407,9 @@ class CompileWatch:
     """
 
     def __init__(self, model: torch.nn.Module):
+        import torch
+
+        self._is_compiling = torch.compiler.is_compiling
         self._regions = {region.path: region for region in find_regions(model)}
         self._by_compile_id: dict[str, str] = {}
         self._handles: list[Any] = []
@@ -382,7 +417,9 @@ class CompileWatch:
         modules = dict(model.named_modules())
         for path in self._regions:
             module = modules["" if path == ROOT else path]
-            self._handles += boundary_hooks(module, self._entering(path), self._leaving(path))
+            self._handles += boundary_hooks(
+                module, self._entering(path), self._leaving(path), always=True
+            )
         _install()
         _watches[id(self)] = self
 
@@ -392,7 +429,7 @@ class CompileWatch:
 
     def _entering(self, path: str) -> Callable[[torch.nn.Module, tuple], None]:
         def before(module: torch.nn.Module, args: tuple) -> None:
-            if not torch.compiler.is_compiling():
+            if not self._is_compiling():
                 _stack().append((id(self), path))
 
         return before
@@ -400,16 +437,18 @@ class CompileWatch:
     def _leaving(self, path: str) -> Callable[[torch.nn.Module, tuple, Any], None]:
         def after(module: torch.nn.Module, args: tuple, output: Any) -> None:
             stack = _stack()
-            if not torch.compiler.is_compiling() and stack and stack[-1] == (id(self), path):
+            if not self._is_compiling() and stack and stack[-1] == (id(self), path):
                 stack.pop()
 
         return after
 
     def _add(self, graph: CompiledGraph, running: str | None) -> None:
+        """A graph generated while region ``running`` ran (None: while none of this process's
+        watched regions ran)."""
         if running is not None and graph.compile_id is not None:
             self._by_compile_id[graph.compile_id] = running
-        elif running is None and graph.compile_id in self._by_compile_id:
-            running = self._by_compile_id[graph.compile_id]
+        elif running is None and graph.compile_id is not None:
+            running = self._by_compile_id.get(graph.compile_id)
         path = running or OUTSIDE
         region = self._regions.get(path)
         if region is None:
