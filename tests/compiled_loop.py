@@ -43,8 +43,15 @@ class Net(torch.nn.Module):
 
 
 def make_workload(
-    compile: str = "full", dynamic: bool | None = None, fullgraph: bool = False, seed: int = 0
+    compile: str = "full",
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    seed: int = 0,
+    parallel: str | None = None,
 ) -> sdcreplay.Workload:
+    """``parallel="ddp"`` (in a torch.distributed job, with ``compile="blocks"``): the step
+    runs through a DistributedDataParallel over the block-compiled model, each rank on its
+    own share of the batch."""
     torch.manual_seed(seed)
     net = Net()
     if compile == "blocks":
@@ -54,19 +61,31 @@ def make_workload(
     else:
         model = torch.compile(net, dynamic=dynamic, fullgraph=fullgraph)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    runs = model
+    rank = 0
+    if parallel == "ddp":
+        runs = torch.nn.parallel.DistributedDataParallel(model)
+        rank = torch.distributed.get_rank()
 
     def get_batch(index: int) -> dict:
-        generator = torch.Generator().manual_seed(500 + index)
-        return {"x": torch.randn(4, 8, generator=generator), "y": torch.randn(4, 2, generator=generator)}
+        generator = torch.Generator().manual_seed(500 + 1000 * rank + index)
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 2, generator=generator)
+        return {"x": x, "y": y}
 
     def train_step(batch: dict) -> torch.Tensor:
-        loss = F.mse_loss(model(batch["x"]), batch["y"])
+        loss = F.mse_loss(runs(batch["x"]), batch["y"])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         return loss
 
-    return sdcreplay.Workload(model, optimizer, get_batch, train_step=train_step)
+    return sdcreplay.Workload(
+        model,
+        optimizer,
+        get_batch,
+        train_step=train_step,
+        data_parallel=runs if parallel == "ddp" else None,
+    )
 
 
 def main() -> None:

@@ -370,7 +370,7 @@ _PLACE_ONLY = re.compile(
 )
 
 
-def codegen_settings() -> dict[str, Any]:
+def codegen_settings(options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The Inductor settings in force that change generated code: those of Inductor's own FX
     graph cache key that are not at their defaults, the ``TORCHINDUCTOR_*`` variables set
     (Inductor reads many at import, into its defaults), and the CPU vector ISA it generates
@@ -381,7 +381,7 @@ def codegen_settings() -> dict[str, Any]:
 
     ignored = tuple(config._cache_config_ignore_prefix) + tuple(config._save_config_ignore)
     settings: dict[str, Any] = {}
-    for name, value in config.get_config_copy().items():
+    for name, value in {**config.get_config_copy(), **(options or {})}.items():
         entry = config._config.get(name)  # type: ignore[attr-defined]
         if name.startswith(("_", *ignored)) or entry is None:
             continue
@@ -411,10 +411,16 @@ class CompileWatch:
 
         self._is_compiling = torch.compiler.is_compiling
         self._regions = {region.path: region for region in find_regions(model)}
+        modules = dict(model.named_modules())
+        self._options = {  # the options each region's backend applies over the global settings
+            path: _backend_of(_compile_context(modules["" if path == ROOT else path]))[1]
+            for path in self._regions
+        }
         self._by_compile_id: dict[str, str] = {}
         self._handles: list[Any] = []
         self._breaks_at_open = graph_breaks()
-        modules = dict(model.named_modules())
+        # For code compiled outside every region (taken at once only for a compiled model).
+        self._settings_at_open = codegen_settings() if self._regions else None
         for path in self._regions:
             module = modules["" if path == ROOT else path]
             self._handles += boundary_hooks(
@@ -429,8 +435,12 @@ class CompileWatch:
 
     def _entering(self, path: str) -> Callable[[torch.nn.Module, tuple], None]:
         def before(module: torch.nn.Module, args: tuple) -> None:
-            if not self._is_compiling():
-                _stack().append((id(self), path))
+            if self._is_compiling():
+                return
+            _stack().append((id(self), path))
+            region = self._regions[path]
+            if not region.settings:  # as its first call compiles: outside Inductor's own patches
+                region.settings = codegen_settings(self._options.get(path))
 
         return before
 
@@ -452,9 +462,11 @@ class CompileWatch:
         path = running or OUTSIDE
         region = self._regions.get(path)
         if region is None:
-            region = self._regions[path] = CompiledRegion(path=OUTSIDE, backend="inductor")
-        if not region.settings:
-            region.settings = codegen_settings()
+            region = self._regions[path] = CompiledRegion(
+                path=OUTSIDE, backend="inductor", settings=self._settings_at_open or {}
+            )
+            if not region.settings:
+                region.settings = codegen_settings()
         if graph not in region.graphs and len(region.graphs) < MAX_GRAPHS:
             region.graphs.append(graph)
 

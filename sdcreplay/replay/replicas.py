@@ -120,6 +120,20 @@ def probe_differences(probe: dict | None) -> list[str]:
     ]
 
 
+def judge_comparability(run: DeviceRun, bundle: Bundle, value: dict) -> None:
+    """What keeps a finished replica from voting on ``bundle``'s record: its fingerprint's
+    result-affecting properties, then the code it generated for the compiled regions, then
+    its kernel probe (``value``: its device task's result)."""
+    run.compiled = [CompiledRegion.from_json(region) for region in value.get("compiled", [])]
+    run.differences = (
+        determinism.fingerprint_differences(
+            bundle.manifest.fingerprint, run.fingerprint, probed=bundle.has_probe
+        )
+        or code_differences(bundle.compiled_regions, run.compiled)
+        or probe_differences(run.probe)
+    )
+
+
 def case_gaps(bundle: Bundle) -> list[str]:
     """What a replay of this bundle can never supply to accuse its recording device."""
     gaps = []
@@ -363,14 +377,7 @@ def replay_devices(
         if run.error is None:
             run.log_paths = value["logs"]
             run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
-            run.compiled = [CompiledRegion.from_json(r) for r in value.get("compiled", [])]
-            run.differences = (
-                determinism.fingerprint_differences(
-                    recorded_fingerprint, run.fingerprint, probed=opened.has_probe
-                )
-                or code_differences(opened.compiled_regions, run.compiled)
-                or probe_differences(run.probe)
-            )
+            judge_comparability(run, opened, value)
         runs.append(run)
     record = opened.signature_log()
     if last_step is not None:

@@ -406,7 +406,8 @@ def _replay_repeats(
     inject: Sequence[str],
     last_step: int | None,
 ) -> dict:
-    logs, warnings, injected, unmatched, compiled = [], [], [], None, []
+    logs, warnings, injected, unmatched = [], [], [], None
+    compiled: list[dict] = []
     for repeat in range(repeats):
 
         def beat(index: int, repeat: int = repeat) -> None:
