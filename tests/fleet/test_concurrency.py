@@ -97,9 +97,10 @@ def _check_verdict(command: str, planted: bool, code: int, report: dict) -> None
         assert fired == {"cpu:0": False, "cpu:1": planted}  # its own task, its own faults
     else:
         statuses = {row["device"]: row["status"] for row in report["devices"]}
+        errors = [row["error"] for row in report["devices"] if row["error"]]
         assert (code, report["failed"], statuses) == (
             (1, ["cpu:1"], expected) if planted else (0, [], expected)
-        )
+        ), (errors, report["seconds"])
         assert report["inject"] == ([SCREEN_FAULT] if planted else [])
 
 
