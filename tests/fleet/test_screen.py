@@ -138,7 +138,8 @@ def test_a_read_only_corpus_screens_with_its_logs_in_the_temp_dir_and_says_so(
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {"SDCREPLAY_LEDGER": str(tmp_path / "ledger.sqlite"), "TMPDIR": str(temp)}
-    done = run_exe("screen", corpus, "-d", "cpu:0", "--budget", "120", "--json", env=env)
+    args = ["-d", "cpu:0", "--budget", "120", "--json"]
+    done = run_exe("screen", corpus, *args, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     logs = Path(report["log_dir"])
@@ -150,7 +151,7 @@ def test_a_read_only_corpus_screens_with_its_logs_in_the_temp_dir_and_says_so(
     assert f"Logs: {logs} (not in the corpus: {corpus} cannot be written)" in said
 
     mine = tmp_path / "my-logs"  # --logs: this run's own directory inside the one named
-    done = run_exe("screen", corpus, "-d", "cpu:0", "--logs", mine, "--json", env=env)
+    done = run_exe("screen", corpus, *args, "--logs", mine, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert Path(report["log_dir"]).parent == mine and report["logs_elsewhere"] is None
