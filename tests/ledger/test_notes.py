@@ -144,7 +144,7 @@ def test_screen_ends_by_its_budget_whatever_the_ledger_server_does(
     # From the process's start (/proc) to the result: the ledger's wait ends by budget - 1 s.
     # (The interpreter's exit after it, the forkserver's shutdown, is not the ledger's.)
     assert report["within_budget"] and report["seconds"] <= budget, report["seconds"]
-    assert "did not answer in" in done.stderr and done.stderr.count("Warning:") == 1
+    assert done.stderr.count("did not answer in") == 1  # once (another warning: a drill corpus)
 
 
 def test_devices_read_a_read_only_ledger_and_refuse_one_that_does_not_exist(tmp_path, cli):
