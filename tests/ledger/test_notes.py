@@ -95,6 +95,10 @@ def test_every_ledger_value_that_names_no_usable_ledger_warns_once_by_the_deadli
     monkeypatch.chdir(tmp_path)  # a value taken as a relative path would show up here
     value, said = values(tmp_path, silent_server)[case]
     before = sorted(tmp_path.iterdir())
+    # Loading libpq holds the interpreter's lock (a loaded machine: up to a second), which no
+    # deadline can cut: loaded first, so that what is timed is the ledger's wait.
+    import psycopg  # noqa: F401
+
     started = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
