@@ -142,3 +142,9 @@ def render_export(output: Output, exported: Export) -> None:
         sys.stdout.write("".join(line + "\n" for line in exported.lines))
     if not exported.devices:
         output.say("no device in the ledger is in the states asked for: nothing to drain")
+    refused = exported.refused()
+    if refused:
+        output.warn(
+            f"{len(refused)} node(s) not exported: their host names are not valid "
+            f"{exported.format} node names (the '# sdcreplay: not exported' lines say which)"
+        )

@@ -4,7 +4,8 @@ A verdict matters more than its bookkeeping: a ledger that cannot be opened, rea
 written (a read-only home, a PostgreSQL server down or silent, psycopg missing, a value of
 ``SDCREPLAY_LEDGER`` that names no ledger) costs one warning and nothing else, and never
 more time than ``wait``: the append runs in a thread of its own that is given up at its
-deadline (psycopg's own connect timeout is whole seconds, 2 at least).
+deadline (psycopg's own connect timeout is whole seconds, 2 at least; loading libpq,
+once per process, is the one wait no deadline cuts).
 
 Library calls (replay, bisect, minimize, screen, the online detectors, ring dumps) append
 here unless told not to (``ledger=False``, which holds for everything the call runs inside;

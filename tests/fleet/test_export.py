@@ -244,6 +244,16 @@ def test_pasted_exports_run_only_the_drains_with_exactly_their_arguments(tmp_pat
         ]
 
 
+def test_a_refused_node_is_said_on_stderr(tmp_path, cli):
+    location = str(tmp_path / "ledger.sqlite")
+    with Ledger.open(location) as ledger:
+        ledger.append([Record("GPU-1", "cuda:1", "h[1-9]", "replay", "persistent", "replay: x")])
+    done = cli("devices", "export", "--ledger", location)
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout.startswith("# sdcreplay: not exported: the host 'h[1-9]' (cuda:1 GPU-1)")
+    assert "Warning: 1 node(s) not exported: their host names are not valid slurm" in done.stderr
+
+
 def test_tracker_lines_of_every_record_kind_read_as_megatrons():
     kinds = [
         Record(**GPU3, command="replay", verdict="match", evidence="replay: match, 0 of 1"),

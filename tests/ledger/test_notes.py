@@ -95,6 +95,10 @@ def test_every_ledger_value_that_names_no_usable_ledger_warns_once_by_the_deadli
     monkeypatch.chdir(tmp_path)  # a value taken as a relative path would show up here
     value, said = values(tmp_path, silent_server)[case]
     before = sorted(tmp_path.iterdir())
+    # Loading libpq holds the interpreter's lock (a loaded machine: up to a second), which no
+    # deadline can cut: loaded first, so that what is timed is the ledger's wait.
+    import psycopg  # noqa: F401
+
     started = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -144,7 +148,7 @@ def test_screen_ends_by_its_budget_whatever_the_ledger_server_does(
     # From the process's start (/proc) to the result: the ledger's wait ends by budget - 1 s.
     # (The interpreter's exit after it, the forkserver's shutdown, is not the ledger's.)
     assert report["within_budget"] and report["seconds"] <= budget, report["seconds"]
-    assert "did not answer in" in done.stderr and done.stderr.count("Warning:") == 1
+    assert done.stderr.count("did not answer in") == 1  # once (another warning: a drill corpus)
 
 
 def test_devices_read_a_read_only_ledger_and_refuse_one_that_does_not_exist(tmp_path, cli):
