@@ -44,6 +44,7 @@ class BundleInfo:
     signature_level: str = "layer"  # what the signature log holds: layer | boundary
     trigger: dict | None = None
     probe: dict | None = None  # the kernel probe: calls, skipped (None: the bundle has none)
+    compiled: list[dict] | None = None  # the compiled regions and their code digests
     ranks: int | None = None  # a job bundle: its world size
     messages: int | None = None  # a job bundle: messages logged by all its ranks
     parts: list[dict] | None = None  # a job bundle: per rank its device, steps and messages
@@ -128,6 +129,7 @@ def _describe_bundle(bundle: Bundle) -> BundleInfo:
         signature_level=manifest.capture.level,
         trigger=None if manifest.trigger is None else manifest.trigger.to_json(),
         probe=_probe_summary(bundle.probe()),
+        compiled=manifest.compiled,
     )
 
 

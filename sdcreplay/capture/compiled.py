@@ -403,7 +403,8 @@ class CompileWatch:
     A graph compiled while a region's call runs is that region's; its backward (compiled
     later, as the backward runs) has its forward's Dynamo compile id. Code generated while no
     watched region ran (a compiled loss, the tool's own digest pass excluded) is the pseudo
-    region OUTSIDE's. Dynamo's graph-break counter is read at open and at ``regions()``.
+    region OUTSIDE's; a model without compiled regions is not watched at all. Dynamo's
+    graph-break counter is read at open and at ``regions()``.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -426,8 +427,9 @@ class CompileWatch:
             self._handles += boundary_hooks(
                 module, self._entering(path), self._leaving(path), always=True
             )
-        _install()
-        _watches[id(self)] = self
+        if self._regions:  # Inductor's modules are imported only for a compiled model
+            _install()
+            _watches[id(self)] = self
 
     @property
     def compiled(self) -> bool:

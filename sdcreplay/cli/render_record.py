@@ -122,6 +122,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
             ["state", state_text],
             ["verified", _verification_text(about.verification)],
             ["kernel probe", _probe_text(about.probe)],
+            *_compiled_rows(about.compiled),
             [
                 "determinism",
                 f"deterministic algorithms {switches['deterministic_algorithms']}, "
@@ -163,6 +164,30 @@ def _level_text(level: str) -> str:
             "replicas compute every layer"
         )
     return "layer level: every module's output and gradient"
+
+
+def _compiled_rows(compiled: list[dict] | None) -> list[list[str]]:
+    """One row per compiled region: how it was compiled, its graphs and their code's digest
+    (docs/compiled.md); modules inside a region are hooked at its entry, no graph break added."""
+    rows = []
+    for region in compiled or []:
+        how = ", ".join(
+            f"{key}={region[key]}" for key in ("mode", "dynamic") if region.get(key) is not None
+        )
+        how += ", fullgraph" if region.get("fullgraph") else ""
+        graphs = ", ".join(
+            f"{graph['kind']} ({len(graph['kernels'])} kernels)" for graph in region["graphs"]
+        )
+        digest = region.get("code_digest")
+        code = f"code {digest[:12]}" if digest else "code not seen generated: not comparable"
+        rows.append(
+            [
+                f"compiled {region['path']}",
+                f"{region['backend']}{' (' + how + ')' if how else ''}: {graphs or 'no graph'}; "
+                f"{code}",
+            ]
+        )
+    return rows
 
 
 def _probe_text(probe: dict | None) -> str:

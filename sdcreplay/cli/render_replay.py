@@ -144,6 +144,9 @@ def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> Non
         if consensus.first_divergence is not None:
             first = consensus.first_divergence
             output.say(f"First divergence: step {first.step}, {first.phase}, {first.name}")
+            where = next((r.divergence_region for r in report.devices if r.divergence_region), None)
+            if where:
+                output.say(f"Computed in: {escape(where)}")
         output.say(f"Logs: {report.log_dir}")
     if report.injection_missed:
         output.warn(

@@ -61,6 +61,13 @@ class DeviceRun:
             return "spread"
         return self.judgement.verdict if self.judgement else "match"
 
+    @property
+    def divergence_region(self) -> str | None:
+        """Where a compiled step computed the first divergence: the region, its graph
+        (forward or backward) and the modules it covers; None outside compiled code."""
+        first = self.judgement.first_divergence if self.judgement else None
+        return None if first is None else entry_region(first.name, self.compiled)
+
     def to_json(self) -> dict:
         judgement = self.judgement
         first = judgement.first_divergence if judgement else None
@@ -73,10 +80,7 @@ class DeviceRun:
             "repeats": judgement.runs if judgement else 0,
             "divergent_repeats": judgement.divergent_runs if judgement else 0,
             "first_divergence": None if first is None else first.brief(),
-            # Where a compiled step computed it: the region, its graph and the modules it covers.
-            "first_divergence_in": None
-            if first is None
-            else entry_region(first.name, self.compiled),
+            "first_divergence_in": self.divergence_region,
             "steps": {str(step): count for step, count in judgement.per_step.items()}
             if judgement
             else {},

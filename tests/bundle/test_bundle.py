@@ -953,3 +953,38 @@ def test_a_job_is_trusted_through_its_signature_as_a_bundle_is(job: Path):
     assert not edited.trusted
     with pytest.raises(UntrustedWorkloadError):
         edited.require_trusted()
+
+
+# --- compiled regions (capture/compiled.py; docs/compiled.md) ---------------------------------
+
+
+def test_a_manifests_compiled_regions_are_read_typed_and_a_malformed_list_is_refused(
+    small_bundle,
+):
+    region = {
+        "path": "layers.0",
+        "backend": "inductor",
+        "mode": None,
+        "options": {},
+        "dynamic": None,
+        "fullgraph": False,
+        "modules": ["layers.0", "layers.0.fc"],
+        "settings": {"(cpu vector isa)": "avx2"},
+        "code_digest": "e" * 64,
+        "graphs": [{"kind": "forward", "digest": "f" * 64, "kernels": ["cpp_fused_0"]}],
+    }
+    rewrite_manifest(small_bundle, lambda manifest: manifest.__setitem__("compiled", [region]))
+    (read,) = sdcreplay.Bundle.open(small_bundle).compiled_regions
+    assert (read.path, read.graphs[0].kind, read.graphs[0].kernels) == (
+        "layers.0",
+        "forward",
+        ("cpp_fused_0",),
+    )
+    assert describe(small_bundle).to_json()["compiled"] == [region]
+
+    def damage(manifest: dict) -> None:
+        manifest["compiled"][0]["graphs"][0]["digest"] = "$(reboot)"
+
+    rewrite_manifest(small_bundle, damage)
+    with pytest.raises(BundleError, match=r"compiled is .*expected null or a list of compiled"):
+        sdcreplay.Bundle.open(small_bundle)
