@@ -171,3 +171,22 @@ def test_fsdp2_x_tp_on_a_2d_mesh_names_the_origin_rank_and_bisects_it(cli, tmp_p
     if SHARDED_RUNS > 1:
         reports = bisect_rank(cli, tmp_path, job, 3, fault(OPTIMIZER, 3))
         assert_names(reports, 3, "optimizer", "blocks.0.fc2.weight", "aten.addcdiv_.default")
+
+
+BUILTINS = [("fsdp2", 2)] + ([("tp", 2), ("fsdp2+tp", 4)] if SHARDED_RUNS > 1 else [])
+
+
+@pytest.mark.parametrize(("parallel", "nproc"), BUILTINS)
+def test_bisect_on_a_rank_of_a_sharded_builtin(cli, tmp_path, parallel, nproc):
+    """``record builtin:tiny-llama --nproc N -a parallel=...`` then bisect --rank, as
+    docs/distributed.md gives it (tp and fsdp2+tp under SDCREPLAY_TEST_SHARDED_RUNS)."""
+    job = tmp_path / "J"
+    recorded = cli(
+        "record", "builtin:tiny-llama", "--nproc", str(nproc), "--steps", "2",
+        "-a", f"parallel={parallel}", "-a", "layers=1", "-a", "dim=32", "-a", "heads=2",
+        "--out", job,
+    )  # fmt: skip
+    assert recorded.exit_code == 0, recorded.output
+    spec = fault("op=aten.mm,module=layers.0.mlp.w2,phase=backward,nth=0", nproc - 1)
+    reports = bisect_rank(cli, tmp_path, job, nproc - 1, spec)
+    assert_names(reports, nproc - 1, "backward", "layers.0.mlp.w2", "aten.mm.default")
