@@ -20,7 +20,6 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from . import leftovers
 from .errors import Terminated
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -58,6 +57,8 @@ def install_for_console_script() -> None:
 @contextlib.contextmanager
 def handled() -> Iterator[None]:
     """While one command runs: signals as interruptions, the previous handlers after."""
+    from . import leftovers  # here: the console script installs the handlers before it loads
+
     _received.clear()
     _answered.clear()
     leftovers.forget()
