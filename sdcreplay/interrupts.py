@@ -47,6 +47,22 @@ def _end_at_once(signum: int) -> None:
     os._exit(128 + signum)
 
 
+def _lost_interrupt_again(default):
+    """An interruption raised inside a weakref callback or a ``__del__`` is only printed
+    ("Exception ignored in") and lost: deliver the signal again, to be raised where it counts."""
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and _received:
+            signum = _received[0]
+            _received.clear()
+            # from another thread: a signal sent here would be raised inside this hook
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            return
+        default(unraisable)
+
+    return hook
+
+
 def _install() -> dict:
     """Our handlers (main thread only); the ones they replace."""
     if threading.current_thread() is not threading.main_thread():
@@ -71,9 +87,12 @@ def handled() -> Iterator[None]:
     leftovers.forget()
     saved = _install()
     _running.append(True)
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _lost_interrupt_again(unraisable)
     try:
         yield
     finally:
         _running.clear()
+        sys.unraisablehook = unraisable
         for signum, handler in saved.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
