@@ -213,7 +213,7 @@ def test_a_signal_at_any_moment_ends_the_command_cleanly(command, inputs, tmp_pa
             assert ended["code"] == 128 + signum, said
             assert f"Interrupted ({signum.name})" in ended["stderr"], said
         partial = [path for path in cwd.rglob("*.partial")]
-        named = named_leftovers(ended["stderr"])
+        named = [cwd / path for path in named_leftovers(ended["stderr"])]  # as the command saw
         assert all(path.exists() for path in named), said
         for path in partial:
             assert any(path == left or left in path.parents for left in named), (path, said)
