@@ -10,15 +10,15 @@ import neither torch nor the pipeline; a name below is imported on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from . import interrupts
 
-# In the console script's process, before anything heavy is imported: a ^C or SIGTERM in its
+# In the console script's process, before anything else is imported: a ^C or SIGTERM in its
 # first second ends it as cleanly as one later.
 interrupts.install_for_console_script()
 
 # isort: split
+from typing import TYPE_CHECKING  # noqa: E402
+
 from . import moved  # noqa: E402
 from ._lazy import lazy_exports  # noqa: E402
 

@@ -5,10 +5,12 @@ the signal (130, 143, 129) without a traceback. The command line's (`cli.boundar
 ground so that the package installs them first thing in the console script's process.
 
 A signal while that cleanup runs is remembered, not raised, so the cleanup finishes (it waits
-at most a few seconds); a third one ends the process at once, as does one after the command
-has answered (while the interpreter shuts down). The console script installs the handlers
-as it imports the package, before typer or torch (`install_for_console_script`); a command
-run inside another program (a test's CliRunner) has them while it runs (`handled`).
+at most a few seconds); a third one ends the process at once. The console script installs the
+handlers as it imports the package, before typer or torch (`install_for_console_script`);
+there a signal before a command's body runs (while the tool is still importing, or parsing
+the command line) or after it answered ends the process at once: it has started nothing, or
+stopped all it started. A command run inside another program (a test's CliRunner) has the
+handlers while it runs (`handled`).
 """
 
 from __future__ import annotations
@@ -20,24 +22,45 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from . import leftovers
 from .errors import Terminated
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CONSOLE_SCRIPT = "sdcreplay"
 _received: list[int] = []
-_answered: list[bool] = []
+_running: list[bool] = []  # a command's body is running
 
 
 def _interrupt(signum: int, _frame: object) -> None:
     _received.append(signum)
-    if _answered:
-        sys.stdout.flush()
-        os._exit(128 + signum)
+    if not _running:
+        _end_at_once(signum)
     if len(_received) == 1:
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
     if len(_received) >= 3:
-        os._exit(128 + _received[0])
+        _end_at_once(_received[0])
+
+
+def _end_at_once(signum: int) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        os.write(2, f"Interrupted ({signal.Signals(signum).name}).\n".encode())
+    os._exit(128 + signum)
+
+
+def _lost_interrupt_again(default):
+    """An interruption raised inside a weakref callback or a ``__del__`` is only printed
+    ("Exception ignored in") and lost: deliver the signal again, to be raised where it counts."""
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and _received:
+            signum = _received[0]
+            _received.clear()
+            # from another thread: a signal sent here would be raised inside this hook
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            return
+        default(unraisable)
+
+    return hook
 
 
 def _install() -> dict:
@@ -58,13 +81,18 @@ def install_for_console_script() -> None:
 @contextlib.contextmanager
 def handled() -> Iterator[None]:
     """While one command runs: signals as interruptions, the previous handlers after."""
+    from . import leftovers  # here: the console script installs the handlers before it loads
+
     _received.clear()
-    _answered.clear()
     leftovers.forget()
     saved = _install()
+    _running.append(True)
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _lost_interrupt_again(unraisable)
     try:
         yield
     finally:
-        _answered.append(True)
+        _running.clear()
+        sys.unraisablehook = unraisable
         for signum, handler in saved.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)

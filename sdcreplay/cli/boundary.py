@@ -59,12 +59,11 @@ class Command(_FlagsTakeNoValue, TyperCommand):
 class Group(_FlagsTakeNoValue, TyperGroup):
     def main(self, *args: Any, **kwargs: Any) -> Any:
         """A ^C or SIGTERM outside a command's body (while the command line is parsed) exits
-        128 + the signal too; click would say ``Aborted!`` and exit 1."""
+        128 + the signal too, said as in a command (typer would exit 130, or 1, silently)."""
         try:
             return super().main(*args, **kwargs)
-        except SystemExit as exc:
-            abort = exc.__context__
-            interrupt = abort.__cause__ if isinstance(abort, typer.Abort) else None
+        except SystemExit as exc:  # typer's Abort or Exit(130), raised from the interrupt
+            interrupt = getattr(exc.__context__, "__cause__", None)
             if isinstance(interrupt, KeyboardInterrupt):
                 Output("--json" in sys.argv[1:]).interrupted(interrupt)
                 sys.exit(interrupt_exit_code(interrupt))

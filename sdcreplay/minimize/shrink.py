@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from ..bisect.operator_case import OperatorCase
-from ..errors import SdcReplayError
+from ..errors import SdcReplayError, Terminated
 from ..kinds import ShrinkStatus
 from .ddmin import ddmin
 from .trials import Acceptance
@@ -243,7 +243,9 @@ def shrink_inputs(
     if status == "shrunk":
         try:
             shrinker.run()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:  # ^C: keep the smallest so far; a SIGTERM stops all
+            if isinstance(exc, Terminated):
+                raise
             status = "interrupted"
         if status == "shrunk" and shrinker.kept == 0:
             status = "already minimal"

@@ -23,7 +23,8 @@ from sdcreplay.workload.definition import build_workload
 
 
 def assert_tool_error(result, message: str) -> None:
-    """Exit 3 with the Error/Hint pair on stderr, nothing on stdout, no traceback."""
+    """Exit 3 with the Error/Hint pair on stderr, no traceback, nothing on stdout but the error
+    object (with --json)."""
     output = f"{result.stdout}\n{result.stderr}"
     assert result.exit_code == 3, output
     assert "Traceback" not in output
@@ -34,7 +35,10 @@ def assert_tool_error(result, message: str) -> None:
     assert message in errors[0], errors[0]
     assert len(hints[0]) > len("Hint: ") + 10
     assert lines.index(hints[0]) == lines.index(errors[0]) + 1
-    assert result.stdout == ""
+    if result.stdout:  # --json: the error object, and no result
+        error = json.loads(result.stdout)
+        assert error["schema"] == "sdcreplay.error/1" and error["exit_code"] == 3
+        assert message in error["message"]
 
 
 def edit_manifest(bundle: Path, edit) -> None:
@@ -193,9 +197,9 @@ def make_workload(seed=0):
 def _scenario(name: str, tmp_path: Path, small_bundle: Path) -> tuple[list, str]:
     """Set up one bad input; return the command line and the expected error text."""
     if name == "missing-bundle":
-        return ["replay", tmp_path / "nope.bundle"], "is not a bundle directory"
+        return ["replay", tmp_path / "nope.bundle"], "nope.bundle does not exist"
     if name == "missing-bundle-info":
-        return ["info", tmp_path / "nope.bundle", "--json"], "is not a bundle directory"
+        return ["info", tmp_path / "nope.bundle", "--json"], "nope.bundle does not exist"
     if name == "truncated-step":
         truncate(small_bundle / "steps" / "000000.h5")
         return ["replay", small_bundle], "bundle file steps/000000.h5 is"
@@ -389,6 +393,6 @@ def test_console_script_bad_input(run_exe):
     assert done.stdout == ""
     assert "Traceback" not in done.stderr
     assert done.stderr.splitlines() == [
-        "Error: missing.bundle is not a bundle directory",
+        "Error: the bundle missing.bundle does not exist",
         "Hint: Give the directory `sdcreplay record --out` wrote.",
     ]
