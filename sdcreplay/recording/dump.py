@@ -17,6 +17,7 @@ from typing import Any
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..bundle.jobs import JobRecording
+from ..bundle.layout import ParallelLayout
 from ..bundle.manifest import PARTIAL_SUFFIX, Trigger, WorkloadRef
 from ..bundle.writer import BundleWriter
 from ..capture.collectives import MessageLog
@@ -42,8 +43,10 @@ class RingDumper:
         capture: SignatureCapture,
         check: FirstStepCheck,
         verify_mode: str,
+        layout: ParallelLayout | None = None,
     ):
         self.path = path
+        self._layout = layout
         self._bundle_settings = bundle_settings
         self._overwrite = overwrite
         self._workload_ref = workload_ref
@@ -75,6 +78,7 @@ class RingDumper:
             self.label,
             self._overwrite,
             lambda: self._free_dump_path(number),
+            layout=self._layout,
         )
         job.distributed.present("ddp_iterations_before", held[0].ddp_iterations_before)
         self._write_dump(job.part_path, held, start, trigger, job, ring_problem)
