@@ -95,7 +95,8 @@ class ParallelLayout(Record):
     def data_parallel_world(cls, world_size: int, kind: str = "replicate") -> ParallelLayout:
         """Every rank a data-parallel peer of every other (DDP over the world; FSDP2 with
         ``kind="shard"``)."""
-        return cls.grid([("dp_shard" if kind == "shard" else "dp", world_size, kind)], "ddp")
+        name, source = ("dp_shard", "device_mesh") if kind == "shard" else ("dp", "ddp")
+        return cls.grid([(name, world_size, kind)], source)
 
     @classmethod
     def from_mesh(
