@@ -29,7 +29,7 @@ from ..bundle.layout import ParallelLayout, require_layout
 from ..capture import determinism
 from ..capture.collectives import log_python_group_call
 from ..capture.signature import SignatureLog
-from ..compare.logs import Consensus, DeviceVerdict, Divergence
+from ..compare.logs import RECORD, Consensus, DeviceVerdict, Divergence
 from ..compare.messages import Messages
 from ..compare.peers import first_odd_entries, record_prefix_divergence
 from ..errors import DeviceError, SdcReplayError
@@ -181,6 +181,7 @@ def alone_consensus(
             "persistent" if where else "match", 1, int(bool(where)), where, {}
         )
     suspects = [label for label, judged in voters.items() if judged.verdict == "persistent"]
+    voters[RECORD] = DeviceVerdict("match", 1, 0, None, {})  # it judges, it is not judged
     differ = any(log.steps != logs[labels[0]].steps for log in logs.values())
     verdict = "persistent" if suspects else "undecided" if differ else "correct"
     return Consensus(
