@@ -340,11 +340,13 @@ def bisect(
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     no_ledger: NoLedgerOpt = False,
+    alone: AloneOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Name a step's first corrupted operator call, the kernel it launched and its wrong bits.
 
-    The report is written to --out (default: BUNDLE.bisect/).
+    The report is written to --out (default: BUNDLE.bisect/). With --rank R --alone a job's
+    rank runs without its data-parallel peers (docs/at-scale.md).
     """
     preflight(inject, [suspect, reference])
     from ..bisect.localize import bisect as run_bisect
@@ -362,6 +364,7 @@ def bisect(
             plot=plot,
             on_event=progress.begin,
             ledger=not no_ledger,
+            alone=alone,
         )
 
 

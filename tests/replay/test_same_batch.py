@@ -83,3 +83,22 @@ def test_rank_alone_on_two_labels_names_the_faulty_one(job, cli, tmp_path: Path)
     assert verdicts == {"cpu:1": "persistent", "cpu:2": "match"}
     first = report["devices"][0]["first_divergence"]
     assert (first["step"], first["name"]) == (0, "collective:0#0:gloo:all_reduce.input")
+
+
+def test_bisect_rank_alone_names_operator_element_and_bit(job, cli, tmp_path: Path):
+    parallel, bundle = job
+    if parallel == "fsdp2":
+        pytest.skip("a rank of FSDP2 is refused alone (test_rank_alone_on_two_labels...)")
+    result = cli(
+        "bisect", bundle, "--rank", "2", "--alone", "--suspect", "cpu:1", "--reference",
+        "cpu:2", "--step", "0", "--inject", f"{FAULT},device=cpu:1", "--out", tmp_path / "b",
+        "--no-ledger", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert (report["alone"], report["rank"], report["verdict"]) == (True, 2, "divergence")
+    assert (report["step"], report["phase"], report["module"]) == (0, "backward", "output")
+    assert report["op"] == "aten.mm.default"
+    assert report["elements"]["indices"] == [3]
+    assert report["bits"]["histogram"] == {"20": 1}
+    assert report["isolation"]["failures"] == report["isolation"]["runs"]
