@@ -1,6 +1,9 @@
 """Phase 1 and 2 at scale (docs/at-scale.md) on real 4-rank gloo jobs of tiny-llama: a fault
 planted on rank 2 is named by its peers in one same-batch replay, under DDP and FSDP2; a clean
-job is ``correct``; rank 2 replayed alone on two labels names the one the fault is on.
+job is ``correct``; rank 2 replayed alone on two labels names the one the fault is on, and
+bisected alone names the operator, element and bit. A user's dp=2 x tp=2 script under torchrun
+(tests/tp_dp_script.py): its layout is the mesh's, and with 2 peers --same-batch falls back to
+the recorded replay and names the origin by its coordinates.
 
 ``SDCREPLAY_SCALE_CLEAN_RUNS=10`` repeats the clean same-batch replays (the issue's false
 accusation count; the suite runs one of each).
@@ -10,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TESTS, run_torchrun
 
 from sdcreplay.recording.job import record_job
 
@@ -102,3 +107,25 @@ def test_bisect_rank_alone_names_operator_element_and_bit(job, cli, tmp_path: Pa
     assert report["elements"]["indices"] == [3]
     assert report["bits"]["histogram"] == {"20": 1}
     assert report["isolation"]["failures"] == report["isolation"]["runs"]
+
+
+def test_dp_by_tp_job_names_the_odd_rank_by_its_coordinates(tmp_path: Path, cli):
+    script = tmp_path / "train.py"
+    shutil.copy(TESTS / "tp_dp_script.py", script)
+    done = run_torchrun(script, 4, str(tmp_path / "job.bundle"), timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = json.loads(cli("info", tmp_path / "job.bundle", "--json").stdout)["layout"]
+    assert [(d["name"], d["size"], d["kind"]) for d in layout["dimensions"]] == [
+        ("dp", 2, "replicate"), ("tp", 2, "tensor"),
+    ]  # fmt: skip
+    assert layout["coordinates"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    result = cli(
+        "replay", tmp_path / "job.bundle", "--same-batch", "--trust-workload", "--inject",
+        "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=1,bit=20", "--no-ledger",
+        "--logs", tmp_path / "logs", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["mode"] == "recorded"
+    assert "2 data-parallel peers" in report["same_batch"]["missing"]
+    assert (report["origin_rank"], report["origin_coordinates"]) == (2, {"dp": 1, "tp": 0})
