@@ -120,10 +120,19 @@ def test_dp_by_tp_job_names_the_odd_rank_by_its_coordinates(tmp_path: Path, cli)
     ]  # fmt: skip
     assert layout["coordinates"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     result = cli(
-        "replay", tmp_path / "job.bundle", "--same-batch", "--trust-workload", "--inject",
-        "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=1,bit=20", "--no-ledger",
-        "--logs", tmp_path / "logs", "--json",
-    )  # fmt: skip
+        "replay",
+        tmp_path / "job.bundle",
+        "--same-batch",
+        "--trust-workload",
+        "--inject",
+        "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=1,bit=20",
+        "--no-ledger",
+        "--logs",
+        tmp_path / "logs",
+        "--timeout",
+        "900",
+        "--json",
+    )  # fmt: skip  (a loaded 2-core machine starts 4 ranks slowly)
     assert result.exit_code == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["mode"] == "recorded"
