@@ -15,6 +15,7 @@ device-steps (steps replayed, summed over processes: a serving peer's steps incl
 wall time. One run per size on this machine, all paths in the same minutes.
 
     PYTHONPATH=. python bench/at_scale.py --sizes 8 16 [--out results.json]
+    PYTHONPATH=. python bench/at_scale.py --sizes 32 --phases-only
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def timed(call, root: Path):
     return value, time.perf_counter() - started, processes(root) - before
 
 
-def measure(size: int, root: Path) -> dict:
+def measure(size: int, root: Path, today: bool = True) -> dict:
     rank = 11 if size > 11 else size - 3
     job = root / f"job{size}.bundle"
     _, recorded, _ = timed(
@@ -89,6 +90,8 @@ def measure(size: int, root: Path) -> dict:
         "device_steps": body["steps_run"]["total"], "seconds": seconds,
     }  # fmt: skip
 
+    if not today:
+        return {"size": size, "rank": rank, "record_seconds": recorded, "rows": rows}
     logs = root / f"today-replay-{size}"
     two = [f"cpu:{r}" for r in range(2 * size)]
     report, replay_seconds, replayed = timed(
@@ -127,12 +130,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--phases-only", action="store_true", help="leave out today's path (its 2N + 6N processes)"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="at-scale-"))
     results = []
     try:
         for size in args.sizes:
-            results.append(measure(size, root))
+            results.append(measure(size, root, today=not args.phases_only))
             row = results[-1]
             print(
                 f"N={size} (fault on rank {row['rank']}; recorded in {row['record_seconds']:.0f} s)"
