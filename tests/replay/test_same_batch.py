@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import TESTS, run_torchrun
 
+from sdcreplay.ledger.verdicts import records_for
 from sdcreplay.recording.job import record_job
 
 TINY = {"layers": 1, "dim": 16, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 32}
@@ -59,6 +60,12 @@ def test_same_batch_names_only_the_faulty_rank(job, cli, tmp_path: Path):
     assert [rank["verdict"] for rank in report["ranks"]] == [
         "correct", "correct", "persistent", "correct",
     ]  # fmt: skip
+    # the ledger's records (what `devices export` drains by): rank 2's device suspect
+    records = {(r.label, r.rank): r.verdict for r in records_for(report)}
+    assert records == {
+        ("cpu:0", 0): "match", ("cpu:1", 1): "match", ("cpu:2", 2): "persistent",
+        ("cpu:3", 3): "match",
+    }  # fmt: skip
 
 
 def test_a_clean_job_is_correct_in_a_same_batch_replay(job, cli, tmp_path: Path):
