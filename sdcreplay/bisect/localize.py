@@ -38,6 +38,7 @@ from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
+from .alone import check_bisect_alone, first_divergent_alone_step, run_alone
 from .divergent_step import first_divergent_job_step, first_divergent_step
 from .evidence import first_differing_output, state_forensics, trees_equal, upstream
 from .operator_case import OPERATOR_FILE, OperatorCase
@@ -68,10 +69,12 @@ def bisect(
     on_event: Callable[[str, str], None] | None = None,
     ledger: bool = True,
     overwrite: bool = False,
+    alone: bool = False,
 ) -> BisectResult:
     """Find the first corrupted operator call of a step on ``suspect`` (see module docstring);
     ``ledger``: append a divergence to the device ledger (docs/fleet.md); ``overwrite``:
-    replace a report already at ``out``, moving it (and the tickets in it) aside."""
+    replace a report already at ``out``, moving it (and the tickets in it) aside; ``alone``: a
+    job's rank runs without its data-parallel peers (`bisect.alone`, docs/at-scale.md)."""
     result = _localize(
         bundle,
         rank=rank,
@@ -85,6 +88,7 @@ def bisect(
         plot=plot,
         on_event=on_event,
         overwrite=overwrite,
+        alone=alone,
     )
     if ledger:
         note_result(result.to_json())
@@ -105,9 +109,12 @@ def _localize(
     plot: str | Path | None,
     on_event: Callable[[str, str], None] | None,
     overwrite: bool,
+    alone: bool = False,
 ) -> BisectResult:
     on_event = on_event or (lambda kind, text: None)
     job = job_to_bisect(bundle, rank, suspect, repeats)
+    if alone:
+        check_bisect_alone(job, rank, suspect)
     opened = Bundle.open(bundle) if job is None else job.rank(rank or 0)
     if step is not None and step not in opened.step_indices:
         raise SdcReplayError(
@@ -156,11 +163,14 @@ def _localize(
     }
     if job is not None:
         base["rank"] = rank
+        base["alone"] = alone
     replayed: dict = {}
     if step is None or suspect is None:
         found, replayed = (
             first_divergent_step(opened, suspect, reference, repeats, inject, work, on_event)
             if job is None
+            else first_divergent_alone_step(job, rank or 0, suspect, reference, inject, work)
+            if alone
             else first_divergent_job_step(job, rank or 0, suspect, reference, inject, work)
         )
         step = found if step is None else step
@@ -213,12 +223,15 @@ def _localize(
         "work_dir": str(work),
     }
     pinned = determinism.pinned_environment(opened.manifest.fingerprint)
-    alone = partial(_run_alone, work=work, environment=pinned)
-    # A job's rank runs among its peers, which replay the window with it: no saved state.
-    entry_state = str(work / ENTRY_STATE_FILE) if job is None else None
+    single = partial(_run_alone, work=work, environment=pinned)
+    # A job's rank among its peers replays the window with them: no saved state. A rank
+    # alone starts every later run from the state entering the step, as a single process.
+    entry_state = str(work / ENTRY_STATE_FILE) if job is None or alone else None
     run = (
-        alone
+        single
         if job is None
+        else partial(run_alone, job=job, rank=rank or 0, work=work, environment=pinned)
+        if alone
         else partial(run_in_job, job=job, rank=rank, work=work, environment=pinned)
     )
 
@@ -311,7 +324,7 @@ def _localize(
         "isolate",
         f"re-running {case.op} alone on {suspect} from {reference}'s inputs ({runs} runs)",
     )
-    isolated = alone(
+    isolated = single(
         "isolate",
         run_isolate_task,
         suspect,

@@ -48,10 +48,11 @@ class BundleInfo:
     ranks: int | None = None  # a job bundle: its world size
     messages: int | None = None  # a job bundle: messages logged by all its ranks
     parts: list[dict] | None = None  # a job bundle: per rank its device, steps and messages
+    layout: dict | None = None  # a job bundle: its mesh (bundle/layout.py; None: not recorded)
 
     exit_code = 0
 
-    JOB_ONLY = ("ranks", "messages", "parts")
+    JOB_ONLY = ("ranks", "messages", "parts", "layout")
 
     def to_json(self) -> dict:
         body = {"schema": "sdcreplay.info/1", **vars(self)}
@@ -90,6 +91,7 @@ def _describe_job(job: JobBundle) -> BundleInfo:
     info.bundle, info.bundle_schema, info.complete = str(job.path), JOB_SCHEMA, job.complete
     info.ranks, info.messages, info.parts = job.world_size, messages, parts
     info.trusted = job.trusted
+    info.layout = None if job.layout is None else job.layout.to_json()
     return info
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..errors import BundleError
 from . import trust
 from .job_manifest import JobManifest, ProcessGroupRecord, RankRecord
+from .layout import ParallelLayout
 from .manifest import JOB_SCHEMA, MANIFEST, PARTIAL_SUFFIX, RANKS, WorkloadRef, part_dir
 from .reader import Bundle, _existing, _read_manifest_json
 from .writer import _move_into_place, _prepare_directory, _save_signed
@@ -75,6 +76,11 @@ class JobBundle:
     @property
     def backend(self) -> str:
         return self.manifest.backend
+
+    @property
+    def layout(self) -> ParallelLayout | None:
+        """The job's mesh and its data-parallel dimensions (None: recorded before it was)."""
+        return self.manifest.layout
 
     @property
     def process_groups(self) -> list[ProcessGroupRecord]:
@@ -149,6 +155,7 @@ class JobWriter:
         process_groups: list[ProcessGroupRecord],
         devices: list[str],
         workload: WorkloadRef,
+        layout: ParallelLayout | None = None,
         overwrite: bool = False,
     ):
         self.final_path = Path(path)
@@ -165,6 +172,8 @@ class JobWriter:
                 for rank, device in enumerate(devices)
             ],
             workload=workload,
+            layout=layout,
+            absent=frozenset() if layout is not None else frozenset({"layout"}),
         )
         self._save(durable=True)
 

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from ..errors import BundleError
 from ..storage.safeio import check_json_value
+from .layout import ParallelLayout
 from .manifest import (
     JOB_SCHEMA,
     MANIFEST,
@@ -89,6 +90,7 @@ class JobManifest(Record):
     process_groups: list[ProcessGroupRecord]
     ranks: list[RankRecord]
     workload: WorkloadRef
+    layout: ParallelLayout | None = None  # absent in jobs recorded before it was written
     signature: str | None = None
     manifest_sha256: str | None = None
 
@@ -100,6 +102,11 @@ class JobManifest(Record):
             workload=WorkloadRef._read(obj["workload"]),
             process_groups=[ProcessGroupRecord._read(group) for group in obj["process_groups"]],
             ranks=[RankRecord._read(rank) for rank in obj["ranks"]],
+            **(
+                {"layout": ParallelLayout.from_json(obj["layout"])}
+                if obj.get("layout") is not None
+                else {}
+            ),
         )
 
 
@@ -123,6 +130,7 @@ JOB_FIELDS: dict[str, Check] = {
     "workload.ref": MANIFEST_FIELDS["workload.ref"],
     "workload.kwargs": MANIFEST_FIELDS["workload.kwargs"],
     "signature": optional(text(64, "[0-9a-f]{64}")),
+    "layout": optional(OBJECT),
 }
 
 
@@ -154,4 +162,9 @@ def _validate_job_manifest(manifest: Any) -> None:
     _require(
         len(manifest["ranks"]) == world_size,
         f"{len(manifest['ranks'])} ranks listed for world_size {world_size}",
+    )
+    layout = manifest.get("layout")
+    _require(
+        layout is None or layout.get("world_size") == world_size,
+        f"layout.world_size is not the job's world_size {world_size}",
     )

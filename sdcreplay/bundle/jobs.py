@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import BundleError, SdcReplayError
 from .job_bundle import JobWriter, job_partial_path, part_path
 from .job_manifest import ProcessGroupRecord
+from .layout import ParallelLayout
 from .manifest import DistributedInfo, WorkloadRef
 
 CLOSE_TIMEOUT = timedelta(minutes=10)
@@ -81,6 +82,7 @@ class JobRecording:
         device: str,
         overwrite: bool,
         name: Callable[[], Path] | None = None,
+        layout: ParallelLayout | None = None,
     ):
         import torch.distributed as dist
 
@@ -93,6 +95,7 @@ class JobRecording:
         self._prefix = f"sdcreplay/job{next(_recordings)}/"
         self._store.set(self._key(f"device/{self.rank}"), device)
         self._writer: JobWriter | None = None
+        self.layout = layout
         if self.rank == 0:
             self._create(Path(path), name, workload, overwrite)
         problem = self._get("created")
@@ -146,6 +149,7 @@ class JobRecording:
                 process_groups=process_groups(),
                 devices=devices,
                 workload=workload,
+                layout=self.layout,
                 overwrite=overwrite,
             )
         except Exception as exc:  # the other ranks wait for word of it: tell them, then raise

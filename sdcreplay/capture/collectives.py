@@ -570,3 +570,15 @@ class MessageLog:
             "a different program, not a device's arithmetic)"
         )
         return self.violation
+
+
+def log_python_group_call(operator: str, args: tuple, issue: Callable[[], Any]) -> Any:
+    """A collective of a process group written in Python (replay/alone.py): torch calls its
+    methods directly, not through the c10d operators this module hooks, so it logs itself as
+    the operator ``operator`` (``allreduce_``, ...) would be with that operator's arguments
+    ``args``. The Work to wait on once its output is digested, or None when no log is open."""
+    log = _active
+    if log is None:
+        issue()
+        return None
+    return _work_of(log.call(LAYOUTS[operator], issue, args, {}))

@@ -15,17 +15,22 @@ import typer
 from .. import __version__
 from ..errors import SdcReplayError
 from ..kinds import Phase
+from .at_scale import at_scale_replay
 from .boundary import app, command
 from .options import (
+    AloneOpt,
+    AloneRankOpt,
     BundleArg,
     DeviceOpt,
     DumpOn,
+    FromRankOpt,
     InjectOpt,
     JsonOpt,
     NoLedgerOpt,
     OutOpt,
     OverwriteOpt,
     ReferenceOpt,
+    SameBatchOpt,
     Signature,
     TrustedWorkloadOpt,
     TrustOpt,
@@ -224,18 +229,30 @@ def replay(
         ),
     ] = None,
     no_ledger: NoLedgerOpt = False,
+    same_batch: SameBatchOpt = False,
+    from_rank: FromRankOpt = None,
+    rank: AloneRankOpt = None,
+    alone: AloneOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Replay a bundle bit for bit on one or more devices and vote on every signature.
 
     A job bundle (record --nproc) replays every rank: each consecutive group of
     world-size --device labels is one replica, rank 0 first (default: one replica
-    on the recorded devices); see docs/distributed.md.
+    on the recorded devices); see docs/distributed.md. At scale (docs/at-scale.md):
+    --same-batch judges every rank by its data-parallel peers in one replay;
+    --rank R --alone replays rank R's group without its peers, once per --device.
     """
     preflight(inject, device or [], {"bundle": [bundle]})
     from ..bundle.job_bundle import is_job_bundle
     from ..replay.replicas import replay_devices
 
+    if same_batch or alone or rank is not None or from_rank is not None:
+        trust = trusting(bundle, trust_workload, workload)
+        return at_scale_replay(
+            output, bundle, device, inject, logs, timeout, trust, not no_ledger,
+            same_batch=same_batch, from_rank=from_rank, rank=rank, alone=alone,
+        )  # fmt: skip
     if is_job_bundle(bundle):
         return _replay_job(
             output,
@@ -332,12 +349,14 @@ def bisect(
     workload: TrustedWorkloadOpt = None,
     no_ledger: NoLedgerOpt = False,
     overwrite: OverwriteOpt = False,
+    alone: AloneOpt = False,
     json_mode: JsonOpt = False,
 ):
     """Name a step's first corrupted operator call, the kernel it launched and its wrong bits.
 
     The report is written to --out (default: BUNDLE.bisect/); one already there (and the
-    ticket minimize wrote into it) is replaced only with --overwrite, and moved aside.
+    ticket minimize wrote into it) is replaced only with --overwrite, and moved aside. With
+    --rank R --alone a job's rank runs without its data-parallel peers (docs/at-scale.md).
     """
     preflight(inject, [suspect, reference], {"bundle": [bundle]})
     from ..bisect.localize import bisect as run_bisect
@@ -356,6 +375,7 @@ def bisect(
             on_event=progress.begin,
             ledger=not no_ledger,
             overwrite=overwrite,
+            alone=alone,
         )
 
 

@@ -174,3 +174,34 @@ def _seed_in_range(seed: int) -> int:
     if not -(2**63) <= seed <= 2**64 - 1:
         raise typer.BadParameter(f"{seed} is outside [-2**63, 2**64 - 1], the seeds torch accepts")
     return seed
+
+
+SameBatchOpt = Annotated[
+    bool,
+    typer.Option(
+        "--same-batch",
+        help="Job bundles, phase 1 at scale: one replay of the whole job, every data-parallel "
+        "group fed one rank's batches; the peers vote (docs/at-scale.md).",
+    ),
+]
+FromRankOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--from-rank",
+        min=0,
+        help="With --same-batch: whose batches every group is fed (default: the rank an "
+        "alarm named, else 0).",
+    ),
+]
+AloneRankOpt = Annotated[
+    int | None,
+    typer.Option("--rank", min=0, help="With --alone: the rank to replay without its peers."),
+]
+AloneOpt = Annotated[
+    bool,
+    typer.Option(
+        "--alone",
+        help="Phase 2 at scale: rank R's group replays without its data-parallel peers, once "
+        "per --device (docs/at-scale.md).",
+    ),
+]

@@ -86,8 +86,27 @@ def _job_rows(about: BundleInfo) -> list[list[str]]:
     )
     return [
         ["ranks", f"{about.ranks} ({parts})"],
+        ["layout", _layout_text(about.layout)],
         ["messages", f"{about.messages} in all ranks (the other rows: the lowest rank's part)"],
     ]
+
+
+def _layout_text(layout: dict | None) -> str:
+    """``dp=2 (replicate) x tp=2 (tensor); data-parallel: dp; rank 0 (0, 0), ...``."""
+    if layout is None:
+        return "not recorded (an older bundle): replay --same-batch needs it"
+    dims = layout["dimensions"]
+    shape = " x ".join(f"{escape(d['name'])}={d['size']} ({d['kind']})" for d in dims)
+    parallel = [d["name"] for d in dims if d["kind"] in ("replicate", "shard")]
+    where = ", ".join(
+        f"rank {rank} ({', '.join(map(str, point))})"
+        for rank, point in enumerate(layout["coordinates"][:16])
+    )
+    more = len(layout["coordinates"]) - 16
+    return (
+        f"{shape}; data-parallel: {escape(', '.join(parallel)) or 'none known'}; "
+        f"{where}{f', ... ({more} more)' if more > 0 else ''}"
+    )
 
 
 def render_info(output: Output, about: BundleInfo) -> None:

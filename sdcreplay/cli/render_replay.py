@@ -114,7 +114,20 @@ def _consensus_explanation(report: ReplayReport) -> str:
 
 def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> None:
     from ..replay import job_report as distributed
+    from ..replay import same_batch
 
+    if isinstance(report, same_batch.SameBatchReport) and report.fallback is not None:
+        output.warn(f"no peer vote: {report.missing}; replayed as recorded, voted with the record")
+        render_job_replay(output, report.fallback)
+        origin = report.fallback.origin.origin_rank
+        if origin is not None:
+            output.say(f"Origin by coordinates: {escape(report.layout.describe(origin))}")
+        return
+    if isinstance(report, same_batch.SameBatchReport):
+        from .render_scale import render_same_batch
+
+        render_same_batch(output, report)
+        return
     if isinstance(report, distributed.JobReplayReport):
         render_job_replay(output, report)
         return

@@ -18,6 +18,7 @@ from typing import Any
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..bundle.jobs import JobRecording
+from ..bundle.layout import ParallelLayout
 from ..bundle.manifest import PARTIAL_SUFFIX, Trigger, WorkloadRef
 from ..bundle.writer import BundleWriter
 from ..capture.collectives import MessageLog
@@ -44,8 +45,10 @@ class RingDumper:
         check: FirstStepCheck,
         verify_mode: str,
         compiled: Callable[[], list[dict]] = list,
+        layout: ParallelLayout | None = None,
     ):
         self.path = path
+        self._layout = layout
         self._bundle_settings = bundle_settings
         self._overwrite = overwrite
         self._workload_ref = workload_ref
@@ -78,6 +81,7 @@ class RingDumper:
             self.label,
             self._overwrite,
             lambda: self._free_dump_path(number),
+            layout=self._layout,
         )
         job.distributed.present("ddp_iterations_before", held[0].ddp_iterations_before)
         self._write_dump(job.part_path, held, start, trigger, job, ring_problem)

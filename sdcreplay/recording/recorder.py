@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
 from ..bundle.jobs import JobRecording, ddp_buckets_rebuilt, ddp_iterations_before, distributed_job
+from ..bundle.layout import ParallelLayout, job_layout
 from ..bundle.manifest import (
     CaptureSettings,
     CheckpointState,
@@ -83,7 +84,8 @@ class Recorder(RingMode):
     ``signature``: what each step's signature log holds, ``"layer"`` (every module:
     forensics) or ``"boundary"`` (the production level: losses, what the optimizer is given
     and the parameters it produced; replay computes every layer: docs/recording.md,
-    "Signature levels").
+    "Signature levels"). ``layout``: the job's parallel layout (bundle/layout.py), where the
+    model's DDP or device mesh does not show it (found by itself otherwise).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Recorder(RingMode):
         ledger: bool = True,
         signature: SignatureLevel = "layer",
         max_window: int = 1000,
+        layout: ParallelLayout | None = None,
     ):
         if verify not in VERIFY_MODES:
             raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
@@ -131,8 +134,9 @@ class Recorder(RingMode):
         # every collective of its steps in a message log (jobs.py, collectives.py). With a ring
         # it holds its steps and their messages, and every rank's dump() writes one job bundle.
         distributed = distributed_job()
+        self._layout = job_layout(layout, model, self._data_parallel) if distributed else None
         self._job = (
-            JobRecording(Path(path), workload_ref, self.label, overwrite)
+            JobRecording(Path(path), workload_ref, self.label, overwrite, layout=self._layout)
             if distributed and ring is None
             else None
         )
@@ -232,6 +236,7 @@ class Recorder(RingMode):
                 check=self._check,
                 verify_mode=self.verify_mode,
                 compiled=self.compiled_regions,
+                layout=self._layout,
             )
         )
 

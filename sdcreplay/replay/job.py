@@ -70,13 +70,17 @@ def run_rank_replay_task(
     repeats: int,
     inject: Sequence[str] = (),
     last_step: int | None = None,
+    feed_from: list[int] | None = None,
 ) -> dict:
     """One rank of a replica: its part's kernel probe, then its part replayed ``repeats`` times;
-    signature and message logs."""
-    part = JobBundle.open(job).rank(this_rank())
+    signature and message logs. ``feed_from[rank]``: the rank whose batches and RNG states
+    this rank's steps run on (a same-batch replay), else its own."""
+    opened = JobBundle.open(job)
+    part = opened.rank(this_rank())
+    feed = None if feed_from is None else opened.rank(feed_from[this_rank()])
     with other_machine_kernels():
         probe = run_recorded_probe(part, device)
-        value = _replay_part(part, device, log_dir, repeats, inject, last_step)
+        value = _replay_part(part, device, log_dir, repeats, inject, last_step, feed)
     return {**value, "probe": probe}
 
 
@@ -87,6 +91,7 @@ def _replay_part(
     repeats: int,
     inject: Sequence[str],
     last_step: int | None,
+    feed: Bundle | None = None,
 ) -> dict:
     rank = this_rank()
     logs, message_logs, injected = [], [], []
@@ -110,6 +115,7 @@ def _replay_part(
             repeat=repeat,
             on_step=beat,
             after_step=keep,
+            feed=feed,
         )
         log.meta["rank"] = rank
         stem = Path(log_dir) / f"rank{rank}.r{repeat}"

@@ -56,8 +56,12 @@ class ReplaySession:
         after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
         inject: Sequence[str] = (),
         repeat: int = 0,
+        feed: Bundle | None = None,
     ):
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+        # Whose batches and RNG states the steps run on: another rank's part of the job in a
+        # same-batch replay (docs/at-scale.md), else the bundle's own.
+        self.feed = feed or self.bundle
         self.recorded_messages: dict[int, list[Message]] = {}
         self.message_log = self._message_log()
         info = self.bundle.manifest.distributed
@@ -203,7 +207,7 @@ class ReplaySession:
         ``observers`` see every operator call (through an OperatorMode, after
         the fault injector), e.g. bisect's operator log.
         """
-        batch, rng = self.bundle.load_step(record.index)
+        batch, rng = self.feed.load_step(record.index)
         batch = map_tensors(batch, lambda t: t.to(self.device))
         if self._ddp_before is not None:
             self._warm_up_ddp(batch, record.index)
@@ -335,13 +339,15 @@ def replay_on_device(
     apply_switches: bool = True,
     on_step: Callable[[int], None] | None = None,
     after_step: Callable[[ReplaySession, int], None] | None = None,
+    feed: Bundle | None = None,
 ) -> SignatureLog:
     """Replay the bundle's steps (up to ``last_step``) on one device label in this process.
 
     ``inject`` adds fault specs (``SDCREPLAY_INJECT`` is read too); ``repeat``
     varies the draws of intermittent faults between repeats; ``on_step(index)``
     is called as each step starts (the device process's liveness signal),
-    ``after_step(session, index)`` as it ends (a rank takes its messages).
+    ``after_step(session, index)`` as it ends (a rank takes its messages); ``feed``: the
+    bundle whose batches and RNG states the steps run on (`ReplaySession`).
     """
     session = ReplaySession(
         bundle,
@@ -350,6 +356,7 @@ def replay_on_device(
         after_load=after_load,
         inject=inject,
         repeat=repeat,
+        feed=feed,
     )
     try:
         log = session.new_log(warnings=session.warnings, repeat=repeat)

@@ -766,9 +766,11 @@ def test_a_job_bundle_is_a_job_manifest_over_complete_rank_parts(job: Path):
         "process_groups",
         "ranks",
         "workload",
+        "layout",
         "signature",
         MANIFEST_DIGEST,
     ]
+    assert manifest["layout"]["dimensions"] == [{"name": "dp", "size": 2, "kind": "replicate"}]
     assert (manifest["schema"], manifest["world_size"], manifest["backend"]) == (
         "sdcreplay.job/1",
         2,

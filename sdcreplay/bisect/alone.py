@@ -1,0 +1,99 @@
+"""Bisect on one rank of a job without its data-parallel peers (``bisect JOB --rank R --alone
+--suspect D1 --reference D2``): phase 2 at scale (docs/at-scale.md).
+
+Each stage runs in one process per label, as a single process's bisect does, but the process
+is rank R of the recorded world in a group without peers (`replay.alone.LonelyGroup`): two
+devices whatever the job's size. The step is found by replaying the rank alone on both labels
+(`replay.alone.replay_alone`); later stages start from the state entering it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..bundle.job_bundle import JobBundle
+from ..compare.logs import compare_logs
+from ..errors import SdcReplayError
+from ..replay.alone import check_alone, replay_alone, run_alone_task
+from ..replay.processes import run_device_processes
+from ..replay.worker import task_reference
+
+
+def check_bisect_alone(job: JobBundle | None, rank: int | None, suspect: str | None) -> None:
+    """Refuse --alone where it means nothing: a single process's bundle, no suspect."""
+    if job is None or rank is None:
+        raise SdcReplayError(
+            "--alone is for a job bundle's rank: give --rank R",
+            "Give the rank `replay --same-batch` named, e.g. --rank 2 --alone.",
+        )
+    if suspect is None:
+        raise SdcReplayError(
+            "--alone needs --suspect: a rank alone computes the record's values only up to its "
+            "first reduction over peers, so the recording cannot be the suspect",
+            "Give --suspect D1 --reference D2, two devices to replay the rank on.",
+        )
+    check_alone(job, rank)
+
+
+def run_alone(
+    kind: str,
+    task: Callable[..., dict],
+    label: str,
+    arguments: dict,
+    *,
+    job: JobBundle,
+    rank: int,
+    work: Path,
+    environment: dict[str, str],
+) -> dict:
+    """``task`` as rank ``rank`` of the job without peers, in one process on ``label``."""
+    wrapped = {
+        "job": str(job.path),
+        "rank": rank,
+        "world_size": job.world_size,
+        "task": task_reference(task),
+        "arguments": arguments,
+    }
+    results = run_device_processes(
+        kind, run_alone_task, [label], lambda _: wrapped, work, environment=environment
+    )
+    error = results[label].error
+    if error is not None:
+        detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
+        raise SdcReplayError(
+            f"rank {rank} alone on {label} failed: {error.message}{detail}",
+            error.hint or f"See the process's stderr in {error.log or work}.",
+        )
+    return results[label].value or {}
+
+
+def first_divergent_alone_step(
+    job: JobBundle,
+    rank: int,
+    suspect: str | None,
+    reference: str,
+    inject: Sequence[str],
+    work: Path,
+) -> tuple[int | None, dict]:
+    """The first step where rank ``rank`` alone on ``suspect`` leaves itself on ``reference``
+    (one replay of the rank alone on both)."""
+    assert suspect is not None
+    report = replay_alone(
+        job.path, rank, [reference, suspect], inject=inject, log_dir=work / "replay-alone",
+        ledger=False,
+    )  # fmt: skip
+    failed = report.failed
+    if failed:
+        error = failed[0].error or {}
+        raise SdcReplayError(
+            f"rank {rank} alone on {failed[0].device} failed: {error.get('message')}",
+            error.get("hint") or "See the process's logs in the work directory.",
+        )
+    trusted, other = (run.logs[0] for run in report.devices)
+    first = compare_logs(trusted, other, sorted(set(trusted.steps) & set(other.steps))).first
+    return (first.step if first else None), {
+        "replay": report.to_json(),
+        "first_entry": first.brief() if first else None,
+        "record_first_entry": None,
+    }

@@ -1,0 +1,61 @@
+"""``replay --same-batch`` and ``replay --rank R --alone``: the two phases of judging a large
+job (docs/at-scale.md), dispatched from the replay command."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from ..errors import SdcReplayError
+from .output import Output
+
+
+def at_scale_replay(
+    output: Output,
+    bundle: Path,
+    device: list[str] | None,
+    inject: list[str] | None,
+    logs: Path | None,
+    timeout: float | None,
+    trust: AbstractContextManager,
+    ledger: bool,
+    *,
+    same_batch: bool,
+    from_rank: int | None,
+    rank: int | None,
+    alone: bool,
+):
+    """Phase 1 (``--same-batch``) or phase 2 (``--rank R --alone``) on a job bundle."""
+    from ..bundle.job_bundle import is_job_bundle
+
+    if not is_job_bundle(bundle):
+        raise SdcReplayError(
+            f"--same-batch, --from-rank, --rank and --alone are for a job bundle; {bundle} is a "
+            "single process's bundle",
+            "Leave them out: a single process is replayed on each --device as it is.",
+        )
+    if same_batch == (alone or rank is not None) or (alone != (rank is not None)):
+        raise SdcReplayError(
+            "give either --same-batch [--from-rank R] (phase 1) or --rank R --alone (phase 2)",
+            "Phase 1 judges every rank in one replay; phase 2 replays one rank's group alone "
+            "(docs/at-scale.md).",
+        )
+    if from_rank is not None and not same_batch:
+        raise SdcReplayError("--from-rank is for --same-batch", "Add --same-batch.")
+    with trust, output.stages() as progress:
+        if same_batch:
+            from ..replay.same_batch import replay_same_batch
+
+            progress.update("replaying the job on one batch", 0, 1, "every rank at once")
+            return replay_same_batch(
+                bundle, device, from_rank=from_rank, inject=inject or [], log_dir=logs,
+                timeout=timeout, ledger=ledger,
+            )  # fmt: skip
+        from ..replay.alone import replay_alone
+
+        assert rank is not None
+        progress.update("replaying one rank alone", 0, 1, ", ".join(device or []))
+        return replay_alone(
+            bundle, rank, device or [], inject=inject or [], log_dir=logs, timeout=timeout,
+            ledger=ledger,
+        )  # fmt: skip

@@ -1,0 +1,51 @@
+"""What ``replay --same-batch`` tells a person: every rank by its coordinates and peers, the
+odd rank(s) and where each first left its peers (docs/at-scale.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+
+from .output import Output, styled
+
+if TYPE_CHECKING:
+    from ..replay.same_batch import SameBatchReport
+
+
+def render_same_batch(output: Output, report: SameBatchReport) -> None:
+    """The per-rank table and the verdict (a fallback is rendered as the job replay it is)."""
+    body = report.to_json()
+    rows = []
+    for rank in body["ranks"]:
+        entry = rank["first_divergent_entry"]
+        where = (
+            "-"
+            if entry is None
+            else f"step {entry['step']} {escape(entry['entry'])} ({entry['agreeing']} of "
+            f"{entry['peers']} {'peers' if entry['against'] == 'peers' else 'record'} agree)"
+        )
+        verdict = styled(rank["verdict"])
+        if rank.get("spread_from") is not None:
+            verdict += f" (from rank {rank['spread_from']})"
+        device = rank["devices"][0]["device"] if rank["devices"] else "-"
+        coordinates = ", ".join(f"{k}={v}" for k, v in rank["coordinates"].items())
+        rows.append([str(rank["rank"]), coordinates, device, verdict, where])
+    output.table(
+        f"Same-batch replay of the {report.layout.world_size}-rank job {escape(report.bundle)} "
+        f"({escape(report.layout.shape())}, fed rank {report.from_rank}'s batches)",
+        ["rank", "coordinates", "device", "verdict", "first entry off its peers"],
+        rows,
+        fold=[4],
+    )
+    suspects = report.suspects
+    who = f" (suspects: {', '.join(suspects)})" if suspects else ""
+    output.say(f"Verdict: {styled(report.verdict)}{who}")
+    for odd in body["odd_ranks"]:
+        output.say(
+            f"Odd: {escape(odd['where'])} on {odd['device']}, next: `sdcreplay bisect "
+            f"{escape(report.bundle)} --rank {odd['rank']} --alone --suspect D1 --reference D2`"
+        )
+    if report.caveat:
+        output.warn(f"caveat: {report.caveat}")
+    output.say(f"Logs: {report.log_dir}")

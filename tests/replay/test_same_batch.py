@@ -1,0 +1,147 @@
+"""Phase 1 and 2 at scale (docs/at-scale.md) on real 4-rank gloo jobs of tiny-llama: a fault
+planted on rank 2 is named by its peers in one same-batch replay, under DDP and FSDP2; a clean
+job is ``correct``; rank 2 replayed alone on two labels names the one the fault is on, and
+bisected alone names the operator, element and bit. A user's dp=2 x tp=2 script under torchrun
+(tests/tp_dp_script.py): its layout is the mesh's, and with 2 peers --same-batch falls back to
+the recorded replay and names the origin by its coordinates.
+
+``SDCREPLAY_SCALE_CLEAN_RUNS=10`` repeats the clean same-batch replays (the issue's false
+accusation count; the suite runs one of each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TESTS, run_torchrun
+
+from sdcreplay.ledger.verdicts import records_for
+from sdcreplay.recording.job import record_job
+
+TINY = {"layers": 1, "dim": 16, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 32}
+FAULT = "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=3,bit=20"
+LABELS = [arg for rank in range(4) for arg in ("-d", f"cpu:{rank}")]
+CLEAN_RUNS = int(os.environ.get("SDCREPLAY_SCALE_CLEAN_RUNS", "1"))
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def job(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp(request.param) / "job.bundle"
+    kwargs = {**TINY, "parallel": request.param}
+    record_job("builtin:tiny-llama", out, nproc=4, steps=2, kwargs=kwargs)
+    return request.param, out
+
+
+def test_info_shows_the_layout(job, cli):
+    parallel, bundle = job
+    shown = json.loads(cli("info", bundle, "--json").stdout)["layout"]
+    kind = "shard" if parallel == "fsdp2" else "replicate"
+    assert [(d["size"], d["kind"]) for d in shown["dimensions"]] == [(4, kind)]
+    assert shown["coordinates"] == [[0], [1], [2], [3]]
+
+
+def test_same_batch_names_only_the_faulty_rank(job, cli, tmp_path: Path):
+    _, bundle = job
+    result = cli(
+        "replay", bundle, "--same-batch", *LABELS, "--inject", FAULT, "--no-ledger",
+        "--logs", tmp_path, "--json",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["mode"] == "same_batch" and report["verdict"] == "persistent"
+    assert report["suspects"] == ["cpu:2"]
+    assert [odd["rank"] for odd in report["odd_ranks"]] == [2]
+    first = report["odd_ranks"][0]["first_divergent_entry"]
+    assert (first["step"], first["agreeing"], first["peers"]) == (0, 3, 4)
+    assert [rank["verdict"] for rank in report["ranks"]] == [
+        "correct", "correct", "persistent", "correct",
+    ]  # fmt: skip
+    # the ledger's records (what `devices export` drains by): rank 2's device suspect
+    records = {(r.label, r.rank): r.verdict for r in records_for(report)}
+    assert records == {
+        ("cpu:0", 0): "match", ("cpu:1", 1): "match", ("cpu:2", 2): "persistent",
+        ("cpu:3", 3): "match",
+    }  # fmt: skip
+
+
+def test_a_clean_job_is_correct_in_a_same_batch_replay(job, cli, tmp_path: Path):
+    _, bundle = job
+    for run in range(CLEAN_RUNS):
+        result = cli(
+            "replay", bundle, "--same-batch", *LABELS, "--no-ledger", "--logs",
+            tmp_path / str(run), "--json",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert (report["verdict"], report["suspects"]) == ("correct", [])
+
+
+def test_rank_alone_on_two_labels_names_the_faulty_one(job, cli, tmp_path: Path):
+    parallel, bundle = job
+    result = cli(
+        "replay", bundle, "--rank", "2", "--alone", "-d", "cpu:1", "-d", "cpu:2",
+        "--inject", f"{FAULT},device=cpu:1", "--no-ledger", "--logs", tmp_path, "--json",
+    )  # fmt: skip
+    if parallel == "fsdp2":  # sharded parameters need the peers' shards: refused, exit 3
+        assert result.exit_code == 3 and "cannot replay alone" in result.stderr
+        return
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    verdicts = {row["device"]: row["verdict"] for row in report["devices"]}
+    assert verdicts == {"cpu:1": "persistent", "cpu:2": "match"}
+    first = report["devices"][0]["first_divergence"]
+    assert (first["step"], first["name"]) == (0, "collective:0#0:gloo:all_reduce.input")
+
+
+def test_bisect_rank_alone_names_operator_element_and_bit(job, cli, tmp_path: Path):
+    parallel, bundle = job
+    if parallel == "fsdp2":
+        pytest.skip("a rank of FSDP2 is refused alone (test_rank_alone_on_two_labels...)")
+    result = cli(
+        "bisect", bundle, "--rank", "2", "--alone", "--suspect", "cpu:1", "--reference",
+        "cpu:2", "--step", "0", "--inject", f"{FAULT},device=cpu:1", "--out", tmp_path / "b",
+        "--no-ledger", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert (report["alone"], report["rank"], report["verdict"]) == (True, 2, "divergence")
+    assert (report["step"], report["phase"], report["module"]) == (0, "backward", "output")
+    assert report["op"] == "aten.mm.default"
+    assert report["elements"]["indices"] == [3]
+    assert report["bits"]["histogram"] == {"20": 1}
+    assert report["isolation"]["failures"] == report["isolation"]["runs"]
+
+
+def test_dp_by_tp_job_names_the_odd_rank_by_its_coordinates(tmp_path: Path, cli):
+    script = tmp_path / "train.py"
+    shutil.copy(TESTS / "tp_dp_script.py", script)
+    done = run_torchrun(script, 4, str(tmp_path / "job.bundle"), timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = json.loads(cli("info", tmp_path / "job.bundle", "--json").stdout)["layout"]
+    assert [(d["name"], d["size"], d["kind"]) for d in layout["dimensions"]] == [
+        ("dp", 2, "replicate"), ("tp", 2, "tensor"),
+    ]  # fmt: skip
+    assert layout["coordinates"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    result = cli(
+        "replay",
+        tmp_path / "job.bundle",
+        "--same-batch",
+        "--trust-workload",
+        "--inject",
+        "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=1,bit=20",
+        "--no-ledger",
+        "--logs",
+        tmp_path / "logs",
+        "--timeout",
+        "900",
+        "--json",
+    )  # fmt: skip  (a loaded 2-core machine starts 4 ranks slowly)
+    assert result.exit_code == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["mode"] == "recorded"
+    assert "2 data-parallel peers" in report["same_batch"]["missing"]
+    assert (report["origin_rank"], report["origin_coordinates"]) == (2, {"dp": 1, "tp": 0})
