@@ -39,6 +39,7 @@ from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
 from .divergent_step import first_divergent_job_step, first_divergent_step
 from .evidence import first_differing_output, state_forensics, trees_equal, upstream
+from .kernel_stage import bisect_kernels
 from .operator_case import OPERATOR_FILE, OperatorCase
 from .rank import job_to_bisect, run_in_job
 from .report import (
@@ -215,6 +216,18 @@ def _localize(
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
     ref_log = run("oplog", run_oplog_task, reference, {**common, "save_entry": entry_state})
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
+    if job is None and ref_log.get("kernel_calls") and suspect is not None:
+        in_kernels = bisect_kernels(
+            alone, common, reference, suspect, repeats, isolation_runs or max(repeats, 3),
+            written.staging, on_event,
+        )  # fmt: skip
+        if in_kernels is not None:
+            kernel_steps = in_kernels.pop("steps_run")
+            steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0)}
+            steps |= {"oplog_reference": ref_log["steps_run"], **kernel_steps}
+            result = {**base, "verdict": "divergence", "step": step, **replayed, **in_kernels}
+            result |= {"repeats_run": kernel_steps["kernels_suspect"], "steps_run": total(steps)}
+            return finish(result, on_event)
     on_event(
         "oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)"
     )

@@ -21,6 +21,7 @@ import torch
 from ..bundle.manifest import StepRecord
 from ..bundle.reader import Bundle
 from ..capture import determinism
+from ..capture.compiled_kernels import KernelCount
 from ..capture.determinism import restore_operator_rng
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
@@ -156,12 +157,13 @@ def run_oplog_task(
         oplog = OperatorLog(
             expected=reference, state_memory={memory_address(t): name for name, t in state.items()}
         )
+        kernels = KernelCount()
         try:
             differing = [
                 n for n, d in digests.items() if expected and expected["state"].get(n) != d
             ]
             _save_state(work / f"state-{device.replace(':', '-')}.h5", state, differing)
-            entries = session.run_step(target, observers=[oplog])
+            entries = session.run_step(target, observers=[oplog], kernel_observers=[kernels])
         finally:
             session.close()
         if entry.continuation is not None and entries != entry.continuation:
@@ -177,6 +179,7 @@ def run_oplog_task(
                 "operators": len(oplog.records),
                 "environment": environment,
                 "steps_run": steps_run,
+                "kernel_calls": kernels.calls,  # compiled code ran: the kernel stage's cue
             }
         structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
         if structure_error:

@@ -36,12 +36,12 @@ from typing import Any, Protocol
 import torch
 
 from .digest import tensor_digest
+from .operators import _capture_depth, _own_work, compiled_modules, eager_modules
 
 KERNEL_FACTORIES = ("cpp_pybinding", "cpp", "triton")
 """The ``async_compile`` methods whose results the wrapper calls as kernels."""
 
 EXTERN = "extern_kernels"
-COMPILED_ROOT = "<root>"
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,6 @@ class _Run:
     busy: bool = False
 
 
-_state = threading.local()
 _active: list[_Run] = []  # at most one: a step's kernels may run on autograd's threads
 _lock = threading.Lock()
 
@@ -264,7 +263,7 @@ def _graph_number(graph: str) -> str:
 
 def _observe(kernel: Kernel, invoke: Callable, args: tuple, kwargs: dict):
     run = _current()
-    if run is None or run.busy or _state.__dict__.get("own_work", 0):
+    if run is None or run.busy or _capture_depth():
         return invoke(*args, **kwargs)
     backward = torch._C._current_autograd_node() is not None
     number = _graph_number(kernel.graph)
@@ -286,22 +285,26 @@ def _observe(kernel: Kernel, invoke: Callable, args: tuple, kwargs: dict):
     run.index += 1
     run.seen[kernel.name] += 1
     call = KernelCall(site, kernel, args, kwargs, invoke)
-    run.busy = True
-    try:
+    with _observers_running(run):  # their tensor work is not the step's
         for observer in run.observers:
             before = getattr(observer, "before_kernel", None)
             if before is not None:
                 before(call)
-    finally:
-        run.busy = False
     result = invoke(*args, **kwargs)
-    run.busy = True
-    try:
+    with _observers_running(run):
         for observer in run.observers:
             observer.on_kernel(call)
+    return result
+
+
+@contextlib.contextmanager
+def _observers_running(run: _Run) -> Iterator[None]:
+    run.busy = True
+    try:
+        with _own_work():
+            yield
     finally:
         run.busy = False
-    return result
 
 
 class _ObservedKernel:
@@ -387,40 +390,6 @@ def install() -> None:
         _instrument(module)
 
 
-def compiled_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The modules of ``model`` that run compiled (``torch.compile(m)`` or ``m.compile()``),
-    by path, outermost only (what they contain runs inside their compiled code)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    found: dict[str, torch.nn.Module] = {}
-    for path, module in model.named_modules():
-        inside = any(path.startswith(f"{outer}.") for outer in found if outer != COMPILED_ROOT)
-        if COMPILED_ROOT in found or inside:
-            continue
-        if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None):
-            found[path or COMPILED_ROOT] = module
-    return found
-
-
-def _eager_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The modules whose hooks run outside compiled code: every module not inside a compiled
-    one, and an ``OptimizedModule`` itself (its hooks run before its compiled code). A kernel
-    call is attributed to the innermost of them running (a compiled function to its caller)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    compiled = compiled_modules(model)
-    return {
-        path or COMPILED_ROOT: module
-        for path, module in model.named_modules()
-        if not any(
-            outer == COMPILED_ROOT or path.startswith(f"{outer}.") or path == outer
-            for outer in compiled
-        )
-        or (path or COMPILED_ROOT) in compiled
-        and isinstance(module, OptimizedModule)
-    }
-
-
 def _enter_region(run: _Run, path: str, module, args) -> None:
     run.stack.append(path)
 
@@ -441,7 +410,7 @@ def observing_kernels(
     regions = compiled_modules(model) if model is not None else {}
     run = _Run(list(observers), step, sorted(regions))
     handles = []
-    for path, module in (_eager_modules(model) if model is not None else {}).items():
+    for path, module in (eager_modules(model) if model is not None else {}).items():
         handles.append(module.register_forward_pre_hook(partial(_enter_region, run, path)))
         handles.append(
             module.register_forward_hook(partial(_leave_region, run, path), always_call=True)
@@ -459,18 +428,8 @@ def observing_kernels(
             handle.remove()
 
 
-@contextlib.contextmanager
-def own_work() -> Iterator[None]:
-    """Kernels run meanwhile (a compiled digest on a GPU) are the capture's, not the step's."""
-    _state.own_work = _state.__dict__.get("own_work", 0) + 1
-    try:
-        yield
-    finally:
-        _state.own_work -= 1
-
-
 def digests(call: KernelCall) -> list[str]:
-    with own_work():
+    with _own_work():
         return [tensor_digest(t) for t in call.outputs]
 
 
@@ -503,7 +462,7 @@ def cpu_copy(value: Any) -> Any:
     strides it was generated for); numbers as they are."""
     if not isinstance(value, torch.Tensor):
         return value
-    with own_work():
+    with _own_work():
         value = value.detach()
         try:
             copy = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype)
@@ -543,6 +502,7 @@ class KernelLog:
         self.divergent: KernelRecord | None = None
         self.kept: tuple[list, dict, list] | None = None  # args, kwargs, outputs on the CPU
         self.kernel: Kernel | None = None  # the kept call's kernel
+        self.site: KernelSite | None = None  # ... and its site
         self.prior: Counter = Counter()  # (kernel, module, phase) -> calls before the kept one
         self._before: dict[int, Any] = {}
 
@@ -594,7 +554,7 @@ class KernelLog:
             k: before[-1] if k == "out" and -1 in before else cpu_copy(v) for k, v in kwargs.items()
         }
         self.kept = (inputs, kept, [cpu_copy(t) for t in call.outputs])
-        self.kernel = call.kernel
+        self.kernel, self.site = call.kernel, call.site
         self.prior = Counter(
             (r.site.kernel, r.site.module, r.site.phase) for r in self.records[:-1]
         )
@@ -608,3 +568,13 @@ class KernelLog:
         return (
             f"kernel call {made}: nothing here, {theirs.kernel} ({theirs.phase}) on the reference"
         )
+
+
+class KernelCount:
+    """A `KernelObserver` that counts the calls: did the step run compiled code at all?"""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_kernel(self, call: KernelCall) -> None:
+        self.calls += 1
