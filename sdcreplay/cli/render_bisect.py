@@ -17,9 +17,23 @@ if TYPE_CHECKING:
 def _call_rows(report: dict) -> list[list[str]]:
     """The rows naming the corrupted call: operator, kernels, isolation, elements and bits."""
     isolation = report["isolation"]
-    rows = [
-        ["operator", f"{report['op']} (call {report['op_index']} of the step)"],
-        ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
+    kernel = report.get("kernel")
+    rows = (
+        [
+            [
+                "kernel",
+                f"{kernel['name']} (kernel call {kernel['index']} of the step, {kernel['graph']})",
+            ],
+            ["fused", ", ".join(kernel["fused"]) or "-"],
+            ["output", f"{report['output_index']} of {len(kernel['outputs'])} it writes"],
+        ]
+        if kernel
+        else [
+            ["operator", f"{report['op']} (call {report['op_index']} of the step)"],
+            ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
+        ]
+    )
+    rows += [
         [
             "isolated",
             f"{styled(report['isolated'])} ({isolation['failures']} of "
@@ -74,7 +88,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         ["phase", str(report.get("phase"))],
         ["module", str(report.get("module"))],
     ]
-    if report.get("op"):
+    if report.get("op") or report.get("kernel"):
         rows += _call_rows(report)
     elif report.get("entry"):
         rows.append(["first divergent entry", report["entry"]])
@@ -202,3 +216,21 @@ def render_ops(output: Output, listing: OpsListing) -> None:
         ],
         fold=[5],  # the outputs' shapes fold; an operator or module name is printed whole
     )
+    if listing.kernels:
+        output.table(
+            f"Step {listing.step}: {len(listing.kernels)} Inductor kernel calls (kernel=NAME)",
+            ["call", "phase", "module", "kernel", "nth", "fused", "outputs"],
+            [
+                [
+                    str(k.index),
+                    k.phase,
+                    k.module,
+                    k.kernel,
+                    str(k.nth),
+                    ", ".join(k.fused),
+                    _outputs_text(k.outputs),
+                ]
+                for k in listing.kernels
+            ],
+            fold=[5, 6],
+        )
