@@ -58,6 +58,12 @@ class Kernel:
     source: str  # the generated kernel source (empty for an extern kernel)
     argument_types: tuple[str, ...] = ()  # a C++ kernel's declared argument types
 
+    def reads(self, position: int) -> bool:
+        """Does the kernel read the argument at ``position`` (an input, or ``in_out_ptr``)?"""
+        if position not in self.written or position >= len(self.arguments):
+            return True
+        return self.arguments[position].startswith("in_out")
+
     def to_json(self) -> dict:
         return {
             "name": self.name,
@@ -471,6 +477,15 @@ def cpu_copy(value: Any) -> Any:
             return value.to("cpu", copy=True)
 
 
+def _blank(value: Any) -> Any:
+    """What a call is given to write only (``out_ptr``): memory it never reads, whose contents
+    before the call are whatever the allocator left; kept zeroed, the same on every device."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    with _own_work():
+        return torch.zeros_like(cpu_copy(value))
+
+
 def placed(value: Any, device: torch.device) -> Any:
     """A fresh copy of a kept argument on ``device``, in the same layout."""
     if not isinstance(value, torch.Tensor):
@@ -516,12 +531,15 @@ class KernelLog:
         self._before = {}
         if self._keeping(call):
             # only what the call writes changes under it
+            kernel = call.kernel
             self._before = {
-                i: cpu_copy(call.args[i]) for i in call.kernel.written if i < len(call.args)
+                i: cpu_copy(call.args[i]) if kernel.reads(i) else _blank(call.args[i])
+                for i in kernel.written
+                if i < len(call.args)
             }
             out = call.kwargs.get("out")
-            if isinstance(out, torch.Tensor):
-                self._before[-1] = cpu_copy(out)
+            if isinstance(out, torch.Tensor):  # an extern kernel's out= is only written
+                self._before[-1] = _blank(out)
 
     def on_kernel(self, call: KernelCall) -> None:
         site = call.site
