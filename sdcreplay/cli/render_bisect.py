@@ -4,7 +4,7 @@ the first corrupted call with its wrong bits, and how often it fails alone on wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .output import Output, styled
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from ..bisect.ops import OpsListing
     from ..bisect.report import BisectResult
     from ..minimize.driver import MinimizeResult
+    from ..minimize.kernel_case import KernelMinimizeResult
 
 
 def _call_rows(report: dict) -> list[list[str]]:
@@ -141,7 +142,38 @@ def _minimize_verdict(result: MinimizeResult) -> str:
     )
 
 
-def render_minimize(output: Output, result: MinimizeResult) -> None:
+def render_kernel_minimize(output: Output, result) -> None:
+    """A compiled kernel's measurement (``minimize.kernel_case.KernelMinimizeResult``)."""
+    kernel = result.kernel
+    low, high = result.ci95
+    output.table(
+        "Minimize (compiled kernel)",
+        ["", ""],
+        [
+            ["kernel", f"{kernel['name']} ({kernel['kind']}, {kernel['graph']})"],
+            ["fused", ", ".join(kernel["fused"]) or "-"],
+            [
+                "suspect",
+                f"{result.device}: failed {result.failures} of {result.trials} "
+                f"({result.rate:.2%}, 95% {low:.2%}-{high:.2%})",
+            ],
+            [
+                "reference",
+                f"{result.reference}: failed {result.reference_failures} of "
+                f"{result.reference_trials}",
+            ],
+            ["ticket", result.ticket],
+        ],
+    )
+    for warning in result.warnings:
+        output.warn(warning)
+
+
+def render_minimize(output: Output, result: MinimizeResult | KernelMinimizeResult) -> None:
+    if getattr(result, "level", None) == "kernel":
+        render_kernel_minimize(output, result)
+        return
+    result = cast("MinimizeResult", result)  # not a kernel's: an operator's measurement
     shrink, acceptance = result.shrink, result.acceptance
     how = (
         f": {shrink['reason']}"

@@ -40,7 +40,8 @@ from ..replay.replicas import probe_differences
 from ..storage.tensorio import dtype_name, map_tensors
 from . import ticket
 from .data_dependence import depends_on_data, failing_element_coordinates
-from .report import deterministic_switches, load_report
+from .kernel_case import KernelMinimizeResult, is_kernel_report, minimize_kernel
+from .report import deterministic_switches, load_report, read_report
 from .shrink import shrink_inputs
 from .statistics import default_bad_trials
 from .trials import Acceptance, Measurement, TrialRunner
@@ -122,10 +123,13 @@ def minimize(
     seed: int = 0,
     on_progress: Progress | None = None,
     ledger: bool = True,
-) -> MinimizeResult:
+) -> MinimizeResult | KernelMinimizeResult:
     """Measure, shrink and write the ticket (see the module docstring); the ticket path is in the
-    result. ``ledger``: append the measurement to the device ledger (docs/fleet.md)."""
+    result. ``ledger``: append the measurement to the device ledger (docs/fleet.md). A report
+    that names a compiled kernel is measured by `kernel_case.minimize_kernel`."""
     report_dir = Path(report_dir)
+    if is_kernel_report(read_report(report_dir)):
+        return _minimize_kernel(report_dir, device, reference, trials, inject, out, ledger)
     report, case = load_report(report_dir)
     suspect_label = require_available(device or report["suspect"])
     reference_label = require_available(reference or report["reference"])
@@ -250,6 +254,24 @@ def minimize(
         "reference": identify(reference_label).to_json(),
     }
     ticket.write_ticket(target, result.to_json(), report, ticket_case)
+    if ledger:
+        note_result(result.to_json())
+    return result
+
+
+def _minimize_kernel(report_dir, device, reference, trials, inject, out, ledger):
+    report = read_report(report_dir)
+    suspect_label = require_available(device or report["suspect"])
+    reference_label = require_available(reference or report["reference"])
+    if suspect_label == reference_label:
+        raise SdcReplayError(
+            f"--device and --reference are both {suspect_label}",
+            "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
+        )
+    result = minimize_kernel(
+        report_dir, report, device=suspect_label, reference=reference_label, trials=trials,
+        inject=inject, out=out,
+    )  # fmt: skip
     if ledger:
         note_result(result.to_json())
     return result
