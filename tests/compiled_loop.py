@@ -43,7 +43,10 @@ def make_workload(seed: int = 0) -> sdcreplay.Workload:
 
     def get_batch(index: int) -> dict:
         generator = torch.Generator().manual_seed(500 + index)
-        return {"x": torch.randn(4, 8, generator=generator), "y": torch.randn(4, 4, generator=generator)}
+        return {
+            "x": torch.randn(4, 8, generator=generator),
+            "y": torch.randn(4, 4, generator=generator),
+        }
 
     def train_step(batch: dict) -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])

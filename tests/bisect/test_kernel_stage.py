@@ -65,17 +65,31 @@ def test_ops_lists_the_compiled_steps_kernel_calls_with_ready_specs(kernel_listi
     assert any(call["op"] == "aten.mm.default" for call in kernel_listing["calls"])
 
 
-def test_bisect_names_the_kernel_its_fused_ops_the_element_and_the_bit(
-    compiled_bundle, kernel_listing, cli, tmp_path
-):
-    forward = kernel_listing["kernels"][0]
-    spec = forward["spec"] + ",output=1,index=37,bit=27,device=cpu:1"
-    found = cli(
-        "bisect", compiled_bundle, "--suspect", "cpu:1", "--reference", "cpu:0",
-        "--inject", spec, "--out", tmp_path / "r.bisect", "--json",
+@pytest.fixture(scope="module")
+def kernel_report(compiled_bundle, kernel_listing, tmp_path_factory) -> tuple[Path, str, dict]:
+    """One bisect of the fault planted in the forward kernel's second output, for cpu:1."""
+    from typer.testing import CliRunner
+
+    from sdcreplay.cli import app
+
+    spec = kernel_listing["kernels"][0]["spec"] + ",output=1,index=37,bit=27,device=cpu:1"
+    out = tmp_path_factory.mktemp("report") / "r.bisect"
+    found = CliRunner().invoke(
+        app,
+        [
+            "bisect", str(compiled_bundle), "--suspect", "cpu:1", "--reference", "cpu:0",
+            "--inject", spec, "--out", str(out), "--json",
+        ],
     )  # fmt: skip
     assert found.exit_code == 1, found.output
-    report = json.loads(found.stdout)
+    return out, spec, json.loads(found.stdout)
+
+
+def test_bisect_names_the_kernel_its_fused_ops_the_element_and_the_bit(
+    kernel_report, kernel_listing
+):
+    out, _, report = kernel_report
+    forward = kernel_listing["kernels"][0]
     assert (report["verdict"], report["step"], report["level"]) == ("divergence", 1, "kernel")
     assert (report["phase"], report["module"]) == ("forward", "<root>")
     kernel = report["kernel"]
@@ -87,4 +101,35 @@ def test_bisect_names_the_kernel_its_fused_ops_the_element_and_the_bit(
     assert report["elements"]["xor"] == ["08000000"]
     assert report["isolated"] == "kernel" and report["inputs_match_reference"] is True
     assert report["isolation"]["failures"] == report["isolation"]["runs"] == 3
-    assert (tmp_path / "r.bisect" / "kernel.h5").is_file()
+    assert (out / "kernel.h5").is_file()
+
+
+def test_minimize_measures_the_kernel_alone_and_its_ticket_runs_it_standalone(
+    kernel_report, cli, tmp_path
+):
+    out, spec, report = kernel_report
+    ticket = tmp_path / "ticket"
+    measured = cli("minimize", out, "--inject", spec, "--trials", "20", "--out", ticket, "--json")
+    assert measured.exit_code == 1, measured.output
+    result = json.loads(measured.stdout)
+    assert (result["level"], result["kernel"]["name"]) == ("kernel", report["kernel"]["name"])
+    assert (result["failures"], result["trials"], result["reference_failures"]) == (20, 20, 0)
+    assert result["kernel"]["fused"] == report["kernel"]["fused"]
+    source = (ticket / "kernel.cpp").read_text()
+    assert 'extern "C"' in source and "void  kernel(" in source
+    assert report["kernel"]["name"] in (ticket / "ticket.md").read_text()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("SDCREPLAY_INJECT", None)
+    clean = subprocess.run(
+        [sys.executable, "repro.py", "--device", "cpu", "--trials", "5"],
+        cwd=ticket, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
+    assert "failed 0 of 5" in clean.stdout
+    drill = subprocess.run(
+        [sys.executable, "repro.py", "--device", "cpu:1", "--trials", "5"],
+        cwd=ticket, env={**env, "SDCREPLAY_INJECT": spec}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert drill.returncode == 1, drill.stdout + drill.stderr[-2000:]
+    assert "failed 5 of 5" in drill.stdout and "XOR mask 0x08000000" in drill.stdout

@@ -33,7 +33,9 @@ def test_a_spec_names_a_compiled_kernel_instead_of_an_operator():
     assert spec.matches_kernel("cpp_fused_add_mul_3", "<root>", "forward")
     assert not spec.matches_kernel("cpp_fused_add_mul_4", "<root>", "forward")
     assert not spec.matches_key("aten.add.Tensor", "<root>", "forward")  # never an operator
-    assert str(spec) == "kind=bitflip,kernel=cpp_fused_add_mul_3,output=1,step=2,nth=0,index=7,bit=30"
+    assert (
+        str(spec) == "kind=bitflip,kernel=cpp_fused_add_mul_3,output=1,step=2,nth=0,index=7,bit=30"
+    )
 
 
 def test_kernel_and_op_exclude_each_other_and_output_needs_a_kernel():
