@@ -1,11 +1,11 @@
-"""A user's training loop whose step runs compiled (tests start it as a subprocess).
+"""A user's training loop over a `torch.compile`d model (tests start it as a subprocess).
 
-``python compiled_loop.py OUT --steps 2``: a tiny MLP whose activation block is
-``torch.compile``d with the default Inductor backend (C++ kernels on a CPU), SGD, recorded by
-a Recorder at the boundary level without the first-step check. The compiled block is a
-function the model calls, so the Recorder's hooks stay outside the compiled code. Its shapes
-are fixed, so Inductor's on-disk caches make every process after the first compile in seconds.
-Prints one JSON line: the bundle.
+``python compiled_loop.py OUT --compile full|blocks --signature layer|boundary --steps 3``:
+a tiny residual MLP (two blocks of Linear + LayerNorm + ReLU, a head), compiled whole
+(``torch.compile(model)``) or block by block in place as TorchTitan does
+(``block.compile()``), trained with SGD and momentum under a Recorder. ``--dynamic`` and
+``--fullgraph`` pass on to the compile. Prints one JSON line: the bundle and its compiled
+regions.
 """
 
 from __future__ import annotations
@@ -15,68 +15,108 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import sdcreplay
 
 
-@torch.compile
-def gated(h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Inductor fuses this into one kernel forward and one backward (plus a reduction)."""
-    return torch.nn.functional.gelu(h) * torch.sigmoid(gate) + h * 0.5
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.fc(x)))
 
 
 class Net(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 8, depth: int = 2):
         super().__init__()
-        self.up = torch.nn.Linear(8, 16, bias=False)
-        self.gate = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 16))
-        self.down = torch.nn.Linear(16, 4, bias=False)
+        self.layers = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gated(self.up(x), self.gate))
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
 
 
-def make_workload(seed: int = 0) -> sdcreplay.Workload:
+def make_workload(
+    compile: str = "full",
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    seed: int = 0,
+    parallel: str | None = None,
+) -> sdcreplay.Workload:
+    """``parallel="ddp"`` (in a torch.distributed job, with ``compile="blocks"``): the step
+    runs through a DistributedDataParallel over the block-compiled model, each rank on its
+    own share of the batch."""
     torch.manual_seed(seed)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = Net()
+    if compile == "blocks":
+        for block in net.layers:
+            block.compile(dynamic=dynamic, fullgraph=fullgraph)
+        model: torch.nn.Module = net
+    else:
+        model = torch.compile(net, dynamic=dynamic, fullgraph=fullgraph)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    runs = model
+    rank = 0
+    if parallel == "ddp":
+        runs = torch.nn.parallel.DistributedDataParallel(model)
+        rank = torch.distributed.get_rank()
 
     def get_batch(index: int) -> dict:
-        generator = torch.Generator().manual_seed(500 + index)
-        return {
-            "x": torch.randn(4, 8, generator=generator),
-            "y": torch.randn(4, 4, generator=generator),
-        }
+        generator = torch.Generator().manual_seed(500 + 1000 * rank + index)
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 2, generator=generator)
+        return {"x": x, "y": y}
 
     def train_step(batch: dict) -> torch.Tensor:
-        loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        loss = F.mse_loss(runs(batch["x"]), batch["y"])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         return loss
 
-    return sdcreplay.Workload(model, optimizer, get_batch, train_step=train_step)
+    return sdcreplay.Workload(
+        model,
+        optimizer,
+        get_batch,
+        train_step=train_step,
+        data_parallel=runs if parallel == "ddp" else None,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--compile", choices=("full", "blocks"), default="full")
+    parser.add_argument("--signature", choices=("layer", "boundary"), default="layer")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dynamic", action="store_true")
+    parser.add_argument("--fullgraph", action="store_true")
     args = parser.parse_args()
-    workload = make_workload()
+    options = {
+        "compile": args.compile,
+        "dynamic": True if args.dynamic else None,
+        "fullgraph": args.fullgraph,
+    }
+    workload = make_workload(**options)
     recorder = sdcreplay.Recorder(
         args.out,
         f"{Path(__file__).resolve()}:make_workload",
         workload.model,
         workload.optimizer,
-        signature="boundary",
-        verify=False,
+        workload_kwargs=options,
+        signature=args.signature,
     )
-    with recorder:
-        for step in range(args.steps):
-            with recorder.step(workload.get_batch(step)):
-                workload.run_step(workload.get_batch(step))
-    print(json.dumps({"bundle": str(args.out)}))
+    for index in range(args.steps):
+        batch = workload.get_batch(index)
+        with recorder.step(batch):
+            workload.train_step(batch)
+    path = recorder.close()
+    print(json.dumps({"bundle": str(path), "compiled": recorder.compiled_regions()}))
 
 
 if __name__ == "__main__":

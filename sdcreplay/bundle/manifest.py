@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..capture.compiled import regions_problem
 from ..errors import BundleError
 from ..kinds import SIGNATURE_LEVELS
 from ..storage.safeio import check_json_value
@@ -339,6 +340,9 @@ class Manifest(Record):
     determinism: Switches
     fingerprint: dict[str, Any] | None = None  # determinism.fingerprint: property -> value
     capture: CaptureSettings = field(default_factory=CaptureSettings)
+    # The compiled regions and their generated code's digests (capture/compiled.py's JSON);
+    # absent: the step ran no compiled code the Recorder watched.
+    compiled: list[dict[str, Any]] | None = None
     state: StateRef
     steps: list[StepRecord] = field(default_factory=list)
     files: dict[str, FileMeta] = field(default_factory=dict)
@@ -430,6 +434,9 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "capture.max_depth": optional(integer(0, 1024)),
     "capture.program": absent_or(BOOL),
     "capture.level": absent_or(choice(*SIGNATURE_LEVELS)),
+    "compiled": optional(
+        Check(lambda v: regions_problem(v) is None, "a list of compiled regions (bundle-format.md)")
+    ),
     "state_objects": optional(
         Check(
             lambda v: (

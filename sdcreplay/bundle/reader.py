@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 
+from ..capture.compiled import CompiledRegion
 from ..capture.message import Message
 from ..capture.signature import (
     MAX_ENTRY_BYTES,
@@ -256,6 +257,12 @@ class Bundle:
                     f"the manifest says {step.entries}"
                 )
         return log
+
+    @property
+    def compiled_regions(self) -> list[CompiledRegion]:
+        """The compiled regions the recording ran, with their code digests (capture/compiled.py);
+        empty for a step that ran no compiled code."""
+        return [CompiledRegion.from_json(region) for region in self.manifest.compiled or []]
 
     @property
     def has_probe(self) -> bool:

@@ -215,7 +215,7 @@ class BundleWriter:
         self._overwrite = overwrite
         # Written only once embed_state or reference_checkpoint has set the state; the
         # optional parts not known yet stay out of the JSON until they are.
-        unset = {"state_objects", "verification", "trigger"} | {
+        unset = {"state_objects", "verification", "trigger", "compiled"} | {
             name
             for name, value in (
                 ("fingerprint", fingerprint),
@@ -284,6 +284,13 @@ class BundleWriter:
         (self.path / PROBE).write_text(json.dumps(probe, separators=(",", ":")))
         self._note_file(PROBE)
         self._save_manifest()
+
+    def set_compiled(self, regions: list[dict]) -> None:
+        """Keep the compiled regions and their code digests (capture/compiled.py), as far as
+        the recording has seen them generated."""
+        if regions != self.manifest.compiled:
+            self.manifest.present("compiled", regions)
+            self._save_manifest()
 
     def set_trigger(self, trigger: Trigger) -> None:
         """Say why this bundle was written (a ring buffer's dump)."""

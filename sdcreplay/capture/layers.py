@@ -21,6 +21,7 @@ import torch
 
 from ..errors import SdcReplayError
 from ..kinds import SIGNATURE_LEVELS, SignatureLevel
+from .compiled import boundary_hooks, covered, find_regions
 from .determinism import RngState
 from .digest import Digester, SignatureValue
 from .operators import ROOT, _own_work
@@ -205,14 +206,16 @@ class SignatureCapture:
         self._updated_state_positions: dict[str, int] = {}
         self._param_names: dict[int, str] | None = None
         self._handles = []
+        # A compiled region's modules run inside its compiled code: the region's entry is
+        # hooked from outside it (compiled.boundary_hooks), the modules within are not.
+        regions = find_regions(model) if level == "layer" else []
         for path, module in model.named_modules() if level == "layer" else ():
-            if not within_depth(path, max_depth):
+            if not within_depth(path, max_depth) or covered(path or ROOT, regions):
                 continue
-            self._handles.append(
-                module.register_forward_pre_hook(partial(self._on_forward_begin, path or ROOT))
-            )
-            self._handles.append(
-                module.register_forward_hook(partial(self._on_forward, path or ROOT))
+            self._handles += boundary_hooks(
+                module,
+                partial(self._on_forward_begin, path or ROOT),
+                partial(self._on_forward, path or ROOT),
             )
         if optimizer is not None:
             if program:
@@ -256,11 +259,12 @@ class SignatureCapture:
         self._step_digester().add(self._numbered(name), value)
 
     def _on_forward_begin(self, path: str, module, inputs) -> None:
-        if self._in_forward_window:
+        # Traced by Dynamo (a module compiled where the capture did not see it): nothing.
+        if self._in_forward_window and not torch.compiler.is_compiling():
             self._starts.setdefault(path, []).append(_next_sequence_nr())
 
     def _on_forward(self, path: str, module, inputs, output) -> None:
-        if not self._in_forward_window:
+        if not self._in_forward_window or torch.compiler.is_compiling():
             return
         first_node = self._starts[path].pop()
         base = self._numbered(path)

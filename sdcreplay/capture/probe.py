@@ -142,6 +142,15 @@ class _CallCollector(TorchDispatchMode):
         self.calls: dict[str, ProbeCall] = {}
         self.order: Counter[str] = Counter()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while Dynamo and Inductor compile, on while compiled code runs: a compiled step
+        runs its own kernels here, never an eager fallback. The calls it sees there are the
+        compiled code's ATen calls (extern kernels such as a GEMM); Inductor's generated kernels
+        are no operator calls, and the bundle's code digests (capture/compiled.py) stand for
+        them."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

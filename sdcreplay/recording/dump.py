@@ -11,6 +11,7 @@ matters more.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class RingDumper:
         capture: SignatureCapture,
         check: FirstStepCheck,
         verify_mode: str,
+        compiled: Callable[[], list[dict]] = list,
     ):
         self.path = path
         self._bundle_settings = bundle_settings
@@ -51,6 +53,7 @@ class RingDumper:
         self._capture = capture
         self._check = check
         self.verify_mode = verify_mode
+        self._compiled = compiled  # the compiled regions' JSON as the dump is written
 
     def write(
         self,
@@ -111,6 +114,9 @@ class RingDumper:
                     stopped=step.stopped,
                 )
             writer.set_trigger(trigger)
+            compiled = self._compiled()
+            if compiled:
+                writer.set_compiled(compiled)
             # Called from inside the loop's step, the verification must not reach it: neither
             # through a fault injector's mode nor through the capture of the open step.
             expected = start.digests if isinstance(start, CheckpointAnchor) else None

@@ -45,6 +45,7 @@ from ..bundle.manifest import (
 from ..bundle.writer import BundleWriter
 from ..capture import determinism
 from ..capture.collectives import MessageLog
+from ..capture.compiled import CompileWatch
 from ..capture.digest import algorithm_for
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
@@ -161,6 +162,9 @@ class Recorder(RingMode):
             ),
             distributed=self._job.distributed if self._job else None,
         )
+        # The code Inductor generates for the model's compiled regions, digested as it is
+        # generated (a compile before this point is not seen: capture/compiled.py).
+        self._compiled = CompileWatch(model)
         self._ring = None if ring is None else StepRing(ring, max_window)
         self._ring_problem: str | None = None  # ring mode: why no dump can pass verification
         self.dumps: list[Path] = []
@@ -226,6 +230,7 @@ class Recorder(RingMode):
                 capture=self._capture,
                 check=self._check,
                 verify_mode=self.verify_mode,
+                compiled=self.compiled_regions,
             )
         )
 
@@ -310,6 +315,9 @@ class Recorder(RingMode):
         if self._job is not None and index == self._first_index:
             self._job.distributed.present("ddp_iterations_before", ddp_before)
         if self._writer is not None:
+            compiled = self.compiled_regions()
+            if compiled:
+                self._writer.set_compiled(compiled)
             self._writer.add_step(
                 index,
                 batch,
@@ -348,6 +356,11 @@ class Recorder(RingMode):
             self._end_digests = updated or state_digests(self.model)
             self._earlier_end_digests = self._held_end_digests
             self._held_end_digests = self._end_digests
+
+    def compiled_regions(self) -> list[dict]:
+        """The model's compiled regions with the code seen generated for them, as the
+        manifest keeps them (empty for a model that runs no compiled code)."""
+        return [region.to_json() for region in self._compiled.regions()]
 
     @property
     def own_bundle_path(self) -> Path | None:
@@ -432,6 +445,7 @@ class Recorder(RingMode):
         if self._hook is not None:
             self._hook.remove()
             self._capture.close()
+            self._compiled.close()
             self._hook = None
 
     def __enter__(self) -> Recorder:

@@ -20,6 +20,7 @@ import torch
 
 from ..bundle.reader import Bundle
 from ..capture import determinism
+from ..capture.compiled import code_differences
 from ..capture.layers import grads_entering, state_digests
 from ..capture.message import Message
 from ..capture.probe import collecting_calls, record_probe
@@ -97,6 +98,11 @@ class FirstStepCheck:
             except Exception as exc:  # the workload's own code: a finding, not a crash
                 return f"the workload's step raised {type(exc).__name__}: {exc}"
             self.probe = record_probe(list(calls.calls.values()), self.device).to_json()
+            differences = code_differences(
+                session.bundle.compiled_regions, session.compiled.regions()
+            )
+            if differences:  # the same process compiled the same model into other code
+                return f"the re-executed step ran other compiled code: {differences[0]}"
             log = session.bundle.signature_log()
             recorded = log.steps[record.index]  # replay holds every layer, the record its level
             replayed = [(name, digest) for name, digest in replayed if at_level(name, log.level)]

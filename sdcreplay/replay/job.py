@@ -42,7 +42,7 @@ from .processes import UNKNOWN_STEP_TIMEOUT
 from .replicas import (
     DeviceRun,
     default_log_dir,
-    probe_differences,
+    judge_comparability,
     progress_timeout,
     refuse_unmatched_specs,
 )
@@ -91,6 +91,7 @@ def _replay_part(
     logs, message_logs, injected = [], [], []
     warnings: list[str] = []
     unmatched: list[dict] | None = None
+    compiled: list[dict] = []
     for repeat in range(repeats):
         messages: Messages = {}
 
@@ -118,7 +119,9 @@ def _replay_part(
         warnings = log.meta.get("warnings", [])
         injected.append(log.meta.get("injected", []))
         unmatched = log.meta["unmatched"] if unmatched is None else unmatched
+        compiled = compiled or log.meta["compiled"]  # later repeats reuse the first's code
     return {
+        "compiled": compiled,
         "unmatched": unmatched or [],
         "logs": logs,
         "messages": message_logs,
@@ -290,9 +293,7 @@ def _rank_run(
         with_messages(read_signature_log(Path(path)), messages)
         for path, messages in zip(run.log_paths, message_logs)
     ]
-    run.differences = determinism.fingerprint_differences(
-        part.manifest.fingerprint, run.fingerprint, probed=part.has_probe
-    ) or probe_differences(run.probe)
+    judge_comparability(run, part, value)
     return run, message_logs
 
 

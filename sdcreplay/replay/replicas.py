@@ -19,6 +19,7 @@ from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.manifest import CheckpointState
 from ..bundle.reader import Bundle
 from ..capture import determinism
+from ..capture.compiled import CompiledRegion, code_differences, entry_region
 from ..capture.faults import parse_specs
 from ..capture.signature import SignatureLog, read_signature_log
 from ..compare.logs import RECORD, Consensus, DeviceVerdict, vote
@@ -49,6 +50,7 @@ class DeviceRun:
     )  # result-affecting properties unlike the record's
     spread_from: int | None = None  # in a job: the origin rank whose corruption reached it
     probe: dict | None = None  # the bundle's kernel probe run here (ProbeOutcome.to_json)
+    compiled: list[CompiledRegion] = field(default_factory=list)  # the code generated here
 
     @property
     def verdict(self) -> DeviceRunVerdict:
@@ -70,6 +72,10 @@ class DeviceRun:
             "repeats": judgement.runs if judgement else 0,
             "divergent_repeats": judgement.divergent_runs if judgement else 0,
             "first_divergence": None if first is None else first.brief(),
+            # Where a compiled step computed it: the region, its graph and the modules it covers.
+            "first_divergence_in": None
+            if first is None
+            else entry_region(first.name, self.compiled),
             "steps": {str(step): count for step, count in judgement.per_step.items()}
             if judgement
             else {},
@@ -112,6 +118,20 @@ def probe_differences(probe: dict | None) -> list[str]:
         "recording's, or a defect of the recording device on those kernels; a replica on the "
         "recording's kind of machine would decide",
     ]
+
+
+def judge_comparability(run: DeviceRun, bundle: Bundle, value: dict) -> None:
+    """What keeps a finished replica from voting on ``bundle``'s record: its fingerprint's
+    result-affecting properties, then the code it generated for the compiled regions, then
+    its kernel probe (``value``: its device task's result)."""
+    run.compiled = [CompiledRegion.from_json(region) for region in value.get("compiled", [])]
+    run.differences = (
+        determinism.fingerprint_differences(
+            bundle.manifest.fingerprint, run.fingerprint, probed=bundle.has_probe
+        )
+        or code_differences(bundle.compiled_regions, run.compiled)
+        or probe_differences(run.probe)
+    )
 
 
 def case_gaps(bundle: Bundle) -> list[str]:
@@ -357,9 +377,7 @@ def replay_devices(
         if run.error is None:
             run.log_paths = value["logs"]
             run.logs = [read_signature_log(Path(path)) for path in run.log_paths]
-            run.differences = determinism.fingerprint_differences(
-                recorded_fingerprint, run.fingerprint, probed=opened.has_probe
-            ) or probe_differences(run.probe)
+            judge_comparability(run, opened, value)
         runs.append(run)
     record = opened.signature_log()
     if last_step is not None:

@@ -22,6 +22,7 @@ from ..bundle.reader import Bundle
 from ..bundle.state import write_state
 from ..capture import determinism
 from ..capture.collectives import MessageLog
+from ..capture.compiled import CompileWatch
 from ..capture.compiled_kernels import KernelObserver
 from ..capture.digest import algorithm_for
 from ..capture.faults import Injector, other_machine_kernels, parse_specs
@@ -92,6 +93,9 @@ class ReplaySession:
             ) from exc
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
+        # The code this process generates for the workload's compiled regions, compared with
+        # the record's (capture/compiled.py): other code is another program, not evidence.
+        self.compiled = CompileWatch(self.workload.model)
         capture = self.bundle.manifest.capture
         # Every layer, whatever the record holds: the replicas vote at every entry, the record
         # at the entries its level has (compare/logs.py).
@@ -303,6 +307,7 @@ class ReplaySession:
 
     def close(self) -> None:
         self.capture.close()
+        self.compiled.close()
 
 
 def _with_tied_twins(model_state: dict, model: torch.nn.Module) -> dict:
@@ -358,6 +363,7 @@ def replay_on_device(
             log.steps[record.index] = _run_workload_step(session, record)
             if after_step is not None:
                 after_step(session, record.index)
+        log.meta["compiled"] = [region.to_json() for region in session.compiled.regions()]
         log.meta["injected"] = [injection.to_json() for injection in session.injector.fired]
         log.meta["unmatched"] = session.injector.unmatched()
         return log
@@ -407,6 +413,7 @@ def _replay_repeats(
     last_step: int | None,
 ) -> dict:
     logs, warnings, injected, unmatched = [], [], [], None
+    compiled: list[dict] = []
     for repeat in range(repeats):
 
         def beat(index: int, repeat: int = repeat) -> None:
@@ -426,7 +433,9 @@ def _replay_repeats(
         warnings = log.meta.get("warnings", [])
         injected.append(log.meta.get("injected", []))
         unmatched = log.meta["unmatched"] if unmatched is None else unmatched
+        compiled = compiled or log.meta["compiled"]  # later repeats reuse the first's code
     return {
+        "compiled": compiled,
         "logs": logs,
         "warnings": warnings,
         "injected": injected,

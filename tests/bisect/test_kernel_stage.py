@@ -23,7 +23,7 @@ def compiled_bundle(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("compiled")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(TESTS / "compiled_loop.py"), "run.bundle", "--steps", "2"],
+        [sys.executable, str(TESTS / "compiled_function_loop.py"), "run.bundle", "--steps", "2"],
         cwd=root,
         env=env,
         capture_output=True,

@@ -1,6 +1,6 @@
 """The Inductor kernel calls of a compiled step, on CPU Inductor (C++ kernels, g++).
 
-The user's loop script ``tests/compiled_loop.py`` compiles one function; its kernels are
+The user's loop script ``tests/compiled_function_loop.py`` compiles one function; its kernels are
 compiled once per test process (Inductor's on-disk caches make later processes fast).
 """
 
@@ -25,14 +25,14 @@ from sdcreplay.errors import FaultSpecError
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="CPU Inductor needs g++")
 
-LOOP = Path(__file__).resolve().parents[1] / "compiled_loop.py"
+LOOP = Path(__file__).resolve().parents[1] / "compiled_function_loop.py"
 PLACEMENTS = int(os.environ.get("SDCREPLAY_KERNEL_PLACEMENTS", "3"))
 """Random (kernel, output, element, bit) placements checked; the issue's 20 are one variable
 away (``SDCREPLAY_KERNEL_PLACEMENTS=20``)."""
 
 
 def _loop():
-    spec = importlib.util.spec_from_file_location("compiled_loop", LOOP)
+    spec = importlib.util.spec_from_file_location("compiled_function_loop", LOOP)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
