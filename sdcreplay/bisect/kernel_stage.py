@@ -37,7 +37,7 @@ from ..devices import torch_device
 from ..errors import ReportError, SdcReplayError
 from ..replay.worker import device_task
 from ..storage import tensorio
-from .evidence import first_differing_output, trees_equal
+from .evidence import first_differing_output, output_findings, trees_equal
 from .tasks import UNSTEADY_STEP, _enter_step, _refuse_unreproduced
 
 KERNEL_FILE = "kernel.h5"
@@ -345,26 +345,7 @@ def bisect_kernels(
         ),
         "isolation": {k: isolated[k] for k in ("runs", "failures", "first_failure")},
         "inputs_match_reference": inputs_equal,
-        "elements": {
-            k: forensics.get(k)
-            for k in (
-                "count",
-                "total",
-                "indices",
-                "positions",
-                "xor",
-                "expected",
-                "actual",
-                "max_abs_diff",
-                "max_rel_diff",
-                "dtype",
-                "shape",
-                "view",
-            )  # fmt: skip
-        },
-        "bits": forensics.get("bits"),
-        "pattern": forensics.get("pattern"),
-        "fault_model": forensics.get("fault_model"),
+        **output_findings(forensics),
         "site": asdict(site),
         "steps_run": {
             "kernels_reference": ref["steps_run"],

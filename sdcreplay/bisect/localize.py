@@ -38,7 +38,13 @@ from ..ledger.notes import note_result
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
 from .divergent_step import first_divergent_job_step, first_divergent_step
-from .evidence import first_differing_output, state_forensics, trees_equal, upstream
+from .evidence import (
+    first_differing_output,
+    output_findings,
+    state_forensics,
+    trees_equal,
+    upstream,
+)
 from .kernel_stage import bisect_kernels
 from .operator_case import OPERATOR_FILE, OperatorCase
 from .rank import job_to_bisect, run_in_job
@@ -346,26 +352,7 @@ def _localize(
             "first_failure": isolated["first_failure"],
         },
         inputs_match_reference=inputs_equal,
-        elements={
-            k: forensics.get(k)
-            for k in (
-                "count",
-                "total",
-                "indices",
-                "positions",
-                "xor",
-                "expected",
-                "actual",
-                "max_abs_diff",
-                "max_rel_diff",
-                "dtype",
-                "shape",
-                "view",
-            )
-        },
-        bits=forensics.get("bits"),
-        pattern=forensics.get("pattern"),
-        fault_model=forensics.get("fault_model"),
+        **output_findings(forensics),
         site=asdict(site),
         prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},

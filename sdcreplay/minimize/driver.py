@@ -131,13 +131,7 @@ def minimize(
     if is_kernel_report(read_report(report_dir)):
         return _minimize_kernel(report_dir, device, reference, trials, inject, out, ledger)
     report, case = load_report(report_dir)
-    suspect_label = require_available(device or report["suspect"])
-    reference_label = require_available(reference or report["reference"])
-    if suspect_label == reference_label:
-        raise SdcReplayError(
-            f"--device and --reference are both {suspect_label}",
-            "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
-        )
+    suspect_label, reference_label = _labels(report, device, reference)
     if min(trials, good_trials, bad_trials or 1) < 1:
         raise SdcReplayError("--trials, --good-trials and --bad-trials must be at least 1")
     progress = on_progress or (lambda stage, done, total, failures: None)
@@ -259,8 +253,8 @@ def minimize(
     return result
 
 
-def _minimize_kernel(report_dir, device, reference, trials, inject, out, ledger):
-    report = read_report(report_dir)
+def _labels(report: dict, device: str | None, reference: str | None) -> tuple[str, str]:
+    """The suspect and the reference (the report's unless given), two devices here."""
     suspect_label = require_available(device or report["suspect"])
     reference_label = require_available(reference or report["reference"])
     if suspect_label == reference_label:
@@ -268,6 +262,12 @@ def _minimize_kernel(report_dir, device, reference, trials, inject, out, ledger)
             f"--device and --reference are both {suspect_label}",
             "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
         )
+    return suspect_label, reference_label
+
+
+def _minimize_kernel(report_dir, device, reference, trials, inject, out, ledger):
+    report = read_report(report_dir)
+    suspect_label, reference_label = _labels(report, device, reference)
     result = minimize_kernel(
         report_dir, report, device=suspect_label, reference=reference_label, trials=trials,
         inject=inject, out=out,

@@ -13,13 +13,10 @@ A generated kernel's shapes are part of its code, so its inputs are not shrunk.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import h5py
 
 from ..bisect.kernel_stage import KERNEL_FILE, KernelCase, trial
 from ..bisect.report import ENTRY_STATE_FILE, WORK_DIR
@@ -30,7 +27,7 @@ from ..capture.faults import Injector, parse_specs
 from ..devices import torch_device
 from ..errors import DeterminismError, ReportError, SdcReplayError
 from .statistics import wilson_interval
-from .ticket import INPUTS_FILE, JSON_FILE, MARKDOWN_FILE, REPRO_FILE, repro_source
+from .ticket import JSON_FILE, MARKDOWN_FILE, staged_ticket
 
 SCHEMA = "sdcreplay.minimize/1"
 SOURCE_FILES = {"cpp": "kernel.cpp", "triton": "kernel.py"}
@@ -206,26 +203,12 @@ def write_kernel_ticket(
     target: Path, result: KernelMinimizeResult, case: KernelCase, switches: dict
 ) -> Path:
     """The ticket directory: ticket.json, ticket.md, the kernel's source, inputs.h5, repro.py."""
-    if target.exists() and not (target / JSON_FILE).is_file():
-        raise SdcReplayError(
-            f"{target} exists and is not a ticket directory",
-            "Name a new --out directory, or remove that one.",
-        )
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    case.write(staging / INPUTS_FILE)
-    with h5py.File(staging / INPUTS_FILE, "a") as handle:
-        handle.attrs["op"] = case.kernel.name
-        handle.attrs["switches"] = json.dumps(switches)  # the bundle's, as for an operator
     source = SOURCE_FILES.get(case.kernel.kind)
-    if source:
-        (staging / source).write_text(case.kernel.source, encoding="utf-8")
-    (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
-    (staging / JSON_FILE).write_text(json.dumps(result.to_json(), indent=2), encoding="utf-8")
-    (staging / MARKDOWN_FILE).write_text(_markdown(result, source), encoding="utf-8")
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    with staged_ticket(target, case, case.kernel.name, switches) as staging:
+        if source:
+            (staging / source).write_text(case.kernel.source, encoding="utf-8")
+        (staging / JSON_FILE).write_text(json.dumps(result.to_json(), indent=2), encoding="utf-8")
+        (staging / MARKDOWN_FILE).write_text(_markdown(result, source), encoding="utf-8")
     return target
 
 
