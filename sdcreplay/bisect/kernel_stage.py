@@ -58,6 +58,11 @@ class KernelCase:
     suspect_kwargs: dict | None = None
 
     @property
+    def op(self) -> str:
+        """What a ticket runs: the kernel, by its generated name."""
+        return self.kernel.name
+
+    @property
     def spec(self) -> str:
         """The fault spec that selects this call."""
         site = self.site

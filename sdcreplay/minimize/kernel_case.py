@@ -204,7 +204,7 @@ def write_kernel_ticket(
 ) -> Path:
     """The ticket directory: ticket.json, ticket.md, the kernel's source, inputs.h5, repro.py."""
     source = SOURCE_FILES.get(case.kernel.kind)
-    with staged_ticket(target, case, case.kernel.name, switches) as staging:
+    with staged_ticket(target, case, {**result.to_json(), "switches": switches}) as staging:
         if source:
             (staging / source).write_text(case.kernel.source, encoding="utf-8")
         (staging / JSON_FILE).write_text(json.dumps(result.to_json(), indent=2), encoding="utf-8")

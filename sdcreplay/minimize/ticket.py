@@ -375,18 +375,18 @@ def _dependence(data_dependent: bool | None) -> str:
 
 def write_ticket(target: Path, result: dict, report: dict, case: OperatorCase) -> Path:
     """Write the ticket directory for ``result`` (replacing one already there)."""
-    doc = ticket_document(result, report)
-    with staged_ticket(Path(target), case, case.op, result["switches"]) as staging:
+    with staged_ticket(Path(target), case, result) as staging:
+        doc = ticket_document(result, report)
         (staging / JSON_FILE).write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
         (staging / MARKDOWN_FILE).write_text(render_markdown(doc), encoding="utf-8")
     return Path(target)
 
 
 @contextlib.contextmanager
-def staged_ticket(target: Path, case: Any, name: str, switches: dict) -> Iterator[Path]:
-    """A ticket directory written whole or not at all: ``inputs.h5`` (the case, what it runs and
-    the switches) and ``repro.py`` staged; the caller adds its documents; then it replaces the
-    ticket already at ``target`` (never another directory)."""
+def staged_ticket(target: Path, case: Any, result: dict) -> Iterator[Path]:
+    """A ticket directory written whole or not at all: ``inputs.h5`` (the case, the call it runs
+    and ``result``'s switches) and ``repro.py`` staged; the caller adds its documents; then it
+    replaces the ticket already at ``target`` (never another directory)."""
     if target.exists() and not (target / JSON_FILE).is_file():
         raise SdcReplayError(
             f"{target} exists and is not a ticket directory",
@@ -397,8 +397,8 @@ def staged_ticket(target: Path, case: Any, name: str, switches: dict) -> Iterato
     staging.mkdir(parents=True)
     case.write(staging / INPUTS_FILE)
     with h5py.File(staging / INPUTS_FILE, "a") as handle:
-        handle.attrs["op"] = name
-        handle.attrs["switches"] = json.dumps(switches)
+        handle.attrs["op"] = case.op
+        handle.attrs["switches"] = json.dumps(result["switches"])
     (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
     yield staging
     shutil.rmtree(target, ignore_errors=True)
