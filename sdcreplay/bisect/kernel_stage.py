@@ -21,18 +21,10 @@ from pathlib import Path
 import h5py
 import torch
 
-from ..capture.compiled_kernels import (
-    Kernel,
-    KernelCall,
-    KernelLog,
-    KernelSite,
-    placed,
-    records_from_json,
-    records_to_json,
-    written_tensors,
-)
+from ..capture.compiled_kernels import Kernel, KernelCall, KernelSite, written_tensors
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
+from ..capture.kernel_log import KernelLog, placed, records_from_json, records_to_json
 from ..devices import torch_device
 from ..errors import ReportError, SdcReplayError
 from ..replay.worker import device_task

@@ -21,10 +21,10 @@ import torch
 from ..bundle.manifest import StepRecord
 from ..bundle.reader import Bundle
 from ..capture import determinism
-from ..capture.compiled_kernels import KernelCount
 from ..capture.determinism import restore_operator_rng
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
+from ..capture.kernel_log import KernelCount
 from ..capture.operators import (
     CallSite,
     InputOrigin,

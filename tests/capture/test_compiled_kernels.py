@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdcreplay.capture.compiled_kernels import (
-    KernelLog,
-    fused_operators,
-    observing_kernels,
-)
+from sdcreplay.capture.compiled_kernels import fused_operators, observing_kernels
 from sdcreplay.capture.faults import FaultSpec, Injector
+from sdcreplay.capture.kernel_log import KernelLog
 from sdcreplay.errors import FaultSpecError
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="CPU Inductor needs g++")
