@@ -104,6 +104,24 @@ def upstream(case: OperatorCase, origins: list[dict], state_differs: list[str]) 
     }
 
 
+ELEMENT_KEYS = (
+    "count", "total", "indices", "positions", "xor", "expected", "actual", "max_abs_diff",
+    "max_rel_diff", "dtype", "shape", "view",
+)  # fmt: skip
+"""What a report's ``elements`` holds of an output's forensics."""
+
+
+def output_findings(forensics: dict) -> dict:
+    """The report's keys for the first differing output's forensics: elements, bits, pattern,
+    fault model (an operator's and a compiled kernel's alike)."""
+    return {
+        "elements": {key: forensics.get(key) for key in ELEMENT_KEYS},
+        "bits": forensics.get("bits"),
+        "pattern": forensics.get("pattern"),
+        "fault_model": forensics.get("fault_model"),
+    }
+
+
 def first_differing_output(case: OperatorCase) -> tuple[int, dict]:
     expected = [v for v in case.expected if isinstance(v, torch.Tensor)]
     actual = [v for v in case.actual if isinstance(v, torch.Tensor)]

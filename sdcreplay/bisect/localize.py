@@ -40,7 +40,14 @@ from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
 from .alone import check_bisect_alone, first_divergent_alone_step, run_alone
 from .divergent_step import first_divergent_job_step, first_divergent_step
-from .evidence import first_differing_output, state_forensics, trees_equal, upstream
+from .evidence import (
+    first_differing_output,
+    output_findings,
+    state_forensics,
+    trees_equal,
+    upstream,
+)
+from .kernel_stage import bisect_kernels
 from .operator_case import OPERATOR_FILE, OperatorCase
 from .rank import job_to_bisect, run_in_job
 from .report import (
@@ -238,6 +245,18 @@ def _localize(
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
     ref_log = run("oplog", run_oplog_task, reference, {**common, "save_entry": entry_state})
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
+    if job is None and ref_log.get("kernel_calls") and suspect is not None:
+        in_kernels = bisect_kernels(
+            single, common, reference, suspect, repeats, isolation_runs or max(repeats, 3),
+            written.staging, on_event,
+        )  # fmt: skip
+        if in_kernels is not None:
+            kernel_steps = in_kernels.pop("steps_run")
+            steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0)}
+            steps |= {"oplog_reference": ref_log["steps_run"], **kernel_steps}
+            result = {**base, "verdict": "divergence", "step": step, **replayed, **in_kernels}
+            result |= {"repeats_run": kernel_steps["kernels_suspect"], "steps_run": total(steps)}
+            return finish(result, on_event)
     on_event(
         "oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)"
     )
@@ -357,26 +376,7 @@ def _localize(
             "first_failure": isolated["first_failure"],
         },
         inputs_match_reference=inputs_equal,
-        elements={
-            k: forensics.get(k)
-            for k in (
-                "count",
-                "total",
-                "indices",
-                "positions",
-                "xor",
-                "expected",
-                "actual",
-                "max_abs_diff",
-                "max_rel_diff",
-                "dtype",
-                "shape",
-                "view",
-            )
-        },
-        bits=forensics.get("bits"),
-        pattern=forensics.get("pattern"),
-        fault_model=forensics.get("fault_model"),
+        **output_findings(forensics),
         site=asdict(site),
         prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},

@@ -24,6 +24,7 @@ from ..capture import determinism
 from ..capture.determinism import restore_operator_rng
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
+from ..capture.kernel_log import KernelCount
 from ..capture.memory import storage_address
 from ..capture.operators import (
     CallSite,
@@ -158,12 +159,13 @@ def run_oplog_task(
             expected=reference,
             state_memory={address: name for address, name in addresses.items() if address},
         )
+        kernels = KernelCount()
         try:
             differing = [
                 n for n, d in digests.items() if expected and expected["state"].get(n) != d
             ]
             _save_state(work / f"state-{device.replace(':', '-')}.h5", state, differing)
-            entries = session.run_step(target, observers=[oplog])
+            entries = session.run_step(target, observers=[oplog], kernel_observers=[kernels])
         finally:
             session.close()
         if entry.continuation is not None and entries != entry.continuation:
@@ -179,6 +181,7 @@ def run_oplog_task(
                 "operators": len(oplog.records),
                 "environment": environment,
                 "steps_run": steps_run,
+                "kernel_calls": kernels.calls,  # compiled code ran: the kernel stage's cue
             }
         structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
         if structure_error:

@@ -1,7 +1,8 @@
 """The fault spec: its grammar, parsed and checked without torch.
 
 ``kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=5,bit=22,
-device=cpu:1`` names a corruption and where it fires (docs/fault-injection.md). Parsing
+device=cpu:1`` names a corruption and where it fires (docs/fault-injection.md); in a compiled
+step ``kernel=cpp_fused_add_mul_3,output=1`` names an Inductor kernel's output instead. Parsing
 imports nothing heavy, so every command checks its ``--inject`` specs (and
 ``SDCREPLAY_INJECT``) before it imports torch or starts a device process; `faults.py`
 injects what they describe.
@@ -27,6 +28,8 @@ ENV_VAR = "SDCREPLAY_INJECT"
 class FaultSpec:
     kind: FaultKind
     op: str | None = None
+    kernel: str | None = None  # an Inductor kernel's generated name (capture/compiled_kernels)
+    output: int = 0  # which tensor the kernel writes (0-based, in its signature's order)
     param: str | None = None
     module: str | None = None
     phase: str | None = None
@@ -77,8 +80,19 @@ class FaultSpec:
             problem = f"kind {self.kind!r} is not one of {', '.join(KINDS)}"
         elif self.kind == "memflip" and (self.param is None or self.step is None):
             problem = "memflip needs param= (a parameter or buffer name) and step="
-        elif self.kind != "memflip" and self.op is None:
-            problem = f"{self.kind} needs op= (e.g. aten.mm or aten.mm.default)"
+        elif self.kind != "memflip" and (self.op is None) == (self.kernel is None):
+            problem = (
+                f"{self.kind} needs op= (e.g. aten.mm or aten.mm.default) or kernel= (a compiled "
+                "step's Inductor kernel, e.g. cpp_fused_add_mul_3)"
+                if self.op is None
+                else "give op= (an ATen operator) or kernel= (an Inductor kernel), not both"
+            )
+        elif self.kind == "memflip" and self.kernel is not None:
+            problem = "memflip corrupts a parameter's memory (param=), not a kernel's output"
+        elif self.output != 0 and self.kernel is None:
+            problem = "output= picks one of the tensors a kernel= writes; an op= corrupts its first"
+        elif self.output < 0:
+            problem = f"output={self.output} is not a position (0, 1, ...)"
         elif self.phase is not None and self.phase not in PHASES:
             problem = f"phase {self.phase!r} is not one of {', '.join(PHASES)}"
         elif not 0.0 <= self.p <= 1.0:
@@ -145,9 +159,18 @@ class FaultSpec:
 
     def matches_key(self, op: str, module: str, phase: str) -> bool:
         """Does a call of ``op`` under ``module`` in ``phase`` match (step and nth aside)?"""
-        if self.kind == "memflip":
+        if self.kind == "memflip" or self.kernel is not None:
             return False
         if op != self.op and op.rsplit(".", 1)[0] != self.op:
+            return False
+        if self.module is not None and not _under(module, self.module):
+            return False
+        return self.phase is None or phase == self.phase
+
+    def matches_kernel(self, kernel: str, module: str, phase: str) -> bool:
+        """Does a call of the Inductor kernel ``kernel`` (its generated name) under the compiled
+        module ``module`` in ``phase`` match (step and nth aside)?"""
+        if self.kernel is None or kernel != self.kernel:
             return False
         if self.module is not None and not _under(module, self.module):
             return False

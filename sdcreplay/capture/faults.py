@@ -17,8 +17,8 @@ import math
 import os
 import random
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FaultSpecError
 from ..storage.tensorio import raw_bits
+from .compiled_kernels import KernelCall, KernelObserver, KernelSite, observing_kernels
 from .fault_spec import ENV_VAR as ENV_VAR  # the grammar lives there, torch-free; the names
 from .fault_spec import FaultSpec  # are kept here for everyone who imports them from faults
 from .fault_spec import parse_specs as parse_specs
@@ -80,7 +81,7 @@ class Injector:
         self._memory_flipped: set[int] = set()
         self._calls: Counter[tuple[int, str, str, str]] = (
             Counter()
-        )  # (step, op, module, phase) seen
+        )  # (step, op, module, phase) seen; a kernel call's op is its kernel's name
 
     def unmatched(self) -> list[dict]:
         """Operator specs that selected no call of the steps run, each with the closest calls
@@ -93,7 +94,55 @@ class Injector:
 
     @property
     def has_operator_faults(self) -> bool:
-        return any(spec.kind != "memflip" for spec in self.specs)
+        return any(spec.kind != "memflip" and spec.kernel is None for spec in self.specs)
+
+    @property
+    def has_kernel_faults(self) -> bool:
+        return any(spec.kernel is not None for spec in self.specs)
+
+    def kernel_faults(
+        self, step: int, model: torch.nn.Module, observers: Sequence[KernelObserver] = ()
+    ) -> AbstractContextManager[None]:
+        """While open, this injector's ``kernel=`` faults fire in the compiled kernels of
+        ``step`` (then ``observers`` see each call); a no-op without either."""
+        chain = ([self] if self.has_kernel_faults else []) + list(observers)
+        return observing_kernels(chain, step, model) if chain else nullcontext()
+
+    def on_kernel(self, call: KernelCall) -> None:
+        """A compiled kernel call (a `compiled_kernels` observer): corrupt what it wrote."""
+        site = call.site
+        self._calls[(site.step, site.kernel, site.module, site.phase)] += 1
+        for position, spec in enumerate(self.specs):
+            if self._selects_kernel(spec, site):
+                ordinal = self._seen[(position, site.step)]
+                self._seen[(position, site.step)] += 1
+                self._fire_in_kernel(position, spec, site, ordinal, call.outputs)
+
+    def on_isolated_kernel(self, site: KernelSite, prior: Counter, outputs: list) -> None:
+        """Fire as in the full step, for a kernel call re-run alone; ``prior`` counts the
+        step's kernel calls before it by ``(kernel, module, phase)``."""
+        for position, spec in enumerate(self.specs):
+            if self._selects_kernel(spec, site):
+                ordinal = sum(n for key, n in prior.items() if spec.matches_kernel(*key))
+                self._fire_in_kernel(position, spec, site, ordinal, outputs)
+
+    def _selects_kernel(self, spec: FaultSpec, site: KernelSite) -> bool:
+        return spec.step in (None, site.step) and spec.matches_kernel(
+            site.kernel, site.module, site.phase
+        )
+
+    def _fire_in_kernel(
+        self, position: int, spec: FaultSpec, site: KernelSite, ordinal: int, outputs: list
+    ) -> None:
+        if spec.output >= len(outputs):
+            raise FaultSpecError(
+                f"fault spec {str(spec)!r}: {site.kernel} writes {len(outputs)} tensor(s), "
+                f"no output {spec.output}",
+                "`sdcreplay ops BUNDLE --step N` lists each kernel's outputs; give output= one "
+                "of their positions.",
+            )
+        call_site = CallSite(site.step, site.phase, site.module, site.kernel, site.index)  # type: ignore[arg-type]
+        self._maybe_fire(position, spec, call_site, ordinal, outputs[spec.output])
 
     def on_call(self, site: CallSite, func, args, kwargs, out):
         call = (site.step, *site.key)  # named first: mypy misreads a starred subscript on 3.10
@@ -117,7 +166,7 @@ class Injector:
                 ordinal = sum(n for key, n in prior.items() if spec.matches_key(*key))
                 self._maybe_fire(position, spec, site, ordinal, out)
 
-    def _selects(self, spec: FaultSpec, site: CallSite) -> bool:
+    def _selects(self, spec: FaultSpec, site: CallSite) -> bool:  # an operator call
         return (spec.step is None or spec.step == site.step) and spec.matches_key(*site.key)
 
     def _maybe_fire(
@@ -193,7 +242,9 @@ def closest_calls(
 
     def likeness(call: tuple[int, str, str, str]) -> float:
         step, op, module, phase = call
-        same_op = op == spec.op or op.rsplit(".", 1)[0] == spec.op
+        same_op: float = op == spec.op or op.rsplit(".", 1)[0] == spec.op
+        if spec.kernel is not None:  # a kernel's name: how alike, as a typo is
+            same_op = difflib.SequenceMatcher(None, op, spec.kernel).ratio()
         near = difflib.SequenceMatcher(None, module, spec.module or module).ratio()
         return 4 * same_op + 2 * near + (spec.phase in (None, phase)) + (spec.step in (None, step))
 

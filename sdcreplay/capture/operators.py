@@ -51,6 +51,43 @@ def _own_work() -> Iterator[None]:
         _capture_work.depth = depth
 
 
+def compiled_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules of ``model`` that run compiled (``torch.compile(m)`` or ``m.compile()``),
+    by path, outermost only (what they contain runs inside their compiled code)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found: dict[str, torch.nn.Module] = {}
+    for path, module in model.named_modules():
+        inside = any(path.startswith(f"{outer}.") for outer in found if outer != ROOT)
+        if ROOT in found or inside:
+            continue
+        if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None):
+            found[path or ROOT] = module
+    return found
+
+
+def eager_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules whose hooks run outside compiled code: every module not inside a compiled
+    one, and an ``OptimizedModule`` itself (its hooks run before its compiled code). A kernel
+    call is attributed to the innermost of them running (a compiled function to its caller)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiled = compiled_modules(model)
+    return {
+        path or ROOT: module
+        for path, module in model.named_modules()
+        if not any(
+            outer == ROOT or path.startswith(f"{outer}.") or path == outer for outer in compiled
+        )
+        or (path or ROOT) in compiled
+        and isinstance(module, OptimizedModule)
+    }
+
+
+def _capture_depth() -> int:
+    return getattr(_capture_work, "depth", 0)
+
+
 @dataclass(frozen=True)
 class CallSite:
     """Which operator call this is; the same call on another device has the same site."""
@@ -117,9 +154,15 @@ class OperatorMode(TorchDispatchMode):
         }
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code stays compiled under the mode (Dynamo would run it eager otherwise,
+        which is other code with other bits): the mode is off while Dynamo compiles and sees
+        the ATen calls the compiled code makes (its fused kernels are `compiled_kernels`')."""
+        return True
+
     def __enter__(self):
-        for path, module in self._model.named_modules():
-            name = path or ROOT
+        for name, module in eager_modules(self._model).items():  # never hooks compiled code
             self._handles.append(module.register_forward_pre_hook(partial(self._push, name)))
             self._handles.append(
                 module.register_forward_hook(partial(self._pop, name), always_call=True)
@@ -192,7 +235,7 @@ class OperatorMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_capture_work, "depth", 0) or func.namespace in COLLECTIVE_NAMESPACES:
+        if _capture_depth() or func.namespace in COLLECTIVE_NAMESPACES:
             # collectives are messages (collectives.py), not operators to digest or corrupt: a
             # functional one's output is not even written until wait_tensor waits for it
             return func(*args, **kwargs)

@@ -4,7 +4,7 @@ the first corrupted call with its wrong bits, and how often it fails alone on wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .output import Output, say_moved_aside, styled
 
@@ -12,14 +12,29 @@ if TYPE_CHECKING:
     from ..bisect.ops import OpsListing
     from ..bisect.report import BisectResult
     from ..minimize.driver import MinimizeResult
+    from ..minimize.kernel_case import KernelMinimizeResult
 
 
 def _call_rows(report: dict) -> list[list[str]]:
     """The rows naming the corrupted call: operator, kernels, isolation, elements and bits."""
     isolation = report["isolation"]
-    rows = [
-        ["operator", f"{report['op']} (call {report['op_index']} of the step)"],
-        ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
+    kernel = report.get("kernel")
+    rows = (
+        [
+            [
+                "kernel",
+                f"{kernel['name']} (kernel call {kernel['index']} of the step, {kernel['graph']})",
+            ],
+            ["fused", ", ".join(kernel["fused"]) or "-"],
+            ["output", f"{report['output_index']} of {len(kernel['outputs'])} it writes"],
+        ]
+        if kernel
+        else [
+            ["operator", f"{report['op']} (call {report['op_index']} of the step)"],
+            ["kernels", ", ".join(report.get("kernels") or []) or "- (CPU: no kernel names)"],
+        ]
+    )
+    rows += [
         [
             "isolated",
             f"{styled(report['isolated'])} ({isolation['failures']} of "
@@ -83,7 +98,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         ],
         ["module", str(report.get("module"))],
     ]
-    if report.get("op"):
+    if report.get("op") or report.get("kernel"):
         rows += _call_rows(report)
     elif report.get("entry"):
         rows.append(["first divergent entry", report["entry"]])
@@ -137,7 +152,38 @@ def _minimize_verdict(result: MinimizeResult) -> str:
     )
 
 
-def render_minimize(output: Output, result: MinimizeResult) -> None:
+def render_kernel_minimize(output: Output, result) -> None:
+    """A compiled kernel's measurement (``minimize.kernel_case.KernelMinimizeResult``)."""
+    kernel = result.kernel
+    low, high = result.ci95
+    output.table(
+        "Minimize (compiled kernel)",
+        ["", ""],
+        [
+            ["kernel", f"{kernel['name']} ({kernel['kind']}, {kernel['graph']})"],
+            ["fused", ", ".join(kernel["fused"]) or "-"],
+            [
+                "suspect",
+                f"{result.device}: failed {result.failures} of {result.trials} "
+                f"({result.rate:.2%}, 95% {low:.2%}-{high:.2%})",
+            ],
+            [
+                "reference",
+                f"{result.reference}: failed {result.reference_failures} of "
+                f"{result.reference_trials}",
+            ],
+            ["ticket", result.ticket],
+        ],
+    )
+    for warning in result.warnings:
+        output.warn(warning)
+
+
+def render_minimize(output: Output, result: MinimizeResult | KernelMinimizeResult) -> None:
+    if getattr(result, "level", None) == "kernel":
+        render_kernel_minimize(output, result)
+        return
+    result = cast("MinimizeResult", result)  # not a kernel's: an operator's measurement
     shrink, acceptance = result.shrink, result.acceptance
     how = (
         f": {shrink['reason']}"
@@ -220,3 +266,21 @@ def render_ops(output: Output, listing: OpsListing) -> None:
         ],
         fold=[5],  # the outputs' shapes fold; an operator or module name is printed whole
     )
+    if listing.kernels:
+        output.table(
+            f"Step {listing.step}: {len(listing.kernels)} Inductor kernel calls (kernel=NAME)",
+            ["call", "phase", "module", "kernel", "nth", "fused", "outputs"],
+            [
+                [
+                    str(k.index),
+                    k.phase,
+                    k.module,
+                    k.kernel,
+                    str(k.nth),
+                    ", ".join(k.fused),
+                    _outputs_text(k.outputs),
+                ]
+                for k in listing.kernels
+            ],
+            fold=[5, 6],
+        )

@@ -40,7 +40,8 @@ from ..replay.replicas import probe_differences
 from ..storage.tensorio import dtype_name, map_tensors
 from . import ticket
 from .data_dependence import depends_on_data, failing_element_coordinates
-from .report import deterministic_switches, load_report
+from .kernel_case import KernelMinimizeResult, is_kernel_report, minimize_kernel
+from .report import deterministic_switches, load_report, read_report
 from .shrink import shrink_inputs
 from .statistics import default_bad_trials
 from .trials import Acceptance, Measurement, TrialRunner
@@ -126,22 +127,20 @@ def minimize(
     on_progress: Progress | None = None,
     ledger: bool = True,
     overwrite: bool = False,
-) -> MinimizeResult:
+) -> MinimizeResult | KernelMinimizeResult:
     """Measure, shrink and write the ticket (see the module docstring); the ticket path is in the
     result. ``ledger``: append the measurement to the device ledger (docs/fleet.md);
-    ``overwrite``: replace a ticket already at ``out``, moving it aside."""
+    ``overwrite``: replace a ticket already at ``out``, moving it aside. A report that names a
+    compiled kernel is measured by `kernel_case.minimize_kernel`."""
     report_dir = Path(report_dir)
+    if is_kernel_report(read_report(report_dir)):
+        return _minimize_kernel(
+            report_dir, device, reference, trials, inject, out, ledger, overwrite
+        )
     report, case = load_report(report_dir)
     target = Path(out) if out else report_dir / "ticket"
     ticket.claim_ticket(target, overwrite)
-    suspect_label = require_available(device or report["suspect"])
-    reference_label = require_available(reference or report["reference"])
-    if suspect_label == reference_label:
-        raise SdcReplayError(
-            f"--device and --reference are both {suspect_label}",
-            "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
-            python_hint="Compare the suspect with a device you trust, e.g. reference='cpu:0'.",
-        )
+    suspect_label, reference_label = _labels(report, device, reference)
     if min(trials, good_trials, bad_trials or 1) < 1:
         raise SdcReplayError("--trials, --good-trials and --bad-trials must be at least 1")
     progress = on_progress or (lambda stage, done, total, failures: None)
@@ -262,6 +261,32 @@ def minimize(
     }
     moved = ticket.write_ticket(target, result.to_json(), report, ticket_case, overwrite)
     result.moved_aside = None if moved is None else str(moved)
+    if ledger:
+        note_result(result.to_json())
+    return result
+
+
+def _labels(report: dict, device: str | None, reference: str | None) -> tuple[str, str]:
+    """The suspect and the reference (the report's unless given), two devices here."""
+    suspect_label = require_available(device or report["suspect"])
+    reference_label = require_available(reference or report["reference"])
+    if suspect_label == reference_label:
+        raise SdcReplayError(
+            f"--device and --reference are both {suspect_label}",
+            "Compare the suspect with a device you trust, e.g. --reference cpu:0.",
+            python_hint="Compare the suspect with a device you trust, e.g. reference='cpu:0'.",
+        )
+    return suspect_label, reference_label
+
+
+def _minimize_kernel(report_dir, device, reference, trials, inject, out, ledger, overwrite):
+    report = read_report(report_dir)
+    ticket.claim_ticket(Path(out) if out else report_dir / "ticket", overwrite)
+    suspect_label, reference_label = _labels(report, device, reference)
+    result = minimize_kernel(
+        report_dir, report, device=suspect_label, reference=reference_label, trials=trials,
+        inject=inject, out=out, overwrite=overwrite,
+    )  # fmt: skip
     if ledger:
         note_result(result.to_json())
     return result

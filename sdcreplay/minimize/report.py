@@ -14,8 +14,8 @@ from ..capture import determinism
 from ..errors import BundleError, ReportError
 
 
-def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
-    """``report.json`` and ``operator.h5`` of a bisect report that names an operator call."""
+def read_report(report_dir: str | Path) -> dict:
+    """``report.json`` of a bisect report directory, checked to be one."""
     path = Path(report_dir)
     if not path.is_dir():
         raise ReportError(f"{path} is not a bisect report directory")
@@ -27,6 +27,13 @@ def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
         raise ReportError(f"{path / REPORT_FILE} is not readable JSON: {exc}") from exc
     if not isinstance(report, dict) or report.get("schema") != BISECT_SCHEMA:
         raise ReportError(f"{path / REPORT_FILE} is not a bisect report (schema {BISECT_SCHEMA})")
+    return report
+
+
+def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
+    """``report.json`` and ``operator.h5`` of a bisect report that names an operator call."""
+    path = Path(report_dir)
+    report = read_report(path)
     if report.get("verdict") != "divergence" or not report.get("op"):
         raise ReportError(
             f"the report in {path} names no operator call (verdict {report.get('verdict')}, "

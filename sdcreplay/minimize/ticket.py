@@ -15,11 +15,14 @@ is either complete or absent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import h5py
 
@@ -393,7 +396,21 @@ def write_ticket(
 ) -> Path | None:
     """Write the ticket directory for ``result``; a ticket already there (``overwrite``) is
     moved aside, and where it went is returned."""
-    target = Path(target)
+    with staged_ticket(Path(target), case, result, overwrite) as (staging, moved):
+        doc = ticket_document(result, report)
+        (staging / JSON_FILE).write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
+        (staging / MARKDOWN_FILE).write_text(render_markdown(doc), encoding="utf-8")
+    return moved[0] if moved else None
+
+
+@contextlib.contextmanager
+def staged_ticket(
+    target: Path, case: Any, result: dict, overwrite: bool = False
+) -> Iterator[tuple[Path, list[Path]]]:
+    """A ticket directory written whole or not at all: ``inputs.h5`` (the case, the call it runs
+    and ``result``'s switches) and ``repro.py`` staged in a run directory of its own; the caller
+    adds its documents; then it takes ``target``'s place, a ticket there (``overwrite``) moved
+    aside (where to: the list yielded, filled once the block ends)."""
     claim_ticket(target, overwrite)
     staging = make_run_dir(target.parent, target.name + ".", ".partial")
     case.write(staging / INPUTS_FILE)
@@ -401,15 +418,13 @@ def write_ticket(
         handle.attrs["op"] = case.op
         handle.attrs["switches"] = json.dumps(result["switches"])
     (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
-    doc = ticket_document(result, report)
-    (staging / JSON_FILE).write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
-    (staging / MARKDOWN_FILE).write_text(render_markdown(doc), encoding="utf-8")
+    moved: list[Path] = []
+    yield staging, moved
     claim_ticket(target, overwrite)  # another run may have written one meanwhile
-    moved = None
     if target.is_dir() and not any(target.iterdir()):
         target.rmdir()
     elif target.exists():
-        moved = set_aside(target)
+        moved.append(set_aside(target))
     try:
         staging.rename(target)
     except OSError as exc:
@@ -419,4 +434,3 @@ def write_ticket(
             "Give each minimize its own --out.",
             python_hint="Give each minimize its own out=.",
         ) from exc
-    return moved

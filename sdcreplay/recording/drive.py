@@ -145,7 +145,7 @@ def record(
             )
             if detector is not None:  # it opens the recorder's step itself
                 try:
-                    with mode:
+                    with mode, injector.kernel_faults(index, built.model):
                         loss = detector.run_step(batch)
                 except TrainingStopped as alarm:
                     stopped = f"step {index}: {alarm.message}"
@@ -153,7 +153,7 @@ def record(
             else:
                 with recorder.step(batch):  # its checks run before the step, outside the mode
                     injector.before_step(index, built.model)
-                    with mode:
+                    with mode, injector.kernel_faults(index, built.model):
                         loss = built.run_step(batch)
             peak_nbytes = max(peak_nbytes, recorder.ring_nbytes)
             loss_value = None if loss is None else float(loss.detach())

@@ -23,6 +23,7 @@ from ..bundle.state import write_state
 from ..capture import determinism
 from ..capture.collectives import MessageLog
 from ..capture.compiled import CompileWatch
+from ..capture.compiled_kernels import KernelObserver
 from ..capture.digest import algorithm_for
 from ..capture.faults import Injector, other_machine_kernels, parse_specs
 from ..capture.layers import SignatureCapture
@@ -200,12 +201,16 @@ class ReplaySession:
         )
 
     def run_step(
-        self, record: StepRecord, observers: Sequence[OperatorObserver] = ()
+        self,
+        record: StepRecord,
+        observers: Sequence[OperatorObserver] = (),
+        kernel_observers: Sequence[KernelObserver] = (),
     ) -> list[tuple[str, str]]:
         """Run one recorded step from its recorded batch and RNG state; return its entries.
 
         ``observers`` see every operator call (through an OperatorMode, after
-        the fault injector), e.g. bisect's operator log.
+        the fault injector), e.g. bisect's operator log; ``kernel_observers`` every Inductor
+        kernel call of its compiled regions (after the injector's ``kernel=`` faults).
         """
         batch, rng = self.feed.load_step(record.index)
         batch = map_tensors(batch, lambda t: t.to(self.device))
@@ -219,6 +224,7 @@ class ReplaySession:
             if chain
             else contextlib.nullcontext()
         )
+        kernel_mode = self.injector.kernel_faults(record.index, self.model, kernel_observers)
         if self.workload.train_step is None:
             self._set_gradients(record.grads)
         self.capture.begin_step(determinism.capture_rng(self.device))
@@ -226,7 +232,7 @@ class ReplaySession:
         if log is not None:
             log.begin_step(record.index, self.recorded_messages.get(record.index, []))
         try:  # stopped where the recording stopped: before the mode's optimizer phase
-            with self._stopped_like(record), mode, self.capture.backward_capture():
+            with self._stopped_like(record), mode, kernel_mode, self.capture.backward_capture():
                 if self.workload.train_step is not None:
                     self.workload.train_step(batch)
                 else:

@@ -246,10 +246,10 @@ def test_workload_settings_compare_with_the_builtin_defaults_filled_in():
     ).identical  # 64 is the default
     with pytest.raises(
         StructureError,
-        match=r"workload builtin:tiny-llama with dim=64, layers=2 vs dim=96, layers=3$",
+        match=r"workload builtin:tiny-llama with dim=64, layers=2 vs dim=96, layers=3\n",
     ):
         compare_logs(default, logged("builtin:tiny-llama", seed=0, dim=96, layers=3))
-    with pytest.raises(StructureError, match=r"workload builtin:tiny-llama vs builtin:tiny-moe$"):
+    with pytest.raises(StructureError, match=r"workload builtin:tiny-llama vs builtin:tiny-moe\n"):
         compare_logs(default, logged("builtin:tiny-moe", seed=0))
     # a factory diff does not import: only the arguments both sides name are compared
     assert compare_logs(

@@ -1,5 +1,8 @@
 """Reproduce a silent data corruption: one operator, its recorded inputs, a bit-for-bit check.
 
+For a compiled kernel (inputs.h5 names one), the kernel's generated source beside this script
+is compiled with Inductor's own compiler (g++ for a C++ kernel, Triton for a GPU one) and run.
+
 Written by `sdcreplay minimize` next to inputs.h5 (the inputs, the expected
 output computed on a healthy device, and the switches that decide which
 kernel runs). Needs only torch and h5py; nothing is unpickled.
@@ -38,6 +41,7 @@ import torch
 
 INPUTS = Path(__file__).resolve().with_name("inputs.h5")
 WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SOURCES = {"cpp": "kernel.cpp", "triton": "kernel.py"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -166,11 +170,12 @@ def results(op, args: list, out) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def optional_injection(label: str, handle: h5py.File):
+def optional_injection(label: str, handle: h5py.File, kernel: dict | None):
     """sdcreplay's injector for SDCREPLAY_INJECT, or None (no sdcreplay, or nothing to inject)."""
     if not os.environ.get("SDCREPLAY_INJECT"):
         return None
     try:
+        from sdcreplay.capture.compiled_kernels import KernelSite
         from sdcreplay.capture.faults import Injector, parse_specs
         from sdcreplay.capture.operators import CallSite
     except ImportError:
@@ -179,7 +184,7 @@ def optional_injection(label: str, handle: h5py.File):
             file=sys.stderr,
         )
         return None
-    site = CallSite(**json.loads(handle.attrs["site"]))
+    where = json.loads(handle.attrs["site"])
     prior = Counter(
         {(op, module, phase): n for op, module, phase, n in json.loads(handle.attrs["prior"])}
     )
@@ -188,7 +193,37 @@ def optional_injection(label: str, handle: h5py.File):
         f"injecting {os.environ['SDCREPLAY_INJECT']!r} through sdcreplay "
         "(a drill, not a hardware fault)"
     )
-    return lambda out: injector.on_isolated_call(site, prior, out)
+    if kernel is not None:
+        return lambda written: injector.on_isolated_kernel(KernelSite(**where), prior, written)
+    return lambda out: injector.on_isolated_call(CallSite(**where), prior, out)
+
+
+def compiled_kernel(kernel: dict):
+    """The kernel from its generated source beside this script, compiled by Inductor as the
+    training process compiled it: a callable taking the recorded arguments."""
+    if kernel["kind"] == "extern":
+        from torch._inductor.select_algorithm import extern_kernels
+
+        return getattr(extern_kernels, kernel["name"].split(".", 1)[1])
+    source = Path(__file__).resolve().with_name(SOURCES[kernel["kind"]]).read_text()
+    if kernel["kind"] == "cpp":
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        return CppPythonBindingsCodeCache.load_pybinding(list(kernel["argument_types"]), source)
+    from torch._inductor.async_compile import AsyncCompile
+
+    launcher = AsyncCompile().triton(kernel["name"], source)
+    launcher = launcher.result() if hasattr(launcher, "result") else launcher
+    return lambda *args, **kwargs: launcher.run(
+        *args, **kwargs, stream=torch.cuda.current_stream().cuda_stream
+    )
+
+
+def written(kernel: dict, args: list, kwargs: dict) -> list:
+    """What a kernel call wrote: its non-const pointers, or an extern kernel's out=."""
+    if kernel["kind"] == "extern":
+        return [kwargs["out"]]
+    return [args[i] for i in kernel["written"]]
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -250,6 +285,7 @@ class Case:
     expected: list
     rng: dict | None
     inject: Callable | None
+    kernel: dict | None = None  # a compiled kernel: name, kind, argument types, written
 
 
 def read_case(options: argparse.Namespace) -> Case:
@@ -262,12 +298,14 @@ def read_case(options: argparse.Namespace) -> Case:
         ) from None
     with handle:
         apply_switches(json.loads(handle.attrs["switches"]))
+        kernel = json.loads(handle.attrs["kernel"]) if "kernel" in handle.attrs else None
         return Case(
             handle.attrs["op"],
             read_tree(handle["reference_inputs"]),
             read_tree(handle["reference_outputs"]),
             read_tree(handle["rng"]) if "rng" in handle else None,
-            optional_injection(options.device, handle),
+            optional_injection(options.device, handle, kernel),
+            kernel,
         )
 
 
@@ -289,6 +327,8 @@ def run_trials(options: argparse.Namespace, device: torch.device, case: Case) ->
     op_name, inputs, expected, rng, inject = (
         case.op_name, case.inputs, case.expected, case.rng, case.inject
     )  # fmt: skip
+    if case.kernel is not None:
+        return run_kernel_trials(options, device, case)
     op = resolve(op_name)
     args, kwargs = to_device((inputs["args"], inputs["kwargs"]), device)
     expected = to_device(expected, device)
@@ -320,10 +360,42 @@ def run_trials(options: argparse.Namespace, device: torch.device, case: Case) ->
                 index = wrong[0]
                 got = produced[index] if index < len(produced) else None
                 first = f"first failure at trial {trial}: {describe(index, got, expected[index])}"
-    print(f"failed {failures} of {options.trials}")
+    return verdict(failures, options.trials, first)
+
+
+def verdict(failures: int, trials: int, first: str | None) -> int:
+    print(f"failed {failures} of {trials}")
     if first:
         print(first)
     return 1 if failures else 0
+
+
+def run_kernel_trials(options: argparse.Namespace, device: torch.device, case: Case) -> int:
+    """Run the compiled kernel ``options.trials`` times on fresh copies of the recorded
+    arguments (laid out as recorded: the kernel indexes memory with its own strides)."""
+    assert case.kernel is not None
+    kernel = compiled_kernel(case.kernel)
+    expected = to_device(case.expected, device)
+    print(
+        f"{case.op_name} ({case.kernel['kind']} kernel, fusing "
+        f"{', '.join(case.kernel['fused'])}) on {options.device}, {options.trials} trials, "
+        f"torch {torch.__version__}"
+    )
+    failures, first = 0, None
+    for trial in range(1, options.trials + 1):
+        args, kwargs = to_device((case.inputs["args"], case.inputs["kwargs"]), device)
+        kernel(*args, **kwargs)
+        produced = written(case.kernel, args, kwargs)
+        if case.inject is not None:
+            case.inject(produced)
+        wrong = [i for i, want in enumerate(expected) if differs(produced[i], want)]
+        if wrong:
+            failures += 1
+            if first is None:
+                index = wrong[0]
+                wrong_output = describe(index, produced[index], expected[index])
+                first = f"first failure at trial {trial}: {wrong_output}"
+    return verdict(failures, options.trials, first)
 
 
 if __name__ == "__main__":
