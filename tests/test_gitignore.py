@@ -16,7 +16,7 @@ WRITTEN = [
     "traces/run.bundle.bisect.partial/work/oplog-reference.json",
     "traces/run.bundle.bisect/ticket/repro.py",
     "traces/tiny-llama.bundle/manifest.json",  # `record builtin:tiny-llama`'s default --out
-    "traces/job.bundle.logs/record-rank0.stderr.txt",
+    "traces/job.bundle.logs/20261201-120000-1234-abcdef/record-rank0.stderr.txt",
     "traces/walkthrough-ledger.sqlite",  # the walkthrough's own ledger (SDCREPLAY_LEDGER)
     "traces/walkthrough-ledger.sqlite-wal",
     "traces/corpus/corpus.json",

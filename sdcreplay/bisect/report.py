@@ -87,7 +87,16 @@ class ReportDirectory:
 
     @classmethod
     def begin(cls, out: Path, overwrite: bool = False) -> ReportDirectory:
-        refuse_replacing(out, overwrite)
+        try:
+            refuse_replacing(out, overwrite)
+        except OSError as exc:  # a name longer than 255 bytes, ...
+            raise SdcReplayError(
+                f"cannot create the report directory {str(out)[:300]}: {exc.strerror}",
+                "Give --out a directory that can be created (its parent a writable directory, "
+                "each name at most 255 bytes).",
+                python_hint="Give out= a directory that can be created (its parent a writable "
+                "directory, each name at most 255 bytes).",
+            ) from exc
         try:
             staging = make_run_dir(out.parent, out.name + ".", STAGING_SUFFIX)
             (staging / WORK_DIR).mkdir()

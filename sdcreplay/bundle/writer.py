@@ -167,20 +167,26 @@ def _prepare_directory(final: Path, partial: Path, overwrite: bool, inner: str) 
         partial.mkdir()
         (partial / inner).mkdir(parents=True)
     except FileExistsError as exc:
+        if not partial.parent.is_dir():  # its parent is a file: not a race with a recording
+            raise _uncreatable(partial, exc) from exc
         raise BundleError(
             f"{partial} is being written by another recording",
             "Give each recording its own --out.",
             python_hint="Give each recording its own out=.",
         ) from exc
     except OSError as exc:
-        raise BundleError(
-            f"cannot create the bundle directory {str(partial)[:200]}: {exc.strerror}",
-            "Choose an --out in a writable directory (not under a file or /proc, "
-            "each name at most 255 bytes).",
-            python_hint="Choose an output path in a writable directory (not under a file or "
-            "/proc, each name at most 255 bytes).",
-        ) from exc
+        raise _uncreatable(partial, exc) from exc
     return moved
+
+
+def _uncreatable(partial: Path, exc: OSError) -> BundleError:
+    return BundleError(
+        f"cannot create the bundle directory {str(partial)[:200]}: {exc.strerror}",
+        "Choose an --out in a writable directory (not under a file or /proc, "
+        "each name at most 255 bytes).",
+        python_hint="Choose an output path in a writable directory (not under a file or "
+        "/proc, each name at most 255 bytes).",
+    )
 
 
 def _save_signed(manifest: Manifest | JobManifest, directory: Path, durable: bool) -> None:

@@ -137,9 +137,9 @@ def command(
 
                 with warnings_to(output.warn):
                     result = body(output, **options)
+                if output.json_mode:  # first: a result the renderer says as an Error (an
+                    output.data(result.to_json())  # incomparable replay) keeps its own JSON
                 renderer(output, result)
-                if output.json_mode:
-                    output.data(result.to_json())
                 return result.exit_code
 
             with interrupts.handled():

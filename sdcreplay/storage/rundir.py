@@ -61,10 +61,10 @@ def claim(directory: str | Path) -> Path:
     mixing its files with these. A lock of the kernel's (``flock``): a process that dies
     releases it."""
     directory = Path(directory)
-    key = directory.resolve()
-    if key in _claimed:
-        return directory
     try:
+        key = directory.resolve()  # a name over 255 bytes fails here already
+        if key in _claimed:
+            return directory
         directory.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:

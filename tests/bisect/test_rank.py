@@ -96,7 +96,7 @@ def bisect_rank(cli, tmp_path, job: Path, rank: int, fault: str, runs: int = SHA
         result = cli(
             "bisect", job, "--trust-workload", "--rank", str(rank), "--suspect", "cpu:1",
             "--reference", "cpu:0", "--step", "1", "--inject", fault,
-            "--out", tmp_path / f"report-{len(reports)}-{run}", "--json",
+            "--out", tmp_path / f"report-{len(list(tmp_path.glob('report-*')))}", "--json",
         )  # fmt: skip
         assert result.exit_code == 1, (run, result.stderr)
         reports.append(json.loads(result.stdout))

@@ -44,7 +44,7 @@ def test_a_fault_spec_typo_is_refused_before_torch_loads(
     lines = done.stderr.strip().splitlines()
     assert lines[-1] == "no torch 3", done.stderr
     assert lines[0] == f"Error: fault spec '{TYPO}': unknown or malformed part 'phse=forward'"
-    assert lines[1].startswith("Hint: Keys: kind, op, param, module, phase, step")
+    assert lines[1].startswith("Hint: Keys: kind, op, kernel, output, param, module, phase, step")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.bundle"]  # nothing written
 
 

@@ -223,7 +223,7 @@ def test_an_interruption_with_json_is_an_error_object(inputs, tmp_path):
     """A script asking for --json reads why there is no result, and what was left."""
     ended = interrupt(
         ["replay", inputs["bundle"], "-d", "cpu:0", "--no-ledger", "--json"]
-        + ["--logs", tmp_path / "L"],
+        + ["--repeats", "500", "--logs", tmp_path / "L"],  # still running at 8 s
         8.0,
         signal.SIGTERM,
         tmp_path,

@@ -255,7 +255,7 @@ def test_workload_settings_compare_with_the_builtin_defaults_filled_in():
     assert compare_logs(
         logged("train.py:make", lr=0.1), logged("train.py:make", lr=0.1, depth=4)
     ).identical
-    with pytest.raises(StructureError, match=r"with lr=0.1 vs lr=0.2$"):
+    with pytest.raises(StructureError, match=r"with lr=0.1 vs lr=0.2\n"):
         compare_logs(logged("train.py:make", lr=0.1), logged("train.py:make", lr=0.2))
     assert compare_logs(default, _clean()).identical  # a log without workload meta
 

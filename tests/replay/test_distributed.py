@@ -77,7 +77,8 @@ def test_two_ranks_record_and_replay_bit_for_bit_messages_included(cli, tmp_path
     ), result.stderr
     assert recorded["world_size"] == 2 and recorded["kwargs"]["parallel"] == "ddp"
     assert [rank["steps"] for rank in recorded["ranks"]] == [2, 2]
-    assert (tmp_path / "job2.bundle.logs" / "record-rank1.stderr.txt").is_file()
+    (run,) = (tmp_path / "job2.bundle.logs").iterdir()  # this recording's own run directory
+    assert (run / "record-rank1.stderr.txt").is_file()
 
     info = run_json(cli, "info", bundle, code=0)
     job = JobBundle.open(bundle)
