@@ -87,28 +87,12 @@ class ReportDirectory:
 
     @classmethod
     def begin(cls, out: Path, overwrite: bool = False) -> ReportDirectory:
-        try:
-            refuse_replacing(out, overwrite)
-        except OSError as exc:  # a name longer than 255 bytes, ...
-            raise SdcReplayError(
-                f"cannot create the report directory {str(out)[:300]}: {exc.strerror}",
-                "Give --out a directory that can be created (its parent a writable directory, "
-                "each name at most 255 bytes).",
-                python_hint="Give out= a directory that can be created (its parent a writable "
-                "directory, each name at most 255 bytes).",
-            ) from exc
+        refuse_replacing_named(out, overwrite)
         try:
             staging = make_run_dir(out.parent, out.name + ".", STAGING_SUFFIX)
             (staging / WORK_DIR).mkdir()
         except (OSError, SdcReplayError) as exc:  # under a file, in /proc, a long name, ...
-            reason = exc.strerror if isinstance(exc, OSError) else exc.message
-            raise SdcReplayError(
-                f"cannot create the report directory beside {str(out)[:300]}: {reason}",
-                "Give --out a directory that can be created (its parent a writable directory, "
-                "each name at most 255 bytes).",
-                python_hint="Give out= a directory that can be created (its parent a writable "
-                "directory, each name at most 255 bytes).",
-            ) from exc
+            raise _uncreatable(out, exc) from exc
         leftovers.begin(
             staging,
             "an unfinished bisect report",
@@ -205,3 +189,23 @@ def command_line() -> str:
     if argv and argv[0].endswith("sdcreplay"):
         argv[0] = "sdcreplay"
     return " ".join(shlex.quote(a) for a in argv)
+
+
+def refuse_replacing_named(out: Path, overwrite: bool) -> None:
+    """`refuse_replacing`, a name the system cannot even look up (over 255 bytes) refused by
+    name."""
+    try:
+        refuse_replacing(out, overwrite)
+    except OSError as exc:
+        raise _uncreatable(out, exc) from exc
+
+
+def _uncreatable(out: Path, exc: OSError | SdcReplayError) -> SdcReplayError:
+    reason = exc.strerror if isinstance(exc, OSError) else exc.message
+    return SdcReplayError(
+        f"cannot create the report directory beside {str(out)[:300]}: {reason}",
+        "Give --out a directory that can be created (its parent a writable directory, "
+        "each name at most 255 bytes).",
+        python_hint="Give out= a directory that can be created (its parent a writable "
+        "directory, each name at most 255 bytes).",
+    )
