@@ -53,6 +53,14 @@ def writing(path: str | Path, what: str, advice: str) -> Iterator[None]:
     end(path)
 
 
+def leave(path: str | Path, what: str, advice: str, interruption: KeyboardInterrupt) -> None:
+    """``path`` is what a command keeps on purpose as ``interruption`` ends it (a partial
+    result, nothing measured lost): named as every leftover is, and in its notes."""
+    begin(path, what, advice)
+    if sys.version_info >= (3, 11):
+        interruption.add_note(f"Left behind: {_being_written[Path(path)]}")
+
+
 def take() -> list[Leftover]:
     """What is being written and exists, a path inside another one said through that one;
     forgotten once taken."""

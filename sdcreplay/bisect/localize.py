@@ -151,6 +151,7 @@ def _localize(
         "suspect": suspect or RECORD,
         "reference": reference,
         "inject": list(inject),
+        "recorded_faults": (job or opened).injected_faults,  # a drill bundle's (its manifest)
         "workload": opened.manifest.workload.to_json(),
         "report": str(written.final),
         "determinism": opened.manifest.determinism.to_json(),

@@ -5,7 +5,7 @@ Like the reader, it imports no torch: reading a bundle's facts stays fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class BundleInfo:
     trigger: dict | None = None
     probe: dict | None = None  # the kernel probe: calls, skipped (None: the bundle has none)
     compiled: list[dict] | None = None  # the compiled regions and their code digests
+    injected_faults: list[str] = field(default_factory=list)  # recorded with them: a drill
     ranks: int | None = None  # a job bundle: its world size
     messages: int | None = None  # a job bundle: messages logged by all its ranks
     parts: list[dict] | None = None  # a job bundle: per rank its device, steps and messages
@@ -92,6 +93,7 @@ def _describe_job(job: JobBundle) -> BundleInfo:
     info.ranks, info.messages, info.parts = job.world_size, messages, parts
     info.trusted = job.trusted
     info.layout = None if job.layout is None else job.layout.to_json()
+    info.injected_faults = job.injected_faults
     return info
 
 
@@ -132,6 +134,7 @@ def _describe_bundle(bundle: Bundle) -> BundleInfo:
         trigger=None if manifest.trigger is None else manifest.trigger.to_json(),
         probe=_probe_summary(bundle.probe()),
         compiled=manifest.compiled,
+        injected_faults=bundle.injected_faults,
     )
 
 

@@ -112,6 +112,12 @@ class JobBundle:
         return part
 
     @property
+    def injected_faults(self) -> list[str]:
+        """The faults any rank's recording device had injected: a drill job (empty: none)."""
+        specs = [spec for part in self.parts.values() for spec in part.injected_faults]
+        return list(dict.fromkeys(specs))
+
+    @property
     def trusted(self) -> bool:
         return trust.is_trusted(self.manifest.workload.ref, self.manifest.to_json())
 

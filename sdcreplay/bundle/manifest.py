@@ -355,6 +355,9 @@ class Manifest(Record):
         )
     )
     trigger: Trigger | None = None  # a ring buffer's dump: why it was written
+    # The fault specs injected into the recording device (a drill: every verdict made from the
+    # bundle is one, never evidence); absent: none (and in a bundle older than the field).
+    injected_faults: list[str] | None = None
     manifest_sha256: str | None = None  # manifest_digest of the rest
 
     @classmethod
@@ -466,6 +469,16 @@ MANIFEST_FIELDS: dict[str, Check] = {
         )
     ),
     "signature": optional(text(64, "[0-9a-f]{64}")),
+    "injected_faults": optional(
+        Check(
+            lambda v: (
+                isinstance(v, list)
+                and 0 < len(v) <= 256
+                and all(isinstance(s, str) and 0 < len(s) <= 4096 for s in v)
+            ),
+            "a list of fault specs",
+        )
+    ),
     "trigger": OPTIONAL_OBJECT,
     "distributed": OPTIONAL_OBJECT,
     "state": OBJECT,

@@ -401,6 +401,11 @@ class Bundle:
         return self.manifest.verification
 
     @property
+    def injected_faults(self) -> list[str]:
+        """The faults injected into the recording device: a drill bundle (empty: none)."""
+        return list(self.manifest.injected_faults or [])
+
+    @property
     def verified(self) -> bool:
         return self.manifest.verification.passed
 

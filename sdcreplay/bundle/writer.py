@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -244,6 +245,7 @@ class BundleWriter:
         capture: CaptureSettings | None = None,
         overwrite: bool = False,
         distributed: DistributedInfo | None = None,
+        injected_faults: Sequence[str] = (),
     ):
         self.final_path = Path(path)
         self.path = self.final_path.with_name(self.final_path.name + PARTIAL_SUFFIX)
@@ -258,6 +260,7 @@ class BundleWriter:
                 ("fingerprint", fingerprint),
                 ("capture", capture),
                 ("distributed", distributed),
+                ("injected_faults", injected_faults or None),
             )
             if value is None
         }
@@ -272,6 +275,7 @@ class BundleWriter:
             fingerprint=fingerprint,
             capture=capture or CaptureSettings(),
             distributed=distributed,
+            injected_faults=list(injected_faults) or None,
             state=EmbeddedState(),
             absent=frozenset(unset),
         )

@@ -510,6 +510,8 @@ def minimize(
 
     --reference defaults to the report's; the ticket is written to --out (default:
     REPORT/ticket); a ticket already there is replaced only with --overwrite, and moved aside.
+    ^C or SIGTERM during the shrink writes the ticket of the smallest inputs so far, marked
+    partial, and exits 130 / 143 naming it.
     """
     preflight(inject, [device, reference], {"report": [report]})
     from ..minimize.driver import minimize as run_minimize

@@ -82,7 +82,7 @@ def render_corpus(output: Output, addition: CorpusAddition) -> None:
             f"bits {ticket.bits or '-'} (from {escape(ticket.source)})"
             + (
                 escape(
-                    f" [drill: {'; '.join(ticket.injected_faults) or 'injected faults'}: it "
+                    f" [drill: {'; '.join(ticket.drill_faults) or 'injected faults'}: it "
                     "tests the tooling, not a device]"
                 )
                 if ticket.drill

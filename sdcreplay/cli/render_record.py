@@ -135,6 +135,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
                 f"Python {env['python']}",
             ],
             *_job_rows(about),
+            *_drill_rows(about.injected_faults),
             ["steps", f"{len(about.steps)} ({steps}){incomplete}"],
             *_trigger_rows(about.trigger),
             ["signature entries", f"{about.entries} ({_level_text(about.signature_level)})"],
@@ -166,6 +167,20 @@ def render_info(output: Output, about: BundleInfo) -> None:
         rows or [["-", "not recorded (older bundle)", "-"]],
         fold=[1],
     )
+
+
+def _drill_rows(injected_faults: list[str]) -> list[list[str]]:
+    """A drill bundle's row: what its recording device had injected."""
+    if not injected_faults:
+        return []
+    return [
+        [
+            "drill",
+            "[cyan]recorded with injected faults[/] "
+            + escape("; ".join(injected_faults))
+            + ": every verdict made from it is a drill, never evidence",
+        ]
+    ]
 
 
 def _checkpoint_kind(state: dict) -> str:

@@ -57,14 +57,25 @@ class CorpusTicket:
     directory: str  # relative to the corpus
     incident: str | None = None  # the bundle the ticket was minimized from (its identity)
     injected_faults: tuple[str, ...] = ()  # a drill's faults
+    recorded_faults: tuple[str, ...] = ()  # a drill's: its bundle was recorded with them
+
+    @property
+    def drill_faults(self) -> list[str]:
+        """What makes it a drill, in words: the faults injected, and those recorded with."""
+        return [*self.injected_faults, *(f"recorded with {s}" for s in self.recorded_faults)]
 
     def to_json(self) -> dict:
-        return {**vars(self), "injected_faults": list(self.injected_faults)}
+        return {
+            **vars(self),
+            "injected_faults": list(self.injected_faults),
+            "recorded_faults": list(self.recorded_faults),
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> CorpusTicket:  # an entry of an older corpus lacks some
         known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
-        known["injected_faults"] = tuple(known.get("injected_faults") or ())
+        for name in ("injected_faults", "recorded_faults"):
+            known[name] = tuple(known.get(name) or ())
         return cls(**known)
 
 
@@ -119,6 +130,7 @@ def read_ticket(path: Path) -> CorpusTicket:
         directory="",
         incident=doc.get("incident"),
         injected_faults=tuple(doc.get("injected_faults") or ()),
+        recorded_faults=tuple(doc.get("recorded_faults") or ()),
     )
 
 

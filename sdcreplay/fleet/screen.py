@@ -124,6 +124,7 @@ class ScreenReport:
     logs_elsewhere: str | None = None  # why the logs are not under the corpus
     corpus_tickets: int = 0
     drill_tickets: int = 0  # tickets made with injected faults: all of them, it tests nothing
+    drills: dict[str, list[str]] = field(default_factory=dict)  # drill ticket key -> its faults
 
     @property
     def exit_code(self) -> int:
@@ -146,6 +147,7 @@ class ScreenReport:
             "inject": self.inject,
             "drill": bool(self.inject),
             "drill_tickets": self.drill_tickets,
+            "drills": self.drills,
             "log_dir": self.log_dir,
             "logs_elsewhere": self.logs_elsewhere,
         }
@@ -271,6 +273,7 @@ def screen(
         logs_elsewhere=elsewhere,
         corpus_tickets=len(entries),
         drill_tickets=sum(entry.drill for entry in entries),
+        drills={entry.key: entry.drill_faults for entry in entries if entry.drill},
         launched=launched,
     )
     report.ended = time.time()

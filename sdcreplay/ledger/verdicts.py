@@ -10,7 +10,8 @@ A device whose process died, that was incomparable with the record, or undecided
 was not judged and gets no record. Every record carries the incident its evidence comes
 from (``incident``: the bundle's identity, so the replay, bisect and minimize of one bundle
 count once) and, when faults were injected (``--inject``, ``inject=`` or
-``SDCREPLAY_INJECT``), the drill mark: ``drill`` and ``[drill: SPEC]`` in its evidence.
+``SDCREPLAY_INJECT``, or into the recording device of the bundle it judged: the JSON's
+``recorded_faults``), the drill mark: ``drill`` and ``[drill: SPEC]`` in its evidence.
 """
 
 from __future__ import annotations
@@ -39,21 +40,25 @@ def incident_of(manifest_digest: str | None) -> str | None:
     return f"bundle:{manifest_digest}" if manifest_digest else None
 
 
-def drill_of(specs: Sequence[str] = ()) -> str | None:
-    """The injected faults (``specs`` and ``SDCREPLAY_INJECT``'s), or None: not a drill."""
+def drill_of(specs: Sequence[str] = (), recorded: Sequence[str] = ()) -> str | None:
+    """The injected faults (``specs`` and ``SDCREPLAY_INJECT``'s, then ``recorded``: those of
+    the judged bundle's recording device, ``recorded with SPEC``), or None: not a drill."""
     from_env = [s.strip() for s in os.environ.get(INJECT_ENV, "").split(";") if s.strip()]
     chosen = list(dict.fromkeys([*specs, *from_env]))
+    chosen += [f"recorded with {spec}" for spec in dict.fromkeys(recorded)]
     return "; ".join(chosen) or None
 
 
 def marked(records: list[Record], drill: str | None, incident: str | None) -> list[Record]:
-    """The records, each naming its incident and, for a drill, marked as one."""
+    """The records, each naming its incident and, for a drill, marked as one (a record its
+    converter already marked, a screen's pass of drill tickets only, keeps its mark)."""
     for record in records:
         record.incident = record.incident or incident
-        if drill:
-            record.drill = drill
-            if f"[drill: {drill}]" not in record.evidence:
-                record.evidence += f" [drill: {drill}]"
+        mark = drill or record.drill
+        if mark:
+            record.drill = mark
+            if f"[drill: {mark}]" not in record.evidence:
+                record.evidence += f" [drill: {mark}]"
     return records
 
 
@@ -95,7 +100,10 @@ def records_for(result: dict) -> list[Record]:
     convert = _CONVERTERS.get(schema or "")
     if not convert:
         return []
-    drill = drill_of(result.get("injected_faults") or result.get("inject") or [])
+    drill = drill_of(
+        result.get("injected_faults") or result.get("inject") or [],
+        result.get("recorded_faults") or [],
+    )
     return marked(convert(result), drill, result.get("incident"))
 
 
@@ -251,9 +259,19 @@ def _screen(result: dict) -> list[Record]:
                 operator=ticket.get("op"),
                 element=None if failure.get("element") is None else str(failure["element"]),
                 bits=failure.get("bits"),
+                drill=_passed_drills_only(row, result.get("drills") or {}),
             )
         )
     return records
+
+
+def _passed_drills_only(row: dict, drills: dict[str, list[str]]) -> str | None:
+    """A pass of drill tickets only tests the tooling: a drill (their faults). A failure is
+    evidence even on a drill ticket: no fault was injected into this device's trials."""
+    passed = [t["key"] for t in row.get("tickets", []) if t.get("status") == "passed"]
+    if row.get("status") != "passed" or not passed or any(key not in drills for key in passed):
+        return None
+    return "; ".join(dict.fromkeys(f for key in passed for f in drills[key])) or "drill tickets"
 
 
 _CONVERTERS = {
@@ -285,8 +303,11 @@ def alarm_record(
     return marked([record], drill_of(), None)[0]
 
 
-def dump_record(label: str, reason: str, bundle: str, first_step: int | None) -> Record:
-    """A ring buffer's dump: where the evidence of an alarm now lies (history, not a finding)."""
+def dump_record(
+    label: str, reason: str, bundle: str, first_step: int | None, recorded: Sequence[str] = ()
+) -> Record:
+    """A ring buffer's dump: where the evidence of an alarm now lies (history, not a finding);
+    ``recorded``: the faults the recording device had injected (a drill's)."""
     record = make_record(
         identify(label),
         "dump",
@@ -296,4 +317,4 @@ def dump_record(label: str, reason: str, bundle: str, first_step: int | None) ->
         report=_absolute(bundle),
         iteration=first_step,
     )
-    return marked([record], drill_of(), None)[0]
+    return marked([record], drill_of(recorded=recorded), None)[0]

@@ -7,7 +7,9 @@ and the expected output are sound. Then its inputs are shrunk by delta
 debugging while the failure persists, under SiliFuzz's acceptance rule (the
 reference passes all ``good_trials`` runs, the suspect fails within
 ``bad_trials``), the smallest shape is tried with random data (does the
-failure depend on the values?), and a ticket directory is written (ticket.py).
+failure depend on the values?), and a ticket directory is written (ticket.py). An
+interruption (^C, SIGTERM) during the shrink writes the ticket of the smallest inputs
+accepted so far, marked partial, and then ends the call: nothing measured is lost.
 
 Both devices run in this process, one after the other. A virtual replica
 ``cpu:1`` is the same CPU as ``cpu:0``: only a fault spec naming it (``--inject``
@@ -26,13 +28,14 @@ from typing import Any
 
 import torch
 
+from .. import leftovers
 from ..bisect.kernels import kernel_names
 from ..bisect.operator_case import OperatorCase, resolve_op
 from ..bundle.reader import Bundle
 from ..capture.faults import FaultSpec, check_bits_fit, other_machine_kernels, parse_specs
 from ..capture.probe import Probe, run_probe
 from ..devices import require_available, torch_device
-from ..errors import DeterminismError, SdcReplayError
+from ..errors import DeterminismError, SdcReplayError, interrupt_signal
 from ..ledger.identity import identify
 from ..ledger.notes import note_result
 from ..replay.comparability import refuse_unlike_reference
@@ -104,6 +107,8 @@ class MinimizeResult:
     identities: dict | None = None  # device, reference: ledger.identity's DeviceIdentity
     incident: str | None = None  # the bundle's identity, from the bisect report
     injected_faults: list[str] | None = None  # injected here or when bisect found the call
+    recorded_faults: list[str] | None = None  # the bundle's recording device's (a drill)
+    interrupted: str | None = None  # the signal that ended the shrink: a partial ticket
 
     @property
     def exit_code(self) -> int:
@@ -177,7 +182,7 @@ def minimize(
     reproduced = measured.failures > 0
     bad_trials = bad_trials or default_bad_trials(measured.rate, trials)
     acceptance = Acceptance(suspect, checker, good_trials, bad_trials)
-    args, kwargs, shrink, cut = shrink_inputs(
+    args, kwargs, shrink, cut, interruption = shrink_inputs(
         case,
         op,
         acceptance if reproduced else None,
@@ -185,7 +190,7 @@ def minimize(
     )
     expected = checker.outputs(args, kwargs)
     minimal, data_dependent = None, None
-    if reproduced:
+    if reproduced and interruption is None:  # interrupted: keep what was measured, and stop
         data_dependent = depends_on_data(
             args, kwargs, acceptance, seed, on_draw=partial(progress, "random data")
         )
@@ -255,14 +260,27 @@ def minimize(
     result.reference_ci95 = list(checked.ci95)
     result.incident = report.get("incident")
     result.injected_faults = result.inject or report.get("inject") or []
+    result.recorded_faults = report.get("recorded_faults") or []
     result.identities = {
         "device": identify(suspect_label).to_json(),
         "reference": identify(reference_label).to_json(),
     }
+    result.interrupted = None if interruption is None else interrupt_signal(interruption).name
     moved = ticket.write_ticket(target, result.to_json(), report, ticket_case, overwrite)
     result.moved_aside = None if moved is None else str(moved)
     if ledger:
         note_result(result.to_json())
+    if interruption is not None:
+        leftovers.leave(
+            target,
+            f"a partial ticket (its shrink was interrupted by {result.interrupted} after "
+            f"{shrink['tests']} tests: the smallest inputs accepted so far, measured on the "
+            "original inputs only)",
+            "it reproduces as it is; minimize again with --overwrite (overwrite=True) to finish "
+            "the shrink",
+            interruption,
+        )
+        raise interruption
     return result
 
 

@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from ..bisect.operator_case import OperatorCase
-from ..errors import SdcReplayError, Terminated
+from ..errors import SdcReplayError
 from ..kinds import ShrinkStatus
 from .ddmin import ddmin
 from .trials import Acceptance
@@ -227,11 +227,14 @@ Cut = list[tuple[Axis, tuple]]
 
 def shrink_inputs(
     case: OperatorCase, op, acceptance: Acceptance | None, on_test: Callable[[int, int], None]
-) -> tuple[list, dict, dict, Cut]:
-    """The smallest inputs that still meet the acceptance rule, how the shrink went, the cut.
+) -> tuple[list, dict, dict, Cut, KeyboardInterrupt | None]:
+    """The smallest inputs that still meet the acceptance rule, how the shrink went, the cut,
+    and the interruption (^C, SIGTERM) that ended the shrink early, or None.
 
     Without an acceptance rule (nothing reproduced) the inputs stay whole. The
-    inputs are always fresh copies in the originals' layout: what repro.py rebuilds.
+    inputs are always fresh copies in the originals' layout: what repro.py rebuilds. An
+    interrupted shrink returns the smallest candidate accepted so far (status
+    ``interrupted``); the caller keeps what it measured, then lets the interruption end it.
     """
     axes, reason = shrink_axes(case.op, op, case.args, case.expected)
     shrinker = Shrinker(
@@ -240,13 +243,12 @@ def shrink_inputs(
     status: ShrinkStatus = (
         "not reproduced" if acceptance is None else ("not applicable" if not axes else "shrunk")
     )
+    interruption: KeyboardInterrupt | None = None
     if status == "shrunk":
         try:
             shrinker.run()
-        except KeyboardInterrupt as exc:  # ^C: keep the smallest so far; a SIGTERM stops all
-            if isinstance(exc, Terminated):
-                raise
-            status = "interrupted"
+        except KeyboardInterrupt as exc:  # ^C or SIGTERM: the smallest so far is the result
+            status, interruption = "interrupted", exc
         if status == "shrunk" and shrinker.kept == 0:
             status = "already minimal"
     args, kwargs = shrinker.inputs(shrinker.best)
@@ -262,4 +264,5 @@ def shrink_inputs(
             "kept": {axis.name: list(kept) for axis, kept in cut if len(kept) < axis.size},
         },
         cut,
+        interruption,
     )

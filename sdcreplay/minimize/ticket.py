@@ -65,6 +65,7 @@ def ticket_document(result: dict, report: dict) -> dict:
     environment = determinism.environment(torch_device(result["device"]))
     reproduced = result["reproduced"]
     injected = result["inject"] or report.get("inject") or []  # here, or when bisect found the call
+    recorded = report.get("recorded_faults") or []  # the bundle was recorded with them
     measured = {
         key: result[key]
         for key in ("trials", "failures", "rate", "ci95", "trials_to_first_failure")
@@ -73,8 +74,11 @@ def ticket_document(result: dict, report: dict) -> dict:
         "schema": SCHEMA,
         "status": "reproduced" if reproduced else "not reproduced",
         "title": _title(result),
-        "drill": bool(injected),
+        "partial": bool(result.get("interrupted")),
+        "interrupted": result.get("interrupted"),  # the signal that ended the shrink early
+        "drill": bool(injected or recorded),
         "injected_faults": injected,
+        "recorded_faults": recorded,
         "incident": result.get("incident"),
         "device": device_identity(result["device"]),
         "reference": device_identity(result["reference"]),
@@ -160,10 +164,22 @@ def render_markdown(doc: dict) -> str:
     device, operator, shapes = doc["device"], doc["operator"], doc["shapes"]
     nvml = device.get("nvml") or {}
     lines = [f"# {doc['title']}", ""]
+    if doc.get("partial"):
+        shrink = doc["shapes"]["shrink"]
+        lines += [
+            f"> **Partial:** the shrink was interrupted ({doc['interrupted']}) after "
+            f"{shrink['tests']} tests: the inputs are the smallest accepted so far, not "
+            "1-minimal, and the rate was measured on the original inputs only. It reproduces "
+            "as it is; `sdcreplay minimize` again with `--overwrite` finishes the shrink.",
+            "",
+        ]
     if doc["drill"]:
+        faults = list(doc["injected_faults"]) + [
+            f"recorded with {spec}" for spec in doc.get("recorded_faults") or []
+        ]
         lines += [
             "> **Drill:** the corruption was injected by sdcreplay ("
-            + "; ".join(doc["injected_faults"])
+            + "; ".join(faults)
             + "). This ticket tests the tooling; it says nothing about the hardware.",
             "",
         ]
@@ -276,7 +292,7 @@ def render_markdown(doc: dict) -> str:
 
 
 def _drill_lines(doc: dict) -> list[str]:
-    if not doc["drill"]:
+    if not doc["injected_faults"]:
         return []
     return [
         "A drill: the command sets `SDCREPLAY_INJECT` to the injected faults, which "

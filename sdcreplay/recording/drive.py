@@ -91,8 +91,9 @@ def record(
 ) -> RecordSummary:
     """Drive a workload for ``steps`` steps under a Recorder (what `sdcreplay record` does).
 
-    ``inject`` corrupts the recording device as a defective GPU would; the
-    bundle does not say so, exactly like one recorded on a defective GPU.
+    ``inject`` corrupts the recording device as a defective GPU would; the bundle's
+    values are exactly those of one recorded on a defective GPU, and its manifest says it
+    is a drill (``injected_faults``), so no verdict made from it is evidence.
     ``ring``: keep only the last ``ring`` steps in memory and write a bundle when
     ``dump_on`` asks (DUMP_ON): ``update`` / ``replay``, an ``UpdateDetector`` /
     ``ReplayCheck`` (every step) drives each step and dumps on an alarm (a mismatch, a

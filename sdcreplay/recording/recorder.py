@@ -48,6 +48,7 @@ from ..capture import determinism
 from ..capture.collectives import MessageLog
 from ..capture.compiled import CompileWatch
 from ..capture.digest import algorithm_for
+from ..capture.fault_spec import parse_specs
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
 from ..kinds import SIGNATURE_LEVELS, SignatureLevel
@@ -72,12 +73,14 @@ class Recorder(RingMode):
     under the names the workload gives them. ``verify`` (True, ``"warn"`` or
     False) checks that the workload's step reproduces the loop's (module
     docstring); ``inject`` is the recording device's faults (`sdcreplay record
-    --inject`), which the check re-executes under too. ``ring=K`` writes nothing while
-    recording: the last K steps stay in memory (ring.py) until ``dump(reason)`` writes them
-    as a bundle at ``path`` (docs/recording.md, "Ring buffer"; under torch.distributed the
-    ranks' dumps at the same step write one job bundle); after ``checkpoint_saved(path)`` the
-    window starts at the loop's checkpoint and holds every step since, at most ``max_window``
-    (then the ring copies the state every K steps again until the next checkpoint).
+    --inject`), which the check re-executes under too, and which the manifest names
+    (``injected_faults``, with ``SDCREPLAY_INJECT``'s: a drill bundle). ``ring=K`` writes
+    nothing while recording: the last K steps stay in memory (ring.py) until
+    ``dump(reason)`` writes them as a bundle at ``path`` (docs/recording.md, "Ring buffer";
+    under torch.distributed the ranks' dumps at the same step write one job bundle); after
+    ``checkpoint_saved(path)`` the window starts at the loop's checkpoint and holds every step
+    since, at most ``max_window`` (then the ring copies the state every K steps again until
+    the next checkpoint).
     ``data_parallel``: the DistributedDataParallel the step runs ``model`` through, when
     ``model`` is the plain module (a DDP given as ``model`` is found by itself): a replay's
     fresh DDP then runs the iterations it had run before the first step (its bucket rebuild).
@@ -150,6 +153,8 @@ class Recorder(RingMode):
             inject=inject,
             distributed=distributed,
         )
+        # A drill: the faults this recording device has, SDCREPLAY_INJECT's included.
+        self.injected_faults = [str(spec) for spec in parse_specs(inject)]
         bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
             workload=workload_ref,
             device=self.label,
@@ -165,6 +170,7 @@ class Recorder(RingMode):
                 absent=frozenset() if signature != "layer" else frozenset({"level"}),
             ),
             distributed=self._job.distributed if self._job else None,
+            injected_faults=self.injected_faults,
         )
         # The code Inductor generates for the model's compiled regions, digested as it is
         # generated (a compile before this point is not seen: capture/compiled.py).

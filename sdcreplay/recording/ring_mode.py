@@ -52,6 +52,7 @@ class RingMode:
     _earlier_end_digests: dict[str, str] | None
     _ledger: bool
     label: str
+    injected_faults: list[str]
     _copy_in_flight: TrainingSnapshot | None = None  # a window's copy the update must await
 
     def _finish_pending(self, at_optimizer_step: bool = False) -> None:
@@ -198,5 +199,5 @@ class RingMode:
         )
         self.dumps.append(path)
         if self._ledger:
-            note([dump_record(self.label, reason, str(path), held[0].index)])
+            note([dump_record(self.label, reason, str(path), held[0].index, self.injected_faults)])
         return path

@@ -118,6 +118,7 @@ class JobReplayReport:
     caveat: str | None = None
     injected_specs: list[str] = field(default_factory=list)
     incident: str | None = None  # the job bundle's identity (ledger.verdicts.incident_of)
+    recorded_faults: list[str] = field(default_factory=list)  # a drill job's (its ranks')
 
     @property
     def verdict(self) -> str:
@@ -179,6 +180,7 @@ class JobReplayReport:
             "bundle": self.bundle,
             "incident": self.incident,
             "inject": self.injected_specs,
+            "recorded_faults": self.recorded_faults,
             "job": True,
             "world_size": self.world_size,
             "repeats": self.repeats,
@@ -263,6 +265,7 @@ def _report(
         caveat_for(job.rank(0)),
         list(inject),
         incident_of(job.manifest.manifest_sha256),
+        job.injected_faults,
     )
 
 

@@ -195,6 +195,7 @@ class ReplayReport:
     injected_specs: list[str] = field(default_factory=list)  # the --inject specs asked for
     record_identity: dict | None = None  # the recording device's (ledger.identity)
     incident: str | None = None  # the bundle's identity (ledger.verdicts.incident_of)
+    recorded_faults: list[str] = field(default_factory=list)  # a drill bundle's (its manifest)
 
     @property
     def injection_missed(self) -> bool:
@@ -250,6 +251,7 @@ class ReplayReport:
             "bundle": self.bundle,
             "incident": self.incident,
             "inject": self.injected_specs,
+            "recorded_faults": self.recorded_faults,
             "repeats": self.repeats,
             "log_dir": self.log_dir,
             "record": {"verdict": self.record_verdict, "identity": self.record_identity},
@@ -410,6 +412,7 @@ def replay_devices(
             opened.manifest.environment.device,
         ).to_json(),
         incident=incident_of(opened.manifest.manifest_sha256),
+        recorded_faults=opened.injected_faults,
     )
     if ledger:
         note_result(report.to_json())

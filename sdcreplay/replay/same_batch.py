@@ -24,6 +24,7 @@ from ..compare.messages import Messages
 from ..compare.peers import MAJORITY_PEERS, OddEntry, PeerVote, peer_vote, record_prefix_divergence
 from ..errors import DeviceError, SdcReplayError, StructureError
 from ..ledger.notes import note_result
+from ..ledger.verdicts import incident_of
 from .job import (
     _check_job,
     _rank_run,
@@ -57,6 +58,8 @@ class SameBatchReport:
     missing: str | None = None  # why the peers could not vote (fewer than 3)
     caveat: str | None = None
     injected_specs: list[str] = field(default_factory=list)
+    incident: str | None = None  # the job bundle's identity (ledger.verdicts.incident_of)
+    recorded_faults: list[str] = field(default_factory=list)  # a drill job's (its ranks')
 
     @property
     def verdict(self) -> str:
@@ -125,6 +128,7 @@ class SameBatchReport:
         return {
             "schema": "sdcreplay.replay/1",
             "bundle": self.bundle,
+            "incident": self.incident,
             "job": True,
             "mode": "same_batch",
             "world_size": self.layout.world_size,
@@ -147,6 +151,7 @@ class SameBatchReport:
             "verified": self.caveat is None,
             "caveat": self.caveat,
             "inject": self.injected_specs,
+            "recorded_faults": self.recorded_faults,
             "failed": [
                 {"rank": rank, "device": run.device} for rank, run in self.runs.items() if run.error
             ],
@@ -254,6 +259,7 @@ def replay_same_batch(
     report = SameBatchReport(
         str(job.path), layout, source, str(directory), runs, None,
         caveat=caveat_for(first), injected_specs=list(inject),
+        incident=incident_of(job.manifest.manifest_sha256), recorded_faults=job.injected_faults,
     )  # fmt: skip
     failure = ranks_failure("the same-batch replay", results)
     if failure is not None:

@@ -7,7 +7,9 @@ gets SIGINT (to its process group, as a terminal's ^C) or SIGTERM (to its pid, a
 scheduler's); then it must exit 130 / 143 without a traceback, no process carrying the
 marker may be alive 5 s later, and every ``.partial`` it left must be named on stderr.
 
-A moment counts from when the process first catches SIGTERM (`handling`).
+A moment counts from when the process first catches SIGTERM (`handling`), or, for a phase of
+a command (`PHASES`: minimize's shrink), from when the line that closes the phase before it
+reaches stderr; an interrupted shrink must leave its partial ticket, marked and named.
 ``SDCREPLAY_SIGNAL_MOMENTS`` moments per command (default 1; the issue's full run is 20),
 drawn from ``SDCREPLAY_SIGNAL_SEED`` (default 29).
 """
@@ -19,6 +21,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -74,9 +77,21 @@ COMMANDS = {
         lambda i: ["screen", i["corpus"], "-d", "cpu:0", "-d", "cpu:1", "--budget", "30"],
         15,
     ),
+    # 40000 reference runs per candidate: a shrink of ~50 candidates lasts 20 s or more, so
+    # every moment (PHASES: from the shrink's start) lands in it.
+    "minimize's shrink": (
+        lambda i: (
+            ["minimize", i["report"], "--trials", "50", "--good-trials", "40000"]
+            + ["--inject", FAULT]
+        ),
+        3,
+    ),
     "doctor": (lambda i: ["doctor", "--device", "cpu"], 12),
     "demo": (lambda i: ["demo", "--out", "demo-out"], 25),
 }
+
+# command -> the start of the stderr line that ends the phase before the one it interrupts
+PHASES = {"minimize's shrink": "reference: "}
 
 
 def marked_processes(marker: str) -> list[int]:
@@ -144,8 +159,11 @@ def handling(pid: int) -> None:
         time.sleep(0.01)
 
 
-def interrupt(args: list[str], at: float, signum: signal.Signals, cwd: Path) -> dict:
-    """Run the command, send ``signum`` ``at`` seconds after its start, and judge its end."""
+def interrupt(
+    args: list[str], at: float, signum: signal.Signals, cwd: Path, after: str | None = None
+) -> dict:
+    """Run the command, send ``signum`` ``at`` seconds after its start (or after a stderr line
+    that starts with ``after``: the phase it ends), and judge its end."""
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER: marker, "SDCREPLAY_LEDGER": "off"}
     env.pop("SDCREPLAY_DEBUG", None)
@@ -158,7 +176,22 @@ def interrupt(args: list[str], at: float, signum: signal.Signals, cwd: Path) -> 
         text=True,
         start_new_session=True,
     )
+    lines: list[str] = []
+    begun = threading.Event()
+
+    def read_stderr() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if after is not None and line.startswith(after):
+                begun.set()
+        begun.set()  # it ended: nothing more to wait for
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     handling(process.pid)
+    if after is not None:
+        begun.wait(timeout=120)
     time.sleep(at)
     sent = process.poll() is None
     if sent:
@@ -166,7 +199,11 @@ def interrupt(args: list[str], at: float, signum: signal.Signals, cwd: Path) -> 
             os.killpg(process.pid, signum)  # a terminal's ^C reaches the whole group
         else:
             os.kill(process.pid, signum)  # a scheduler's SIGTERM, to the command
-    stdout, stderr = process.communicate(timeout=120)
+    assert process.stdout is not None
+    stdout = process.stdout.read()
+    process.wait(timeout=120)
+    reader.join(timeout=10)
+    stderr = "".join(lines)
     ended = time.monotonic()
     alive = marked_processes(marker)
     while alive and time.monotonic() - ended < GONE_WITHIN:
@@ -204,7 +241,7 @@ def test_a_signal_at_any_moment_ends_the_command_cleanly(command, inputs, tmp_pa
             args += ["--no-ledger"]
         if command.startswith(("replay", "screen")):
             args += ["--logs", cwd / "logs"]
-        ended = interrupt(args, at, signum, cwd)
+        ended = interrupt(args, at, signum, cwd, PHASES.get(command))
         said = f"{command} at {at:.2f} s ({signum.name}): {ended['code']}\n"
         said += ended["stderr"][-3000:]
         assert "Traceback" not in ended["stderr"], said
@@ -217,6 +254,18 @@ def test_a_signal_at_any_moment_ends_the_command_cleanly(command, inputs, tmp_pa
         assert all(path.exists() for path in named), said
         for path in partial:
             assert any(path == left or left in path.parents for left in named), (path, said)
+        if command in PHASES:
+            assert ended["sent"] and "random data: " not in ended["stderr"], said  # in the shrink
+            assert named == [cwd / "out"], said
+            ticket = json.loads((cwd / "out" / "ticket.json").read_text())
+            assert (ticket["partial"], ticket["interrupted"]) == (True, signum.name), said
+            assert ticket["status"] == "reproduced" and ticket["shapes"]["shrink"]["status"] == (
+                "interrupted"
+            )
+            assert (
+                "> **Partial:** the shrink was interrupted"
+                in (cwd / "out" / "ticket.md").read_text()
+            )
 
 
 def test_an_interruption_with_json_is_an_error_object(inputs, tmp_path):

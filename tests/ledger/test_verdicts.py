@@ -257,3 +257,174 @@ def test_one_planted_fault_is_one_incident_marked_as_a_drill_in_every_record(
     as_if_real = judge([dataclasses.replace(r, drill=None) for r in device.records[:2]])
     assert as_if_real.state == "suspect", as_if_real.reason
     assert as_if_real.reason.startswith(f"2 findings from one incident ({incident}): bisect")
+
+
+@pytest.fixture(scope="module")
+def drill_bundle(tmp_path_factory) -> Path:
+    """Recorded once through the Python API (`record(..., inject=...)`) with the fault in the
+    recording device: a drill bundle, whose record is the odd one out."""
+    from conftest import preserved_global_state
+
+    from sdcreplay import record
+
+    out = tmp_path_factory.mktemp("drill") / "drill.bundle"
+    with preserved_global_state():
+        record("builtin:tiny-llama", out, steps=2, seed=0, kwargs=dict(SMALL), inject=[DRILL])
+    return out
+
+
+def test_a_recorder_marks_its_faults_and_sdcreplay_inject_in_the_manifest(tmp_path, monkeypatch):
+    """`Recorder(inject=...)` and SDCREPLAY_INJECT in force while recording mark the bundle a
+    drill; a bundle recorded without them has no such field (old bundles load the same)."""
+    import json
+
+    from sdcreplay.bundle.reader import Bundle
+
+    later = "kind=nan,op=aten.mm,phase=forward,step=5"
+    monkeypatch.setenv("SDCREPLAY_INJECT", later)
+    workload, recorder = tiny_llama_recorder(tmp_path / "drill.bundle", inject=[DRILL])
+    batch = workload.get_batch(0)
+    with recorder.step(batch):
+        workload.run_step(batch)
+    path = recorder.close()
+    assert Bundle.open(path).injected_faults == [DRILL, later]
+    monkeypatch.delenv("SDCREPLAY_INJECT")
+    workload, recorder = tiny_llama_recorder(tmp_path / "clean.bundle")
+    with recorder.step(batch):
+        workload.run_step(batch)
+    clean = recorder.close()
+    assert "injected_faults" not in json.loads((clean / "manifest.json").read_text())
+    assert Bundle.open(clean).injected_faults == []
+
+
+def test_every_record_of_a_bundle_recorded_with_faults_is_a_drill(
+    drill_bundle, tmp_path, cli, monkeypatch
+):
+    """A bundle recorded with a fault (`record(..., inject=...)`): `info` says so; its replay
+    (Python and command line), a bisect, the minimize of that report, the ticket, its corpus
+    entry and a screen of it are drills in the ledger, each naming the recorded fault; the
+    recording device is in the `drill` state, which no export drains."""
+    import json
+
+    from sdcreplay import replay_devices
+    from sdcreplay.fleet.states import judge
+
+    ledger = str(tmp_path / "ledger.sqlite")
+    env = {"SDCREPLAY_LEDGER": ledger}
+    recorded = f"recorded with {DRILL}"
+    shown = cli("info", drill_bundle)
+    assert shown.exit_code == 0, shown.stderr
+    assert "drill" in shown.stderr and "recorded with injected faults" in shown.stderr
+    assert json.loads(cli("info", drill_bundle, "--json").stdout)["injected_faults"] == [DRILL]
+
+    monkeypatch.setenv("SDCREPLAY_LEDGER", ledger)
+    monkeypatch.setenv("SLURM_JOB_ID", "3001")
+    report = replay_devices(drill_bundle, ["cpu:0", "cpu:1"], log_dir=tmp_path / "logs")
+    assert report.consensus is not None and report.consensus.verdict == "recording_suspect"
+    assert report.to_json()["recorded_faults"] == [DRILL]
+    monkeypatch.delenv("SLURM_JOB_ID")
+    replayed = cli(
+        "replay",
+        drill_bundle,
+        "-d",
+        "cpu:0",
+        "-d",
+        "cpu:2",
+        "--json",
+        env={**env, "SLURM_JOB_ID": "3002"},
+    )
+    assert replayed.exit_code == 1, replayed.stderr
+    spec = f"{DRILL},device=cpu:1"
+    found = cli(
+        "bisect", drill_bundle, "--suspect", "cpu:1", "--step", "1", "--inject", spec,
+        "--out", tmp_path / "run.bisect", "--json", env={**env, "SLURM_JOB_ID": "3003"},
+    )  # fmt: skip
+    assert found.exit_code == 1, found.stderr
+    assert json.loads(found.stdout)["recorded_faults"] == [DRILL]
+    made = cli(
+        "minimize", tmp_path / "run.bisect", "--trials", "20", "--good-trials", "2",
+        "--inject", spec, "--out", tmp_path / "ticket", env={**env, "SLURM_JOB_ID": "3004"},
+    )  # fmt: skip
+    assert made.exit_code == 1, made.stderr
+    ticket = json.loads((tmp_path / "ticket" / "ticket.json").read_text())
+    assert (ticket["drill"], ticket["injected_faults"], ticket["recorded_faults"]) == (
+        True,
+        [spec],
+        [DRILL],
+    )
+    assert f"({spec}; {recorded})" in (tmp_path / "ticket" / "ticket.md").read_text()
+    added = cli("corpus", "add", tmp_path / "corpus", tmp_path / "ticket")
+    assert added.exit_code == 0, added.stderr
+    assert f"[drill: {spec}; {recorded}: it tests the tooling, not a device]" in " ".join(
+        added.stderr.split()
+    )
+    screened = cli(
+        "screen", tmp_path / "corpus", "-d", "cpu:0", "--budget", "60",
+        env={**env, "SLURM_JOB_ID": "3005"},
+    )  # fmt: skip
+    assert screened.exit_code == 0, screened.stderr
+
+    with Ledger.open(ledger) as opened:
+        records = opened.records()
+    assert [(r.command, r.label, r.verdict, r.job, r.drill) for r in records] == [
+        ("replay", "cpu:0", "match", "3001", recorded),
+        ("replay", "cpu:1", "match", "3001", recorded),
+        ("replay", "cpu", "recording_suspect", "3001", recorded),
+        ("replay", "cpu:0", "match", "3002", recorded),
+        ("replay", "cpu:2", "match", "3002", recorded),
+        ("replay", "cpu", "recording_suspect", "3002", recorded),
+        ("bisect", "cpu:1", "divergence", "3003", f"{spec}; {recorded}"),
+        ("minimize", "cpu:1", "reproduced", "3004", f"{spec}; {recorded}"),
+        ("screen", "cpu:0", "passed", "3005", f"{spec}; {recorded}"),
+    ]
+    for record in records:
+        assert record.evidence.endswith(f" [drill: {record.drill}]"), record
+    recorder = judge([r for r in records if r.label == "cpu"])
+    assert recorder.state == "drill" and recorder.findings == []
+
+
+def test_record_inject_and_record_nproc_mark_the_bundle_and_its_job_replay_is_a_drill(
+    tmp_path, cli
+):
+    """`record --inject` (with SDCREPLAY_INJECT in force too) marks the bundle, `info` shows it;
+    a job `record --nproc 2` with a fault in rank 1's recording marks the job, and every record
+    of its replay is a drill."""
+    import json
+
+    from conftest import SMALL_ARGS
+
+    ledger = str(tmp_path / "ledger.sqlite")
+    first, second = (
+        DRILL.replace("step=1", "step=0").replace("index=5", f"index={i}") for i in (5, 6)
+    )
+    done = cli(
+        "record", "builtin:tiny-llama", "--steps", "1", *SMALL_ARGS, "--inject", first,
+        "--out", tmp_path / "one.bundle", env={"SDCREPLAY_INJECT": second},
+    )  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    shown = cli("info", tmp_path / "one.bundle")
+    assert "│ drill" in shown.stderr and "recorded with injected" in shown.stderr, shown.stderr
+    described = json.loads(cli("info", tmp_path / "one.bundle", "--json").stdout)
+    assert described["injected_faults"] == [first, second]
+    job = tmp_path / "job.bundle"
+    fault = "kind=bitflip,op=aten.mm,phase=backward,step=1,nth=0,index=3,bit=22,rank=1"
+    done = cli(
+        "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "2", *SMALL_ARGS,
+        "--inject", fault, "--out", job,
+    )  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    assert json.loads(cli("info", job, "--json").stdout)["injected_faults"] == [fault]
+    devices = [arg for n in range(4) for arg in ("-d", f"cpu:{n}")]
+    replayed = cli(
+        "replay", job, *devices, "--timeout", "60", "--json",
+        env={"SDCREPLAY_LEDGER": ledger, "SLURM_JOB_ID": "4001"},
+    )  # fmt: skip
+    assert replayed.exit_code == 1, replayed.stderr
+    assert json.loads(replayed.stdout)["recorded_faults"] == [fault]
+    with Ledger.open(ledger) as opened:
+        records = opened.records()
+    assert [(r.label, r.rank, r.verdict, r.drill) for r in records] == [
+        (f"cpu:{n}", rank, "match", f"recorded with {fault}")
+        for rank, labels in ((0, (0, 2)), (1, (1, 3)))
+        for n in labels
+    ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from sdcreplay.bisect.report import REPORT_FILE
 from sdcreplay.bisect.report import SCHEMA as BISECT_SCHEMA
 from sdcreplay.capture.faults import Injector, parse_specs
 from sdcreplay.capture.operators import CallSite, OperatorLog, OperatorMode
-from sdcreplay.errors import DeterminismError, SdcReplayError
+from sdcreplay.errors import DeterminismError, SdcReplayError, Terminated
 from sdcreplay.minimize.ddmin import ddmin
 from sdcreplay.minimize.driver import minimize
 from sdcreplay.minimize.shrink import Shrinker, shrink_axes
@@ -531,3 +532,36 @@ def test_minimize_refuses_a_reference_that_computes_unlike_the_suspect(
     assert result.exit_code == 3, result.stderr
     assert "Error: the reference cpu:0 does not compute like cpu:1: probe: aten.mm" in result.stderr
     assert not (tmp_path / "ticket").exists()
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt(), Terminated(signal.SIGTERM)])
+def test_an_interrupted_shrink_writes_a_partial_ticket_then_ends_the_call(
+    report: Path, interruption: KeyboardInterrupt
+):
+    """^C or SIGTERM in the shrink (here from the progress callback, after 3 candidates): the
+    ticket of the smallest inputs accepted so far is written, marked partial, and the
+    interruption ends the call with that ticket in its notes; nothing measured is lost."""
+    from sdcreplay import leftovers
+
+    def on_progress(stage: str, done: int, total: int | None, failures: int) -> None:
+        if stage == "shrink" and done == 3:
+            raise interruption
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        minimize(report, trials=50, good_trials=2, inject=[STICKY], on_progress=on_progress)
+    assert raised.value is interruption
+    ticket = report / "ticket"
+    name = "SIGINT" if type(interruption) is KeyboardInterrupt else "SIGTERM"
+    (left,) = leftovers.take()
+    assert left.path == ticket and "a partial ticket" in left.what
+    assert f"Left behind: {left}" in raised.value.__notes__
+    doc = json.loads((ticket / "ticket.json").read_text())
+    assert (doc["status"], doc["partial"], doc["interrupted"]) == ("reproduced", True, name)
+    assert (doc["rate"]["failures"], doc["rate"]["trials"], doc["minimal_rate"]) == (50, 50, None)
+    assert doc["shapes"]["shrink"]["status"] == "interrupted"
+    assert doc["shapes"]["shrink"]["tests"] == 3
+    assert doc["shapes"]["minimal"] != doc["shapes"]["original"]  # the best so far was kept
+    assert (
+        f"> **Partial:** the shrink was interrupted ({name}) after 3 tests"
+        in (ticket / "ticket.md").read_text()
+    )
