@@ -266,6 +266,7 @@ def test_a_signal_at_any_moment_ends_the_command_cleanly(command, inputs, tmp_pa
                 "> **Partial:** the shrink was interrupted"
                 in (cwd / "out" / "ticket.md").read_text()
             )
+        print(f"{said.splitlines()[0]} (moment {number + 1} of {MOMENTS}): passed", flush=True)
 
 
 def test_an_interruption_with_json_is_an_error_object(inputs, tmp_path):

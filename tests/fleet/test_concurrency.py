@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def test_sixteen_jobs_at_once_each_get_their_own_verdict_and_every_record_once(
     corpus = tmp_path / "corpus"
     add_tickets(corpus, tickets)
     for round_number in range(ROUNDS):
+        started = time.monotonic()
         first_job = 1001 + 2 * JOBS * round_number
         done = _round(sdcreplay_exe, small_bundle, corpus, ledger_url, first_job, tmp_path)
         log_dirs, expected_records = [], Counter()
@@ -129,3 +131,5 @@ def test_sixteen_jobs_at_once_each_get_their_own_verdict_and_every_record_once(
                 if r.job is not None and first_job <= int(r.job) < first_job + 2 * JOBS
             )
         assert written == expected_records, f"round {round_number}"
+        seconds = time.monotonic() - started
+        print(f"round {round_number + 1} of {ROUNDS} passed in {seconds:.0f} s", flush=True)
