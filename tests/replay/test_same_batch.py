@@ -1,12 +1,13 @@
 """Phase 1 and 2 at scale (docs/at-scale.md) on real 4-rank gloo jobs of tiny-llama: a fault
 planted on rank 2 is named by its peers in one same-batch replay, under DDP and FSDP2; a clean
-job is ``correct``; rank 2 replayed alone on two labels names the one the fault is on, and
-bisected alone names the operator, element and bit. A user's dp=2 x tp=2 script under torchrun
+job is ``correct``; rank 2 replayed alone on two labels (FSDP2's all-gathers built from the
+peers' shards in the bundle) names the one the fault is on, and bisected alone names the
+operator, element and bit. A user's dp=2 x tp=2 script under torchrun
 (tests/tp_dp_script.py): its layout is the mesh's, and with 2 peers --same-batch falls back to
 the recorded replay and names the origin by its coordinates.
 
-``SDCREPLAY_SCALE_CLEAN_RUNS=10`` repeats the clean same-batch replays (the issue's false
-accusation count; the suite runs one of each).
+``SDCREPLAY_SCALE_CLEAN_RUNS=10`` repeats the clean same-batch and alone replays (the issue's
+false accusation count; the suite runs one of each).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import TESTS, run_torchrun
 
+from sdcreplay.bundle.job_bundle import JobBundle
 from sdcreplay.ledger.verdicts import records_for
 from sdcreplay.recording.job import record_job
 
@@ -86,21 +88,42 @@ def test_rank_alone_on_two_labels_names_the_faulty_one(job, cli, tmp_path: Path)
         "replay", bundle, "--rank", "2", "--alone", "-d", "cpu:1", "-d", "cpu:2",
         "--inject", f"{FAULT},device=cpu:1", "--no-ledger", "--logs", tmp_path, "--json",
     )  # fmt: skip
-    if parallel == "fsdp2":  # sharded parameters need the peers' shards: refused, exit 3
-        assert result.exit_code == 3 and "cannot replay alone" in result.stderr
-        return
     assert result.exit_code == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
     verdicts = {row["device"]: row["verdict"] for row in report["devices"]}
     assert verdicts == {"cpu:1": "persistent", "cpu:2": "match"}
     first = report["devices"][0]["first_divergence"]
-    assert (first["step"], first["name"]) == (0, "collective:0#0:gloo:all_reduce.input")
+    # DDP's gradient all-reduce; FSDP2's after its three all-gathers: the reduce-scatter
+    collective = "0#0:gloo:all_reduce" if parallel == "ddp" else "0#3:gloo:_reduce_scatter_base"
+    assert (first["step"], first["name"]) == (0, f"collective:{collective}.input")
+
+
+def test_a_clean_rank_alone_is_correct(job, cli, tmp_path: Path):
+    """Under FSDP2 the all-gathers' outputs are built from the peers' shards in the bundle: in
+    the first step they are the job's, to the digest."""
+    parallel, bundle = job
+    for run in range(CLEAN_RUNS):
+        logs = tmp_path / str(run)
+        result = cli(
+            "replay", bundle, "--rank", "2", "--alone", "-d", "cpu:1", "-d", "cpu:2",
+            "--no-ledger", "--logs", logs, "--json",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert (report["consensus"]["verdict"], report["consensus"]["suspects"]) == ("correct", [])
+    replayed = json.loads(next((logs / "cpu-1").glob("*.messages.json")).read_text())
+    recorded = JobBundle.open(bundle).rank(2).messages()[0]
+    pairs = list(zip(replayed["steps"]["0"], recorded, strict=True))
+    inputs = [mine["input_digest"] == theirs.input_digest for mine, theirs in pairs]
+    outputs = [mine["output_digest"] == theirs.output_digest for mine, theirs in pairs]
+    if parallel == "ddp":  # the all-reduce of a world of one keeps rank 2's own gradients
+        assert (inputs, outputs) == ([True], [False])
+    else:  # all-gathers as the job's; reduce-scatters: rank 2's own chunk
+        assert (inputs, outputs) == ([True] * 5, [True, True, True, False, False])
 
 
 def test_bisect_rank_alone_names_operator_element_and_bit(job, cli, tmp_path: Path):
-    parallel, bundle = job
-    if parallel == "fsdp2":
-        pytest.skip("a rank of FSDP2 is refused alone (test_rank_alone_on_two_labels...)")
+    _, bundle = job
     result = cli(
         "bisect", bundle, "--rank", "2", "--alone", "--suspect", "cpu:1", "--reference",
         "cpu:2", "--step", "0", "--inject", f"{FAULT},device=cpu:1", "--out", tmp_path / "b",
