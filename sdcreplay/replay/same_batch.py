@@ -5,9 +5,12 @@ Fed rank R's batches and RNG states (each rank those of R's group's rank with it
 model-parallel coordinates: `ParallelLayout.counterpart`), data-parallel peers compute the same
 values at every entry that is no shard of their own, so no spare replica and no second job is
 needed: the odd rank is the one a majority of its peers disagrees with (`compare.peers`), and
-R's own group is also held to the record up to its first reduction over peers. With fewer than
-3 peers there is no majority: the job is replayed as recorded and voted with the record
-instead (today's rule), and the report says what was missing (docs/at-scale.md).
+every rank is also held to the record of the rank it was fed from, up to its first reduction
+over peers (R's own group always; the others where parameters are replicated). Two peers of
+replicated parameters (``dp=2 x tp=2``) are decided by that record check; with sharded
+parameters and fewer than 3 peers, or no peer at all, the job is replayed as recorded and
+voted with the record instead (today's rule), and the report says what was missing
+(docs/at-scale.md).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class SameBatchReport:
     runs: dict[int, DeviceRun]
     vote: PeerVote | None
     fallback: JobReplayReport | None = None
-    missing: str | None = None  # why the peers could not vote (fewer than 3)
+    missing: str | None = None  # why the peers could not vote (too few)
     caveat: str | None = None
     injected_specs: list[str] = field(default_factory=list)
 
@@ -70,7 +73,19 @@ class SameBatchReport:
     def suspects(self) -> list[str]:
         if self.fallback is not None:
             return self.fallback.suspects
-        return [self.runs[rank].device for rank in (self.vote.origins if self.vote else [])]
+        vote = self.vote
+        if vote is not None and vote.verdict == "undecided":  # the peers that differ
+            return [self.runs[rank].device for rank in self._tied_ranks()]
+        return [self.runs[rank].device for rank in (vote.origins if vote else [])]
+
+    def _tied_ranks(self) -> list[int]:
+        """The ranks of peer classes whose logs differ (an undecided two-peer vote)."""
+        tied = []
+        for peers in self.layout.peer_classes():
+            logs = [self.runs[rank].logs[0].steps for rank in peers if rank in self.runs]
+            if any(steps != logs[0] for steps in logs):
+                tied += peers
+        return sorted(tied)
 
     @property
     def exit_code(self) -> int:
@@ -78,7 +93,7 @@ class SameBatchReport:
             return self.fallback.exit_code
         if self.vote is None:
             return 3
-        return 1 if self.vote.origins else 0
+        return 0 if self.vote.verdict == "correct" else 1
 
     def failure(self) -> SdcReplayError | None:
         return self.fallback.failure() if self.fallback is not None else None
@@ -87,11 +102,14 @@ class SameBatchReport:
         vote = self.vote
         odd = vote.odd.get(rank) if vote else None
         spread = vote.spread_from.get(rank) if vote else None
+        tied = vote is not None and vote.verdict == "undecided" and rank in self._tied_ranks()
         verdict = (
             "spread"
             if spread is not None
             else "persistent"
             if vote and rank in vote.origins
+            else "undecided"
+            if tied
             else "correct"
         )
         return {
@@ -111,6 +129,7 @@ class SameBatchReport:
             "layout": self.layout.to_json(),
             "peer_classes": self.layout.peer_classes(),
             "missing": self.missing,
+            "tie_break": None if self.missing else tie_break(self.layout),
         }
         if self.fallback is not None:
             body = self.fallback.to_json()
@@ -169,19 +188,36 @@ def default_source(job: JobBundle, from_rank: int | None) -> int:
 
 
 def too_few_peers(layout: ParallelLayout) -> str | None:
-    """Why the peers cannot outvote an odd one, or None."""
+    """Why the peers cannot vote, or None (module docstring)."""
     if not layout.data_parallel:
         return (
             f"the job's layout ({layout.shape()}, found from {layout.source}) names no "
             "data-parallel dimension: no rank is known to compute what another does"
         )
     peers = min(len(found) for found in layout.peer_classes())
-    if peers < MAJORITY_PEERS:
+    if peers < 2 or (peers < MAJORITY_PEERS and layout.sharded):
         return (
-            f"{peers} data-parallel peers per class ({layout.shape()}): a majority needs "
-            f"{MAJORITY_PEERS}; one against one names nobody"
+            f"{peers} data-parallel peer{'s' if peers > 1 else ''} per class "
+            f"({layout.shape()}): a majority needs {MAJORITY_PEERS}"
+            + (
+                "; the record can decide between two only where parameters are replicated"
+                if layout.sharded and peers == 2
+                else ""
+            )
         )
     return None
+
+
+def tie_break(layout: ParallelLayout) -> str | None:
+    """How two peers per class are decided, or None where a majority exists."""
+    peers = min(len(found) for found in layout.peer_classes())
+    if peers >= MAJORITY_PEERS:
+        return None
+    return (
+        f"{peers} data-parallel peers per class ({layout.shape()}): no majority; the record "
+        "decides between them where it vouches for one (up to the first reduction over "
+        "peers), else undecided"
+    )
 
 
 def replay_same_batch(
@@ -269,12 +305,15 @@ def replay_same_batch(
 def _against_record(
     job: JobBundle, layout: ParallelLayout, source: int, replayed: dict[int, Messages]
 ) -> dict[int, OddEntry]:
-    """The source group fed its own batches: held to the record in the window's first step,
-    up to its first reduction over the peers (`record_prefix_divergence`)."""
+    """Each rank held to the record of the rank it was fed from, in the window's first step, up
+    to its first reduction over the peers (`record_prefix_divergence`): the source group's
+    ranks always, the others where parameters are replicated (`compare.peers`)."""
     odd = {}
     step = job.rank(source).steps[0].index
-    for rank in layout.model_parallel_group(source):
-        found = record_prefix_divergence(job.rank(rank).messages(), replayed.get(rank, {}), step)
+    held = range(layout.world_size) if not layout.sharded else layout.model_parallel_group(source)
+    for rank in held:
+        fed_from = job.rank(layout.counterpart(rank, source))
+        found = record_prefix_divergence(fed_from.messages(), replayed.get(rank, {}), step)
         if found is not None:
             position, message = found
             name = (
@@ -286,15 +325,20 @@ def _against_record(
 
 def _judge_runs(report: SameBatchReport) -> None:
     """Each run's judgement as the ledger reads it: the origins ``persistent`` (at their first
-    odd entry), the ranks it spread to ``spread``, every other ``match``."""
+    odd entry), the ranks it spread to ``spread``, the peers of an undecided tie
+    ``undecided``, every other ``match``."""
     vote = report.vote
     assert vote is not None
+    tied = report._tied_ranks() if vote.verdict == "undecided" else []
     for rank, run in report.runs.items():
         odd = vote.odd.get(rank)
         if rank in vote.spread_from:
             run.spread_from = vote.spread_from[rank]
         if rank in vote.origins and odd is not None:
-            where = Divergence(odd.step, odd.entry, "the majority of its peers", "another value")
+            against = "the record" if odd.against == "record" else "the majority of its peers"
+            where = Divergence(odd.step, odd.entry, against, "another value")
             run.judgement = DeviceVerdict("persistent", 1, 1, where, {odd.step: 1})
+        elif rank in tied:
+            run.judgement = DeviceVerdict("undecided", 1, 0, None, {})
         elif odd is None:
             run.judgement = DeviceVerdict("match", 1, 0, None, {})

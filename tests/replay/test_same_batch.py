@@ -3,8 +3,8 @@ planted on rank 2 is named by its peers in one same-batch replay, under DDP and 
 job is ``correct``; rank 2 replayed alone on two labels (FSDP2's all-gathers built from the
 peers' shards in the bundle) names the one the fault is on, and bisected alone names the
 operator, element and bit. A user's dp=2 x tp=2 script under torchrun
-(tests/tp_dp_script.py): its layout is the mesh's, and with 2 peers --same-batch falls back to
-the recorded replay and names the origin by its coordinates.
+(tests/tp_dp_script.py): its layout is the mesh's, and with 2 peers per class the record
+decides: --same-batch names the odd rank by its coordinates, and a clean job is correct.
 
 ``SDCREPLAY_SCALE_CLEAN_RUNS=10`` repeats the clean same-batch and alone replays (the issue's
 false accusation count; the suite runs one of each).
@@ -139,32 +139,64 @@ def test_bisect_rank_alone_names_operator_element_and_bit(job, cli, tmp_path: Pa
     assert report["isolation"]["failures"] == report["isolation"]["runs"]
 
 
-def test_dp_by_tp_job_names_the_odd_rank_by_its_coordinates(tmp_path: Path, cli):
-    script = tmp_path / "train.py"
+@pytest.fixture(scope="module")
+def dp_by_tp_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's dp=2 x tp=2 script, recorded under torchrun."""
+    directory = tmp_path_factory.mktemp("dp_by_tp")
+    script = directory / "train.py"
     shutil.copy(TESTS / "tp_dp_script.py", script)
-    done = run_torchrun(script, 4, str(tmp_path / "job.bundle"), timeout=400)
+    done = run_torchrun(script, 4, str(directory / "job.bundle"), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
-    layout = json.loads(cli("info", tmp_path / "job.bundle", "--json").stdout)["layout"]
-    assert [(d["name"], d["size"], d["kind"]) for d in layout["dimensions"]] == [
-        ("dp", 2, "replicate"), ("tp", 2, "tensor"),
-    ]  # fmt: skip
-    assert layout["coordinates"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
-    result = cli(
+    return directory / "job.bundle"
+
+
+def _dp_by_tp_replay(cli, bundle: Path, logs: Path, *inject: str):
+    return cli(
         "replay",
-        tmp_path / "job.bundle",
+        bundle,
         "--same-batch",
         "--trust-workload",
-        "--inject",
-        "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=1,bit=20",
+        *inject,
         "--no-ledger",
         "--logs",
-        tmp_path / "logs",
+        logs,
         "--timeout",
         "900",
         "--json",
     )  # fmt: skip  (a loaded 2-core machine starts 4 ranks slowly)
+
+
+def test_dp_by_tp_job_names_the_odd_rank_by_its_coordinates(dp_by_tp_job: Path, cli, tmp_path):
+    """Two peers per class: the record sides with the source group (dp=0), so the peer that
+    left it is odd (compare/peers.py)."""
+    layout = json.loads(cli("info", dp_by_tp_job, "--json").stdout)["layout"]
+    assert [(d["name"], d["size"], d["kind"]) for d in layout["dimensions"]] == [
+        ("dp", 2, "replicate"), ("tp", 2, "tensor"),
+    ]  # fmt: skip
+    assert layout["coordinates"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    fault = "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=1,bit=20"
+    result = _dp_by_tp_replay(cli, dp_by_tp_job, tmp_path, "--inject", fault)
     assert result.exit_code == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert report["mode"] == "recorded"
-    assert "2 data-parallel peers" in report["same_batch"]["missing"]
-    assert (report["origin_rank"], report["origin_coordinates"]) == (2, {"dp": 1, "tp": 0})
+    assert (report["mode"], report["verdict"]) == ("same_batch", "persistent")
+    assert report["same_batch"]["missing"] is None
+    assert "2 data-parallel peers" in report["same_batch"]["tie_break"]
+    [odd] = report["odd_ranks"]
+    # its device: the one rank 2 recorded on (a CPU job under torchrun records "cpu")
+    assert (odd["rank"], odd["where"], odd["device"]) == (2, "rank 2 (dp=1, tp=0)", "cpu")
+    assert odd["first_divergent_entry"]["against"] == "record"
+    assert report["suspects"] == ["cpu"]
+    assert report["ranks"][2]["coordinates"] == {"dp": 1, "tp": 0}
+    assert [rank["verdict"] for rank in report["ranks"]] == [
+        "correct", "correct", "persistent", "correct",
+    ]  # fmt: skip
+
+
+def test_a_clean_dp_by_tp_job_is_correct(dp_by_tp_job: Path, cli, tmp_path: Path):
+    for run in range(CLEAN_RUNS):
+        result = _dp_by_tp_replay(cli, dp_by_tp_job, tmp_path / str(run))
+        assert result.exit_code == 0, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert (report["mode"], report["verdict"], report["suspects"]) == (
+            "same_batch", "correct", [],
+        )  # fmt: skip
