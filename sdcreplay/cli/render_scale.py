@@ -45,11 +45,16 @@ def render_same_batch(output: Output, report: SameBatchReport) -> None:
     suspects = report.suspects
     who = f" (suspects: {', '.join(suspects)})" if suspects else ""
     output.say(f"Verdict: {styled(report.verdict)}{who}")
+    kept = body["kept_state"]
+    start = f" --from-state {escape(kept['path'])}" if kept else ""
     for odd in body["odd_ranks"]:
         output.say(
             f"Odd: {escape(odd['where'])} on {odd['device']}, next: `sdcreplay bisect "
-            f"{escape(report.bundle)} --rank {odd['rank']} --alone --suspect D1 --reference D2`"
+            f"{escape(report.bundle)} --rank {odd['rank']} --alone --suspect D1 --reference D2"
+            f"{start}`"
         )
+    if kept:
+        output.say(f"Kept: the state entering step {kept['step']} in {escape(kept['path'])}")
     if body["same_batch"].get("tie_break"):
         output.say(f"Two peers: {escape(body['same_batch']['tie_break'])}")
     if report.caveat:

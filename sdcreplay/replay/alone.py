@@ -39,6 +39,7 @@ from ..errors import DeviceError, SdcReplayError
 from ..ledger.notes import note_result
 from .alone_shards import PeerShards
 from .job import _check_job, _rank_run, check_fault_ranks, run_rank_replay_task
+from .kept_state import KeptState
 from .processes import run_device_processes
 from .replicas import ReplayReport, caveat_for, default_log_dir, progress_timeout
 from .worker import device_task, task_function, task_reference
@@ -178,12 +179,20 @@ def join_alone(
 
 @device_task
 def run_alone_task(
-    device: str, job: str, rank: int, world_size: int, task: str, arguments: dict
+    device: str,
+    job: str,
+    rank: int,
+    world_size: int,
+    task: str,
+    arguments: dict,
+    from_state: str | None = None,
 ) -> dict:
-    """Bisect's or replay's ``task`` on rank ``rank`` of the job, in a world without peers."""
+    """Bisect's or replay's ``task`` on rank ``rank`` of the job, in a world without peers
+    (``from_state``: a kept state's directory, whose peers' shards FSDP2 gathers)."""
     opened = JobBundle.open(job)
     sharded = require_layout(opened.layout, opened.path).sharded
-    join_alone(rank, world_size, device, PeerShards(opened, rank) if sharded else None)
+    kept = KeptState.open(from_state, opened) if from_state else None
+    join_alone(rank, world_size, device, PeerShards(opened, rank, kept) if sharded else None)
     try:
         return task_function(task)(device=device, **arguments)
     finally:
@@ -212,39 +221,51 @@ def check_alone(job: JobBundle, rank: int) -> None:
 
 
 def alone_consensus(
-    job: JobBundle, rank: int, logs: dict[str, SignatureLog], replayed: dict[str, Messages]
+    job: JobBundle,
+    rank: int,
+    logs: dict[str, SignatureLog],
+    replayed: dict[str, Messages],
+    record_step: int | None,
 ) -> Consensus:
-    """The replicas' vote: a replica whose collective inputs leave the record before the
-    first reduction it does not share is odd (`record_prefix_divergence`); so is one a strict
-    majority of the replicas disagrees with (`first_odd_entries`; two that differ after that
-    point are ``undecided``: a third label decides)."""
+    """The replicas' vote: a replica whose collective inputs leave the record in
+    ``record_step`` before the first reduction it does not share is odd
+    (`record_prefix_divergence`; None: the record does not vote, as from a kept state past the
+    window's start, which is not the job's); so is one a strict majority of the replicas
+    disagrees with (`first_odd_entries`; two that differ after that point are ``undecided``: a
+    third label decides)."""
     labels = list(logs)
     peers = ParallelLayout.data_parallel_world(len(labels))
-    odd, _ = first_odd_entries(peers, {i: logs[label] for i, label in enumerate(labels)})
-    first = job.rank(rank).steps[0].index
+    odd, tied = first_odd_entries(peers, {i: logs[label] for i, label in enumerate(labels)})
     recorded = job.rank(rank).messages()
     voters: dict[str, DeviceVerdict] = {}
     for index, label in enumerate(labels):
-        found = record_prefix_divergence(recorded, replayed.get(label, {}), first)
+        found = (
+            None
+            if record_step is None
+            else record_prefix_divergence(recorded, replayed.get(label, {}), record_step)
+        )
         where = None
-        if found is not None:
+        if found is not None and record_step is not None:
             message = found[1]
             name = f"collective:{message.process_group}#{message.op_id}:{message.profiling_name}"
-            where = Divergence(first, f"{name}.input", message.input_digest or "", "another")
+            where = Divergence(record_step, f"{name}.input", message.input_digest or "", "another")
         elif index in odd:
             where = Divergence(odd[index].step, odd[index].entry, "the others' value", "another")
         voters[label] = DeviceVerdict(
             "persistent" if where else "match", 1, int(bool(where)), where, {}
         )
     suspects = [label for label, judged in voters.items() if judged.verdict == "persistent"]
-    voters[RECORD] = DeviceVerdict("match", 1, 0, None, {})  # it judges, it is not judged
     differ = any(log.steps != logs[labels[0]].steps for log in logs.values())
+    if differ and not suspects:  # one against one: each replica is as likely
+        voters = {label: DeviceVerdict("undecided", 1, 0, None, {}) for label in labels}
+    voters[RECORD] = DeviceVerdict("match", 1, 0, None, {})  # it judges, it is not judged
     verdict = "persistent" if suspects else "undecided" if differ else "correct"
     return Consensus(
         verdict,  # type: ignore[arg-type]
         suspects if suspects else labels if differ else [],
         next((voters[s].first_divergence for s in suspects), None),
         voters,
+        undecided_entries=tied if differ and not suspects else 0,
     )
 
 
@@ -258,12 +279,15 @@ def replay_alone(
     log_dir: str | Path | None = None,
     timeout: float | None = None,
     ledger: bool = True,
+    from_state: str | Path | None = None,
 ) -> ReplayReport:
     """Phase 2 (module docstring): rank ``rank`` replayed alone once on each of ``devices``;
-    the replicas vote with each other, the record where the rank alone still computes it."""
+    the replicas vote with each other, the record where the rank alone still computes it;
+    ``from_state``: start at a kept state (`kept_state`) rather than the window's start."""
     job = JobBundle.open(bundle)
     first = _check_job(job)
     check_alone(job, rank)
+    kept = KeptState.open(from_state, job) if from_state is not None else None
     check_fault_ranks(inject, job.world_size)
     labels = list(devices)
     if len(labels) < 2 or len(set(labels)) != len(labels):
@@ -284,6 +308,7 @@ def replay_alone(
             "repeats": 1,
             "inject": list(inject),
             "last_step": last_step,
+            "start_state": None if kept is None else [str(kept.rank_state(rank)), kept.step],
         }
         return {
             "job": str(job.path),
@@ -291,6 +316,7 @@ def replay_alone(
             "world_size": job.world_size,
             "task": task_reference(run_rank_replay_task),
             "arguments": replay,
+            "from_state": None if kept is None else str(kept.path),
         }
 
     results = run_device_processes(
@@ -309,7 +335,10 @@ def replay_alone(
         if messages:
             replayed[label] = messages[0]
     healthy = {run.device: run.logs[0] for run in runs if run.error is None}
-    consensus = alone_consensus(job, rank, healthy, replayed) if healthy else None
+    window_start = part.steps[0].index
+    # a kept state past the window's start is a same-batch replay's, not the job's
+    record_step = window_start if kept is None or kept.step == window_start else None
+    consensus = alone_consensus(job, rank, healthy, replayed, record_step) if healthy else None
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]

@@ -10,7 +10,8 @@ this rank's input has, one after the other in the group's order; chunk R is this
 input, as computed. In the window's first step, before the first reduce-scatter, this is the
 job's output, and the record's output digest says so; from the second step on, the peers'
 chunks are still their starting shards (the bundle has nothing later), so the replicas agree
-with each other, not with the job (docs/at-scale.md).
+with each other, not with the job (docs/at-scale.md). Started from a kept state
+(``--from-state``), the peers' chunks are their shards entering its step.
 
 FSDP2 names the parameters of an all-gather only to its ``foreach_all_gather``: that one
 function is wrapped, in this process only (a rank alone's process is its own), to say which
@@ -26,16 +27,20 @@ import torch
 
 from ..bundle.job_bundle import JobBundle
 from ..errors import SdcReplayError
+from .kept_state import KeptState
 
 
 class PeerShards:
-    """Every other rank's shards of the window's starting state, by parameter name."""
+    """Every other rank's shards of the window's starting state, by parameter name; or of a
+    kept state's (`kept_state`: every rank's, entering its step)."""
 
-    def __init__(self, job: JobBundle, rank: int):
+    def __init__(self, job: JobBundle, rank: int, kept: KeptState | None = None):
         self.rank = rank
         self.world_size = job.world_size
         self.shards: dict[int, dict[str, torch.Tensor]] = {
-            peer: job.rank(peer).load_state()[0] for peer in range(job.world_size) if peer != rank
+            peer: job.rank(peer).load_state()[0] if kept is None else kept.model_state(peer)
+            for peer in range(job.world_size)
+            if peer != rank
         }
         self._gathering: list[Any] = []  # FSDPParams of the all-gather about to be issued
 

@@ -27,6 +27,7 @@ from ..compare.messages import Messages
 from ..compare.peers import MAJORITY_PEERS, OddEntry, PeerVote, peer_vote, record_prefix_divergence
 from ..errors import DeviceError, SdcReplayError, StructureError
 from ..ledger.notes import note_result
+from . import kept_state
 from .job import (
     _check_job,
     _rank_run,
@@ -36,6 +37,7 @@ from .job import (
     run_rank_replay_task,
 )
 from .job_report import JobReplayReport, ranks_failure
+from .kept_state import KeptState
 from .launch import run_ranks
 from .replicas import (
     DeviceRun,
@@ -60,6 +62,7 @@ class SameBatchReport:
     missing: str | None = None  # why the peers could not vote (too few)
     caveat: str | None = None
     injected_specs: list[str] = field(default_factory=list)
+    kept_state: KeptState | None = None  # --keep-state: entering the first divergent step
 
     @property
     def verdict(self) -> str:
@@ -161,6 +164,7 @@ class SameBatchReport:
                 for rank in origins
             ],
             "unjudged_entries": vote.unjudged if vote else 0,
+            "kept_state": self.kept_state.to_json() if self.kept_state else None,
             "same_batch": same_batch,
             "ranks": [self._rank_json(rank) for rank in range(self.layout.world_size)],
             "verified": self.caveat is None,
@@ -230,9 +234,12 @@ def replay_same_batch(
     log_dir: str | Path | None = None,
     timeout: float | None = None,
     ledger: bool = True,
+    keep_state: str | Path | None = None,
 ) -> SameBatchReport:
     """Phase 1 (module docstring): one replay of the whole job on ``devices`` (one label per
-    rank; default: the recorded devices), every group fed ``from_rank``'s group's batches."""
+    rank; default: the recorded devices), every group fed ``from_rank``'s group's batches;
+    ``keep_state``: a directory for the state entering the first divergent step
+    (`kept_state`), written when a rank is odd."""
     job = JobBundle.open(bundle)
     first = _check_job(job)
     layout = require_layout(job.layout, job.path)
@@ -247,6 +254,14 @@ def replay_same_batch(
         )
     log_dir = Path(log_dir) if log_dir else default_log_dir(job.path)
     missing = too_few_peers(layout)
+    if keep_state is not None and Path(keep_state).exists():  # before minutes of replay
+        raise kept_state.unusable_directory(Path(keep_state), "it exists already")
+    if missing is not None and keep_state is not None:
+        raise SdcReplayError(
+            f"--keep-state needs the peers' vote, and {missing}",
+            "Leave out --keep-state (the job is replayed as recorded instead).",
+            python_hint="Leave out keep_state= (the job is replayed as recorded instead).",
+        )
     if missing is not None:
         fallback = replay_job(
             job.path, replicas[0], inject=inject, last_step=last_step, log_dir=log_dir,
@@ -295,8 +310,15 @@ def replay_same_batch(
     if failure is not None:
         raise failure
     logs = {rank: run.logs[0] for rank, run in runs.items()}
-    report.vote = peer_vote(layout, logs, _against_record(job, layout, source, replayed))
+    report.vote = vote = peer_vote(layout, logs, _against_record(job, layout, source, replayed))
     _judge_runs(report)
+    if keep_state is not None and vote.origins:
+        step = min(vote.odd[rank].step for rank in vote.origins)
+        odd = sorted(set(vote.origins) | set(vote.spread_from))
+        report.kept_state = kept_state.keep_state(
+            job, layout, source, labels, step, odd, Path(keep_state), directory, timeout,
+            list(inject),
+        )  # fmt: skip
     if ledger:
         note_result(report.to_json())
     return report

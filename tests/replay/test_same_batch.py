@@ -6,6 +6,9 @@ operator, element and bit. A user's dp=2 x tp=2 script under torchrun
 (tests/tp_dp_script.py): its layout is the mesh's, and with 2 peers per class the record
 decides: --same-batch names the odd rank by its coordinates, and a clean job is correct.
 
+Phase 1's --keep-state (a fault in step 1): a DCP checkpoint of the state entering step 1
+from the healthy ranks, where bisect --alone --from-state starts and names the same call.
+
 ``SDCREPLAY_SCALE_CLEAN_RUNS=10`` repeats the clean same-batch and alone replays (the issue's
 false accusation count; the suite runs one of each).
 """
@@ -19,8 +22,10 @@ from pathlib import Path
 
 import pytest
 from conftest import TESTS, run_torchrun
+from typer.testing import CliRunner
 
 from sdcreplay.bundle.job_bundle import JobBundle
+from sdcreplay.cli import app
 from sdcreplay.ledger.verdicts import records_for
 from sdcreplay.recording.job import record_job
 
@@ -137,6 +142,85 @@ def test_bisect_rank_alone_names_operator_element_and_bit(job, cli, tmp_path: Pa
     assert report["elements"]["indices"] == [3]
     assert report["bits"]["histogram"] == {"20": 1}
     assert report["isolation"]["failures"] == report["isolation"]["runs"]
+
+
+@pytest.fixture(scope="module")
+def kept(job, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, dict]:
+    """Phase 1 with --keep-state on a fault planted in step 1: the state entering it."""
+    parallel, bundle = job
+    directory = tmp_path_factory.mktemp(f"kept-{parallel}")
+    fault = FAULT.replace("step=0", "step=1")
+    result = CliRunner().invoke(
+        app,
+        [
+            "replay", str(bundle), "--same-batch", *LABELS, "--inject", fault, "--no-ledger",
+            "--logs", str(directory / "logs"), "--keep-state", str(directory / "state"), "--json",
+        ],
+        env={"SDCREPLAY_DEBUG": None},
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stdout + result.stderr
+    return parallel, bundle, json.loads(result.stdout)
+
+
+def test_phase_1_keeps_the_state_entering_the_divergent_step(kept):
+    parallel, bundle, report = kept
+    assert report["suspects"] == ["cpu:2"]
+    state = report["kept_state"]
+    assert (state["step"], state["odd_ranks"], state["world_size"]) == (1, [2], 4)
+    directory = Path(state["path"])
+    written = sorted(path.name for path in directory.iterdir())
+    checkpoint = [f"__{rank}_0.distcp" for rank in range(4)] + [".metadata"]
+    assert written == sorted(checkpoint + state["ranks"] + ["sdcreplay-state.json"])
+    # the checkpoint, loaded as a restarting job would (DCP, in this test), is the model the
+    # ranks kept: FSDP2's shards side by side, DDP's replicas written by a healthy rank
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from sdcreplay.replay.kept_state import KeptState
+    from sdcreplay.workload.definition import build_workload
+
+    model = build_workload("builtin:tiny-llama", TINY).model.state_dict()
+    loaded = {name: torch.zeros_like(tensor) for name, tensor in model.items()}
+    dcp.load({"model": loaded}, checkpoint_id=str(directory), no_dist=True)
+    kept_state = KeptState.open(directory, JobBundle.open(bundle))
+    ranks = [kept_state.model_state(rank) for rank in range(4)]
+    for name, tensor in loaded.items():
+        shards = [part[name] for part in ranks]
+        expected = torch.cat(shards) if parallel == "fsdp2" else shards[0]
+        assert torch.equal(tensor, expected), name
+
+
+def test_phase_2_starts_at_the_kept_state(kept, cli, tmp_path: Path):
+    """Bisect alone from the kept state: no replay of the window, step 1 named exactly."""
+    _, bundle, report = kept
+    fault = FAULT.replace("step=0", "step=1")
+    result = cli(
+        "bisect", bundle, "--rank", "2", "--alone", "--suspect", "cpu:1", "--reference",
+        "cpu:2", "--from-state", report["kept_state"]["path"], "--inject",
+        f"{fault},device=cpu:1", "--out", tmp_path / "b", "--no-ledger", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stdout + result.stderr
+    found = json.loads(result.stdout)
+    assert (found["step"], found["phase"], found["op"]) == (1, "backward", "aten.mm.default")
+    assert (found["elements"]["indices"], found["bits"]["histogram"]) == ([3], {"20": 1})
+    assert found["steps_run"]["replay"] == 0  # started at step 1, the window not replayed
+
+
+def test_a_checkpoint_without_its_json_is_refused_unread(kept, cli, tmp_path: Path):
+    """DCP's .metadata is a pickle: sdcreplay reads only the kept state's JSON and HDF5; and
+    a state is never written over a directory that exists."""
+    _, bundle, report = kept
+    bare = tmp_path / "bare"
+    shutil.copytree(report["kept_state"]["path"], bare)
+    (bare / "sdcreplay-state.json").unlink()
+    result = cli(
+        "replay", bundle, "--rank", "2", "--alone", "-d", "cpu:1", "-d", "cpu:2",
+        "--from-state", bare, "--no-ledger", "--logs", tmp_path / "logs",
+    )  # fmt: skip
+    assert result.exit_code == 3 and "its metadata is a pickle" in result.stderr
+    assert "Hint:" in result.stderr and "Traceback" not in result.stderr
+    again = cli("replay", bundle, "--same-batch", "--keep-state", bare, "--no-ledger")
+    assert again.exit_code == 3 and "it exists already" in again.stderr  # before any replay
 
 
 @pytest.fixture(scope="module")
