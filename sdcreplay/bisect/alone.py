@@ -4,7 +4,8 @@
 Each stage runs in one process per label, as a single process's bisect does, but the process
 is rank R of the recorded world in a group without peers (`replay.alone.LonelyGroup`): two
 devices whatever the job's size. The step is found by replaying the rank alone on both labels
-(`replay.alone.replay_alone`); later stages start from the state entering it.
+(`replay.alone.replay_alone`); later stages start from the state entering it. From a state
+phase 1 kept (``--from-state DIR``), the step is the kept one and every stage starts there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..bundle.job_bundle import JobBundle
 from ..compare.logs import compare_logs
 from ..errors import SdcReplayError
 from ..replay.alone import check_alone, replay_alone, run_alone_task
+from ..replay.kept_state import KeptState
 from ..replay.processes import run_device_processes
 from ..replay.worker import task_reference
 
@@ -36,6 +38,26 @@ def check_bisect_alone(job: JobBundle | None, rank: int | None, suspect: str | N
     check_alone(job, rank)
 
 
+def kept_state_to_bisect(
+    job: JobBundle | None, alone: bool, from_state: str | Path, step: int | None
+) -> tuple[JobBundle, KeptState, int]:
+    """The kept state a rank alone starts at, and its step (``--step``, if given, must be it)."""
+    if job is None or not alone:
+        raise SdcReplayError(
+            "--from-state is for a job's rank bisected alone",
+            "Add --rank R --alone, or leave out --from-state.",
+            python_hint="Pass rank=R, alone=True, or leave out from_state=.",
+        )
+    kept = KeptState.open(from_state, job)
+    if step is not None and step != kept.step:
+        raise SdcReplayError(
+            f"--step {step}: the kept state {kept.path} enters step {kept.step}",
+            f"Give --step {kept.step}, or leave --step out.",
+            python_hint=f"Give step={kept.step}, or leave step= out.",
+        )
+    return job, kept, kept.step
+
+
 def run_alone(
     kind: str,
     task: Callable[..., dict],
@@ -46,14 +68,17 @@ def run_alone(
     rank: int,
     work: Path,
     environment: dict[str, str],
+    from_state: str | None = None,
 ) -> dict:
-    """``task`` as rank ``rank`` of the job without peers, in one process on ``label``."""
+    """``task`` as rank ``rank`` of the job without peers, in one process on ``label``
+    (``from_state``: a kept state, whose peers' shards FSDP2 gathers)."""
     wrapped = {
         "job": str(job.path),
         "rank": rank,
         "world_size": job.world_size,
         "task": task_reference(task),
         "arguments": arguments,
+        "from_state": from_state,
     }
     results = run_device_processes(
         kind, run_alone_task, [label], lambda _: wrapped, work, environment=environment

@@ -38,7 +38,12 @@ from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
 from ..replay.processes import run_device_processes
-from .alone import check_bisect_alone, first_divergent_alone_step, run_alone
+from .alone import (
+    check_bisect_alone,
+    first_divergent_alone_step,
+    kept_state_to_bisect,
+    run_alone,
+)
 from .divergent_step import first_divergent_job_step, first_divergent_step
 from .evidence import (
     first_differing_output,
@@ -77,11 +82,13 @@ def bisect(
     ledger: bool = True,
     overwrite: bool = False,
     alone: bool = False,
+    from_state: str | Path | None = None,
 ) -> BisectResult:
     """Find the first corrupted operator call of a step on ``suspect`` (see module docstring);
     ``ledger``: append a divergence to the device ledger (docs/fleet.md); ``overwrite``:
     replace a report already at ``out``, moving it (and the tickets in it) aside; ``alone``: a
-    job's rank runs without its data-parallel peers (`bisect.alone`, docs/at-scale.md)."""
+    job's rank runs without its data-parallel peers (`bisect.alone`, docs/at-scale.md);
+    ``from_state``: alone, start at a state phase 1 kept (`replay.kept_state`)."""
     result = _localize(
         bundle,
         rank=rank,
@@ -96,6 +103,7 @@ def bisect(
         on_event=on_event,
         overwrite=overwrite,
         alone=alone,
+        from_state=from_state,
     )
     if ledger:
         note_result(result.to_json())
@@ -117,11 +125,15 @@ def _localize(
     on_event: Callable[[str, str], None] | None,
     overwrite: bool,
     alone: bool = False,
+    from_state: str | Path | None = None,
 ) -> BisectResult:
     on_event = on_event or (lambda kind, text: None)
     job = job_to_bisect(bundle, rank, suspect, repeats)
+    kept = None
     if alone:
         check_bisect_alone(job, rank, suspect)
+    if from_state is not None:
+        job, kept, step = kept_state_to_bisect(job, alone, from_state, step)
     opened = Bundle.open(bundle) if job is None else job.rank(rank or 0)
     if step is not None and step not in opened.step_indices:
         raise SdcReplayError(
@@ -235,16 +247,22 @@ def _localize(
     # A job's rank among its peers replays the window with them: no saved state. A rank
     # alone starts every later run from the state entering the step, as a single process.
     entry_state = str(work / ENTRY_STATE_FILE) if job is None or alone else None
+    if kept is not None:  # the kept state is the state entering the step: no run saves it
+        common["entry_state"] = entry_state = str(kept.rank_state(rank or 0))
+    kept_path = None if kept is None else str(kept.path)
     run = (
         single
         if job is None
-        else partial(run_alone, job=job, rank=rank or 0, work=work, environment=pinned)
+        else partial(
+            run_alone, job=job, rank=rank or 0, work=work, environment=pinned, from_state=kept_path
+        )
         if alone
         else partial(run_in_job, job=job, rank=rank, work=work, environment=pinned)
     )
 
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
-    ref_log = run("oplog", run_oplog_task, reference, {**common, "save_entry": entry_state})
+    saving = {} if kept is not None else {"save_entry": entry_state}
+    ref_log = run("oplog", run_oplog_task, reference, {**common, **saving})
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
     if job is None and ref_log.get("kernel_calls") and suspect is not None:
         in_kernels = bisect_kernels(

@@ -24,8 +24,10 @@ from .options import (
     DeviceOpt,
     DumpOn,
     FromRankOpt,
+    FromStateOpt,
     InjectOpt,
     JsonOpt,
+    KeepStateOpt,
     NoLedgerOpt,
     OutOpt,
     OverwriteOpt,
@@ -231,8 +233,10 @@ def replay(
     no_ledger: NoLedgerOpt = False,
     same_batch: SameBatchOpt = False,
     from_rank: FromRankOpt = None,
+    keep_state: KeepStateOpt = None,
     rank: AloneRankOpt = None,
     alone: AloneOpt = False,
+    from_state: FromStateOpt = None,
     json_mode: JsonOpt = False,
 ):
     """Replay a bundle bit for bit on one or more devices and vote on every signature.
@@ -241,17 +245,21 @@ def replay(
     world-size --device labels is one replica, rank 0 first (default: one replica
     on the recorded devices); see docs/distributed.md. At scale (docs/at-scale.md):
     --same-batch judges every rank by its data-parallel peers in one replay;
-    --rank R --alone replays rank R's group without its peers, once per --device.
+    --rank R --alone replays rank R's group without its peers, once per --device;
+    --keep-state DIR keeps phase 1's state entering the divergent step, --from-state DIR
+    starts phase 2 there.
     """
     preflight(inject, device or [], {"bundle": [bundle]})
     from ..bundle.job_bundle import is_job_bundle
     from ..replay.replicas import replay_devices
 
-    if same_batch or alone or rank is not None or from_rank is not None:
+    at_scale = (from_rank, rank, keep_state, from_state)
+    if same_batch or alone or any(option is not None for option in at_scale):
         trust = trusting(bundle, trust_workload, workload)
         return at_scale_replay(
             output, bundle, device, inject, logs, timeout, trust, not no_ledger,
             same_batch=same_batch, from_rank=from_rank, rank=rank, alone=alone,
+            keep_state=keep_state, from_state=from_state,
         )  # fmt: skip
     if is_job_bundle(bundle):
         return _replay_job(
@@ -350,6 +358,7 @@ def bisect(
     no_ledger: NoLedgerOpt = False,
     overwrite: OverwriteOpt = False,
     alone: AloneOpt = False,
+    from_state: FromStateOpt = None,
     json_mode: JsonOpt = False,
 ):
     """Name a step's first corrupted operator call, the kernel it launched and its wrong bits.
@@ -376,6 +385,7 @@ def bisect(
             ledger=not no_ledger,
             overwrite=overwrite,
             alone=alone,
+            from_state=from_state,
         )
 
 

@@ -24,6 +24,8 @@ def at_scale_replay(
     from_rank: int | None,
     rank: int | None,
     alone: bool,
+    keep_state: Path | None = None,
+    from_state: Path | None = None,
 ):
     """Phase 1 (``--same-batch``) or phase 2 (``--rank R --alone``) on a job bundle."""
     from ..bundle.job_bundle import is_job_bundle
@@ -40,8 +42,12 @@ def at_scale_replay(
             "Phase 1 judges every rank in one replay; phase 2 replays one rank's group alone "
             "(docs/at-scale.md).",
         )
-    if from_rank is not None and not same_batch:
-        raise SdcReplayError("--from-rank is for --same-batch", "Add --same-batch.")
+    if (from_rank is not None or keep_state is not None) and not same_batch:
+        raise SdcReplayError(
+            "--from-rank and --keep-state are for --same-batch", "Add --same-batch."
+        )
+    if from_state is not None and not alone:
+        raise SdcReplayError("--from-state is for --rank R --alone", "Add --rank R --alone.")
     with trust, output.stages() as progress:
         if same_batch:
             from ..replay.same_batch import replay_same_batch
@@ -49,7 +55,7 @@ def at_scale_replay(
             progress.update("replaying the job on one batch", 0, 1, "every rank at once")
             return replay_same_batch(
                 bundle, device, from_rank=from_rank, inject=inject or [], log_dir=logs,
-                timeout=timeout, ledger=ledger,
+                timeout=timeout, ledger=ledger, keep_state=keep_state,
             )  # fmt: skip
         from ..replay.alone import replay_alone
 
@@ -57,5 +63,5 @@ def at_scale_replay(
         progress.update("replaying one rank alone", 0, 1, ", ".join(device or []))
         return replay_alone(
             bundle, rank, device or [], inject=inject or [], log_dir=logs, timeout=timeout,
-            ledger=ledger,
+            ledger=ledger, from_state=from_state,
         )  # fmt: skip

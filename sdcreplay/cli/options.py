@@ -193,6 +193,22 @@ FromRankOpt = Annotated[
         "alarm named, else 0).",
     ),
 ]
+KeepStateOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--keep-state",
+        help="With --same-batch: write the state entering the first divergent step into this "
+        "new directory (a torch.distributed.checkpoint, and the files --from-state reads).",
+    ),
+]
+FromStateOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--from-state",
+        help="With --alone: start at a state `replay --same-batch --keep-state` kept, not at "
+        "the window's start.",
+    ),
+]
 AloneRankOpt = Annotated[
     int | None,
     typer.Option("--rank", min=0, help="With --alone: the rank to replay without its peers."),

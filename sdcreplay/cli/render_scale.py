@@ -19,11 +19,15 @@ def render_same_batch(output: Output, report: SameBatchReport) -> None:
     rows = []
     for rank in body["ranks"]:
         entry = rank["first_divergent_entry"]
+        against = (
+            "off the record it was fed from"
+            if entry and entry["against"] == "record"
+            else f"{entry['agreeing']} of {entry['peers']} peers agree"
+            if entry
+            else ""
+        )
         where = (
-            "-"
-            if entry is None
-            else f"step {entry['step']} {escape(entry['entry'])} ({entry['agreeing']} of "
-            f"{entry['peers']} {'peers' if entry['against'] == 'peers' else 'record'} agree)"
+            "-" if entry is None else f"step {entry['step']} {escape(entry['entry'])} ({against})"
         )
         verdict = styled(rank["verdict"])
         if rank.get("spread_from") is not None:
@@ -41,11 +45,18 @@ def render_same_batch(output: Output, report: SameBatchReport) -> None:
     suspects = report.suspects
     who = f" (suspects: {', '.join(suspects)})" if suspects else ""
     output.say(f"Verdict: {styled(report.verdict)}{who}")
+    kept = body["kept_state"]
+    start = f" --from-state {escape(kept['path'])}" if kept else ""
     for odd in body["odd_ranks"]:
         output.say(
             f"Odd: {escape(odd['where'])} on {odd['device']}, next: `sdcreplay bisect "
-            f"{escape(report.bundle)} --rank {odd['rank']} --alone --suspect D1 --reference D2`"
+            f"{escape(report.bundle)} --rank {odd['rank']} --alone --suspect D1 --reference D2"
+            f"{start}`"
         )
+    if kept:
+        output.say(f"Kept: the state entering step {kept['step']} in {escape(kept['path'])}")
+    if body["same_batch"].get("tie_break"):
+        output.say(f"Two peers: {escape(body['same_batch']['tie_break'])}")
     if report.caveat:
         output.warn(f"caveat: {report.caveat}")
     output.say(f"Logs: {report.log_dir}")

@@ -9,12 +9,20 @@ rank that holds another is odd there; an entry no majority agrees on (a shard un
 nothing. A rank is named at its first odd entry. Under tensor or pipeline parallelism a wrong
 value also spreads to the other ranks of its group through their own collectives: within a
 group, the rank odd at the earliest entry is the origin and the group's others spread from it.
-The source group's own entries are also checked against the record up to the first collective
-whose output the record does not share (`record_prefix_divergence`).
+
+The record is a voter too. Each rank fed the source group's batches is held to the record of
+the rank it was fed from (`record_prefix_divergence`): in the window's first step its
+collective inputs must be the record's, up to the first collective whose output the record does
+not share (the first reduction over peers fed other batches). For the source group that is its
+own record; for a peer it holds only where the parameters are replicated over the peers (their
+state is the source's), so only then (`ParallelLayout.sharded` is false). That is what decides
+between **two** peers, where no majority exists: the one that left the record is odd; peers
+that differ where the record vouches for neither are ``undecided`` (a third group decides).
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -24,7 +32,7 @@ from ..capture.signature import SignatureLog
 from .messages import Messages
 
 MAJORITY_PEERS = 3
-"""Fewer peers than this have no majority: one against one names nobody."""
+"""Fewer peers than this have no majority: one against one names nobody but the record."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +67,21 @@ class PeerVote:
     origins: list[int]
     spread_from: dict[int, int]
     unjudged: int  # entries no majority of peers agreed on (shards)
+    tied: bool = False  # replicated values no majority or record decided between
 
     @property
     def verdict(self) -> str:
-        return "persistent" if self.origins else "correct"
+        return "persistent" if self.origins else "undecided" if self.tied else "correct"
+
+
+def _peer_name(entry: str) -> str:
+    """An entry's name as its peers know it: a collective's process group differs between peers
+    in a model-parallel dimension (each data-parallel group has its own tensor-parallel group),
+    what it carries does not."""
+    return _GROUP.sub("collective:#", entry, count=1)
+
+
+_GROUP = re.compile(r"^collective:[^#]*#")
 
 
 def first_odd_entries(
@@ -79,7 +98,7 @@ def first_odd_entries(
             entries = {rank: logs[rank].steps[step] for rank in present}
             length = min(len(found) for found in entries.values())
             for position in range(length):
-                names = {entries[rank][position][0] for rank in present}
+                names = {_peer_name(entries[rank][position][0]) for rank in present}
                 values = Counter(entries[rank][position][1] for rank in present)
                 value, count = values.most_common(1)[0]
                 if len(names) != 1 or count * 2 <= len(present):
@@ -112,8 +131,10 @@ def peer_vote(
     logs: dict[int, SignatureLog],
     against_record: dict[int, OddEntry] | None = None,
 ) -> PeerVote:
-    """The vote (module docstring); ``against_record``: source-group ranks whose own entries
-    left the record, odd as well (their first divergence from the record)."""
+    """The vote (module docstring); ``against_record``: ranks whose own entries left the
+    record, odd as well (their first divergence from it). Under a layout without shards, an
+    entry no majority agreed on is a tie, not a shard: with no origin named the vote is
+    ``undecided``."""
     odd, unjudged = first_odd_entries(layout, logs)
     for rank, entry in (against_record or {}).items():
         odd.setdefault(rank, entry)
@@ -129,4 +150,4 @@ def peer_vote(
         for rank in members:
             if rank not in starters:
                 spread[rank] = starters[0]
-    return PeerVote(odd, sorted(origins), spread, unjudged)
+    return PeerVote(odd, sorted(origins), spread, unjudged, bool(unjudged) and not layout.sharded)

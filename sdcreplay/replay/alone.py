@@ -5,13 +5,16 @@ stages the same way).
 The rank runs in a process of its own that believes it is rank R of the recorded world: its
 default process group is a `LonelyGroup`, in which every collective completes at once with this
 rank's own data as the result of a data-parallel world of one (an all-reduce leaves its input as
-it is, a broadcast keeps the local tensor, an all-gather repeats the local input). DDP divides
-its gradients by the recorded world size before its all-reduce, so every collective's *input*
-is the one the job computed, and is checked against the record's digest up to the first
-reduction whose output the record does not share; after it the replicas compute, bit for bit,
-the same thing as each other, not as the job (docs/at-scale.md). Devices used: one per
-replica, whatever the job's size. Parameters sharded over the peers (FSDP2) or a model-parallel
-group (TP, PP) need peers' data this process does not have, and are refused.
+it is, a broadcast keeps the local tensor, an all-gather repeats the local input, a
+reduce-scatter keeps this rank's chunk of its input), except FSDP2's all-gathers into one
+tensor, whose peers' chunks are their shards as the job bundle holds them (`alone_shards`).
+DDP divides its gradients by the recorded world size before its all-reduce (FSDP2 averages
+in its reduce-scatter), so every collective's *input* is the one the job computed, and is
+checked against the record's digest up to the first reduction whose output the record does
+not share; after it the replicas compute, bit for bit, the same thing as each other, not as
+the job (docs/at-scale.md). Devices used: one per replica, whatever the job's size. A
+model-parallel group (TP, PP) or parameters sharded over a mesh of several dimensions (HSDP)
+need peers' data this process does not have, and are refused.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from ..compare.messages import Messages
 from ..compare.peers import first_odd_entries, record_prefix_divergence
 from ..errors import DeviceError, SdcReplayError
 from ..ledger.notes import note_result
+from .alone_shards import PeerShards
 from .job import _check_job, _rank_run, check_fault_ranks, run_rank_replay_task
+from .kept_state import KeptState
 from .processes import run_device_processes
 from .replicas import ReplayReport, caveat_for, default_log_dir, progress_timeout
 from .worker import device_task, task_function, task_reference
@@ -73,6 +78,12 @@ class LonelyGroup(dist.ProcessGroup):
         return "sdcreplay_alone"
 
     group = "0"  # the default group's name, as its messages give it (join_alone sets it)
+    peer_shards: PeerShards | None = None  # FSDP2's peers' shards (join_alone sets them)
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """A device mesh asks; torch names a group written in Python through a backend it lacks."""
+        return self.group
 
     def _logged(self, operator: str, args: tuple, result: Any, fill: Any = None) -> Any:
         def issue() -> Any:
@@ -102,6 +113,44 @@ class LonelyGroup(dist.ProcessGroup):
 
         return self._logged("allgather_", (outputs, inputs, self.group), outputs, fill)
 
+    def all_gather_single(  # type: ignore[override]
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        """FSDP2's all-gather: the peers' chunks from the bundle (`alone_shards`)."""
+        shards = self.peer_shards
+        if shards is None:
+            raise SdcReplayError(
+                "rank alone: an all-gather into one tensor needs its peers' shards, and this "
+                "job's layout is not FSDP2's",
+                "Bisect this rank among its peers (`bisect JOB --rank R` without --alone).",
+            )
+        return self._logged(
+            "_allgather_base_",
+            (output, input, self.group),
+            output,
+            lambda: shards.fill(output, input),
+        )
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def reduce_scatter_single(  # type: ignore[override]
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        """A reduction over a world of one: this rank's own chunk of its input."""
+        if opts is not None and opts.reduceOp == dist.ReduceOp.PREMUL_SUM:
+            raise SdcReplayError(
+                "rank alone: a reduce-scatter with a pre-multiplied sum (its factor is not "
+                "readable here)",
+                "Bisect this rank among its peers (`bisect JOB --rank R` without --alone).",
+            )
+
+        def fill() -> None:
+            output.copy_(input.view(self.size(), -1)[self.rank()].view_as(output))
+
+        return self._logged("_reduce_scatter_base_", (output, input, self.group), output, fill)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
     def barrier(self, opts: Any = None) -> Any:  # type: ignore[override]
         return self._logged("barrier", ([], self.group), [])
 
@@ -110,9 +159,11 @@ def _lonely(store: Any, rank: int, size: int, timeout: Any) -> LonelyGroup:
     return LonelyGroup(rank, size)  # type: ignore[call-arg]
 
 
-def join_alone(rank: int, world_size: int, device: str) -> None:
+def join_alone(
+    rank: int, world_size: int, device: str, peer_shards: PeerShards | None = None
+) -> None:
     """Make this process rank ``rank`` of a ``world_size`` world without peers, computing on
-    ``device``'s kind."""
+    ``device``'s kind; ``peer_shards``: where FSDP2's all-gathers find the peers' chunks."""
     kind = device.split(":")[0]
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, _lonely, devices=["cpu", "cuda"])
@@ -121,14 +172,27 @@ def join_alone(rank: int, world_size: int, device: str) -> None:
     group = dist.distributed_c10d._get_default_group()
     world.pg_map[group] = (POSES_AS[kind], world.pg_map[group][1])
     LonelyGroup.group = world.pg_names[group]  # as the record names it ("0")
+    LonelyGroup.peer_shards = peer_shards
+    if peer_shards is not None:
+        peer_shards.install()
 
 
 @device_task
 def run_alone_task(
-    device: str, job: str, rank: int, world_size: int, task: str, arguments: dict
+    device: str,
+    job: str,
+    rank: int,
+    world_size: int,
+    task: str,
+    arguments: dict,
+    from_state: str | None = None,
 ) -> dict:
-    """Bisect's or replay's ``task`` on rank ``rank`` of the job, in a world without peers."""
-    join_alone(rank, world_size, device)
+    """Bisect's or replay's ``task`` on rank ``rank`` of the job, in a world without peers
+    (``from_state``: a kept state's directory, whose peers' shards FSDP2 gathers)."""
+    opened = JobBundle.open(job)
+    sharded = require_layout(opened.layout, opened.path).sharded
+    kept = KeptState.open(from_state, opened) if from_state else None
+    join_alone(rank, world_size, device, PeerShards(opened, rank, kept) if sharded else None)
     try:
         return task_function(task)(device=device, **arguments)
     finally:
@@ -144,8 +208,9 @@ def check_alone(job: JobBundle, rank: int) -> None:
         )
     layout = require_layout(job.layout, job.path)
     group = layout.model_parallel_group(rank)
-    if len(group) > 1 or layout.sharded:
-        what = "its parameters are sharded over its peers" if layout.sharded else (
+    hybrid = layout.sharded and len(layout.dimensions) > 1
+    if len(group) > 1 or hybrid:
+        what = "its parameters are sharded over a mesh of several dimensions" if hybrid else (
             f"its model-parallel group is ranks {group}"
         )  # fmt: skip
         raise SdcReplayError(
@@ -156,39 +221,51 @@ def check_alone(job: JobBundle, rank: int) -> None:
 
 
 def alone_consensus(
-    job: JobBundle, rank: int, logs: dict[str, SignatureLog], replayed: dict[str, Messages]
+    job: JobBundle,
+    rank: int,
+    logs: dict[str, SignatureLog],
+    replayed: dict[str, Messages],
+    record_step: int | None,
 ) -> Consensus:
-    """The replicas' vote: a replica whose collective inputs leave the record before the
-    first reduction it does not share is odd (`record_prefix_divergence`); so is one a strict
-    majority of the replicas disagrees with (`first_odd_entries`; two that differ after that
-    point are ``undecided``: a third label decides)."""
+    """The replicas' vote: a replica whose collective inputs leave the record in
+    ``record_step`` before the first reduction it does not share is odd
+    (`record_prefix_divergence`; None: the record does not vote, as from a kept state past the
+    window's start, which is not the job's); so is one a strict majority of the replicas
+    disagrees with (`first_odd_entries`; two that differ after that point are ``undecided``: a
+    third label decides)."""
     labels = list(logs)
     peers = ParallelLayout.data_parallel_world(len(labels))
-    odd, _ = first_odd_entries(peers, {i: logs[label] for i, label in enumerate(labels)})
-    first = job.rank(rank).steps[0].index
+    odd, tied = first_odd_entries(peers, {i: logs[label] for i, label in enumerate(labels)})
     recorded = job.rank(rank).messages()
     voters: dict[str, DeviceVerdict] = {}
     for index, label in enumerate(labels):
-        found = record_prefix_divergence(recorded, replayed.get(label, {}), first)
+        found = (
+            None
+            if record_step is None
+            else record_prefix_divergence(recorded, replayed.get(label, {}), record_step)
+        )
         where = None
-        if found is not None:
+        if found is not None and record_step is not None:
             message = found[1]
             name = f"collective:{message.process_group}#{message.op_id}:{message.profiling_name}"
-            where = Divergence(first, f"{name}.input", message.input_digest or "", "another")
+            where = Divergence(record_step, f"{name}.input", message.input_digest or "", "another")
         elif index in odd:
             where = Divergence(odd[index].step, odd[index].entry, "the others' value", "another")
         voters[label] = DeviceVerdict(
             "persistent" if where else "match", 1, int(bool(where)), where, {}
         )
     suspects = [label for label, judged in voters.items() if judged.verdict == "persistent"]
-    voters[RECORD] = DeviceVerdict("match", 1, 0, None, {})  # it judges, it is not judged
     differ = any(log.steps != logs[labels[0]].steps for log in logs.values())
+    if differ and not suspects:  # one against one: each replica is as likely
+        voters = {label: DeviceVerdict("undecided", 1, 0, None, {}) for label in labels}
+    voters[RECORD] = DeviceVerdict("match", 1, 0, None, {})  # it judges, it is not judged
     verdict = "persistent" if suspects else "undecided" if differ else "correct"
     return Consensus(
         verdict,  # type: ignore[arg-type]
         suspects if suspects else labels if differ else [],
         next((voters[s].first_divergence for s in suspects), None),
         voters,
+        undecided_entries=tied if differ and not suspects else 0,
     )
 
 
@@ -202,12 +279,15 @@ def replay_alone(
     log_dir: str | Path | None = None,
     timeout: float | None = None,
     ledger: bool = True,
+    from_state: str | Path | None = None,
 ) -> ReplayReport:
     """Phase 2 (module docstring): rank ``rank`` replayed alone once on each of ``devices``;
-    the replicas vote with each other, the record where the rank alone still computes it."""
+    the replicas vote with each other, the record where the rank alone still computes it;
+    ``from_state``: start at a kept state (`kept_state`) rather than the window's start."""
     job = JobBundle.open(bundle)
     first = _check_job(job)
     check_alone(job, rank)
+    kept = KeptState.open(from_state, job) if from_state is not None else None
     check_fault_ranks(inject, job.world_size)
     labels = list(devices)
     if len(labels) < 2 or len(set(labels)) != len(labels):
@@ -228,6 +308,7 @@ def replay_alone(
             "repeats": 1,
             "inject": list(inject),
             "last_step": last_step,
+            "start_state": None if kept is None else [str(kept.rank_state(rank)), kept.step],
         }
         return {
             "job": str(job.path),
@@ -235,6 +316,7 @@ def replay_alone(
             "world_size": job.world_size,
             "task": task_reference(run_rank_replay_task),
             "arguments": replay,
+            "from_state": None if kept is None else str(kept.path),
         }
 
     results = run_device_processes(
@@ -253,7 +335,10 @@ def replay_alone(
         if messages:
             replayed[label] = messages[0]
     healthy = {run.device: run.logs[0] for run in runs if run.error is None}
-    consensus = alone_consensus(job, rank, healthy, replayed) if healthy else None
+    window_start = part.steps[0].index
+    # a kept state past the window's start is a same-batch replay's, not the job's
+    record_step = window_start if kept is None or kept.step == window_start else None
+    consensus = alone_consensus(job, rank, healthy, replayed, record_step) if healthy else None
     for run in runs:
         if consensus is not None and run.device in consensus.voters:
             run.judgement = consensus.voters[run.device]

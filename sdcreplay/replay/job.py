@@ -71,16 +71,18 @@ def run_rank_replay_task(
     inject: Sequence[str] = (),
     last_step: int | None = None,
     feed_from: list[int] | None = None,
+    start_state: tuple[str, int] | None = None,
 ) -> dict:
     """One rank of a replica: its part's kernel probe, then its part replayed ``repeats`` times;
     signature and message logs. ``feed_from[rank]``: the rank whose batches and RNG states
-    this rank's steps run on (a same-batch replay), else its own."""
+    this rank's steps run on (a same-batch replay), else its own; ``start_state``: see
+    `replay_on_device`."""
     opened = JobBundle.open(job)
     part = opened.rank(this_rank())
     feed = None if feed_from is None else opened.rank(feed_from[this_rank()])
     with other_machine_kernels():
         probe = run_recorded_probe(part, device)
-        value = _replay_part(part, device, log_dir, repeats, inject, last_step, feed)
+        value = _replay_part(part, device, log_dir, repeats, inject, last_step, feed, start_state)
     return {**value, "probe": probe}
 
 
@@ -92,6 +94,7 @@ def _replay_part(
     inject: Sequence[str],
     last_step: int | None,
     feed: Bundle | None = None,
+    start_state: tuple[str, int] | None = None,
 ) -> dict:
     rank = this_rank()
     logs, message_logs, injected = [], [], []
@@ -116,6 +119,7 @@ def _replay_part(
             on_step=beat,
             after_step=keep,
             feed=feed,
+            start_state=start_state,
         )
         log.meta["rank"] = rank
         stem = Path(log_dir) / f"rank{rank}.r{repeat}"

@@ -346,6 +346,7 @@ def replay_on_device(
     on_step: Callable[[int], None] | None = None,
     after_step: Callable[[ReplaySession, int], None] | None = None,
     feed: Bundle | None = None,
+    start_state: tuple[str, int] | None = None,
 ) -> SignatureLog:
     """Replay the bundle's steps (up to ``last_step``) on one device label in this process.
 
@@ -353,7 +354,8 @@ def replay_on_device(
     varies the draws of intermittent faults between repeats; ``on_step(index)``
     is called as each step starts (the device process's liveness signal),
     ``after_step(session, index)`` as it ends (a rank takes its messages); ``feed``: the
-    bundle whose batches and RNG states the steps run on (`ReplaySession`).
+    bundle whose batches and RNG states the steps run on (`ReplaySession`); ``start_state``:
+    (a state `ReplaySession.save_state` wrote, the step it enters): start there.
     """
     session = ReplaySession(
         bundle,
@@ -366,7 +368,11 @@ def replay_on_device(
     )
     try:
         log = session.new_log(warnings=session.warnings, repeat=repeat)
+        if start_state is not None:
+            session.load_state(Path(start_state[0]))
         for record in session.steps_until(last_step):
+            if start_state is not None and record.index < start_state[1]:
+                continue
             if on_step is not None:
                 on_step(record.index)
             log.steps[record.index] = _run_workload_step(session, record)

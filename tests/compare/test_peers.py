@@ -1,13 +1,19 @@
 """The peer vote of a same-batch replay on hand-made logs: a strict majority names the odd
-rank at its first odd entry, shards judge nobody, a tensor-parallel partner is spread, and the
-source group is held to the record up to its first reduction."""
+rank at its first odd entry, shards judge nobody, a tensor-parallel partner is spread, the
+source group is held to the record up to its first reduction, and two peers are decided by the
+record or undecided."""
 
 from __future__ import annotations
 
 from sdcreplay.bundle.layout import ParallelLayout
 from sdcreplay.capture.message import Message
 from sdcreplay.capture.signature import SignatureLog
-from sdcreplay.compare.peers import first_odd_entries, peer_vote, record_prefix_divergence
+from sdcreplay.compare.peers import (
+    OddEntry,
+    first_odd_entries,
+    peer_vote,
+    record_prefix_divergence,
+)
 
 
 def log(*values: str, step: int = 0) -> SignatureLog:
@@ -42,6 +48,25 @@ def test_a_tensor_parallel_partner_is_spread_from_the_earlier_odd_rank():
     logs[3] = log("a", "b", "Z")  # (dp=1, tp=1): its partner's all-reduce brought it
     vote = peer_vote(layout, logs)
     assert vote.origins == [2] and vote.spread_from == {3: 2}
+
+
+def test_two_peers_are_decided_by_the_record_or_undecided():
+    layout = ParallelLayout.grid([("dp", 2, "replicate"), ("tp", 2, "tensor")])
+    logs = {rank: log("a", "b") for rank in range(4)}
+    logs[2] = log("a", "X")  # (dp=1, tp=0) against rank 0: one against one
+    tie = peer_vote(layout, logs)
+    assert (tie.verdict, tie.origins, tie.unjudged) == ("undecided", [], 1)
+    left = OddEntry(0, 3, "collective:0#3:gloo:all_reduce.input", 1, 1, against="record")
+    decided = peer_vote(layout, logs, {2: left})
+    assert (decided.verdict, decided.origins, decided.odd) == ("persistent", [2], {2: left})
+    # each data-parallel group has its own tensor-parallel group: peers' names differ in it
+    grouped = {
+        rank: SignatureLog(meta={}, steps={0: [(f"collective:{rank // 2 + 1}#0:all_reduce", "v")]})
+        for rank in range(4)
+    }
+    assert peer_vote(layout, grouped).verdict == "correct"
+    shards = ParallelLayout.data_parallel_world(2, "shard")  # a shard differs, no tie
+    assert peer_vote(shards, {0: log("s0"), 1: log("s1")}).verdict == "correct"
 
 
 def message(op_id: int, given: str, got: str) -> Message:
