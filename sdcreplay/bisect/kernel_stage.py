@@ -121,7 +121,7 @@ def run_kernel_log_task(
     bundle: str,
     step: int,
     work_dir: str,
-    entry_state: str,
+    entry_state: str | None,
     inject: Sequence[str] = (),
     *,
     expected_log: str | None = None,
@@ -134,8 +134,10 @@ def run_kernel_log_task(
     work = Path(work_dir)
     expected = json.loads(Path(expected_log).read_text()) if expected_log else None
     runs = repeats if expected is not None and watch is None else 1
+    steps_run = 0  # a job's rank among its peers has no saved state: it replays the window
     for repeat in range(runs):
         entry = _enter_step(bundle, device, inject, step, repeat, entry_state=entry_state)
+        steps_run += entry.window_steps + 1
         reference = records_from_json(expected, step) if expected is not None else None
         log = KernelLog(expected=None if watch is not None else reference, watch=watch)
         try:
@@ -145,22 +147,22 @@ def run_kernel_log_task(
         if watch is not None:  # the reference again: it must make its first run's calls
             _check_reproduced(expected or [], log, step)
             if log.kept is None:
-                return {"case": None}
+                return {"case": None, "steps_run": steps_run}
             path = work / "reference-kernel.h5"
             _kernel_case(log).write(path)
-            return {"case": str(path)}
+            return {"case": str(path), "steps_run": steps_run}
         if expected is None:
             path = work / "kernellog-reference.json"
             path.write_text(json.dumps(records_to_json(log.records)))
-            return {"log": str(path), "kernels": len(log.records), "steps_run": 1}
+            return {"log": str(path), "kernels": len(log.records), "steps_run": steps_run}
         problem = log.structure_error or log.missing_calls()
         if problem:
-            return {"structure_error": problem, "steps_run": repeat + 1}
+            return {"structure_error": problem, "steps_run": steps_run}
         if log.divergent is not None:
             path = work / "suspect-kernel.h5"
             _kernel_case(log).write(path)
-            return {"case": str(path), "repeats_run": repeat + 1, "steps_run": repeat + 1}
-    return {"case": None, "repeats_run": runs, "steps_run": runs}
+            return {"case": str(path), "repeats_run": repeat + 1, "steps_run": steps_run}
+    return {"case": None, "repeats_run": runs, "steps_run": steps_run}
 
 
 def _check_reproduced(expected: list, log: KernelLog, step: int) -> None:
@@ -225,7 +227,7 @@ def run_kernel_isolate_task(
     device: str,
     bundle: str,
     step: int,
-    entry_state: str,
+    entry_state: str | None,
     case_file: str,
     runs: int,
     inject: Sequence[str] = (),
@@ -244,7 +246,12 @@ def run_kernel_isolate_task(
             f"the step made no kernel call {case.site.index} ({case.site.kernel}) here",
             "Isolate with the torch and Inductor settings of the bisect that found it.",
         )
-    return {"runs": runs, "failures": isolator.failures, "first_failure": isolator.first_failure}
+    return {
+        "runs": runs,
+        "failures": isolator.failures,
+        "first_failure": isolator.first_failure,
+        "steps_run": entry.window_steps + 1,
+    }
 
 
 def bisect_kernels(
@@ -347,7 +354,8 @@ def bisect_kernels(
         "steps_run": {
             "kernels_reference": ref["steps_run"],
             "kernels_suspect": sus["steps_run"],
-            "kernels_fetch": 1,
-            "kernels_isolate": 1,
+            "kernels_fetch": fetched["steps_run"],
+            "kernels_isolate": isolated["steps_run"],
         },
+        "repeats_run": sus["repeats_run"],
     }

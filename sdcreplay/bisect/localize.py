@@ -264,9 +264,9 @@ def _localize(
     saving = {} if kept is not None else {"save_entry": entry_state}
     ref_log = run("oplog", run_oplog_task, reference, {**common, **saving})
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
-    if job is None and ref_log.get("kernel_calls") and suspect is not None:
+    if ref_log.get("kernel_calls") and suspect is not None:
         in_kernels = bisect_kernels(
-            single, common, reference, suspect, repeats, isolation_runs or max(repeats, 3),
+            run, common, reference, suspect, repeats, isolation_runs or max(repeats, 3),
             written.staging, on_event,
         )  # fmt: skip
         if in_kernels is not None:
@@ -274,7 +274,7 @@ def _localize(
             steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0)}
             steps |= {"oplog_reference": ref_log["steps_run"], **kernel_steps}
             result = {**base, "verdict": "divergence", "step": step, **replayed, **in_kernels}
-            result |= {"repeats_run": kernel_steps["kernels_suspect"], "steps_run": total(steps)}
+            result["steps_run"] = total(steps)
             return finish(result, on_event)
     on_event(
         "oplog", f"operator-level replay of step {step} on {suspect} (up to {repeats} repeats)"

@@ -327,12 +327,7 @@ def _on_output_code(code: str) -> None:
     from torch._guards import CompileContext
 
     compile_id = CompileContext.current_compile_id()
-    graph = CompiledGraph(
-        kind=(_AOT_ID.search(code) or _DEFAULT_KIND).group(1),
-        digest=code_digest(code),
-        kernels=tuple(_KERNEL.findall(code)),
-        compile_id=None if compile_id is None else str(compile_id),
-    )
+    graph = _graph(code, None if compile_id is None else str(compile_id))
     stack = _stack()
     if stack:  # the innermost watched region running compiled it
         owner, path = stack[-1]
@@ -345,6 +340,11 @@ def _on_output_code(code: str) -> None:
     owner_of = next((w for w in watches if graph.compile_id in w._by_compile_id), None)
     for watch in [owner_of] if owner_of is not None else watches:
         watch._add(graph, None)
+
+
+def _graph(code: str, compile_id: str | None) -> CompiledGraph:
+    kind = (_AOT_ID.search(code) or _DEFAULT_KIND).group(1)
+    return CompiledGraph(kind, code_digest(code), tuple(_KERNEL.findall(code)), compile_id)
 
 
 class _Kind:
@@ -418,6 +418,7 @@ class CompileWatch:
             for path in self._regions
         }
         self._by_compile_id: dict[str, str] = {}
+        self._reused: dict[str, set[str]] = {}  # region -> compile ids of code it ran, not made
         self._handles: list[Any] = []
         self._breaks_at_open = graph_breaks()
         # For code compiled outside every region (taken at once only for a compiled model).
@@ -472,8 +473,28 @@ class CompileWatch:
         if graph not in region.graphs and len(region.graphs) < MAX_GRAPHS:
             region.graphs.append(graph)
 
+    def _ran(self, graph: CompiledGraph, path: str) -> None:
+        """Region ``path``'s call ran ``graph``'s code: generated for it, or served from
+        Dynamo's cache, compiled for another region (identical blocks)."""
+        region = self._regions.get(path)
+        if region is None or any(g.digest == graph.digest for g in region.graphs):
+            return
+        known = [g for r in self._regions.values() for g in r.graphs if g.digest == graph.digest]
+        graph = known[0] if known else graph  # with the compile id its backward will have
+        if len(region.graphs) < MAX_GRAPHS:
+            region.graphs.append(graph)
+        if graph.compile_id is not None:
+            self._reused.setdefault(path, set()).add(graph.compile_id)
+
     def regions(self) -> list[CompiledRegion]:
-        """The regions and every graph generated for them since the watch opened."""
+        """The regions and every graph generated for them, or run from another region's
+        code, since the watch opened (a reused forward brings its backward along)."""
+        for path, compile_ids in self._reused.items():
+            region = self._regions[path]
+            for other in list(self._regions.values()):
+                for graph in other.graphs:
+                    if graph.compile_id in compile_ids and graph not in region.graphs:
+                        region.graphs.append(graph)
         return list(self._regions.values())
 
     @property
@@ -498,12 +519,38 @@ def watching(model: torch.nn.Module) -> Iterator[CompileWatch]:
 
 
 def _install() -> None:
-    """Chain our hook in front of whatever ``save_output_code`` was (once per process)."""
+    """Chain our hooks in front of whatever ``save_output_code`` and a compiled graph's call
+    were (once per process)."""
     from torch._inductor.graph import GraphLowering
+    from torch._inductor.output_code import CompiledFxGraph
 
     if GraphLowering.save_output_code is not _on_output_code:
         _installed[:] = [GraphLowering.save_output_code]
         GraphLowering.save_output_code = _on_output_code
+    call = CompiledFxGraph.__call__
+    if not getattr(call, "_sdcreplay", False):
+
+        def watched_call(graph: Any, inputs: Any) -> Any:
+            if _watches and _stack():
+                _on_graph_run(graph)
+            return call(graph, inputs)
+
+        watched_call._sdcreplay = True  # type: ignore[attr-defined]
+        CompiledFxGraph.__call__ = watched_call  # type: ignore[method-assign,assignment]
+
+
+def _on_graph_run(compiled: Any) -> None:
+    """A compiled graph runs inside a watched region's call: the region ran that code (its
+    digest taken once per graph object, from the code Inductor keeps on it)."""
+    graph = compiled.__dict__.get("_sdcreplay_graph")
+    if graph is None:
+        code = getattr(compiled, "source_code", None)
+        if not isinstance(code, str):
+            return
+        graph = compiled.__dict__["_sdcreplay_graph"] = _graph(code, None)
+    owner, path = _stack()[-1]
+    if owner in _watches:
+        _watches[owner]._ran(graph, path)
 
 
 def graph_breaks() -> int:
@@ -511,74 +558,6 @@ def graph_breaks() -> int:
     from torch._dynamo.utils import counters
 
     return sum(counters["graph_break"].values())
-
-
-# --- comparing a replay's code with the record's ---------------------------------------------
-
-
-def code_differences(recorded: list[CompiledRegion], replayed: list[CompiledRegion]) -> list[str]:
-    """Why a replica's generated code is not the record's, region by region (empty: the same
-    code, or none to compare). A region the record did not see compiled cannot be compared."""
-    differences = []
-    by_path = {region.path: region for region in recorded}
-    for region in replayed:
-        record = by_path.get(region.path)
-        if record is None:
-            if region.graphs:
-                differences.append(
-                    f"compiled: region {region.path} runs compiled code here, not in the record"
-                )
-            continue
-        if not record.observed:
-            continue
-        known = {(graph.kind, graph.digest) for graph in record.graphs}
-        other = [graph for graph in region.graphs if (graph.kind, graph.digest) not in known]
-        if not other:
-            continue
-        differences.append(
-            f"compiled: region {region.path}'s {other[0].kind} graph has other generated code "
-            f"than the record's ({_what_differs(record, region)})"
-        )
-    for record in recorded:
-        if record.observed and record.path not in {region.path for region in replayed}:
-            differences.append(f"compiled: region {record.path} is not compiled here")
-    return differences
-
-
-def _what_differs(record: CompiledRegion, replay: CompiledRegion) -> str:
-    settings = sorted(set(record.settings) | set(replay.settings))
-    changed = [
-        f"{name} {record.settings.get(name, 'default')} here {replay.settings.get(name, 'default')}"
-        for name in settings
-        if record.settings.get(name) != replay.settings.get(name)
-    ]
-    for attribute in ("backend", "mode", "options", "dynamic", "fullgraph"):
-        if getattr(record, attribute) != getattr(replay, attribute):
-            changed.append(
-                f"{attribute} {getattr(record, attribute)!r} here {getattr(replay, attribute)!r}"
-            )
-    if changed:
-        return "settings: " + "; ".join(changed[:4])
-    return "same settings: another torch, compiler or machine generated it"
-
-
-def entry_region(name: str, regions: list[CompiledRegion]) -> str | None:
-    """Which compiled region (and which of its graphs) computed signature entry ``name``, in
-    words; None for an entry computed outside every region (the optimizer's update)."""
-    kind, _, target = name.partition(":")
-    target = target.split("#")[0].split("[")[0]
-    if kind == "forward":
-        module, graph = target, "forward"
-    elif kind == "backward":
-        module, graph = target, "backward"
-    elif kind in ("grad", "step_grad"):
-        module, graph = target.rpartition(".")[0] or ROOT, "backward"
-    else:
-        return None
-    found = [region for region in regions if region.path != OUTSIDE and region.covers(module)]
-    if not found:
-        return None
-    return max(found, key=lambda region: len(region.path)).describe(graph)
 
 
 def _jsonable(value: Any) -> Any:

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .compiled import boundary_hooks
 from .digest import tensor_digest
 from .operators import _capture_depth, _own_work, compiled_modules, eager_modules
 
@@ -410,16 +411,20 @@ def observing_kernels(
     observers: Sequence[KernelObserver], step: int, model: torch.nn.Module | None = None
 ) -> Iterator[None]:
     """While open, every Inductor kernel call of this process is handed to ``observers`` with
-    its site in ``step``; ``model``'s modules name where a kernel ran (`_eager_modules`; a
-    backward kernel where its graph's forward ran; a model compiled in place, itself)."""
+    its site in ``step``; ``model``'s modules name where a kernel ran (`eager_modules`, and a
+    block compiled in place itself; a backward kernel where its graph's forward ran)."""
     install()
     regions = compiled_modules(model) if model is not None else {}
     run = _Run(list(observers), step, sorted(regions))
     handles = []
-    for path, module in (eager_modules(model) if model is not None else {}).items():
-        handles.append(module.register_forward_pre_hook(partial(_enter_region, run, path)))
-        handles.append(
-            module.register_forward_hook(partial(_leave_region, run, path), always_call=True)
+    # a block compiled in place names its own kernels: its hooks wrap its compiled call
+    hooked = {**(eager_modules(model) if model is not None else {}), **regions}
+    for path, module in hooked.items():
+        handles += boundary_hooks(
+            module,
+            partial(_enter_region, run, path),
+            partial(_leave_region, run, path),
+            always=True,
         )
     with _lock:
         if _active:

@@ -20,11 +20,11 @@ import torch
 
 from ..bundle.reader import Bundle
 from ..capture import determinism
-from ..capture.compiled import code_differences
 from ..capture.layers import grads_entering, state_digests
 from ..capture.message import Message
 from ..capture.probe import collecting_calls, record_probe
 from ..capture.signature import at_level, is_program_entry
+from ..compare.compiled_code import code_differences
 from ..errors import MessageOrderError, SdcReplayError, message_of
 from ..replay.session import ReplaySession
 

@@ -18,9 +18,10 @@ from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.manifest import CheckpointState
 from ..bundle.reader import Bundle
 from ..capture import determinism
-from ..capture.compiled import CompiledRegion, code_differences, entry_region
+from ..capture.compiled import CompiledRegion
 from ..capture.faults import parse_specs
 from ..capture.signature import SignatureLog, read_signature_log
+from ..compare.compiled_code import code_differences, entry_region
 from ..compare.logs import RECORD, Consensus, DeviceVerdict, vote
 from ..devices import validate_label
 from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError

@@ -1,7 +1,9 @@
 """Bisect inside compiled code: a user's loop script with a ``torch.compile``d step (CPU
 Inductor), recorded in its own process; a fault planted for cpu:1 in one Inductor kernel's
 output is named by the kernel's generated name, the ATen operators it fused, the output, the
-element and the bit, and the kernel re-run alone still writes it wrong there."""
+element and the bit, and the kernel re-run alone still writes it wrong there. A whole model
+compiled by the user's loop (tests/compiled_loop.py), and a DDP job's rank, are bisected to the
+kernel in tests/recording/test_compiled_loop.py on the bundles recorded there."""
 
 from __future__ import annotations
 
@@ -133,36 +135,3 @@ def test_minimize_measures_the_kernel_alone_and_its_ticket_runs_it_standalone(
     )  # fmt: skip
     assert drill.returncode == 1, drill.stdout + drill.stderr[-2000:]
     assert "failed 5 of 5" in drill.stdout and "XOR mask 0x08000000" in drill.stdout
-
-
-def test_a_whole_compiled_model_bisects_to_the_kernel_of_its_second_block(tmp_path, cli):
-    """``torch.compile(model)`` (the compiled branch's loop script, the whole model one region):
-    the second call of the blocks' fused forward kernel, its activation output."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable, str(TESTS / "compiled_loop.py"), "full.bundle", "--compile", "full",
-            "--signature", "boundary", "--steps", "2",
-        ],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    bundle = tmp_path / "full.bundle"
-    listed = json.loads(cli("ops", bundle, "--step", "1", "--json").stdout)
-    fused = [k for k in listed["kernels"] if k["kernel"].startswith("cpp_fused_")]
-    second = next(k for k in fused if k["phase"] == "forward" and k["nth"] == 1)
-    assert "aten.native_layer_norm" in second["fused"] and "aten.relu" in second["fused"]
-    spec = second["spec"] + ",output=2,index=13,bit=20,device=cpu:1"
-    found = cli(
-        "bisect", bundle, "--suspect", "cpu:1", "--reference", "cpu:0", "--inject", spec,
-        "--out", tmp_path / "full.bisect", "--json",
-    )  # fmt: skip
-    assert found.exit_code == 1, found.output
-    report = json.loads(found.stdout)
-    assert (report["level"], report["phase"], report["module"]) == ("kernel", "forward", "<root>")
-    kernel = report["kernel"]
-    assert (kernel["name"], kernel["nth"], kernel["index"]) == (
-        second["kernel"], 1, second["index"],
-    )  # fmt: skip
-    assert report["output_index"] == 2 and report["elements"]["indices"] == [13]
-    assert report["bits"]["histogram"] == {"20": 1} and report["isolated"] == "kernel"

@@ -19,13 +19,12 @@ from sdcreplay.capture.compiled import (
     ROOT,
     CompiledGraph,
     CompiledRegion,
-    code_differences,
-    entry_region,
     find_regions,
     graph_breaks,
     regions_problem,
     watching,
 )
+from sdcreplay.compare.compiled_code import code_differences, entry_region
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compiled_loop import Net, make_workload  # noqa: E402
@@ -129,15 +128,18 @@ def test_each_regions_forward_and_backward_code_is_digested_as_inductor_writes_i
         assert all(k.startswith("cpp_fused_") for g in region.graphs for k in g.kernels)
         assert region.settings["(cpu vector isa)"]
     # A second model of the same code in this process: Dynamo's caches, nothing regenerated;
-    # a fresh watch of a fresh compile sees the very same code.
-    again = Net()
+    # a fresh watch of a fresh compile sees the very same code. Its third block generates
+    # nothing: Dynamo's cache serves it the second block's code, which it lists as the code it
+    # ran, forward and backward.
+    again = Net(depth=3)
     for block in again.layers:
         block.compile()
     with watching(again) as watch:
         torch._dynamo.reset()
         again(x).sum().backward()
         digests = {r.path: [g.digest for g in r.graphs] for r in watch.regions()}
-    assert digests == {path: [g.digest for g in r.graphs] for path, r in regions.items()}
+    first = {path: [g.digest for g in r.graphs] for path, r in regions.items()}
+    assert digests == {**first, "layers.2": first["layers.1"]}
     assert net.layers[0]._compiled_call_impl.__name__ == "_call_impl"  # the watch let go
 
 

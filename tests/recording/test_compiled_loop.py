@@ -1,11 +1,13 @@
 """A user's loop over a `torch.compile`d model, as a subprocess: recorded, replayed on cpu:0..2,
-a fault planted for cpu:1 found, and a replay that generates other code refused.
+a fault planted for cpu:1 found and bisected, and a replay that generates other code refused.
 
-The fault is a bit flipped in a parameter's memory before step 1 on cpu:1 (``memflip``): the
-compiled step's kernels read it. CPU Inductor compiles cost seconds each on a loaded
-machine; the suite runs the whole model at the layer level, the block-compiled model at the
-boundary level and a 2-rank DDP job; ``SDCREPLAY_COMPILED_FULL=1`` adds the other levels,
-``dynamic=True`` and ``fullgraph=True``.
+The whole model's fault is a bit flipped in one fused Inductor kernel's output (``kernel=``),
+found by the replay and named by bisect's kernel stage; the block-compiled model's is a bit
+flipped in a parameter's memory before step 1 (``memflip``), which the compiled kernels read;
+the 2-rank DDP job's is a kernel fault on rank 1, its origin rank named, then bisected on that
+rank. CPU Inductor compiles cost seconds each on a loaded machine; the suite runs the whole
+model at the layer level, the block-compiled model at the boundary level and the DDP job;
+``SDCREPLAY_COMPILED_FULL=1`` adds the other levels, ``dynamic=True`` and ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -71,8 +73,7 @@ def _incomparable_under_another_setting(bundle: Path, sdcreplay_exe: str, region
     assert f"region {region}" in done.stderr and "Error:" in done.stderr
 
 
-def _planted_fault_is_found(bundle: Path, tmp_path: Path, param: str, region: str) -> None:
-    spec = f"kind=memflip,param={param},step=1,index=3,bit=20,device=cpu:1"
+def _planted_fault_is_found(bundle: Path, tmp_path: Path, spec: str, region: str) -> None:
     report = _replay(bundle, tmp_path, "fault", inject=[spec])
     assert report.exit_code == 1
     assert (report.consensus.verdict, report.consensus.suspects) == ("persistent", ["cpu:1"])
@@ -90,7 +91,7 @@ def _each_replica_ran_the_recorded_code(report, regions: list[dict]) -> None:
 
 
 def test_a_whole_compiled_model_records_replays_and_names_the_faulty_replica(
-    tmp_path, sdcreplay_exe
+    tmp_path, sdcreplay_exe, cli
 ):
     bundle, regions = _record(tmp_path, "--compile", "full", "--signature", "layer")
     assert [(r["path"], [g["kind"] for g in r["graphs"]]) for r in regions] == [
@@ -101,15 +102,39 @@ def test_a_whole_compiled_model_records_replays_and_names_the_faulty_replica(
     report = _replay(bundle, tmp_path, "correct")
     assert (report.exit_code, report.consensus.verdict) == (0, "correct")
     _each_replica_ran_the_recorded_code(report, regions)
-    _planted_fault_is_found(bundle, tmp_path, "_orig_mod.layers.0.fc.weight", "<root>")
+    # the blocks' fused forward kernel (one definition, called once per block): the second call
+    (forward,) = [g for g in regions[0]["graphs"] if g["kind"] == "forward"]
+    kernel = forward["kernels"][0]
+    spec = (
+        f"kind=bitflip,kernel={kernel},phase=forward,step=1,nth=1,output=2,index=13,bit=20,"
+        "device=cpu:1"
+    )
+    _planted_fault_is_found(bundle, tmp_path, spec, "<root>")
+    _bisect_names_the_kernel(bundle, tmp_path, spec, cli, kernel)
     _incomparable_under_another_setting(bundle, sdcreplay_exe, "<root>")
+
+
+def _bisect_names_the_kernel(bundle: Path, tmp_path: Path, spec: str, cli, kernel: str) -> None:
+    found = cli(
+        "bisect", bundle, "--suspect", "cpu:1", "--reference", "cpu:0", "--trust-workload",
+        "--inject", spec, "--out", tmp_path / "r.bisect", "--json",
+        env={"SDCREPLAY_LEDGER": "off"},
+    )  # fmt: skip
+    assert found.exit_code == 1, found.output
+    report = json.loads(found.stdout)
+    assert (report["step"], report["level"], report["phase"]) == (1, "kernel", "forward")
+    assert (report["kernel"]["name"], report["kernel"]["nth"]) == (kernel, 1)
+    assert {"aten.native_layer_norm", "aten.relu"} <= set(report["kernel"]["fused"])
+    assert report["output_index"] == 2 and report["elements"]["indices"] == [13]
+    assert report["bits"]["histogram"] == {"20": 1} and report["isolated"] == "kernel"
 
 
 def test_a_block_compiled_model_at_the_boundary_level(tmp_path, sdcreplay_exe):
     bundle, regions = _record(tmp_path, "--compile", "blocks", "--signature", "boundary")
     assert [r["path"] for r in regions] == ["layers.0", "layers.1"]
     assert Bundle.open(bundle).verified
-    _planted_fault_is_found(bundle, tmp_path, "layers.1.fc.weight", "layers.1")
+    memflip = "kind=memflip,param=layers.1.fc.weight,step=1,index=3,bit=20,device=cpu:1"
+    _planted_fault_is_found(bundle, tmp_path, memflip, "layers.1")
     if FULL:  # the whole model's test refuses other code in the suite
         _incomparable_under_another_setting(bundle, sdcreplay_exe, "layers.0")
 
@@ -132,29 +157,67 @@ def test_every_variant_replays_correct(tmp_path, args):
     _each_replica_ran_the_recorded_code(report, regions)
 
 
-def test_a_ddp_job_with_compiled_blocks_names_the_origin_rank(tmp_path):
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory) -> tuple[Path, str]:
+    """A 2-rank DDP job over the block-compiled model, recorded once for this module, and a
+    fault planted for rank 1 on cpu:1 in the second block's fused forward kernel."""
     ref = f"{LOOP}:make_workload"
     with trust.granting([ref]):
         summary = record_job(
             ref,
-            tmp_path / "job.bundle",
+            tmp_path_factory.mktemp("ddp") / "job.bundle",
             nproc=2,
             steps=2,
             kwargs={"compile": "blocks", "parallel": "ddp"},
             signature="boundary",
         )
-        assert summary.exit_code == 0
-        part = Bundle.open(Path(summary.bundle) / "ranks" / "000001")
-        assert part.verified
-        assert [r.path for r in part.compiled_regions] == ["layers.0", "layers.1"]
-        assert all(r.graphs for r in part.compiled_regions)
+    assert summary.exit_code == 0
+    part = Bundle.open(Path(summary.bundle) / "ranks" / "000001")
+    assert part.verified
+    assert [r.path for r in part.compiled_regions] == ["layers.0", "layers.1"]
+    assert all(r.graphs for r in part.compiled_regions)
+    block = part.compiled_regions[1]
+    (forward,) = [g for g in block.graphs if g.kind == "forward"]
+    (kernel,) = forward.kernels  # Linear's GEMM is an extern call; the rest is fused in one
+    fault = (
+        f"kind=bitflip,kernel={kernel},module=layers.1,phase=forward,step=1,output=2,"
+        "index=13,bit=20,rank=1,device=cpu:1"
+    )
+    return Path(summary.bundle), fault
+
+
+def test_a_ddp_job_with_compiled_blocks_names_the_origin_rank(ddp_job, tmp_path):
+    job, fault = ddp_job
+    with trust.granting([f"{LOOP}:make_workload"]):
         report = replay_job(
-            summary.bundle,
-            inject=["kind=memflip,param=layers.0.fc.weight,step=1,index=3,bit=20,rank=1"],
-            log_dir=tmp_path / "replay",
-            ledger=False,
+            job, ["cpu:0", "cpu:1"], inject=[fault], log_dir=tmp_path / "replay", ledger=False
         )
     data = report.to_json()
     assert (data["origin_rank"], data["spread_ranks"]) == (1, [0])
     rank0 = data["ranks"][0]["devices"][0]
     assert rank0["first_divergence_in"].startswith("compiled region layers.0 (inductor, backward")
+    (injected,) = data["ranks"][1]["devices"][0]["injected"][0]
+    assert (injected["module"], injected["elements"], injected["bit"]) == ("layers.1", [13], 20)
+
+
+def test_bisect_on_the_origin_rank_names_the_compiled_kernel_element_and_bit(ddp_job, cli):
+    """The kernel stage on a job's rank: every run is the whole job, rank 1 on the device
+    under test, rank 0 serving the collectives."""
+    job, fault = ddp_job
+    found = cli(
+        "bisect", job, "--rank", "1", "--suspect", "cpu:1", "--reference", "cpu:0",
+        "--step", "1", "--trust-workload", "--inject", fault, "--out", job.with_name("r.bisect"),
+        "--json", env={"SDCREPLAY_LEDGER": "off"},
+    )  # fmt: skip
+    assert found.exit_code == 1, found.output
+    report = json.loads(found.stdout)
+    assert (report["rank"], report["step"], report["level"]) == (1, 1, "kernel")
+    assert (report["phase"], report["module"]) == ("forward", "layers.1")
+    kernel = report["kernel"]
+    assert fault.startswith(f"kind=bitflip,kernel={kernel['name']},")
+    assert kernel["name"].startswith("cpp_fused_") and kernel["nth"] == 1
+    assert {"aten.native_layer_norm", "aten.relu", "aten.add"} <= set(kernel["fused"])
+    assert report["output_index"] == 2 and report["elements"]["indices"] == [13]
+    assert report["elements"]["positions"] == [[1, 5]] and report["elements"]["xor"] == ["00100000"]
+    assert report["bits"]["histogram"] == {"20": 1}
+    assert report["isolated"] == "kernel" and report["isolation"]["failures"] == 3
