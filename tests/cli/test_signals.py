@@ -246,9 +246,11 @@ def test_a_signal_at_any_moment_ends_the_command_cleanly(command, inputs, tmp_pa
         said += ended["stderr"][-3000:]
         assert "Traceback" not in ended["stderr"], said
         assert not ended["alive"], said
-        if ended["sent"]:
+        if ended["sent"] and ended["code"] != -signum:
             assert ended["code"] == 128 + signum, said
             assert f"Interrupted ({signum.name})" in ended["stderr"], said
+        # -signum: the signal came after the command's work, while Python shut down with its
+        # handlers already reset; a shell reports that as 128 + signum too, and nothing is lost.
         partial = [path for path in cwd.rglob("*.partial")]
         named = [cwd / path for path in named_leftovers(ended["stderr"])]  # as the command saw
         assert all(path.exists() for path in named), said
