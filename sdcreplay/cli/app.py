@@ -274,13 +274,10 @@ def replay(
             not no_ledger,
         )
     devices = device or ["cpu"]
-    finished: list[str] = []
     with trusting(bundle, trust_workload, workload), output.stages() as progress:
 
         def on_done(label: str, result: DeviceResult) -> None:
-            finished.append(label)
-            how = "finished" if result.error is None else "failed"
-            progress.update("replaying", len(finished), len(devices), f"{label} {how}")
+            progress.device_done("replaying", label, result.error is not None, len(devices))
 
         progress.update("replaying", 0, len(devices), ", ".join(devices))
         return replay_devices(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -23,6 +23,9 @@ from .render_fleet import (
     render_export,
     render_screen,
 )
+
+if TYPE_CHECKING:
+    from ..replay.worker import DeviceResult
 
 devices_app = typer.Typer(
     name="devices",
@@ -112,11 +115,9 @@ def screen(
     from ..fleet.screen import screen as run_screen
 
     with output.stages() as progress:
-        finished: list[str] = []
 
-        def on_done(label: str, _: object) -> None:
-            finished.append(label)
-            progress.update("screening", len(finished), len(device), f"{label} finished")
+        def on_done(label: str, result: DeviceResult) -> None:
+            progress.device_done("screening", label, result.error is not None, len(device))
 
         progress.update("screening", 0, len(device), ", ".join(device))
         return run_screen(

@@ -114,6 +114,7 @@ class Stages:
         )
         self.tasks: dict[str, TaskID] = {}
         self.current: dict[str, Any] | None = None
+        self.ended: dict[str, list[tuple[str, bool]]] = {}
 
     def update(
         self, stage: str, done: int | None = None, total: int | None = None, note: str = ""
@@ -133,6 +134,19 @@ class Stages:
             counts=_counts(done, total),
             note=escape(without_controls(note)),
         )
+
+    def device_done(self, stage: str, label: str, failed: bool, total: int) -> None:
+        """One of ``total`` device processes ended. The stage's last line sums them up (which
+        failed, else all finished) rather than naming whichever process the scheduler ended
+        last, so a log says the same of the same run."""
+        ended = self.ended.setdefault(stage, [])
+        ended.append((label, failed))
+        if len(ended) < total:
+            self.update(stage, len(ended), total, f"{label} {'failed' if failed else 'finished'}")
+            return
+        failures = [name for name, did_fail in ended if did_fail]
+        note = f"{', '.join(failures)} failed" if failures else "all finished"
+        self.update(stage, total, total, note)
 
     def begin(self, stage: str, note: str = "") -> None:
         """A new stage, even one named as the last (bisect replays a step on each device)."""

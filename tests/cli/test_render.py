@@ -11,6 +11,7 @@ import io
 import re
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from sdcreplay.bundle.info import describe
@@ -92,6 +93,23 @@ def test_a_log_gets_one_line_per_stage_with_its_count_total_and_time():
         assert re.fullmatch(
             rf"oplog: operator-level replay of step 1 on {device} \(\d+\.\d s\)", line
         )
+
+
+@pytest.mark.parametrize(
+    "order", [("cpu:0", "cpu:1", "cpu:2"), ("cpu:2", "cpu:0", "cpu:1"), ("cpu:1", "cpu:2", "cpu:0")]
+)
+@pytest.mark.parametrize("failing", [(), ("cpu:1",), ("cpu:0", "cpu:2")])
+def test_a_log_says_the_same_of_device_processes_whichever_ends_last(order, failing):
+    """The line a replay or a screen leaves sums its devices up: the failed ones in the order
+    they ended, else "all finished"; never whichever process the scheduler ended last."""
+    screen, buffer = console(terminal=False)
+    with Output(console=screen).stages() as progress:
+        for label in order:
+            progress.device_done("replaying", label, label in failing, len(order))
+    (line,) = buffer.getvalue().splitlines()
+    ended = [label for label in order if label in failing]
+    note = f"{', '.join(ended)} failed" if ended else "all finished"
+    assert re.fullmatch(rf"replaying: 3/3, {re.escape(note)} \(\d+\.\d s\)", line), line
 
 
 def test_a_terminal_sees_each_stage_against_its_real_total():

@@ -308,8 +308,8 @@ VARYING = [
     (re.compile(r"\b\d+(\.\d+)? (B|KiB|MiB|GiB)\b"), "<size>"),  # the manifest holds the host
     (re.compile(r"\bpid \d+"), "pid <pid>"),
     (re.compile(r"\b[0-9a-f]{64}\b"), "<sha256>"),  # a manifest's (an incident's) holds times
-    # which device process ends last, in a progress line, is the scheduler's choice
-    (re.compile(r"^(\w+: \d+/\d+), \S+ finished"), r"\1, <device> finished"),
+    # the machine a page was generated on (its CPU model and flags) is not the one it is read on
+    (re.compile(r'("cpu\.(model|flags)": )"[^"]*"'), r'\1"<cpu>"'),
     (re.compile(r"(?<![\w.-])h(1(70*)?)?(?![\w-])"), "<host>"),  # host_shown() of any length
     (re.compile(r"[ \t]+"), " "),  # table columns widen and narrow with the values above
     (re.compile(r"([─━═┄-])\1+"), r"\1"),

@@ -69,6 +69,12 @@ def test_what_varies_between_runs_is_all_that_is_normalized() -> None:
     ) == (doccheck.normalized(["done (12.9 s) at 2026-12-02T01:00:00+00:00 in 20261202-010000"]))
     assert doccheck.normalized(["failed 3 of 1000"]) != doccheck.normalized(["failed 4 of 1000"])
     assert doccheck.normalized(["bit 22"]) != doccheck.normalized(["bit 21"])
+    assert doccheck.normalized(['"cpu.flags": "sse4_2 avx avx2 fma",']) == doccheck.normalized(
+        ['"cpu.flags": "sse4_2 avx avx2 fma avx512f",']
+    )
+    assert doccheck.normalized(["replaying: 3/3, cpu:1 failed"]) != doccheck.normalized(
+        ["replaying: 3/3, all finished"]
+    )
 
 
 def test_placeholders_and_unmarked_commands_are_found(tmp_path: Path) -> None:
