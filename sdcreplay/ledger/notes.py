@@ -70,13 +70,15 @@ def note(
     records: Sequence[Record], location: str | None = None, *, wait: float | None = None
 ) -> bool:
     """Append ``records``; False (and a warning) when the ledger could not take them.
-    ``wait``: seconds at most for the whole append (its lock, its server)."""
+    ``wait``: seconds at most for the whole append (its lock, its server); never more than
+    any command waits (a server's 5 s, another writer's lock 60 s), so a screen with a long
+    budget does not spend it on a silent server."""
     if not records or is_off(location):
         return False
     chosen = ledger_location(location)
     where = shown(chosen)
-    if wait is None:
-        wait = CONNECT_SECONDS if is_postgres(chosen) else BUSY_SECONDS
+    usual = CONNECT_SECONDS if is_postgres(chosen) else BUSY_SECONDS
+    wait = usual if wait is None else min(wait, usual)
     outcome: list[BaseException | None] = []
     given_up = threading.Event()
 
