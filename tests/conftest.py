@@ -319,11 +319,11 @@ def _postgres_schema(url: str):
     return schema, f"{url}{separator}options=-csearch_path%3D{schema}"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def ledger_url(request, tmp_path: Path) -> Iterator[str]:
-    """A new, empty ledger on each backend: a SQLite file, or a schema of its own on the
-    PostgreSQL server ``SDCREPLAY_TEST_POSTGRES`` names."""
-    if request.param == "sqlite":
+@contextlib.contextmanager
+def _empty_ledger(backend: str, tmp_path: Path) -> Iterator[str]:
+    """A new, empty ledger: a SQLite file, or a schema of its own on the PostgreSQL server
+    ``SDCREPLAY_TEST_POSTGRES`` names (skipped without one, failed without one in CI)."""
+    if backend == "sqlite":
         yield str(tmp_path / "ledger.sqlite")
         return
     url = os.environ.get(POSTGRES_ENV)
@@ -339,6 +339,26 @@ def ledger_url(request, tmp_path: Path) -> Iterator[str]:
     finally:
         with psycopg.connect(url, autocommit=True) as connection:
             connection.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request, tmp_path: Path) -> Iterator[str]:
+    """A new, empty ledger on each backend, one test each."""
+    with _empty_ledger(request.param, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def ledger_urls(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A new, empty ledger on each backend at once, for a test that shares one run between
+    them (the PostgreSQL one left out, and said so, where no server is given outside CI)."""
+    with contextlib.ExitStack() as stack:
+        urls = {"sqlite": stack.enter_context(_empty_ledger("sqlite", tmp_path))}
+        if os.environ.get(POSTGRES_ENV) or os.environ.get("CI") == "true":
+            urls["postgresql"] = stack.enter_context(_empty_ledger("postgresql", tmp_path))
+        else:
+            print(f"no PostgreSQL server given ({POSTGRES_ENV}): SQLite only")
+        yield urls
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

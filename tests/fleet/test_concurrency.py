@@ -1,7 +1,8 @@
 """Jobs that start together never mix evidence: 8 `replay` and 8 `screen` processes started in
 the same second on one bundle and one corpus, some with a fault planted on cpu:1 (by --inject
-or SDCREPLAY_INJECT), the others clean, each get their own verdict, and the shared ledger holds
-every job's records exactly once, on SQLite and on PostgreSQL.
+or SDCREPLAY_INJECT), the others clean, each get their own verdict, and the shared ledgers hold
+every job's records exactly once: half the jobs (4 replays and 4 screens, planted by either way
+and clean) write to one SQLite ledger and half to one PostgreSQL ledger, all in the same round.
 
 Once, log directories were named by the second they were made in: processes that started
 together shared one and read each other's results (a planted replay said ``match``, clean
@@ -53,13 +54,20 @@ def _start(exe: str, args: list[str], env: dict[str, str], out: Path) -> subproc
         )
 
 
-def _round(exe: str, bundle: Path, corpus: Path, ledger: str, first_job: int, cwd: Path):
+def _ledger_of(index: int, ledgers: list[str]) -> str:
+    """Jobs 0-3 of each command on the first ledger, 4-7 on the second: each gets a planted
+    --inject, a planted SDCREPLAY_INJECT and two clean jobs of each command."""
+    return ledgers[(index % JOBS) * len(ledgers) // JOBS]
+
+
+def _round(exe: str, bundle: Path, corpus: Path, ledgers: list[str], first_job: int, cwd: Path):
     """Start every job at once; return [(job, command, planted, exit code, JSON, stderr)]."""
     jobs = []
     for index in range(2 * JOBS):
         command = "replay" if index < JOBS else "screen"
         job = str(first_job + index)
         flags, env = _plant(index % JOBS, REPLAY_FAULT if command == "replay" else SCREEN_FAULT)
+        ledger = _ledger_of(index, ledgers)
         devices = [word for label in DEVICES for word in ("--device", label)]
         if command == "replay":
             args = ["replay", str(bundle), *devices, "--timeout", "300"]
@@ -106,30 +114,37 @@ def _check_verdict(command: str, planted: bool, code: int, report: dict) -> None
 
 
 def test_sixteen_jobs_at_once_each_get_their_own_verdict_and_every_record_once(
-    small_bundle: Path, tickets: list[Path], ledger_url: str, sdcreplay_exe: str, tmp_path: Path
+    small_bundle: Path,
+    tickets: list[Path],
+    ledger_urls: dict[str, str],
+    sdcreplay_exe: str,
+    tmp_path: Path,
 ):
     corpus = tmp_path / "corpus"
     add_tickets(corpus, tickets)
+    ledgers = list(ledger_urls.values())
     for round_number in range(ROUNDS):
         started = time.monotonic()
         first_job = 1001 + 2 * JOBS * round_number
-        done = _round(sdcreplay_exe, small_bundle, corpus, ledger_url, first_job, tmp_path)
-        log_dirs, expected_records = [], Counter()
-        for job, command, planted, code, stdout, stderr in done:
+        done = _round(sdcreplay_exe, small_bundle, corpus, ledgers, first_job, tmp_path)
+        log_dirs = []
+        expected_records: dict[str, Counter] = {ledger: Counter() for ledger in ledgers}
+        for index, (job, command, planted, code, stdout, stderr) in enumerate(done):
             assert stdout, f"round {round_number}, job {job} ({command}): {stderr[-2000:]}"
             report = json.loads(stdout)
             _check_verdict(command, planted, code, report)
             assert "not in the ledger" not in stderr, stderr  # the ledger took every verdict
             log_dirs.append(report["log_dir"])
             for label, verdict in EXPECTED[command, planted].items():
-                expected_records[job, command, label, verdict] += 1
+                expected_records[_ledger_of(index, ledgers)][job, command, label, verdict] += 1
         assert len(set(log_dirs)) == len(log_dirs)  # each process had its own
-        with Ledger.open(ledger_url) as ledger:
-            written = Counter(
-                (r.job, r.command, r.label, r.verdict)
-                for r in ledger.records()
-                if r.job is not None and first_job <= int(r.job) < first_job + 2 * JOBS
-            )
-        assert written == expected_records, f"round {round_number}"
+        for backend, url in ledger_urls.items():
+            with Ledger.open(url) as ledger:
+                written = Counter(
+                    (r.job, r.command, r.label, r.verdict)
+                    for r in ledger.records()
+                    if r.job is not None and first_job <= int(r.job) < first_job + 2 * JOBS
+                )
+            assert written == expected_records[url], f"round {round_number}, {backend}"
         seconds = time.monotonic() - started
         print(f"round {round_number + 1} of {ROUNDS} passed in {seconds:.0f} s", flush=True)
