@@ -104,7 +104,7 @@ def test_record_info_replay_json(tmp_path: Path, cli):
     assert report["consensus"]["verdict"] == "correct"
     assert report["record"]["verdict"] == "match"
     assert all(Path(log).is_file() for log in device["logs"])
-    assert re.search(r"^replaying: 1/1, cpu finished \(\d+\.\d s\)$", result.stderr, re.M)
+    assert re.search(r"^replaying: 1/1, all finished \(\d+\.\d s\)$", result.stderr, re.M)
 
 
 def test_record_signature_boundary_and_info_shows_the_level(tmp_path: Path, cli):
