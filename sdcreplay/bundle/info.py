@@ -11,7 +11,7 @@ from typing import Any
 
 from ..capture.comparable import must_match
 from ..errors import BundleError
-from .job_bundle import JobBundle, is_job_bundle
+from .job_bundle import JobBundle, is_job_bundle, job_of_part
 from .manifest import JOB_SCHEMA
 from .reader import Bundle
 
@@ -50,24 +50,66 @@ class BundleInfo:
     messages: int | None = None  # a job bundle: messages logged by all its ranks
     parts: list[dict] | None = None  # a job bundle: per rank its device, steps and messages
     layout: dict | None = None  # a job bundle: its mesh (bundle/layout.py; None: not recorded)
+    job: str | None = None  # one rank's part: the job it belongs to
+    rank: int | None = None  # one rank's part: its rank (``ranks``: the job's world size)
+    coordinates: str | None = None  # one rank's part: where it lies in the job's mesh
 
     exit_code = 0
 
     JOB_ONLY = ("ranks", "messages", "parts", "layout")
+    RANK_ONLY = ("job", "rank", "coordinates")
 
     def to_json(self) -> dict:
         body = {"schema": "sdcreplay.info/1", **vars(self)}
-        if self.ranks is None:
-            body = {key: value for key, value in body.items() if key not in self.JOB_ONLY}
-        return body
+        left_out: tuple[str, ...] = self.JOB_ONLY if self.ranks is None else ()
+        left_out += self.RANK_ONLY if self.rank is None else ("parts",)  # one part: no parts
+        return {key: value for key, value in body.items() if key not in left_out}
 
 
-def describe(path: str | Path) -> BundleInfo:
+def describe(path: str | Path, rank: int | None = None) -> BundleInfo:
     """What ``sdcreplay info`` shows: every file is verified first. A job bundle is described
-    by its first part, with the job's completeness, ranks, messages and parts."""
+    by its first part, with the job's completeness, ranks, messages and parts; one rank's part
+    (``rank``, or ``JOB/ranks/00000R`` given as ``path``) with its job, its place in the mesh
+    and its messages per step."""
+    path = Path(path)
     if is_job_bundle(path):
-        return _describe_job(JobBundle.open(path, verify=True))
-    return _describe_bundle(Bundle.open(path, verify=True))
+        job = JobBundle.open(path, verify=rank is None)  # one rank: only its part is verified
+        return _describe_job(job) if rank is None else _describe_rank(job, rank)
+    if rank is not None:
+        raise BundleError(
+            f"--rank {rank} is for a job bundle (record --nproc); {path} is a single process's "
+            "bundle",
+            f"Leave it out: `sdcreplay info {path}`.",
+            python_hint="Pass rank=None.",
+        )
+    bundle = Bundle.open(path, verify=True)
+    job_path = job_of_part(bundle)
+    if job_path is not None and bundle.manifest.distributed is not None:
+        return _describe_rank(
+            JobBundle.open(job_path, verify=False), bundle.manifest.distributed.rank, bundle
+        )
+    return _describe_bundle(bundle)
+
+
+def _describe_rank(job: JobBundle, rank: int, part: Bundle | None = None) -> BundleInfo:
+    """Rank ``rank``'s part (verified here: the job's other parts are not read), in its job."""
+    if not 0 <= rank < job.world_size:
+        raise BundleError(
+            f"--rank {rank}: the job {job.path} has ranks 0..{job.world_size - 1}",
+            f"Give one of them, e.g. `sdcreplay info {job.path} --rank 0`.",
+            python_hint=f"Pass rank= one of 0..{job.world_size - 1}.",
+        )
+    part = part or Bundle.open(job.rank(rank).path, verify=True)
+    messages = part.messages()
+    info = _describe_bundle(part)
+    for step in info.steps:
+        step["messages"] = len(messages.get(step["index"], []))
+    info.job, info.rank, info.ranks = str(job.path), rank, job.world_size
+    info.messages = sum(map(len, messages.values()))
+    info.layout = None if job.layout is None else job.layout.to_json()
+    info.coordinates = None if job.layout is None else job.layout.describe(rank)
+    info.trusted = job.trusted
+    return info
 
 
 def _describe_job(job: JobBundle) -> BundleInfo:

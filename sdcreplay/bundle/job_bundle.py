@@ -207,3 +207,14 @@ def part_path(job: Path, rank: int) -> Path:
     """Where rank ``rank`` writes its part (``BundleWriter`` adds ``.partial`` until it
     closes) while the job at ``job`` is recorded."""
     return job_partial_path(Path(job)) / part_dir(rank)
+
+
+def job_of_part(part: Bundle) -> Path | None:
+    """The job a rank's part lies in (``JOB/ranks/00000R``), named as the part's path names it
+    where it can be; None for a single process's bundle."""
+    if part.manifest.distributed is None:
+        return None
+    for job in (part.path.parent.parent, part.path.absolute().parent.parent):
+        if is_job_bundle(job):
+            return job
+    return None

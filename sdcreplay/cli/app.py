@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from .. import __version__
-from ..errors import SdcReplayError
 from ..kinds import Phase
 from .at_scale import at_scale_replay
 from .boundary import app, command
@@ -185,12 +184,24 @@ def record(
 
 
 @command(render_info)
-def info(output: Output, bundle: BundleArg, json_mode: JsonOpt = False):
+def info(
+    output: Output,
+    bundle: BundleArg,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="For a job bundle: describe rank R's part (its place in the mesh, steps, "
+            "entries and messages), as info JOB/ranks/00000R does.",
+        ),
+    ] = None,
+    json_mode: JsonOpt = False,
+):
     """Show what a bundle holds and check every file against its SHA-256."""
     preflight(paths={"bundle": [bundle]})
     from ..bundle.info import describe
 
-    return describe(bundle)
+    return describe(bundle, rank)
 
 
 @command(render_replay)
@@ -400,20 +411,14 @@ def diff(
 ):
     """Compare two signature logs: structure first, then the first divergent entry.
 
-    Two jobs (job bundles, or a job replay's LOGS/replicaN directory) are compared
-    rank by rank, with the origin rank and the first divergent message.
+    Two jobs (job bundles, a job replay's LOGS/replicaN directory, or its LOGS directory when
+    it holds one replica) are compared rank by rank, with the origin rank and the first
+    divergent message. One rank's log (JOB/ranks/00000R, LOGS/replicaN/rankR.r0.sig.zst) is
+    compared with another rank's, or with its rank of a job, its messages among its entries.
     """
     preflight(paths={"log": [first, second]})
-    from ..compare.jobs import diff_jobs, is_job_log
-    from ..compare.logs import diff as compare
+    from ..compare.jobs import diff as compare
 
-    if is_job_log(first) or is_job_log(second):
-        if plot is not None:
-            raise SdcReplayError(
-                "--plot draws one process's log; these are jobs",
-                "Plot one rank: diff JOB/ranks/00000R LOGS/replicaN/rankR.r0.sig.zst --plot P.",
-            )
-        return diff_jobs(first, second)
     return compare(first, second, plot=plot)
 
 
@@ -430,18 +435,52 @@ def ops(
     op: Annotated[
         str | None, typer.Option(help="Only calls of this operator: aten.mm or aten.mm.default.")
     ] = None,
-    device: DeviceOpt = "cpu",
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="For a job bundle: the rank whose calls to list (its specs get rank=R). It runs "
+            "on --device while the other ranks replay on their recorded devices to serve the "
+            "collectives.",
+        ),
+    ] = None,
+    alone: Annotated[
+        bool,
+        typer.Option(
+            "--alone",
+            help="With --rank: list rank R's calls in one process without its peers, as "
+            "`replay --rank R --alone` runs it (docs/at-scale.md).",
+        ),
+    ] = False,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="Device label: cpu, cpu:N (a virtual replica) or cuda:N. Default: cpu, or a "
+            "job rank's recorded device.",
+        ),
+    ] = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     json_mode: JsonOpt = False,
 ):
-    """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth)."""
+    """List a step's operator calls as fault specs and bisect name them (phase, module, op, nth).
+
+    On a job bundle, --rank R lists rank R's calls (JOB/ranks/00000R names its rank itself).
+    """
     preflight(devices=[device], paths={"bundle": [bundle]})
     from ..bisect.ops import list_calls
 
     with trusting(bundle, trust_workload, workload):
         return list_calls(
-            bundle, step, device=device, phase=phase.value if phase else None, module=module, op=op
+            bundle,
+            step,
+            device=device,
+            phase=phase.value if phase else None,
+            module=module,
+            op=op,
+            rank=rank,
+            alone=alone,
         )
 
 

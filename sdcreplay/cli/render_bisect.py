@@ -250,8 +250,13 @@ def _outputs_text(outputs: list[dict]) -> str:
 
 
 def render_ops(output: Output, listing: OpsListing) -> None:
+    where = f"Step {listing.step}"
+    if listing.rank is not None:
+        where += f" of rank {listing.rank}" + (
+            f" ({listing.coordinates})" if listing.coordinates else ""
+        )
     output.table(
-        f"Step {listing.step}: {len(listing.calls)} of {listing.total_calls} operator calls",
+        f"{where}: {len(listing.calls)} of {listing.total_calls} operator calls",
         ["call", "phase", "module", "op", "nth", "outputs"],
         [
             [
@@ -268,7 +273,7 @@ def render_ops(output: Output, listing: OpsListing) -> None:
     )
     if listing.kernels:
         output.table(
-            f"Step {listing.step}: {len(listing.kernels)} Inductor kernel calls (kernel=NAME)",
+            f"{where}: {len(listing.kernels)} Inductor kernel calls (kernel=NAME)",
             ["call", "phase", "module", "kernel", "nth", "fused", "outputs"],
             [
                 [
@@ -283,4 +288,10 @@ def render_ops(output: Output, listing: OpsListing) -> None:
                 for k in listing.kernels
             ],
             fold=[5, 6],
+        )
+    if listing.rank is not None:
+        output.say(
+            f"Specs name these calls with step={listing.step},rank={listing.rank} "
+            "(--json gives each call's spec ready)"
+            + (": listed alone, peers absent." if listing.alone else ".")
         )

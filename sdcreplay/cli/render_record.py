@@ -76,7 +76,16 @@ def _trigger_rows(trigger: dict | None) -> list[list[str]]:
 
 
 def _job_rows(about: BundleInfo) -> list[list[str]]:
-    """A job bundle's ranks and messages; the rows after them describe its lowest part."""
+    """A job bundle's ranks and messages; the rows after them describe its lowest part. One
+    rank's part: its job, its place in the mesh and its messages per step."""
+    if about.rank is not None:
+        per_step = ", ".join(f"{s['index']}: {s['messages']}" for s in about.steps)
+        return [
+            ["job", f"{about.job}: rank {about.rank} of {about.ranks}"],
+            ["coordinates", escape(about.coordinates or "not recorded (an older bundle)")],
+            ["layout", _layout_text(about.layout)],
+            ["messages", f"{about.messages} logged by this rank (per step {per_step})"],
+        ]
     if about.ranks is None or about.parts is None:
         return []
     parts = "; ".join(

@@ -237,6 +237,18 @@ def render_diff(output: Output, comparison: Comparison | JobComparison) -> None:
     if isinstance(comparison, distributed.JobComparison):
         _render_job_diff(output, comparison)
         return
+    if comparison.ranks is not None:
+        first_rank, second_rank = comparison.ranks
+        output.say(
+            f"Rank {first_rank} vs rank {second_rank}, each rank's collective messages among "
+            "its entries"
+            + (
+                " (two ranks: each computes on its own shard of the data, so entries before "
+                "their reductions differ without any fault)."
+                if first_rank != second_rank
+                else "."
+            )
+        )
     if comparison.identical:
         output.say(
             f"{styled('identical')}: {comparison.entries} entries over steps "

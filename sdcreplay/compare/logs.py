@@ -54,6 +54,7 @@ class Comparison:
     entries: int
     divergences: list[Divergence] = field(default_factory=list)
     plot: str | None = None  # the divergence map drawn for it, if one was asked for
+    ranks: list[int] | None = None  # two ranks' logs (a job's), each with its messages
 
     @property
     def identical(self) -> bool:
@@ -85,19 +86,23 @@ class Comparison:
 
     def to_json(self) -> dict:
         first = self.first
-        return {
-            "schema": "sdcreplay.diff/1",
-            "identical": self.identical,
-            "program_differs": self.program_differs,
-            "steps": self.steps,
-            "entries": self.entries,
-            "first_divergence": None
-            if first is None
-            else {**first.brief(), "expected": first.expected, "actual": first.actual},
-            "divergent_entries": len(self.divergences),
-            "per_step": {str(step): count for step, count in self.per_step().items()},
-            "per_layer": self.per_layer(),
-        } | ({"plot": self.plot} if self.plot is not None else {})
+        return (
+            {
+                "schema": "sdcreplay.diff/1",
+                "identical": self.identical,
+                "program_differs": self.program_differs,
+                "steps": self.steps,
+                "entries": self.entries,
+                "first_divergence": None
+                if first is None
+                else {**first.brief(), "expected": first.expected, "actual": first.actual},
+                "divergent_entries": len(self.divergences),
+                "per_step": {str(step): count for step, count in self.per_step().items()},
+                "per_layer": self.per_layer(),
+            }
+            | ({"plot": self.plot} if self.plot is not None else {})
+            | ({"ranks": self.ranks} if self.ranks is not None else {})
+        )
 
 
 def load_log(path: str | Path) -> SignatureLog:

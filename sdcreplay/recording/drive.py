@@ -25,6 +25,7 @@ from ..kinds import SignatureLevel
 from ..online.replay_check import ReplayCheck
 from ..online.stopping import TrainingStopped
 from ..online.update_detector import UpdateDetector
+from ..replay.replicas import ops_command
 from ..storage.tensorio import map_tensors
 from ..workload.definition import Workload, accepts_seed, build_workload
 from .recorder import Recorder, own_part
@@ -165,13 +166,14 @@ def record(
         if detector is not None:
             detector.close()
     bundle_path = recorder.path if ring is None else next(iter(recorder.dumps), None)
+    listed = recorder.own_bundle_path or "BUNDLE"  # a job's: its rank's part, which ops takes
     for miss in injector.unmatched():
         raise FaultSpecError(
             f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
             f"({bundle_path} was recorded without it)",
             "Closest calls: "
             + "; ".join(miss["closest"])
-            + ". `sdcreplay ops BUNDLE --step N` lists them all.",
+            + f". `{ops_command(listed, _step_of(miss['spec']))}` lists them all.",
         )
     own = recorder.own_bundle_path
     opened = None if own is None else Bundle.open(own, verify=False)
@@ -234,3 +236,8 @@ def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int, stopped: str 
         trigger = Bundle.open(own_part(path), verify=False).manifest.trigger
         dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
     return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps, "stopped": stopped}
+
+
+def _step_of(spec: str) -> int | None:
+    (parsed,) = parse_specs([spec], include_env=False)
+    return parsed.step

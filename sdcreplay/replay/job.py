@@ -262,7 +262,7 @@ def replay_job(
         if isinstance(structure, StructureError):
             raise structure
         refuse_unmatched_specs(
-            [(label, rank, results[rank].value) for rank, label in enumerate(labels)]
+            [(label, rank, results[rank].value) for rank, label in enumerate(labels)], job.path
         )
         messages = {}
         for rank, label in enumerate(labels):

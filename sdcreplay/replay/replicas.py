@@ -277,10 +277,13 @@ def progress_timeout(bundle: Bundle) -> float:
     return round(STARTUP_SECONDS + STEP_FACTOR * max(times), 1)
 
 
-def refuse_unmatched_specs(values: Sequence[tuple[str, int | None, dict | None]]) -> None:
+def refuse_unmatched_specs(
+    values: Sequence[tuple[str, int | None, dict | None]], bundle: str | Path = "BUNDLE"
+) -> None:
     """A fault spec that selected no call in any process it applies to is a mistake in the
     spec, not a finding. ``values``: (device label, rank or None, the task's value or None when
-    it failed) of every process; with a failed one nothing can be concluded."""
+    it failed) of every process; with a failed one nothing can be concluded. ``bundle``: the
+    replayed bundle, which the hint's ``ops`` command lists."""
     finished = [(label, rank, value) for label, rank, value in values if value is not None]
     if not values or len(finished) < len(values) or any("unmatched" not in v for *_, v in finished):
         return
@@ -289,10 +292,11 @@ def refuse_unmatched_specs(values: Sequence[tuple[str, int | None, dict | None]]
         for miss in value["unmatched"]:
             by_spec.setdefault(miss["spec"], miss["closest"])
     for spec, closest in by_spec.items():
+        (parsed,) = parse_specs([spec], False)
         applies = [
             (label, rank, value)
             for label, rank, value in finished
-            if any(f.applies_to(label, rank) for f in parse_specs([spec], False))
+            if parsed.applies_to(label, rank)
         ]
         missed = [
             entry for entry in applies if any(m["spec"] == spec for m in entry[2]["unmatched"])
@@ -302,8 +306,15 @@ def refuse_unmatched_specs(values: Sequence[tuple[str, int | None, dict | None]]
                 f"fault spec {spec!r} matches no operator call of the replayed steps",
                 "Closest calls: "
                 + "; ".join(closest)
-                + ". `sdcreplay ops BUNDLE --step N` lists them all.",
+                + f". `{ops_command(bundle, parsed.step, missed[0][1])}` lists them all.",
             )
+
+
+def ops_command(bundle: str | Path, step: int | None, rank: int | None = None) -> str:
+    """The ``sdcreplay ops`` command that lists a step's calls of ``bundle`` (a job's: rank
+    ``rank``'s), as a hint names it."""
+    on_rank = "" if rank is None else f" --rank {rank}"
+    return f"sdcreplay ops {bundle}{on_rank} --step {'N' if step is None else step}"
 
 
 def default_log_dir(bundle_path: Path) -> Path:
@@ -373,7 +384,9 @@ def replay_devices(
     if len(errors) == len(results) and len({error.message for error in errors}) == 1:
         shared = errors[0]  # the same failure everywhere: the tool's, not a device's
         raise SdcReplayError(f"every device failed: {shared.message}", shared.hint)
-    refuse_unmatched_specs([(label, None, result.value) for label, result in results.items()])
+    refuse_unmatched_specs(
+        [(label, None, result.value) for label, result in results.items()], opened.path
+    )
     runs = []
     for label in labels:
         error, value = results[label].error, results[label].value or {}

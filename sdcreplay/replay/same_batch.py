@@ -298,7 +298,7 @@ def replay_same_batch(
     if isinstance(structure, StructureError):
         raise structure
     refuse_unmatched_specs(
-        [(label, rank, results[rank].value) for rank, label in enumerate(labels)]
+        [(label, rank, results[rank].value) for rank, label in enumerate(labels)], job.path
     )
     runs: dict[int, DeviceRun] = {}
     replayed: dict[int, Messages] = {}
