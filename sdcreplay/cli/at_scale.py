@@ -52,16 +52,21 @@ def at_scale_replay(
         if same_batch:
             from ..replay.same_batch import replay_same_batch
 
-            progress.update("replaying the job on one batch", 0, 1, "every rank at once")
-            return replay_same_batch(
+            stage, note = "replaying the job on one batch", "every rank at once"
+            progress.update(stage, 0, 1, note)
+            report: object = replay_same_batch(
                 bundle, device, from_rank=from_rank, inject=inject or [], log_dir=logs,
                 timeout=timeout, ledger=ledger, keep_state=keep_state,
             )  # fmt: skip
-        from ..replay.alone import replay_alone
+        else:
+            from ..replay.alone import replay_alone
 
-        assert rank is not None
-        progress.update("replaying one rank alone", 0, 1, ", ".join(device or []))
-        return replay_alone(
-            bundle, rank, device or [], inject=inject or [], log_dir=logs, timeout=timeout,
-            ledger=ledger, from_state=from_state,
-        )  # fmt: skip
+            assert rank is not None
+            stage, note = "replaying one rank alone", ", ".join(device or [])
+            progress.update(stage, 0, 1, note)
+            report = replay_alone(
+                bundle, rank, device or [], inject=inject or [], log_dir=logs, timeout=timeout,
+                ledger=ledger, from_state=from_state,
+            )  # fmt: skip
+        progress.update(stage, 1, 1, note)  # the line a log keeps says the stage is done
+        return report

@@ -22,7 +22,11 @@ if TYPE_CHECKING:
 
 
 def _step_marks(per_step: dict[str, int]) -> str:
-    """One mark per step: a check for a bit-identical step, the divergent entry count otherwise."""
+    """One mark per step: a check for a bit-identical step, the divergent entry count otherwise;
+    ``-`` for a voter judged on no step (the record of a rank replayed alone judges, it is not
+    judged)."""
+    if not per_step:
+        return "-"
     return " ".join(
         f"{step}:[green]ok[/]" if count == 0 else f"{step}:[red]{count}[/]"
         for step, count in per_step.items()

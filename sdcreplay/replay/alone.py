@@ -32,7 +32,7 @@ from ..bundle.layout import ParallelLayout, require_layout
 from ..capture import determinism
 from ..capture.collectives import log_python_group_call
 from ..capture.signature import SignatureLog
-from ..compare.logs import RECORD, Consensus, DeviceVerdict, Divergence
+from ..compare.logs import RECORD, Consensus, DeviceVerdict, Divergence, compare_logs
 from ..compare.messages import Messages
 from ..compare.peers import first_odd_entries, record_prefix_divergence
 from ..errors import DeviceError, SdcReplayError
@@ -258,6 +258,8 @@ def alone_consensus(
     differ = any(log.steps != logs[labels[0]].steps for log in logs.values())
     if differ and not suspects:  # one against one: each replica is as likely
         voters = {label: DeviceVerdict("undecided", 1, 0, None, {}) for label in labels}
+    for label in labels:
+        voters[label].per_step = _divergent_per_step(label, logs, suspects)
     voters[RECORD] = DeviceVerdict("match", 1, 0, None, {})  # it judges, it is not judged
     verdict = "persistent" if suspects else "undecided" if differ else "correct"
     return Consensus(
@@ -267,6 +269,22 @@ def alone_consensus(
         voters,
         undecided_entries=tied if differ and not suspects else 0,
     )
+
+
+def _divergent_per_step(
+    label: str, logs: dict[str, SignatureLog], suspects: list[str]
+) -> dict[int, int]:
+    """Per step, the entries where replica ``label`` differs from the first other replica not
+    suspected (a suspect with no such replica: from any other; a replica trusted alone differs
+    from nothing)."""
+    others = [other for other in logs if other != label and other not in suspects]
+    if not others and label in suspects:
+        others = [other for other in logs if other != label]
+    if not others:
+        return dict.fromkeys(sorted(logs[label].steps), 0)
+    trusted = logs[others[0]]
+    common = sorted(set(trusted.steps) & set(logs[label].steps))
+    return compare_logs(trusted, logs[label], common).per_step()
 
 
 def replay_alone(
