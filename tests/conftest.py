@@ -222,6 +222,25 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "job.bundle", results
 
 
+@pytest.fixture(scope="session")
+def sharded_job(tmp_path_factory: pytest.TempPathFactory):
+    """``sharded_job(parallel, nproc)``: the job bundle tests/sharded_script.py records under
+    torchrun (``fsdp2``, ``tp``, ``fsdp2+tp``), once per session for each layout."""
+    recorded: dict[str, Path] = {}
+
+    def record(parallel: str, nproc: int) -> Path:
+        if parallel not in recorded:
+            root = tmp_path_factory.mktemp(parallel.replace("+", "-"))
+            script = root / "train.py"
+            shutil.copy(TESTS / "sharded_script.py", script)
+            done = run_torchrun(script, nproc, str(root / "job.bundle"), parallel, timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+            recorded[parallel] = root / "job.bundle"
+        return recorded[parallel]
+
+    return record
+
+
 TICKET_CALL = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1"
 TICKET_FAULTS = ["index=5,bit=22", "index=0,bit=3", "index=2,bit=30"]
 

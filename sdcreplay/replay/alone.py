@@ -31,6 +31,7 @@ from ..bundle.job_bundle import JobBundle
 from ..bundle.layout import ParallelLayout, require_layout
 from ..capture import determinism
 from ..capture.collectives import log_python_group_call
+from ..capture.operators import _own_work
 from ..capture.signature import SignatureLog
 from ..compare.logs import RECORD, Consensus, DeviceVerdict, Divergence, compare_logs
 from ..compare.messages import Messages
@@ -88,7 +89,8 @@ class LonelyGroup(dist.ProcessGroup):
     def _logged(self, operator: str, args: tuple, result: Any, fill: Any = None) -> Any:
         def issue() -> Any:
             if fill is not None:
-                fill()
+                with _own_work():  # a collective's work, never the step's operator calls
+                    fill()
             return result
 
         work = log_python_group_call(operator, args, issue)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, run_torchrun
 
 FAULT = "kind=bitflip,op=aten.mm,phase=backward,step=1,nth=0,index=3,bit=20,rank=1,device=cpu:1"
 
@@ -52,24 +50,6 @@ def test_bisect_on_rank_1_at_the_bucket_rebuild_names_the_flipped_bit_three_time
 
 SHARDED_RUNS = int(os.environ.get("SDCREPLAY_TEST_SHARDED_RUNS", "1"))
 TIMEOUT = ["--timeout", "120"]
-
-
-@pytest.fixture(scope="module")
-def sharded_job(tmp_path_factory):
-    """``sharded_job(parallel, nproc)``: the job bundle tests/sharded_script.py records."""
-    recorded: dict[str, Path] = {}
-
-    def record(parallel: str, nproc: int) -> Path:
-        if parallel not in recorded:
-            root = tmp_path_factory.mktemp(parallel.replace("+", "-"))
-            script = root / "train.py"
-            shutil.copy(TESTS / "sharded_script.py", script)
-            done = run_torchrun(script, nproc, str(root / "job.bundle"), parallel, timeout=300)
-            assert done.returncode == 0, done.stderr[-3000:]
-            recorded[parallel] = root / "job.bundle"
-        return recorded[parallel]
-
-    return record
 
 
 def replay_with_fault_on_second_replica(cli, job: Path, world: int, fault: str) -> dict:
