@@ -67,6 +67,15 @@ def test_ops_lists_the_compiled_steps_kernel_calls_with_ready_specs(kernel_listi
     assert any(call["op"] == "aten.mm.default" for call in kernel_listing["calls"])
 
 
+def test_compiled_code_stays_compiled_under_the_operator_mode(kernel_listing):
+    """docs/compiled.md: under ops' OperatorMode Dynamo does not fall back to eager, so no
+    operator the generated kernels fused is called as an operator of its own."""
+    fused = {op for kernel in kernel_listing["kernels"] for op in kernel["fused"]}
+    assert {"aten.gelu", "aten.sigmoid"} <= fused
+    called = {call["op"].rsplit(".", 1)[0] for call in kernel_listing["calls"]}
+    assert not called & {"aten.gelu", "aten.sigmoid", "aten.gelu_backward"}
+
+
 @pytest.fixture(scope="module")
 def kernel_report(compiled_bundle, kernel_listing, tmp_path_factory) -> tuple[Path, str, dict]:
     """One bisect of the fault planted in the forward kernel's second output, for cpu:1."""

@@ -221,3 +221,21 @@ def test_bisect_on_the_origin_rank_names_the_compiled_kernel_element_and_bit(ddp
     assert report["elements"]["positions"] == [[1, 5]] and report["elements"]["xor"] == ["00100000"]
     assert report["bits"]["histogram"] == {"20": 1}
     assert report["isolated"] == "kernel" and report["isolation"]["failures"] == 3
+
+
+def test_ops_on_the_jobs_rank_lists_the_kernel_call_bisect_names_with_a_rank_spec(ddp_job, cli):
+    """``ops JOB --rank 1`` runs rank 1 among its peers: the fused kernel the fixture's fault
+    names is listed in layers.1's forward, its spec ready with rank=1 (the same kernel runs in
+    layers.0 first: nth 1, as bisect names it)."""
+    job, fault = ddp_job
+    listed = cli(
+        "ops", job, "--rank", "1", "--step", "1", "--module", "layers.1", "--phase", "forward",
+        "--trust-workload", "--json",
+    )  # fmt: skip
+    assert listed.exit_code == 0, listed.output
+    (kernel,) = json.loads(listed.stdout)["kernels"]
+    assert fault.startswith(f"kind=bitflip,kernel={kernel['kernel']},")
+    assert (kernel["module"], kernel["nth"], len(kernel["outputs"])) == ("layers.1", 1, 3)
+    assert kernel["spec"] == (
+        f"kind=bitflip,kernel={kernel['kernel']},phase=forward,step=1,nth=1,rank=1"
+    )
