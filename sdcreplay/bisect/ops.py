@@ -266,12 +266,13 @@ def _job_and_rank(
     path: Path, rank: int | None, step: int, alone: bool
 ) -> tuple[JobBundle | None, int | None]:
     """The job whose rank is listed (a rank's part names its job and rank), or None."""
-    if not is_job_bundle(path) and rank is None and not alone:
+    if not is_job_bundle(path) and rank is None:
         part = Bundle.open(path, verify=False)
         job_path = job_of_part(part)
-        if job_path is None or part.manifest.distributed is None:
+        if job_path is not None and part.manifest.distributed is not None:
+            path, rank = job_path, part.manifest.distributed.rank
+        elif not alone:
             return None, None
-        path, rank = job_path, part.manifest.distributed.rank
     if not is_job_bundle(path):
         raise SdcReplayError(
             f"--rank and --alone are for a job bundle (record --nproc); {path} is a single "

@@ -114,6 +114,7 @@ def test_a_fault_spec_that_matches_no_call_names_the_closest(
     assert "Closest calls: aten.mm.default under layers.0.attn.wo (forward), step 1" in " ".join(
         hint.split()
     )
+    assert f"`sdcreplay ops {small_bundle} --step 1` lists them all." in " ".join(hint.split())
 
 
 def test_record_with_a_fault_spec_that_matches_nothing_says_so(tmp_path: Path, cli):
@@ -138,3 +139,4 @@ def test_record_with_a_fault_spec_that_matches_nothing_says_so(tmp_path: Path, c
         "Closest calls: aten.mm.default under layers.0.attn.wq (backward), step 0; "
         "aten.mm.default under layers.0.attn.wq (forward), step 0;"
     )
+    assert hint.endswith(f"`sdcreplay ops {tmp_path / 'b.bundle'} --step 0` lists them all.")

@@ -233,9 +233,10 @@ def test_ops_on_the_jobs_rank_lists_the_kernel_call_bisect_names_with_a_rank_spe
         "--trust-workload", "--json",
     )  # fmt: skip
     assert listed.exit_code == 0, listed.output
-    (kernel,) = json.loads(listed.stdout)["kernels"]
-    assert fault.startswith(f"kind=bitflip,kernel={kernel['kernel']},")
-    assert (kernel["module"], kernel["nth"], len(kernel["outputs"])) == ("layers.1", 1, 3)
+    kernels = json.loads(listed.stdout)["kernels"]
+    assert {k["module"] for k in kernels} == {"layers.1"}
+    (kernel,) = [k for k in kernels if fault.startswith(f"kind=bitflip,kernel={k['kernel']},")]
+    assert kernel["nth"] == 1 and len(kernel["outputs"]) > 2  # the fault's output=2
     assert kernel["spec"] == (
         f"kind=bitflip,kernel={kernel['kernel']},phase=forward,step=1,nth=1,rank=1"
     )

@@ -367,6 +367,8 @@ def test_a_fault_spec_that_fires_on_no_rank_it_names_is_an_error_not_a_finding(
     assert "module=layers.9" in error and "rank=1" in error, result.stderr
     assert "matches no operator call of the replayed steps" in error
     assert "Hint: Closest calls:" in result.stderr and "Traceback" not in result.output
+    hint = " ".join(result.stderr.split("Hint:", 1)[1].split())
+    assert hint.endswith(f"`sdcreplay ops {misbehaving_job} --rank 1 --step N` lists them all.")
 
 
 def test_job_commands_refuse_what_cannot_work_before_starting_ranks(cli, job4, small_bundle):
