@@ -24,10 +24,14 @@ from .options import (
     DumpOn,
     FromRankOpt,
     FromStateOpt,
+    InfoRankOpt,
     InjectOpt,
     JsonOpt,
     KeepStateOpt,
     NoLedgerOpt,
+    OpsAloneOpt,
+    OpsDeviceOpt,
+    OpsRankOpt,
     OutOpt,
     OverwriteOpt,
     ReferenceOpt,
@@ -187,14 +191,7 @@ def record(
 def info(
     output: Output,
     bundle: BundleArg,
-    rank: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="For a job bundle: describe rank R's part (its place in the mesh, steps, "
-            "entries and messages), as info JOB/ranks/00000R does.",
-        ),
-    ] = None,
+    rank: InfoRankOpt = None,
     json_mode: JsonOpt = False,
 ):
     """Show what a bundle holds and check every file against its SHA-256."""
@@ -435,31 +432,9 @@ def ops(
     op: Annotated[
         str | None, typer.Option(help="Only calls of this operator: aten.mm or aten.mm.default.")
     ] = None,
-    rank: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="For a job bundle: the rank whose calls to list (its specs get rank=R). It runs "
-            "on --device while the other ranks replay on their recorded devices to serve the "
-            "collectives.",
-        ),
-    ] = None,
-    alone: Annotated[
-        bool,
-        typer.Option(
-            "--alone",
-            help="With --rank: list rank R's calls in one process without its peers, as "
-            "`replay --rank R --alone` runs it (docs/at-scale.md).",
-        ),
-    ] = False,
-    device: Annotated[
-        str | None,
-        typer.Option(
-            "--device",
-            help="Device label: cpu, cpu:N (a virtual replica) or cuda:N. Default: cpu, or a "
-            "job rank's recorded device.",
-        ),
-    ] = None,
+    rank: OpsRankOpt = None,
+    alone: OpsAloneOpt = False,
+    device: OpsDeviceOpt = None,
     trust_workload: TrustOpt = False,
     workload: TrustedWorkloadOpt = None,
     json_mode: JsonOpt = False,

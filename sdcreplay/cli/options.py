@@ -221,3 +221,38 @@ AloneOpt = Annotated[
         "per --device (docs/at-scale.md).",
     ),
 ]
+InfoRankOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--rank",
+        min=0,
+        help="For a job bundle: describe rank R's part (its place in the mesh, steps, entries "
+        "and messages), as info JOB/ranks/00000R does.",
+    ),
+]
+OpsRankOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--rank",
+        min=0,
+        help="For a job bundle: the rank whose calls to list (its specs get rank=R). It runs on "
+        "--device while the other ranks replay on their recorded devices to serve the "
+        "collectives.",
+    ),
+]
+OpsAloneOpt = Annotated[
+    bool,
+    typer.Option(
+        "--alone",
+        help="With --rank: list rank R's calls in one process without its peers, as "
+        "`replay --rank R --alone` runs it (docs/at-scale.md).",
+    ),
+]
+OpsDeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help="Device label: cpu, cpu:N (a virtual replica) or cuda:N. Default: cpu, or a job "
+        "rank's recorded device.",
+    ),
+]
