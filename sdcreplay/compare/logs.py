@@ -86,23 +86,22 @@ class Comparison:
 
     def to_json(self) -> dict:
         first = self.first
-        return (
-            {
-                "schema": "sdcreplay.diff/1",
-                "identical": self.identical,
-                "program_differs": self.program_differs,
-                "steps": self.steps,
-                "entries": self.entries,
-                "first_divergence": None
-                if first is None
-                else {**first.brief(), "expected": first.expected, "actual": first.actual},
-                "divergent_entries": len(self.divergences),
-                "per_step": {str(step): count for step, count in self.per_step().items()},
-                "per_layer": self.per_layer(),
-            }
-            | ({"plot": self.plot} if self.plot is not None else {})
-            | ({"ranks": self.ranks} if self.ranks is not None else {})
-        )
+        extra: dict = {"plot": self.plot} if self.plot is not None else {}
+        if self.ranks is not None:
+            extra["ranks"] = self.ranks
+        return {
+            "schema": "sdcreplay.diff/1",
+            "identical": self.identical,
+            "program_differs": self.program_differs,
+            "steps": self.steps,
+            "entries": self.entries,
+            "first_divergence": None
+            if first is None
+            else {**first.brief(), "expected": first.expected, "actual": first.actual},
+            "divergent_entries": len(self.divergences),
+            "per_step": {str(step): count for step, count in self.per_step().items()},
+            "per_layer": self.per_layer(),
+        } | extra
 
 
 def load_log(path: str | Path) -> SignatureLog:
