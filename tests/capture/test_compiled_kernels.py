@@ -76,6 +76,11 @@ def test_fused_operators_split_a_name_into_known_aten_operators():
     assert fused_operators("triton_per_fused_native_layer_norm_backward_12") == (
         "aten.native_layer_norm_backward",
     )
+    # an operator's own leading underscore stays with it (not "aten.unsafe, aten.view")
+    assert fused_operators("cpp_fused__unsafe_view_add_clone_3") == (
+        "aten._unsafe_view", "aten.add", "aten.clone",
+    )  # fmt: skip
+    assert fused_operators("cpp_fused_add__to_copy_0") == ("aten.add", "aten._to_copy")
 
 
 def test_a_fault_in_a_kernel_output_is_found_exactly_at_random_placements(loop):
