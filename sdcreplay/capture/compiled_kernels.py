@@ -35,9 +35,10 @@ from typing import Any, Protocol
 
 import torch
 
+from . import graph_modules
 from .compiled import boundary_hooks
 from .digest import tensor_digest
-from .operators import _capture_depth, _own_work, compiled_modules, eager_modules
+from .operators import ROOT, _capture_depth, _own_work, compiled_modules, eager_modules
 
 KERNEL_FACTORIES = ("cpp_pybinding", "cpp", "triton")
 """The ``async_compile`` methods whose results the wrapper calls as kernels."""
@@ -281,6 +282,10 @@ def _observe(kernel: Kernel, invoke: Callable, args: tuple, kwargs: dict):
     else:
         module = run.stack[-1] if run.stack else alone
         run.graph_modules[number] = module
+        if module in run.regions:  # inside the region: the modules its source nodes ran under
+            inner = graph_modules.module_of(number, kernel.source_nodes)
+            if inner:
+                module = inner if module == ROOT else f"{module}.{inner}"
     site = KernelSite(
         run.step,
         "backward" if backward else "forward",
@@ -386,6 +391,7 @@ def install() -> None:
     (``PyCodeCache.load_by_key_path``, which cache hits go through too). Idempotent."""
     from torch._inductor.codecache import PyCodeCache
 
+    graph_modules.install()  # for a model compiled from now on
     original = PyCodeCache.load_by_key_path.__func__  # type: ignore[attr-defined]
 
     def load_by_key_path(cls, *args, **kwargs):

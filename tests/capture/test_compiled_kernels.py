@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdcreplay.capture import graph_modules
 from sdcreplay.capture.compiled_kernels import fused_operators, observing_kernels
 from sdcreplay.capture.faults import FaultSpec, Injector
 from sdcreplay.capture.kernel_log import KernelLog
@@ -147,3 +148,24 @@ def _first_kernel(loop) -> str:
     log = KernelLog()
     _step(loop, [log])
     return log.records[0].site.kernel
+
+
+def test_a_whole_model_compile_names_its_gemms_by_the_modules_they_ran_in():
+    """``torch.compile(model)`` is one region, ``<root>``; a kernel whose source nodes Inductor
+    names (an extern GEMM) is named by the module Dynamo traced them in."""
+    spec = importlib.util.spec_from_file_location(
+        "compiled_loop", LOOP.with_name("compiled_loop.py")
+    )
+    compiled_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compiled_loop)
+    workload = compiled_loop.make_workload(compile="full")
+    graph_modules.install()  # as a Recorder's or a replay's CompileWatch does before it compiles
+    workload.run_step(workload.get_batch(0))
+    log = KernelLog()
+    with observing_kernels([log], 1, workload.model):
+        workload.run_step(workload.get_batch(1))
+    forward = [r.site for r in log.records if r.site.phase == "forward"]
+    gemms = [(s.kernel, s.module) for s in forward if s.kernel.startswith("extern_kernels.")]
+    assert [module for _, module in gemms] == ["layers.0.fc", "layers.1.fc", "head"]
+    fused = [s for s in forward if not s.kernel.startswith("extern_kernels.")]
+    assert fused and {s.module for s in fused} == {"<root>"}  # no source nodes: the region
