@@ -135,7 +135,7 @@ def record(
     detector = _detector(detecting, built, recorder)
     peak_nbytes, stopped = 0, None
     # record() refuses a spec that matched nothing (below): the Recorder's warning is not said
-    with recorder, warnings.catch_warnings():
+    with warnings.catch_warnings(), recorder:  # the filter outlasts close(), which warns
         warnings.simplefilter("ignore", UnmatchedFaultWarning)
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))

@@ -13,8 +13,9 @@ import pytest
 import sdcreplay
 from sdcreplay.bundle.reader import Bundle
 from sdcreplay.capture.fault_spec import FaultSpec
+from sdcreplay.errors import FaultSpecError
 from sdcreplay.recording.drill import UnmatchedFaultWarning
-from tests.conftest import REPO
+from tests.conftest import REPO, SMALL
 
 NAN_IN_STEP_1 = "kind=nan,op=aten.addmm,step=1,phase=forward"
 FIRED = [str(FaultSpec.parse(NAN_IN_STEP_1))]  # as the manifest writes a spec
@@ -101,3 +102,14 @@ def test_the_env_var_fires_in_the_loop_too(tmp_path: Path, monkeypatch, clean_an
         losses = record_loop(tmp_path / "b.bundle", steps=2)
     assert losses[0] == drilled[0] and losses[1] != losses[1]
     assert Bundle.open(tmp_path / "b.bundle").injected_faults == FIRED
+
+
+def test_record_refuses_a_spec_that_matches_nothing_without_also_warning(tmp_path: Path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmatchedFaultWarning)
+        with pytest.raises(FaultSpecError, match="matches no operator call"):
+            sdcreplay.record(
+                "builtin:tiny-llama", tmp_path / "b.bundle", steps=2, kwargs=dict(SMALL),
+                inject=[NOWHERE],
+            )  # fmt: skip
+    assert Bundle.open(tmp_path / "b.bundle").injected_faults == []
