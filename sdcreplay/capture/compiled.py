@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import graph_modules
+
 if TYPE_CHECKING:  # torch-free at import: the manifest's rule and `info` use this module
     import torch
 
@@ -524,6 +526,7 @@ def _install() -> None:
     from torch._inductor.graph import GraphLowering
     from torch._inductor.output_code import CompiledFxGraph
 
+    graph_modules.install()  # which modules each graph's nodes came from, for kernel sites
     if GraphLowering.save_output_code is not _on_output_code:
         _installed[:] = [GraphLowering.save_output_code]
         GraphLowering.save_output_code = _on_output_code

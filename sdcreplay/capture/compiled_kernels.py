@@ -35,9 +35,10 @@ from typing import Any, Protocol
 
 import torch
 
+from . import graph_modules
 from .compiled import boundary_hooks
 from .digest import tensor_digest
-from .operators import _capture_depth, _own_work, compiled_modules, eager_modules
+from .operators import ROOT, _capture_depth, _own_work, compiled_modules, eager_modules
 
 KERNEL_FACTORIES = ("cpp_pybinding", "cpp", "triton")
 """The ``async_compile`` methods whose results the wrapper calls as kernels."""
@@ -144,10 +145,11 @@ def fused_operators(name: str) -> tuple[str, ...]:
     """The ATen operators a kernel's generated name joins (``cpp_fused_gelu_mul_native_layer_
     norm_sum_0`` -> gelu, mul, native_layer_norm, sum): Inductor names a kernel after the
     operators of its nodes (at most ``kernel_name_max_ops`` of them), and the split is the
-    one into the fewest known ATen names."""
+    one into the fewest known ATen names. A name's own leading underscore is kept
+    (``fused__unsafe_view_add`` -> _unsafe_view, add): the empty word before it joins it."""
     body = re.sub(r"^(cpp|triton)_(\w+?_)?fused_?", "", name)
     body = re.sub(r"_\d+$", "", body)
-    words = [w for w in body.split("_") if w]
+    words = body.split("_")
     known = _aten_names()
     best: list[list[str] | None] = [[]] + [None] * len(words)
     for end in range(1, len(words) + 1):
@@ -157,7 +159,7 @@ def fused_operators(name: str) -> tuple[str, ...]:
                 if best[end] is None or len(head) + 1 < len(best[end] or ()):
                     best[end] = head + [piece]
     split = best[len(words)]
-    return tuple(f"aten.{op}" for op in (split if split is not None else words))
+    return tuple(f"aten.{op}" for op in (split if split is not None else filter(None, words)))
 
 
 def _comment_before(lines: list[str], line: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -280,6 +282,10 @@ def _observe(kernel: Kernel, invoke: Callable, args: tuple, kwargs: dict):
     else:
         module = run.stack[-1] if run.stack else alone
         run.graph_modules[number] = module
+        if module in run.regions:  # inside the region: the modules its source nodes ran under
+            inner = graph_modules.module_of(number, kernel.source_nodes)
+            if inner:
+                module = inner if module == ROOT else f"{module}.{inner}"
     site = KernelSite(
         run.step,
         "backward" if backward else "forward",
@@ -385,6 +391,7 @@ def install() -> None:
     (``PyCodeCache.load_by_key_path``, which cache hits go through too). Idempotent."""
     from torch._inductor.codecache import PyCodeCache
 
+    graph_modules.install()  # for a model compiled from now on
     original = PyCodeCache.load_by_key_path.__func__  # type: ignore[attr-defined]
 
     def load_by_key_path(cls, *args, **kwargs):
@@ -418,8 +425,9 @@ def observing_kernels(
     run = _Run(list(observers), step, sorted(regions))
     handles = []
     # a block compiled in place names its own kernels: its hooks wrap its compiled call
-    hooked = {**(eager_modules(model) if model is not None else {}), **regions}
-    for path, module in hooked.items():
+    named = [*(eager_modules(model) if model is not None else []), *regions.items()]
+    hooked = {id(module): (path, module) for path, module in named}  # each module once
+    for path, module in hooked.values():
         handles += boundary_hooks(
             module,
             partial(_enter_region, run, path),

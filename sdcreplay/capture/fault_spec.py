@@ -17,6 +17,7 @@ from typing import Literal, get_args
 
 from ..errors import FaultSpecError
 from ..kinds import PhaseName
+from .module_names import aliases
 
 FaultKind = Literal["bitflip", "pairflip", "swap", "bias", "nan", "memflip", "mask", "burst"]
 KINDS: tuple[str, ...] = get_args(FaultKind)
@@ -178,7 +179,11 @@ class FaultSpec:
 
 
 def _under(module: str, prefix: str) -> bool:
-    return module == prefix or module.startswith(prefix + ".") or prefix == ""
+    """Is ``module`` (a plain path) ``prefix`` or inside it; ``prefix`` as typed, or as its
+    wrapped name (``module.layers.0`` under DDP) says it (`module_names.aliases`)."""
+    return any(
+        module == name or module.startswith(name + ".") or name == "" for name in aliases(prefix)
+    )
 
 
 def _convert(annotation: str, value: str):

@@ -31,6 +31,7 @@ from .fault_spec import ENV_VAR as ENV_VAR  # the grammar lives there, torch-fre
 from .fault_spec import FaultSpec  # are kept here for everyone who imports them from faults
 from .fault_spec import parse_specs as parse_specs
 from .memory import local_shard, storage_layout
+from .module_names import aliases, named_buffers, named_parameters
 from .operators import CallSite
 
 _MANTISSA_TOP = {torch.float64: 51, torch.float32: 22, torch.float16: 9, torch.bfloat16: 6}
@@ -202,22 +203,23 @@ class Injector:
         if step in self._memory_flipped:
             return
         self._memory_flipped.add(step)
-        tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-        tensors.update(model.named_buffers())
+        tensors: dict[str, torch.Tensor] = dict(named_parameters(model))
+        tensors.update(named_buffers(model))
         for spec in self.specs:
             if spec.kind != "memflip" or spec.step != step:
                 continue
-            if spec.param not in tensors:
+            param = next((name for name in aliases(spec.param or "") if name in tensors), None)
+            if param is None:
                 raise FaultSpecError(
                     f"memflip names {spec.param!r}, which the model does not have",
-                    "Use a name from model.named_parameters() or named_buffers(), "
-                    "e.g. layers.0.attn.wq.weight.",
+                    "Use a parameter's or buffer's name in the plain model (without DDP's "
+                    "module., compile's _orig_mod.), e.g. layers.0.attn.wq.weight.",
                 )
-            changed = corrupt(spec, tensors[spec.param].data)
+            changed = corrupt(spec, tensors[param].data)
             if changed is None:
                 raise FaultSpecError(
-                    f"memflip index {spec.index} is outside {spec.param} "
-                    f"({tensors[spec.param].numel()} elements)"
+                    f"memflip index {spec.index} is outside {param} "
+                    f"({tensors[param].numel()} elements)"
                 )
             elements, bit = changed
             self.fired.append(
@@ -225,7 +227,7 @@ class Injector:
                     str(spec),
                     step,
                     "state",
-                    spec.param,
+                    param,
                     "memory",
                     -1,
                     elements,

@@ -25,8 +25,8 @@ from ..storage.tensorio import map_tensors
 from . import determinism
 from .digest import tensor_digest
 from .memory import data_address, storage_address
-
-ROOT = "<root>"
+from .module_names import ROOT as ROOT
+from .module_names import named_buffers, named_modules, named_parameters, plain_paths
 
 OUTSIDE = "<outside>"
 """Module path of operators that ran outside every module (e.g. the loss)."""
@@ -51,37 +51,44 @@ def _own_work() -> Iterator[None]:
         _capture_work.depth = depth
 
 
-def compiled_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The modules of ``model`` that run compiled (``torch.compile(m)`` or ``m.compile()``),
-    by path, outermost only (what they contain runs inside their compiled code)."""
+def _compiled_paths(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``compiled_modules`` by the paths of ``named_modules()`` (``""`` for the root)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     found: dict[str, torch.nn.Module] = {}
     for path, module in model.named_modules():
-        inside = any(path.startswith(f"{outer}.") for outer in found if outer != ROOT)
-        if ROOT in found or inside:
+        inside = any(path.startswith(f"{outer}.") or not outer for outer in found)
+        if inside:
             continue
         if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None):
-            found[path or ROOT] = module
+            found[path] = module
     return found
 
 
-def eager_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The modules whose hooks run outside compiled code: every module not inside a compiled
-    one, and an ``OptimizedModule`` itself (its hooks run before its compiled code). A kernel
-    call is attributed to the innermost of them running (a compiled function to its caller)."""
+def compiled_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules of ``model`` that run compiled (``torch.compile(m)`` or ``m.compile()``),
+    by plain path (`module_names`), outermost only (what they contain runs inside their
+    compiled code)."""
+    plain = plain_paths(model)
+    return {plain[path] or ROOT: module for path, module in _compiled_paths(model).items()}
+
+
+def eager_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose hooks run outside compiled code, by plain path: every module not
+    inside a compiled one, and an ``OptimizedModule`` itself (its hooks run before its
+    compiled code). A kernel call is attributed to the innermost of them running (a compiled
+    function to its caller)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    compiled = compiled_modules(model)
-    return {
-        path or ROOT: module
+    compiled = _compiled_paths(model)
+    plain = plain_paths(model)
+    return [
+        (plain[path] or ROOT, module)
         for path, module in model.named_modules()
-        if not any(
-            outer == ROOT or path.startswith(f"{outer}.") or path == outer for outer in compiled
-        )
-        or (path or ROOT) in compiled
+        if not any(not outer or path.startswith(f"{outer}.") or path == outer for outer in compiled)
+        or path in compiled
         and isinstance(module, OptimizedModule)
-    }
+    ]
 
 
 def _capture_depth() -> int:
@@ -146,11 +153,9 @@ class OperatorMode(TorchDispatchMode):
         self._in_optimizer = False
         self._tensor_owner: dict[int, str] = {}
         self._model, self._optimizer = model, optimizer
-        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        self._param_names = {id(p): name for name, p in named_parameters(model)}
         self._module_of_param = {
-            id(p): path or ROOT
-            for path, m in model.named_modules()
-            for p in m.parameters(recurse=False)
+            id(p): path for path, m in named_modules(model) for p in m.parameters(recurse=False)
         }
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -162,7 +167,7 @@ class OperatorMode(TorchDispatchMode):
         return True
 
     def __enter__(self):
-        for name, module in eager_modules(self._model).items():  # never hooks compiled code
+        for name, module in eager_modules(self._model):  # never hooks compiled code
             self._handles.append(module.register_forward_pre_hook(partial(self._push, name)))
             self._handles.append(
                 module.register_forward_hook(partial(self._pop, name), always_call=True)
@@ -457,11 +462,11 @@ def _kept_copy(tensor: torch.Tensor) -> torch.Tensor:
 def state_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, torch.Tensor]:
-    """Everything a step starts from, by name: parameters, buffers, optimizer state."""
-    tensors: dict[str, torch.Tensor] = {f"param:{name}": p for name, p in model.named_parameters()}
-    tensors.update({f"buffer:{name}": b for name, b in model.named_buffers()})
+    """Everything a step starts from, by plain name: parameters, buffers, optimizer state."""
+    tensors: dict[str, torch.Tensor] = {f"param:{name}": p for name, p in named_parameters(model)}
+    tensors.update({f"buffer:{name}": b for name, b in named_buffers(model)})
     if optimizer is not None:
-        names = {id(p): name for name, p in model.named_parameters()}
+        names = {id(p): name for name, p in named_parameters(model)}
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):

@@ -22,7 +22,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from .. import interrupts
 from ..errors import SdcReplayError, WorkloadError, error_json, interrupt_exit_code
-from .output import Output
+from .output import Output, prints_to_stderr
 
 USAGE_HINT = "Run the command with --help for its arguments and options."
 
@@ -135,7 +135,7 @@ def command(
             def action() -> int:
                 from ..ledger.notes import warnings_to
 
-                with warnings_to(output.warn):
+                with warnings_to(output.warn), prints_to_stderr():
                     result = body(output, **options)
                 if output.json_mode:  # first: a result the renderer says as an Error (an
                     output.data(result.to_json())  # incomparable replay) keeps its own JSON

@@ -10,7 +10,9 @@ carriage return, a bell) reaches the terminal (`without_controls`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import os
 import re
 import sys
 import time
@@ -26,7 +28,7 @@ from rich.text import Text
 from .. import leftovers
 from ..errors import SdcReplayError, error_json, interrupt_exit_code, interrupt_signal
 
-__all__ = ["Output", "escape", "human_size", "styled"]
+__all__ = ["Output", "escape", "human_size", "prints_to_stderr", "styled"]
 
 VERDICT_STYLE = {
     "match": "green",
@@ -172,6 +174,39 @@ class Stages:
 
     def close(self) -> None:
         self._close_current()
+
+
+@contextlib.contextmanager
+def prints_to_stderr() -> Iterator[None]:
+    """While open, whatever else prints to stdout goes to stderr: a workload's or a script's
+    ``print`` (``sys.stdout``), and, where stdout is a file descriptor, what C code and the
+    processes started meanwhile (device processes, ranks) write to descriptor 1. Around a
+    command's library call, so stdout carries only what the command itself writes after it
+    (the one JSON object of ``--json``, an export's lines)."""
+    sys.stdout.flush()
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test runner's buffer)
+        descriptor = None
+    saved = os.dup(1) if descriptor == 1 else None
+    if saved is not None:
+        os.dup2(2, 1)
+    python_stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stdout = python_stdout
+        if saved is not None:
+            _flush_c_stdout()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdout() -> None:
+    """What C code buffered for descriptor 1 goes out while it still means stderr."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
 
 
 class Output:

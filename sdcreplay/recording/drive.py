@@ -9,7 +9,7 @@ what was written. With a ring buffer an online detector (``--dump-on update`` or
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +17,7 @@ from pathlib import Path
 from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
 from ..bundle.reader import Bundle
 from ..capture import determinism
-from ..capture.faults import Injector, parse_specs
-from ..capture.operators import OperatorMode
+from ..capture.faults import parse_specs
 from ..devices import torch_device
 from ..errors import FaultSpecError, SdcReplayError
 from ..kinds import SignatureLevel
@@ -28,6 +27,7 @@ from ..online.update_detector import UpdateDetector
 from ..replay.replicas import ops_command
 from ..storage.tensorio import map_tensors
 from ..workload.definition import Workload, accepts_seed, build_workload
+from .drill import UnmatchedFaultWarning
 from .recorder import Recorder, own_part
 
 
@@ -115,7 +115,6 @@ def record(
         if optimizer_state is not None:
             built.optimizer.load_state_dict(optimizer_state)
     determinism.seed_everything(seed)
-    injector = Injector(parse_specs(inject), device)
     loss_value = None
     recorder = Recorder(
         out,
@@ -136,27 +135,21 @@ def record(
     )
     detector = _detector(detecting, built, recorder)
     peak_nbytes, stopped = 0, None
-    with recorder:
+    # record() refuses a spec that matched nothing (below): the Recorder's warning is not said
+    with warnings.catch_warnings(), recorder:  # the filter outlasts close(), which warns
+        warnings.simplefilter("ignore", UnmatchedFaultWarning)
         for index in range(steps):
             batch = map_tensors(built.get_batch(index), lambda t: t.to(target))
-            chain = [injector] if injector.has_operator_faults else []
-            mode = (
-                OperatorMode(built.model, built.optimizer, chain, index)
-                if chain
-                else contextlib.nullcontext()
-            )
-            if detector is not None:  # it opens the recorder's step itself
-                try:
-                    with mode, injector.kernel_faults(index, built.model):
+            if detector is not None:  # it opens the recorder's step itself, maybe more than once
+                try:  # every execution of the step on this device under the drill's one count
+                    with recorder.drill.step(index):
                         loss = detector.run_step(batch)
                 except TrainingStopped as alarm:
                     stopped = f"step {index}: {alarm.message}"
                     break
             else:
-                with recorder.step(batch):  # its checks run before the step, outside the mode
-                    injector.before_step(index, built.model)
-                    with mode, injector.kernel_faults(index, built.model):
-                        loss = built.run_step(batch)
+                with recorder.step(batch):  # the recording device's faults fire in it (drill.py)
+                    loss = built.run_step(batch)
             peak_nbytes = max(peak_nbytes, recorder.ring_nbytes)
             loss_value = None if loss is None else float(loss.detach())
             if on_step is not None:
@@ -167,7 +160,7 @@ def record(
             detector.close()
     bundle_path = recorder.path if ring is None else next(iter(recorder.dumps), None)
     listed = recorder.own_bundle_path or "BUNDLE"  # a job's: its rank's part, which ops takes
-    for miss in injector.unmatched():
+    for miss in recorder.drill.unmatched():
         raise FaultSpecError(
             f"fault spec {miss['spec']!r} matches no operator call of the recorded steps "
             f"({bundle_path} was recorded without it)",

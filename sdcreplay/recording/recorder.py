@@ -48,12 +48,12 @@ from ..capture import determinism
 from ..capture.collectives import MessageLog
 from ..capture.compiled import CompileWatch
 from ..capture.digest import algorithm_for
-from ..capture.fault_spec import parse_specs
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
 from ..kinds import SIGNATURE_LEVELS, SignatureLevel
 from ..storage.tensorio import map_tensors
 from ..workload.definition import check_state_objects, recorded_ref
+from .drill import Drill
 from .dump import RingDumper
 from .ring import HeldStep, StepRing
 from .ring_mode import RingMode
@@ -73,8 +73,9 @@ class Recorder(RingMode):
     under the names the workload gives them. ``verify`` (True, ``"warn"`` or
     False) checks that the workload's step reproduces the loop's (module
     docstring); ``inject`` is the recording device's faults (`sdcreplay record
-    --inject`), which the check re-executes under too, and which the manifest names
-    (``injected_faults``, with ``SDCREPLAY_INJECT``'s: a drill bundle). ``ring=K`` writes
+    --inject`; with ``SDCREPLAY_INJECT``'s): each step's block runs under them (drill.py), the
+    check re-executes under them too, and the manifest names those that fired
+    (``injected_faults``: a drill bundle). ``ring=K`` writes
     nothing while recording: the last K steps stay in memory (ring.py) until
     ``dump(reason)`` writes them as a bundle at ``path`` (docs/recording.md, "Ring buffer";
     under torch.distributed the ranks' dumps at the same step write one job bundle); after
@@ -153,8 +154,9 @@ class Recorder(RingMode):
             inject=inject,
             distributed=distributed,
         )
-        # A drill: the faults this recording device has, SDCREPLAY_INJECT's included.
-        self.injected_faults = [str(spec) for spec in parse_specs(inject)]
+        # A drill: the recording device's faults (SDCREPLAY_INJECT's too) fire in each step.
+        self.drill = Drill(inject, model, optimizer, self.label)
+        self.injected_faults = self.drill.fired_specs  # the manifest's: those that fired
         bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
             workload=workload_ref,
             device=self.label,
@@ -195,6 +197,7 @@ class Recorder(RingMode):
                 self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
             status = "pending" if self.verify_mode != "off" else "off"
             self._writer.set_verification(self.verify_mode, status)
+            self.drill.writer = self._writer
         self._capture = SignatureCapture(
             model,
             optimizer,
@@ -274,7 +277,7 @@ class Recorder(RingMode):
             self._messages.begin_step(self._next_index)
         self._open_batch, self._in_block, self._stopped = stored_batch, True, False
         try:
-            with self._capture.backward_capture():
+            with self._capture.backward_capture(), self.drill.step(self._next_index):
                 yield
         finally:
             self._open_batch, self._in_block = None, False
@@ -433,6 +436,7 @@ class Recorder(RingMode):
             self.verify()
         finally:
             self._release()
+        self.drill.close()
         if self._writer is not None:
             self.path = self._writer.close()
             self.moved_aside += self._writer.moved_aside

@@ -142,7 +142,8 @@ def die_with_parent() -> None:
 
 
 def _child(task_path: str, stderr_path: str, env: dict, cwd: str, command: int) -> None:
-    """In the forked process: the caller's environment and directory, stderr to a file; ^C
+    """In the forked process: the caller's environment and directory, stderr to a file (and
+    stdout, so what a workload prints is kept with its log, never in a command's output); ^C
     as the workload would get it (the server it was forked from blocks it)."""
     end_with(command)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -151,7 +152,7 @@ def _child(task_path: str, stderr_path: str, env: dict, cwd: str, command: int) 
     os.close(descriptor)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
-    os.dup2(null, 1)
+    os.dup2(2, 1)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdcreplay.capture import graph_modules
 from sdcreplay.capture.compiled_kernels import fused_operators, observing_kernels
 from sdcreplay.capture.faults import FaultSpec, Injector
 from sdcreplay.capture.kernel_log import KernelLog
@@ -76,6 +77,11 @@ def test_fused_operators_split_a_name_into_known_aten_operators():
     assert fused_operators("triton_per_fused_native_layer_norm_backward_12") == (
         "aten.native_layer_norm_backward",
     )
+    # an operator's own leading underscore stays with it (not "aten.unsafe, aten.view")
+    assert fused_operators("cpp_fused__unsafe_view_add_clone_3") == (
+        "aten._unsafe_view", "aten.add", "aten.clone",
+    )  # fmt: skip
+    assert fused_operators("cpp_fused_add__to_copy_0") == ("aten.add", "aten._to_copy")
 
 
 def test_a_fault_in_a_kernel_output_is_found_exactly_at_random_placements(loop):
@@ -142,3 +148,24 @@ def _first_kernel(loop) -> str:
     log = KernelLog()
     _step(loop, [log])
     return log.records[0].site.kernel
+
+
+def test_a_whole_model_compile_names_its_gemms_by_the_modules_they_ran_in():
+    """``torch.compile(model)`` is one region, ``<root>``; a kernel whose source nodes Inductor
+    names (an extern GEMM) is named by the module Dynamo traced them in."""
+    spec = importlib.util.spec_from_file_location(
+        "compiled_loop", LOOP.with_name("compiled_loop.py")
+    )
+    compiled_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compiled_loop)
+    workload = compiled_loop.make_workload(compile="full")
+    graph_modules.install()  # as a Recorder's or a replay's CompileWatch does before it compiles
+    workload.run_step(workload.get_batch(0))
+    log = KernelLog()
+    with observing_kernels([log], 1, workload.model):
+        workload.run_step(workload.get_batch(1))
+    forward = [r.site for r in log.records if r.site.phase == "forward"]
+    gemms = [(s.kernel, s.module) for s in forward if s.kernel.startswith("extern_kernels.")]
+    assert [module for _, module in gemms] == ["layers.0.fc", "layers.1.fc", "head"]
+    fused = [s for s in forward if not s.kernel.startswith("extern_kernels.")]
+    assert fused and {s.module for s in fused} == {"<root>"}  # no source nodes: the region

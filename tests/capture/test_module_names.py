@@ -1,0 +1,153 @@
+"""Names as the person reads the model: wrappers' own segments (DDP's ``module.``, compile's
+``_orig_mod.``, checkpoint_wrapper's) are left out of operator sites, fault specs and bisect
+reports, and the wrapped name a person copies from ``named_modules()`` still works."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL, preserved_global_state
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from sdcreplay.capture.fault_spec import FaultSpec
+from sdcreplay.capture.faults import Injector
+from sdcreplay.capture.module_names import aliases, named_modules, named_parameters, plain_paths
+from sdcreplay.capture.operators import CallSite, OperatorMode
+from sdcreplay.recording.job import record_job
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.module = nn.Linear(4, 4)  # a person's own child called "module" stays
+
+    def forward(self, x):
+        return self.module(self.fc(x))
+
+
+def wrapped_model() -> nn.Module:
+    """Every wrapper at once: DataParallel (DDP's ``module``) around a model with a compiled
+    block and an activation-checkpointed one."""
+    model = nn.Sequential(Block(), Block())
+    model[0] = torch.compile(model[0])
+    model[1] = checkpoint_wrapper(model[1])
+    return nn.DataParallel(model)
+
+
+def test_wrappers_segments_are_left_out_and_a_childs_own_name_kept():
+    model = wrapped_model()
+    plain = plain_paths(model)
+    assert plain["module.0._orig_mod.fc"] == "0.fc"
+    assert plain["module.1._checkpoint_wrapped_module.module"] == "1.module"
+    assert [name for name, _ in named_parameters(model)] == [
+        f"{block}.{layer}.{kind}"
+        for block in "01"
+        for layer in ("fc", "module")
+        for kind in ("weight", "bias")
+    ]
+    names = {name for name, _ in named_modules(model)}
+    assert names == {"<root>", "0", "0.fc", "0.module", "1", "1.fc", "1.module"}
+
+
+def test_a_typed_name_may_be_the_wrapped_one():
+    assert aliases("module.layers.0._orig_mod.attn") == (
+        "module.layers.0._orig_mod.attn",
+        "module.layers.0.attn",
+        "layers.0.attn",
+    )
+    spec = FaultSpec.parse("kind=bitflip,op=aten.mm,module=module.layers.0")
+    assert spec.matches_key("aten.mm.default", "layers.0.attn.wq", "forward")
+    assert FaultSpec.parse("kind=bitflip,op=aten.mm,module=layers.0").matches_key(
+        "aten.mm.default", "layers.0.attn.wq", "forward"
+    )
+    assert not spec.matches_key("aten.mm.default", "layers.1.attn.wq", "forward")
+
+
+def test_operator_sites_and_faults_name_the_plain_module_under_data_parallel():
+    torch.manual_seed(0)
+    model = nn.DataParallel(nn.Sequential(Block()))
+    fired = Injector(
+        [FaultSpec.parse("kind=bitflip,op=aten.addmm,module=0.module,index=1,bit=3")], "cpu"
+    )
+    sites: list[CallSite] = []
+
+    class Sites:
+        def on_call(self, site, func, args, kwargs, out):
+            sites.append(site)
+            return out
+
+    with OperatorMode(model, None, [fired, Sites()], step=0):
+        model(torch.ones(2, 4))
+    assert [(s.module, s.op) for s in sites if s.op == "aten.addmm.default"] == [
+        ("0.fc", "aten.addmm.default"),
+        ("0.module", "aten.addmm.default"),
+    ]
+    assert [(i.module, i.elements, i.bit) for i in fired.fired] == [("0.module", [1], 3)]
+
+
+def test_memflip_takes_the_plain_and_the_wrapped_parameter_name():
+    model = nn.DataParallel(nn.Sequential(Block()))
+    for name in ("0.fc.weight", "module.0.fc.weight"):
+        before = model.module[0].fc.weight.detach().clone()
+        injector = Injector([FaultSpec.parse(f"kind=memflip,param={name},step=0,index=2")], "cpu")
+        injector.before_step(0, model)
+        assert injector.fired[0].module == "0.fc.weight"
+        changed = (model.module[0].fc.weight != before).flatten().nonzero().flatten().tolist()
+        assert changed == [2]
+
+
+DDP_MODEL_WORKLOAD = f"""
+from sdcreplay.workload.tiny_llama import make_workload as tiny_llama
+
+
+def make_workload(seed=0):
+    workload = tiny_llama(seed=seed, parallel="ddp", **{SMALL!r})
+    workload.model = workload.data_parallel  # the loop hands the Recorder its DDP (nanoGPT)
+    return workload
+"""
+
+PLAIN_SPEC = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1,index=5"
+
+
+@pytest.fixture(scope="module")
+def ddp_model_job(tmp_path_factory) -> Path:
+    """2 gloo ranks recording with the DistributedDataParallel itself as the model."""
+    where = tmp_path_factory.mktemp("ddpmodel")
+    (where / "ddp_model.py").write_text(DDP_MODEL_WORKLOAD)
+    out = where / "job.bundle"
+    with preserved_global_state():
+        record_job(f"{where / 'ddp_model.py'}:make_workload", out, nproc=2, steps=2, timeout=60)
+    return out
+
+
+def test_a_plain_module_spec_under_ddp_names_rank_1_and_bisects_to_the_plain_module(
+    cli, ddp_model_job, tmp_path
+):
+    devices = [arg for n in range(4) for arg in ("-d", f"cpu:{n}")]
+    fault = f"{PLAIN_SPEC},rank=1,device=cpu:3"
+    replayed = cli(
+        "replay", ddp_model_job, *devices, "--inject", fault, "--timeout", "60", "--json"
+    )
+    assert replayed.exit_code == 1, replayed.output
+    report = json.loads(replayed.stdout)
+    assert (report["origin_rank"], report["suspects"]) == (1, ["cpu:3"])
+    bisected = cli(
+        "bisect", ddp_model_job, "--rank", "1", "--suspect", "cpu:1", "--reference", "cpu:0",
+        "--step", "1", "--inject", f"{PLAIN_SPEC},rank=1,device=cpu:1", "--out", tmp_path / "b",
+        "--json",
+    )  # fmt: skip
+    assert bisected.exit_code == 1, bisected.output
+    found = json.loads(bisected.stdout)
+    assert (found["rank"], found["step"], found["phase"], found["module"], found["op"]) == (
+        1,
+        1,
+        "forward",
+        "layers.0.attn.wq",
+        "aten.mm.default",
+    )
+    assert found["elements"]["indices"] == [5] and found["bits"]["histogram"] == {"22": 1}
