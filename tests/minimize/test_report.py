@@ -10,6 +10,7 @@ One job per parallelism, recorded once for the module; each bisect once.
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import sys
 from dataclasses import dataclass, field
@@ -196,3 +197,19 @@ def test_corpus_add_and_screen_take_the_job_tickets(made, tmp_path, run_exe):
     failure = outcomes["cpu:1"]["failure"]
     assert failure["ticket"]["key"] == added["added"][0]["key"]  # the first ticket, at once
     assert (failure["element"], failure["bits"], failure["xor"]) == (3, "20", "00100000")
+
+
+def test_minimize_says_where_in_the_job_the_call_ran(made, tmp_path):
+    report = made("ddp").reports["peers"]
+    result = CliRunner().invoke(
+        app,
+        [
+            "minimize", report["report"], "--trials", "5", "--good-trials", "1", "--inject",
+            FAULT, "--out", str(tmp_path / "t"), "--no-ledger",
+        ],
+        env={"SDCREPLAY_DEBUG": None, "SDCREPLAY_INJECT": None, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 1, result.stderr
+    assert re.search(
+        rf"in the job +│ rank 1 \(dp=1\) of {re.escape(report['bundle'])} ", result.stderr
+    )
