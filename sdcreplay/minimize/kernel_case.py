@@ -35,6 +35,7 @@ from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
 from ..devices import torch_device
 from ..errors import DeterminismError, ReportError, SdcReplayError
+from ..replay.alone import check_alone
 from ..replay.worker import device_task
 from ..storage.rundir import make_run_dir
 from .report import job_of, report_bundle, report_rank
@@ -166,6 +167,14 @@ def _measure_as_rank(
             "Minimize where the bundle is (or put the job beside the report).",
         )
     job, rank = JobBundle.open(found), report_rank(report) or 0
+    try:
+        check_alone(job, rank)
+    except SdcReplayError as exc:
+        raise SdcReplayError(
+            f"{exc.message}, and a job's kernel is compiled here by its rank alone",
+            "Only a data-parallel rank's kernel (DDP, FSDP2) is minimized; for this one the "
+            "report's kernel.h5 and its fault spec are the evidence (docs/minimize.md).",
+        ) from exc
     part = job.rank(rank)
     arguments = {
         "bundle": str(part.path),
