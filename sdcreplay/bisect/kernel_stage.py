@@ -30,7 +30,7 @@ from ..errors import ReportError, SdcReplayError
 from ..replay.worker import device_task
 from ..storage import tensorio
 from .evidence import first_differing_output, output_findings, trees_equal
-from .tasks import UNSTEADY_STEP, _enter_step, _refuse_unreproduced
+from .tasks import UNSTEADY_STEP, MessagesBefore, _enter_step, _refuse_unreproduced
 
 KERNEL_FILE = "kernel.h5"
 
@@ -140,8 +140,9 @@ def run_kernel_log_task(
         steps_run += entry.window_steps + 1
         reference = records_from_json(expected, step) if expected is not None else None
         log = KernelLog(expected=None if watch is not None else reference, watch=watch)
+        messages = MessagesBefore(watch)
         try:
-            entry.session.run_step(entry.target, kernel_observers=[log])
+            entry.session.run_step(entry.target, kernel_observers=[log, messages])
         finally:
             entry.session.close()
         if watch is not None:  # the reference again: it must make its first run's calls
@@ -150,7 +151,7 @@ def run_kernel_log_task(
                 return {"case": None, "steps_run": steps_run}
             path = work / "reference-kernel.h5"
             _kernel_case(log).write(path)
-            return {"case": str(path), "steps_run": steps_run}
+            return {"case": str(path), "steps_run": steps_run, "messages_before": messages.count}
         if expected is None:
             path = work / "kernellog-reference.json"
             path.write_text(json.dumps(records_to_json(log.records)))
@@ -358,4 +359,5 @@ def bisect_kernels(
             "kernels_isolate": isolated["steps_run"],
         },
         "repeats_run": sus["repeats_run"],
+        "messages_before": fetched.get("messages_before"),
     }

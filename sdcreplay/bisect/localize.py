@@ -54,7 +54,7 @@ from .evidence import (
 )
 from .kernel_stage import bisect_kernels
 from .operator_case import OPERATOR_FILE, OperatorCase
-from .rank import job_to_bisect, run_in_job
+from .rank import collectives_around, job_to_bisect, run_in_job
 from .report import (
     ENTRY_STATE_FILE,
     SCHEMA,
@@ -271,6 +271,9 @@ def _localize(
         )  # fmt: skip
         if in_kernels is not None:
             kernel_steps = in_kernels.pop("steps_run")
+            issued = in_kernels.pop("messages_before")
+            if job is not None:
+                in_kernels["collectives"] = collectives_around(opened, step, issued)
             steps = {"replay": replayed.pop("steps_run", {}).get("replay", 0)}
             steps |= {"oplog_reference": ref_log["steps_run"], **kernel_steps}
             result = {**base, "verdict": "divergence", "step": step, **replayed, **in_kernels}
@@ -400,6 +403,8 @@ def _localize(
         prior_calls=[[*key, n] for key, n in case.prior.items()],
         environment={"reference": ref_log.get("environment"), "suspect": sus.get("environment")},
     )
+    if job is not None:  # where the call lies among the rank's collectives
+        result["collectives"] = collectives_around(opened, step, fetched.get("messages_before"))
     if verdict == "upstream":
         result["upstream"] = upstream(case, sus.get("origins", []), sus["state_differs"])
         producer = result["upstream"] and result["upstream"]["producer"]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle, is_job_bundle
+from ..bundle.reader import Bundle
 from ..errors import SdcReplayError
 from ..heartbeat import HEARTBEAT
 from ..replay.job import require_own_gpus, this_rank
@@ -110,3 +111,29 @@ def run_in_job(
     if failure is not None:
         raise failure
     return results[rank].value or {}
+
+
+def collectives_around(part: Bundle, step: int, issued_before: int | None) -> dict | None:
+    """The rank's recorded collectives just before and just after a call of ``step`` that ran
+    after ``issued_before`` of the step's messages (None: not known, or not a job's rank)."""
+    if issued_before is None:
+        return None
+    messages = part.messages().get(step, [])
+
+    def shown(position: int) -> dict | None:
+        if not 0 <= position < len(messages):
+            return None  # the call comes before the step's first collective, or after its last
+        message = messages[position]
+        return {
+            "record_id": message.record_id,
+            "profiling_name": message.profiling_name,
+            "process_group": message.process_group,
+            "message": message.brief(),
+        }
+
+    return {
+        "issued_before": issued_before,
+        "in_step": len(messages),
+        "before": shown(issued_before - 1),
+        "after": shown(issued_before),
+    }

@@ -21,6 +21,7 @@ import torch
 from ..bundle.manifest import StepRecord
 from ..bundle.reader import Bundle
 from ..capture import determinism
+from ..capture.collectives import issued_in_step
 from ..capture.determinism import restore_operator_rng
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
@@ -112,6 +113,27 @@ def _enter_step(
     state = state_tensors(session.model, session.optimizer)
     digests = {name: tensor_digest(tensor) for name, tensor in state.items()}
     return StepEntry(session, digests, state, target, window_steps, continuation)
+
+
+class MessagesBefore:
+    """An operator and kernel observer: how many collective messages the step had issued when
+    call ``index`` ran (None outside a job's rank), so a report can name the collectives
+    around it."""
+
+    def __init__(self, index: int | None):
+        self.index = index
+        self.count: int | None = None
+
+    def _note(self, index: int) -> None:
+        if index == self.index and self.count is None:
+            self.count = issued_in_step()
+
+    def on_call(self, site: CallSite, func, args, kwargs, out):
+        self._note(site.index)
+        return out
+
+    def on_kernel(self, call) -> None:
+        self._note(call.site.index)
 
 
 def _records_to_json(records: list[OperatorRecord]) -> list:
@@ -275,12 +297,12 @@ def run_fetch_task(
     loaded state must reproduce it call for call: otherwise the saved state
     was not all the step depends on, and no later comparison could be trusted.
     """
-    oplog = OperatorLog(watch=op_index)
+    oplog, messages = OperatorLog(watch=op_index), MessagesBefore(op_index)
     entry = _enter_step(bundle, device, inject, step, 0, entry_state=entry_state)
     try:
         _save_state(Path(work_dir) / "state-reference.h5", entry.state, state_names)
         if op_index is not None:
-            entry.session.run_step(entry.target, observers=[oplog])
+            entry.session.run_step(entry.target, observers=[oplog, messages])
     finally:
         entry.session.close()
     steps_run = entry.window_steps + (op_index is not None)
@@ -294,7 +316,7 @@ def run_fetch_task(
     site = oplog.records[op_index].site
     prior = Counter(r.site.key for r in oplog.records[:op_index])
     OperatorCase(site, prior, args, kwargs, outputs, outputs, rng=oplog.rng_before).write(path)
-    return {"case": str(path), "steps_run": steps_run}
+    return {"case": str(path), "steps_run": steps_run, "messages_before": messages.count}
 
 
 def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, step: int) -> None:

@@ -353,6 +353,13 @@ def log_open() -> bool:
     return _active is not None
 
 
+def issued_in_step() -> int | None:
+    """How many messages the open log holds in its step so far: where an operator call lies
+    among the step's collectives (None: no log is open)."""
+    log = _active
+    return None if log is None else len(log.messages)
+
+
 @contextlib.contextmanager
 def unlogged() -> Iterator[None]:
     """Collectives issued inside a logged step that are not the step's (a detector's ranks

@@ -162,6 +162,7 @@ def render_kernel_minimize(output: Output, result) -> None:
         [
             ["kernel", f"{kernel['name']} ({kernel['kind']}, {kernel['graph']})"],
             ["fused", ", ".join(kernel["fused"]) or "-"],
+            *_job_rows(result.job),
             [
                 "suspect",
                 f"{result.device}: failed {result.failures} of {result.trials} "
@@ -192,6 +193,7 @@ def render_minimize(output: Output, result: MinimizeResult | KernelMinimizeResul
     )
     rows = [
         ["operator", result.op],
+        *_job_rows(result.job),
         ["suspect", f"{result.device}: {_minimize_verdict(result)}"],
         [
             "reference",
@@ -233,6 +235,11 @@ def render_minimize(output: Output, result: MinimizeResult | KernelMinimizeResul
         output.warn(warning)
     output.say(f"Ticket: {result.ticket}")
     say_moved_aside(output, "ticket", result.moved_aside)
+
+
+def _job_rows(job: dict | None) -> list[list[str]]:
+    """Where a job's call ran: its rank, by coordinates, in the job bundle."""
+    return [["in the job", f"{job['where']} of {job['bundle']}"]] if job else []
 
 
 def _fault_model_rows(models: dict | None) -> list[list[str]]:

@@ -53,9 +53,10 @@ def _run_ticket(device: str, ticket: dict, specs: list, deadline: float) -> dict
     inputs = Path(ticket["path"]) / INPUTS_FILE
     with h5py.File(inputs, "r") as handle:
         switches = json.loads(handle.attrs["switches"])
+        rank = int(handle.attrs["rank"]) if "rank" in handle.attrs else None  # a job's call
     determinism.apply(switches)
     case = OperatorCase.read(inputs)
-    runner = TrialRunner(resolve_op(case.op), case.site, case.prior, device, specs, rng=case.rng)
+    runner = TrialRunner(resolve_op(case.op), case.site, case.prior, device, specs, case.rng, rank)
     trials, done, chunk = ticket["trials"], 0, 1
     while done < trials:
         if time.time() >= deadline:

@@ -31,7 +31,6 @@ import torch
 from .. import leftovers
 from ..bisect.kernels import kernel_names
 from ..bisect.operator_case import OperatorCase, resolve_op
-from ..bundle.reader import Bundle
 from ..capture.faults import FaultSpec, check_bits_fit, other_machine_kernels, parse_specs
 from ..capture.probe import Probe, run_probe
 from ..devices import require_available, torch_device
@@ -44,7 +43,14 @@ from ..storage.tensorio import dtype_name, map_tensors
 from . import ticket
 from .data_dependence import depends_on_data, failing_element_coordinates
 from .kernel_case import KernelMinimizeResult, is_kernel_report, minimize_kernel
-from .report import deterministic_switches, load_report, read_report
+from .report import (
+    deterministic_switches,
+    job_of,
+    load_report,
+    read_report,
+    recorded_part,
+    report_rank,
+)
 from .shrink import shrink_inputs
 from .statistics import default_bad_trials
 from .trials import Acceptance, Measurement, TrialRunner
@@ -109,6 +115,7 @@ class MinimizeResult:
     injected_faults: list[str] | None = None  # injected here or when bisect found the call
     recorded_faults: list[str] | None = None  # the bundle's recording device's (a drill)
     interrupted: str | None = None  # the signal that ended the shrink: a partial ticket
+    job: dict | None = None  # a job's call: the job, rank, coordinates, collectives around it
 
     @property
     def exit_code(self) -> int:
@@ -159,8 +166,9 @@ def minimize(
         suspect_label,
     )
     op = resolve_op(case.op)
-    suspect = TrialRunner(op, case.site, case.prior, suspect_label, specs, rng=case.rng)
-    checker = TrialRunner(op, case.site, case.prior, reference_label, specs, rng=case.rng)
+    rank = report_rank(report)
+    suspect = TrialRunner(op, case.site, case.prior, suspect_label, specs, case.rng, rank)
+    checker = TrialRunner(op, case.site, case.prior, reference_label, specs, case.rng, rank)
     started = time.perf_counter()
 
     measured = suspect.measure(
@@ -266,6 +274,7 @@ def minimize(
         "reference": identify(reference_label).to_json(),
     }
     result.interrupted = None if interruption is None else interrupt_signal(interruption).name
+    result.job = job_of(report, report_dir)
     moved = ticket.write_ticket(target, result.to_json(), report, ticket_case, overwrite)
     result.moved_aside = None if moved is None else str(moved)
     if ledger:
@@ -384,7 +393,7 @@ def _unlike_recording(report: dict, labels: list[str], warnings: list[str]) -> d
     """How each device here is unlike the recording (its kernel probe, run in this process);
     nothing when the report's bundle is gone or has no probe (a warning says so)."""
     try:
-        bundle = Bundle.open(report["bundle"])
+        bundle = recorded_part(Path(report["bundle"]), report)
     except SdcReplayError as exc:
         warnings.append(
             f"the report's bundle cannot be read ({exc.message}): "

@@ -8,6 +8,12 @@ recorded inputs, ``trials`` times on the suspect and on the reference, and the t
 the generated source, the inputs and the expected outputs, and ``repro.py``, which compiles
 the source with Inductor's own compiler and runs it standalone (a person runs it on purpose).
 A generated kernel's shapes are part of its code, so its inputs are not shrunk.
+
+A job's rank (``bisect JOB --rank R``, alone or among its peers) compiles its step only inside
+a process group: each device then compiles and measures in a device process of its own that
+is rank R of the job without peers (`bisect.alone.run_alone`), from the state the bisect saved
+entering the step (``--alone``), else replaying the rank's window alone first. The values a
+rank alone computes leave the job's after its first reduction; the code it generates does not.
 """
 
 from __future__ import annotations
@@ -18,16 +24,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bisect.alone import run_alone
 from ..bisect.kernel_stage import KERNEL_FILE, KernelCase, trial
 from ..bisect.report import ENTRY_STATE_FILE, WORK_DIR
 from ..bisect.tasks import _enter_step
+from ..bundle.job_bundle import JobBundle
+from ..capture import determinism
 from ..capture.compiled_kernels import KernelCall
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
 from ..devices import torch_device
 from ..errors import DeterminismError, ReportError, SdcReplayError
+from ..replay.alone import check_alone
+from ..replay.worker import device_task
+from ..storage.rundir import make_run_dir
+from .report import job_of, report_bundle, report_rank
 from .statistics import wilson_interval
-from .ticket import JSON_FILE, MARKDOWN_FILE, staged_ticket
+from .ticket import JSON_FILE, MARKDOWN_FILE, job_lines, staged_ticket
 
 SCHEMA = "sdcreplay.minimize/1"
 SOURCE_FILES = {"cpp": "kernel.cpp", "triton": "kernel.py"}
@@ -59,6 +72,7 @@ class KernelMinimizeResult:
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     level: str = "kernel"
+    job: dict | None = None  # a job's call: the job, rank, coordinates, collectives around it
 
     @property
     def exit_code(self) -> int:
@@ -84,10 +98,11 @@ class _KernelHere:
             self.call = call
 
 
-def compile_kernel_here(bundle: str, label: str, entry_state: Path, case: KernelCase):
+def compile_kernel_here(bundle: str, label: str, entry_state: str | None, case: KernelCase):
     """The reported kernel as this process generates it for ``label`` (by compiling the step
-    from the state entering it); refused when its code is not the reported code."""
-    entry = _enter_step(bundle, label, (), case.site.step, 0, entry_state=str(entry_state))
+    from the state entering it, or after replaying the window without one); refused when its
+    code is not the reported code."""
+    entry = _enter_step(bundle, label, (), case.site.step, 0, entry_state=entry_state)
     here = _KernelHere(case)
     try:
         entry.session.run_step(entry.target, kernel_observers=[here])
@@ -129,6 +144,53 @@ def _measure(
     return failures, first
 
 
+@device_task
+def run_kernel_trials_task(
+    device: str, bundle: str, entry_state: str | None, case_file: str, trials: int, inject: list
+) -> dict:
+    """A job's rank without peers: compile the reported kernel here and run it ``trials``
+    times (a spec's ``rank=`` fires: this process is that rank)."""
+    case = KernelCase.read(Path(case_file))
+    invoke = compile_kernel_here(bundle, device, entry_state, case)
+    failures, first = _measure(case, invoke, device, parse_specs(inject), trials)
+    return {"failures": failures, "first": first}
+
+
+def _measure_as_rank(
+    report: dict, report_dir: Path, label: str, entry_state: str | None, trials: int, inject
+) -> tuple[int, int | None]:
+    """`run_kernel_trials_task` on ``label`` as the report's rank of its job, without peers."""
+    found = report_bundle(report, report_dir)
+    if found is None:
+        raise ReportError(
+            f"the job {report.get('bundle')} is not found: a job's kernel is compiled from it",
+            "Minimize where the bundle is (or put the job beside the report).",
+        )
+    job, rank = JobBundle.open(found), report_rank(report) or 0
+    try:
+        check_alone(job, rank)
+    except SdcReplayError as exc:
+        raise SdcReplayError(
+            f"{exc.message}, and a job's kernel is compiled here by its rank alone",
+            "Only a data-parallel rank's kernel (DDP, FSDP2) is minimized; for this one the "
+            "report's kernel.h5 and its fault spec are the evidence (docs/minimize.md).",
+        ) from exc
+    part = job.rank(rank)
+    arguments = {
+        "bundle": str(part.path),
+        "entry_state": entry_state,
+        "case_file": str(report_dir / KERNEL_FILE),
+        "trials": trials,
+        "inject": list(inject),
+    }
+    work = make_run_dir(report_dir / WORK_DIR, "minimize-")
+    value = run_alone(
+        "minimize", run_kernel_trials_task, label, arguments, job=job, rank=rank, work=work,
+        environment=determinism.pinned_environment(part.manifest.fingerprint),
+    )  # fmt: skip
+    return value["failures"], value["first"]
+
+
 def minimize_kernel(
     report_dir: Path,
     report: dict,
@@ -143,26 +205,23 @@ def minimize_kernel(
     """Measure the reported kernel alone on ``device`` and ``reference``; write the ticket (one
     already there replaced only with ``overwrite``, moved aside)."""
     case_file, entry_state = report_dir / KERNEL_FILE, report_dir / WORK_DIR / ENTRY_STATE_FILE
-    for needed in (case_file, entry_state):
+    in_job = report_rank(report) is not None  # among its peers, a rank's bisect saves no state
+    for needed in (case_file, *([] if in_job else [entry_state])):
         if not needed.is_file():
             raise ReportError(f"{report_dir} has no {needed.relative_to(report_dir)}")
     case = KernelCase.read(case_file)
     specs = parse_specs(inject)
     started = time.perf_counter()
-    failures, first = _measure(
-        case,
-        compile_kernel_here(report["bundle"], device, entry_state, case),
-        device,
-        specs,
-        trials,
-    )
-    checked, _ = _measure(
-        case,
-        compile_kernel_here(report["bundle"], reference, entry_state, case),
-        reference,
-        specs,
-        trials,
-    )
+    entry = str(entry_state) if entry_state.is_file() else None
+
+    def measure(label: str) -> tuple[int, int | None]:
+        if in_job:
+            return _measure_as_rank(report, report_dir, label, entry, trials, inject)
+        invoke = compile_kernel_here(report["bundle"], label, entry, case)
+        return _measure(case, invoke, label, specs, trials)
+
+    failures, first = measure(device)
+    checked, _ = measure(reference)
     if checked:
         raise DeterminismError(
             f"the reference {reference} does not reproduce the recorded output of "
@@ -195,6 +254,7 @@ def minimize_kernel(
         report=str(report_dir),
         ticket=str(target),
         warnings=warnings,
+        job=job_of(report, report_dir),
     )
     result.seconds = round(time.perf_counter() - started, 3)
     write_kernel_ticket(target, result, case, report.get("determinism") or {}, overwrite)
@@ -247,6 +307,7 @@ def _markdown(result: KernelMinimizeResult, source: str | None) -> str:
             "`repro.py` compiles the kernel's generated source with Inductor's own compiler "
             "(torch and h5py, and g++ or Triton) and runs it on the recorded inputs, comparing "
             "what it writes with the expected outputs bit for bit.",
+            *job_lines(result.job),
             "",
         ]
     )

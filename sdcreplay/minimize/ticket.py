@@ -6,7 +6,10 @@
                    expected output, the suspect's failing output, the call site and prior
                    counts, plus the operator name and the determinism switches as attributes
       ticket.json  ``sdcreplay.ticket/1``: device identity, software, operator, shapes, rate,
-                   interval, acceptance numbers, data dependence, first mismatch, bits, commands
+                   interval, acceptance numbers, data dependence, first mismatch, bits, commands;
+                   for a job's call, the job, the rank, its coordinates in the mesh and the
+                   collectives around the call (``job``; inputs.h5 then holds the rank, so a
+                   drill's ``rank=`` spec fires in repro.py and screen as it did there)
       ticket.md    the same, for a person
 
 The directory is written beside itself and renamed into place, so a ticket
@@ -113,6 +116,7 @@ def ticket_document(result: dict, report: dict) -> dict:
         "bits": result["bits"],
         "pattern": result["pattern"],
         "fault_model": result.get("fault_model"),
+        "job": result.get("job"),
         "bisect": {
             key: report.get(key)
             for key in (
@@ -286,9 +290,43 @@ def render_markdown(doc: dict) -> str:
             + " |",
         ]
     lines += _health_lines(nvml.get("health"))
+    lines += job_lines(doc.get("job"))
     lines += ["", "## How we got here", "", "```", *doc["commands"], "```", ""]
     lines += _return_process_lines(device)
     return "\n".join(lines)
+
+
+def job_lines(job: dict | None) -> list[str]:
+    """Where in the job the call ran: the job, the rank and its coordinates, the collectives
+    around the call (the call itself needs no peers: repro.py runs it alone)."""
+    if not job:
+        return []
+    size = f"{job['world_size']} ranks" if job.get("world_size") else "a job"
+    mesh = f", mesh {job['mesh']}" if job.get("mesh") else ""
+    backend = f", {job['backend']}" if job.get("backend") else ""
+    how = "alone (without its data-parallel peers)" if job["alone"] else "among its peers"
+    lines = [
+        "",
+        "## In the job",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| job | `{job['bundle']}` ({size}{backend}{mesh}) |",
+        f"| rank | {job['where']} |",
+        f"| bisected | {how} |",
+    ]
+    around = job.get("collectives")
+    if around:
+        for side in ("before", "after"):
+            message, edge = around[side], "first" if side == "before" else "last"
+            shown = (
+                f"{message['message']} (the step's message {message['record_id'] + 1} of "
+                f"{around['in_step']})"
+                if message
+                else f"none: the call comes {side} the step's {edge} collective"
+            )
+            lines.append(f"| collective {side} the call | {shown} |")
+    return lines
 
 
 def _drill_lines(doc: dict) -> list[str]:
@@ -433,6 +471,8 @@ def staged_ticket(
     with h5py.File(staging / INPUTS_FILE, "a") as handle:
         handle.attrs["op"] = case.op
         handle.attrs["switches"] = json.dumps(result["switches"])
+        if result.get("job"):
+            handle.attrs["rank"] = result["job"]["rank"]
     (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
     moved: list[Path] = []
     yield staging, moved

@@ -85,9 +85,11 @@ class TrialRunner:
         label: str,
         specs: Sequence[FaultSpec],
         rng: dict | None = None,
+        rank: int | None = None,
     ):
         self.op, self.site, self.prior, self.label = op, site, prior, label
         self.rng = rng  # a random operator draws the numbers it drew in the step, every trial
+        self.rank = rank  # a job's call: the rank it ran on, so a spec's rank= fires as there
         self.device = torch_device(label)
         self.specs = list(specs)
         # Inputs the call can write (in place, out=, or through an output that views them, which
@@ -98,7 +100,7 @@ class TrialRunner:
         self._salts = itertools.count()  # a fresh random stream for each block of trials
 
     def _injector(self) -> Injector | None:
-        injector = Injector(self.specs, self.label, salt=next(self._salts))
+        injector = Injector(self.specs, self.label, salt=next(self._salts), rank=self.rank)
         return injector if injector.has_operator_faults else None
 
     def _call(self, args: list, kwargs: dict, injector: Injector | None) -> list:

@@ -19,9 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from sdcreplay.bundle import trust
 from sdcreplay.bundle.reader import Bundle
+from sdcreplay.cli import app
 from sdcreplay.recording.job import record_job
 from sdcreplay.replay.job import replay_job
 from sdcreplay.replay.replicas import replay_devices
@@ -200,17 +202,30 @@ def test_a_ddp_job_with_compiled_blocks_names_the_origin_rank(ddp_job, tmp_path)
     assert (injected["module"], injected["elements"], injected["bit"]) == ("layers.1", [13], 20)
 
 
-def test_bisect_on_the_origin_rank_names_the_compiled_kernel_element_and_bit(ddp_job, cli):
-    """The kernel stage on a job's rank: every run is the whole job, rank 1 on the device
-    under test, rank 0 serving the collectives."""
+@pytest.fixture(scope="module")
+def kernel_report(ddp_job) -> dict:
+    """bisect --rank 1 of the job, once for the module: its report."""
     job, fault = ddp_job
-    found = cli(
-        "bisect", job, "--rank", "1", "--suspect", "cpu:1", "--reference", "cpu:0",
-        "--step", "1", "--trust-workload", "--inject", fault, "--out", job.with_name("r.bisect"),
-        "--json", env={"SDCREPLAY_LEDGER": "off"},
+    found = CliRunner().invoke(
+        app,
+        [
+            "bisect", str(job), "--rank", "1", "--suspect", "cpu:1", "--reference", "cpu:0",
+            "--step", "1", "--trust-workload", "--inject", fault, "--out",
+            str(job.with_name("r.bisect")), "--json",
+        ],
+        env={"SDCREPLAY_LEDGER": "off", "SDCREPLAY_DEBUG": None},
     )  # fmt: skip
     assert found.exit_code == 1, found.output
-    report = json.loads(found.stdout)
+    return json.loads(found.stdout)
+
+
+def test_bisect_on_the_origin_rank_names_the_compiled_kernel_element_and_bit(
+    ddp_job, kernel_report
+):
+    """The kernel stage on a job's rank: every run is the whole job, rank 1 on the device
+    under test, rank 0 serving the collectives."""
+    _, fault = ddp_job
+    report = kernel_report
     assert (report["rank"], report["step"], report["level"]) == (1, 1, "kernel")
     assert (report["phase"], report["module"]) == ("forward", "layers.1")
     kernel = report["kernel"]
@@ -240,3 +255,36 @@ def test_ops_on_the_jobs_rank_lists_the_kernel_call_bisect_names_with_a_rank_spe
     assert kernel["spec"] == (
         f"kind=bitflip,kernel={kernel['kernel']},phase=forward,step=1,nth=1,rank=1"
     )
+
+
+def test_minimize_on_the_ranks_kernel_report_writes_a_ticket_that_fails_where_planted(
+    ddp_job, kernel_report, cli, tmp_path
+):
+    """The kernel compiled by rank 1 alone (a process that is rank 1 of the job without
+    peers, replaying its window: the job's bisect saves no state), measured on both devices;
+    the ticket names the job and the rank, and its repro.py compiles and runs the kernel."""
+    _, fault = ddp_job
+    ticket = tmp_path / "ticket"
+    measured = cli(
+        "minimize", kernel_report["report"], "--inject", fault, "--trials", "10", "--out",
+        ticket, "--no-ledger", "--json",
+    )  # fmt: skip
+    assert measured.exit_code == 1, measured.output
+    result = json.loads(measured.stdout)
+    assert (result["level"], result["kernel"]["name"]) == (
+        "kernel",
+        kernel_report["kernel"]["name"],
+    )
+    assert (result["failures"], result["trials"], result["reference_failures"]) == (10, 10, 0)
+    assert (result["job"]["rank"], result["job"]["world_size"]) == (1, 2)
+    assert result["job"]["collectives"] == kernel_report["collectives"]
+    assert "## In the job" in (ticket / "ticket.md").read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDCREPLAY")}
+    env |= {"PYTHONPATH": str(LOOP.parents[1]), "OMP_NUM_THREADS": "1", "SDCREPLAY_INJECT": fault}
+    for device, code, failed in (("cpu:1", 1, "failed 3 of 3"), ("cpu:0", 0, "failed 0 of 3")):
+        run = subprocess.run(
+            [sys.executable, "repro.py", "--device", device, "--trials", "3"],
+            cwd=ticket, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert run.returncode == code, run.stdout + run.stderr[-2000:]
+        assert failed in run.stdout

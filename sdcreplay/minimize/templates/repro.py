@@ -188,7 +188,9 @@ def optional_injection(label: str, handle: h5py.File, kernel: dict | None):
     prior = Counter(
         {(op, module, phase): n for op, module, phase, n in json.loads(handle.attrs["prior"])}
     )
-    injector = Injector(parse_specs(), label)
+    # a job's call: the rank it ran on, so a drill's rank= spec fires as it did in the job
+    rank = int(handle.attrs["rank"]) if "rank" in handle.attrs else None
+    injector = Injector(parse_specs(), label, rank=rank)
     print(
         f"injecting {os.environ['SDCREPLAY_INJECT']!r} through sdcreplay "
         "(a drill, not a hardware fault)"
