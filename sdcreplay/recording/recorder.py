@@ -1,13 +1,15 @@
 """The Recorder: the hook a training loop uses to write a trace bundle.
 
 ```python
-rec = sdcreplay.Recorder("run.bundle", workload="mytrain:make_workload", model=model,
-                         optimizer=opt, state={"scheduler": sched})
+rec = sdcreplay.Recorder("run.bundle", model=model, optimizer=opt, state={"scaler": scaler})
 for batch in loader:
-    with rec.step(batch):
-        loss = train_step(batch)  # the whole step: backward, clipping, opt.step(), sched.step()
+    with rec.step():
+        loss = train_step(rec.feed(batch))  # the whole step: backward, clipping, opt.step()
 rec.close()
 ```
+Without ``workload=`` (script mode, script.py) the bundle names the command that ran, and
+replay runs this same script in replay mode; ``workload="mytrain:make_workload"`` names a
+factory replay calls instead (built-ins, trainer callbacks).
 A step ends when the block exits, or at the optimizer step right after it
 (``with rec.step(b): loss.backward()`` then ``opt.step()``), and is written
 then, so a run that dies later keeps every step that completed.
@@ -52,11 +54,13 @@ from ..capture.fault_spec import parse_specs
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
 from ..kinds import SIGNATURE_LEVELS, SignatureLevel
-from ..storage.tensorio import map_tensors
+from ..replay.script import ScriptCommand
+from ..replay.script import handoff as replay_handoff
 from ..workload.definition import check_state_objects, recorded_ref
 from .dump import RingDumper
 from .ring import HeldStep, StepRing
 from .ring_mode import RingMode
+from .script import AroundSteps, ReplayingRecorder, stored
 from .verification import FirstStepCheck
 
 VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
@@ -91,12 +95,24 @@ class Recorder(RingMode):
     model's DDP or device mesh does not show it (found by itself otherwise).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """In a script replayed in replay mode, the Recorder is the replay's (script.py)."""
+        handoff = replay_handoff()
+        if handoff is None:
+            return super().__new__(cls)
+        return ReplayingRecorder(
+            handoff,
+            *_loop_objects(*args, **kwargs),
+            kwargs.get("state"),
+            kwargs.get("data_parallel"),
+        )
+
     def __init__(
         self,
         path: str | Path,
-        workload: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        workload: str | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         *,
         state: Mapping[str, Any] | None = None,
         workload_kwargs: dict | None = None,
@@ -123,8 +139,8 @@ class Recorder(RingMode):
                 f"signature={signature!r} is not one of {', '.join(SIGNATURE_LEVELS)}",
                 "Record with signature='layer' (every module) or 'boundary' (production).",
             )
-        first_param = next(model.parameters())
-        self.device = first_param.device
+        model, optimizer = _loop_objects(path, workload, model, optimizer)
+        self.device = next(model.parameters()).device
         self.model, self.optimizer = model, optimizer
         self._data_parallel = model if data_parallel is None else data_parallel
         self.state_objects = check_state_objects(dict(state or {}), "Recorder")
@@ -132,7 +148,16 @@ class Recorder(RingMode):
         self._ledger = ledger  # note each dump in the device ledger (docs/fleet.md)
         self.verify_mode = VERIFY_MODES[verify]
         switches = determinism.enable() if deterministic else determinism.current_switches()
-        workload_ref = WorkloadRef(ref=recorded_ref(workload), kwargs=dict(workload_kwargs or {}))
+        workload_ref = (
+            ScriptCommand.of_this_process().workload_ref()
+            if workload is None
+            else WorkloadRef(
+                ref=recorded_ref(workload),
+                kwargs=dict(workload_kwargs or {}),
+                absent=frozenset({"kind", "command"}),
+            )
+        )
+        self._around = AroundSteps(model, optimizer, script=workload is None)
         # Under torch.distributed this rank writes its part of a job bundle at `path`, with
         # every collective of its steps in a message log (jobs.py, collectives.py). With a ring
         # it holds its steps and their messages, and every rank's dump() writes one job bundle.
@@ -155,15 +180,12 @@ class Recorder(RingMode):
         )
         # A drill: the faults this recording device has, SDCREPLAY_INJECT's included.
         self.injected_faults = [str(spec) for spec in parse_specs(inject)]
-        bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
-            workload=workload_ref,
-            device=self.label,
-            device_type=self.device.type,
-            digest=algorithm_for(self.device.type),
-            environment=Environment(**determinism.environment(self.device)),
-            determinism=Switches(**switches),
-            fingerprint=determinism.fingerprint(self.device),
-            capture=CaptureSettings(  # the level is written where it is not the default
+        bundle_settings = _bundle_settings(
+            workload_ref,
+            self.label,
+            self.device,
+            switches,
+            CaptureSettings(  # the level is written where it is not the default
                 max_depth=max_depth,
                 program=True,
                 level=signature,
@@ -214,7 +236,7 @@ class Recorder(RingMode):
         )
         self._next_index = start_step
         self._first_index = start_step
-        self._pending: tuple[int, Any, determinism.RngState, str, float, bool] | None = None
+        self._pending: tuple[int, Any, determinism.RngState, str, float, bool, dict] | None = None
         self._stopped = False  # the open step was stopped before its optimizer's update
         self._open_batch: Any = None  # the stored batch of the step whose block is open
         self._in_block = False
@@ -247,9 +269,16 @@ class Recorder(RingMode):
         )
 
     @contextlib.contextmanager
-    def step(self, batch: Any) -> Iterator[None]:
+    def step(self, batch: Any = None) -> Iterator[Any]:
         """Record one training step: the block, and the optimizer step right after a block
-        without one."""
+        without one. ``batch``: the step's one input (optional in script mode, where the step
+        can take its inputs through ``feed``); the block gets it back (in a replay, the
+        recorded one)."""
+        if batch is None and not self._around.script:
+            raise SdcReplayError(
+                "a Recorder with a workload= factory records the batch each step is given",
+                "Pass it: `with rec.step(batch):` (or record without workload=: script mode).",
+            )
         self._finish_pending()
         self.verify()
         self._check_unchanged_since_last_step()
@@ -268,21 +297,32 @@ class Recorder(RingMode):
             self._ddp_rebuilt_at_start = ddp_buckets_rebuilt(self._data_parallel)
         started = time.perf_counter()
         rng = determinism.capture_rng(self.device)
-        stored_batch = _stored(batch)
+        self._around.begin()
+        stored_batch = stored(batch) if not self._around.script else None
+        if self._around.script and batch is not None:
+            self._around.feed(batch)
         self._capture.begin_step(rng)
         if self._messages is not None:
             self._messages.begin_step(self._next_index)
         self._open_batch, self._in_block, self._stopped = stored_batch, True, False
         try:
             with self._capture.backward_capture():
-                yield
+                yield batch
         finally:
             self._open_batch, self._in_block = None, False
+        feeds, around = self._around.end()
+        stored_batch = stored_batch if feeds is None else feeds
         self._capture.close_window()
-        self._pending = (self._next_index, stored_batch, rng, grads, started, self._stopped)
+        self._pending = (self._next_index, stored_batch, rng, grads, started, self._stopped, around)
         self._next_index += 1
         if self._capture.optimizer_stepped or self._stopped:  # nothing of the step comes later
             self._finish_pending()
+
+    def feed(self, obj: Any) -> Any:
+        """An input the open step takes (a micro-batch, wherever in the step it is fetched):
+        recorded and returned; in a replay, the recorded input instead (script mode)."""
+        self._around.feed(obj)
+        return obj
 
     def extend_batch(self, micro_batch: Any) -> None:
         """Add a micro-batch to the open step's batch, a list (a trainer that hands over each
@@ -292,7 +332,7 @@ class Recorder(RingMode):
                 "extend_batch() needs an open step whose batch is a list of micro-batches",
                 "Call it inside `with recorder.step([first_micro_batch]):`.",
             )
-        self._open_batch.append(_stored(micro_batch))
+        self._open_batch.append(stored(micro_batch))
 
     def stop_before_optimizer(self) -> None:
         """The open step stops now, at its optimizer's step, before the update (a detector
@@ -310,7 +350,7 @@ class Recorder(RingMode):
         """Write the step that ended; ``at_optimizer_step``: called from the optimizer's hook."""
         if self._pending is None:
             return
-        index, batch, rng, grads, started, stopped = self._pending
+        index, batch, rng, grads, started, stopped, around = self._pending
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
@@ -340,6 +380,7 @@ class Recorder(RingMode):
                 seconds=seconds,
                 messages=messages,
                 stopped=stopped,
+                around=around,
             )
         elif self._ring is not None:
             self._ring.add(
@@ -460,6 +501,7 @@ class Recorder(RingMode):
             self._hook.remove()
             self._capture.close()
             self._compiled.close()
+            self._around.close()
             self._hook = None
 
     def __enter__(self) -> Recorder:
@@ -478,9 +520,42 @@ def own_part(path: Path) -> Path:
     return path / part_dir(torch.distributed.get_rank()) if distributed_job() else path
 
 
-def _stored(batch: Any) -> Any:
-    """The recorder's own CPU copy: the loop may reuse or change its batch afterwards."""
-    return map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
+def _loop_objects(
+    path: Any = None,
+    workload: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    **_: Any,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer a Recorder is given, by position or by name."""
+    if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+        raise SdcReplayError(
+            "a Recorder needs the loop's model and optimizer",
+            "Recorder(path, model=model, optimizer=optimizer, state={...}).",
+        )
+    return model, optimizer
+
+
+def _bundle_settings(
+    workload_ref: WorkloadRef,
+    label: str,
+    device: torch.device,
+    switches: dict,
+    capture: CaptureSettings,
+    **more: Any,
+) -> dict[str, Any]:
+    """BundleWriter's settings, for every bundle a Recorder writes."""
+    return dict(
+        workload=workload_ref,
+        device=label,
+        device_type=device.type,
+        digest=algorithm_for(device.type),
+        environment=Environment(**determinism.environment(device)),
+        determinism=Switches(**switches),
+        fingerprint=determinism.fingerprint(device),
+        capture=capture,
+        **more,
+    )
 
 
 def _check_ring(ring: int | None, checkpoint: str | Path | None, max_window: int) -> None:

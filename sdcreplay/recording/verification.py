@@ -136,7 +136,9 @@ class FirstStepCheck:
         live = state_digests(self.model, self.state_objects, self.optimizer)
         replayed = state_digests(session.model, session.workload.state, session.optimizer)
         for name, digest in live.items():
-            if replayed.get(name) != digest:
+            # Hyperparameters are set back as each step begins (capture/around.py): the loop may
+            # already have set the next step's (a schedule outside the step).
+            if replayed.get(name) != digest and not name.startswith("hyper:"):
                 return (
                     f"{name} differs after the first step although every entry of the step "
                     f"matched: the loop changes it where the workload's step does not (an EMA? "
