@@ -118,15 +118,14 @@ def manifest_digest(manifest: dict) -> str:
 
 @dataclass(kw_only=True)
 class WorkloadRef(Record):
-    """What replay runs to rebuild the step, trust.py deciding whether it may: a factory
-    (``ref`` builtin:NAME, module:function or /file.py:function, called with ``kwargs``), or,
-    ``kind`` "script", the command that ran the loop (``ref`` script:/abs/train.py, ``command``
-    its interpreter, argv, directory, environment and world: replay/script.py)."""
+    """What replay runs (if trust.py allows): a factory ``ref`` called with ``kwargs``, or, of
+    ``kind`` "script", the ``command`` that ran the loop (replay/script.py)."""
 
     ref: str
     kwargs: dict[str, Any]
     kind: str = "factory"  # absent: a factory
     command: dict[str, Any] | None = None  # kind "script" only
+    absent: frozenset[str] = frozenset({"kind", "command"})  # a factory's JSON as before
 
     @property
     def is_script(self) -> bool:

@@ -34,14 +34,11 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
+from ..bundle.checkpoints import checkpoint_reference
 from ..bundle.jobs import JobRecording, ddp_buckets_rebuilt, ddp_iterations_before, distributed_job
 from ..bundle.layout import ParallelLayout, job_layout
 from ..bundle.manifest import (
     CaptureSettings,
-    CheckpointState,
-    Environment,
-    Switches,
     WorkloadRef,
     part_dir,
 )
@@ -52,18 +49,23 @@ from ..capture.compiled import CompileWatch
 from ..capture.digest import algorithm_for
 from ..capture.fault_spec import parse_specs
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
-from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
-from ..kinds import SIGNATURE_LEVELS, SignatureLevel
+from ..errors import SdcReplayError, WorkloadMismatchError
+from ..kinds import SignatureLevel
 from ..replay.script import ScriptCommand
 from ..replay.script import handoff as replay_handoff
 from ..workload.definition import check_state_objects, recorded_ref
+from .arguments import (
+    VERIFY_MODES,
+    bundle_settings,
+    check_model_matches_checkpoint,
+    check_options,
+    loop_objects,
+)
 from .dump import RingDumper
 from .ring import HeldStep, StepRing
 from .ring_mode import RingMode
 from .script import AroundSteps, ReplayingRecorder, stored
 from .verification import FirstStepCheck
-
-VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
 
 class Recorder(RingMode):
@@ -102,7 +104,7 @@ class Recorder(RingMode):
             return super().__new__(cls)
         return ReplayingRecorder(
             handoff,
-            *_loop_objects(*args, **kwargs),
+            *loop_objects(*args, **kwargs),
             kwargs.get("state"),
             kwargs.get("data_parallel"),
         )
@@ -131,15 +133,8 @@ class Recorder(RingMode):
         max_window: int = 1000,
         layout: ParallelLayout | None = None,
     ):
-        if verify not in VERIFY_MODES:
-            raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
-        _check_ring(ring, checkpoint, max_window)
-        if signature not in SIGNATURE_LEVELS:
-            raise SdcReplayError(
-                f"signature={signature!r} is not one of {', '.join(SIGNATURE_LEVELS)}",
-                "Record with signature='layer' (every module) or 'boundary' (production).",
-            )
-        model, optimizer = _loop_objects(path, workload, model, optimizer)
+        check_options(verify, ring, checkpoint, max_window, signature)
+        model, optimizer = loop_objects(path, workload, model, optimizer)
         self.device = next(model.parameters()).device
         self.model, self.optimizer = model, optimizer
         self._data_parallel = model if data_parallel is None else data_parallel
@@ -151,11 +146,7 @@ class Recorder(RingMode):
         workload_ref = (
             ScriptCommand.of_this_process().workload_ref()
             if workload is None
-            else WorkloadRef(
-                ref=recorded_ref(workload),
-                kwargs=dict(workload_kwargs or {}),
-                absent=frozenset({"kind", "command"}),
-            )
+            else WorkloadRef(ref=recorded_ref(workload), kwargs=dict(workload_kwargs or {}))
         )
         self._around = AroundSteps(model, optimizer, script=workload is None)
         # Under torch.distributed this rank writes its part of a job bundle at `path`, with
@@ -180,7 +171,7 @@ class Recorder(RingMode):
         )
         # A drill: the faults this recording device has, SDCREPLAY_INJECT's included.
         self.injected_faults = [str(spec) for spec in parse_specs(inject)]
-        bundle_settings = _bundle_settings(
+        settings = bundle_settings(
             workload_ref,
             self.label,
             self.device,
@@ -206,12 +197,12 @@ class Recorder(RingMode):
             self._writer = BundleWriter(
                 self._job.part_path if self._job else Path(path),
                 overwrite=overwrite,
-                **bundle_settings,
+                **settings,
             )
             objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
             if checkpoint is not None:
                 reference = checkpoint_reference(Path(checkpoint))
-                _check_model_matches_checkpoint(model, reference)
+                check_model_matches_checkpoint(model, reference)
                 self._writer.reference_checkpoint(reference, objects)
             else:
                 self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
@@ -256,7 +247,7 @@ class Recorder(RingMode):
             if self._ring is None
             else RingDumper(
                 self.path,
-                bundle_settings,
+                settings,
                 overwrite=overwrite,
                 workload_ref=workload_ref,
                 label=self.label,
@@ -518,73 +509,3 @@ def own_part(path: Path) -> Path:
     """The bundle this process wrote at ``path``: its rank's part of a job bundle under
     torch.distributed, else ``path`` itself."""
     return path / part_dir(torch.distributed.get_rank()) if distributed_job() else path
-
-
-def _loop_objects(
-    path: Any = None,
-    workload: Any = None,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    **_: Any,
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model and optimizer a Recorder is given, by position or by name."""
-    if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
-        raise SdcReplayError(
-            "a Recorder needs the loop's model and optimizer",
-            "Recorder(path, model=model, optimizer=optimizer, state={...}).",
-        )
-    return model, optimizer
-
-
-def _bundle_settings(
-    workload_ref: WorkloadRef,
-    label: str,
-    device: torch.device,
-    switches: dict,
-    capture: CaptureSettings,
-    **more: Any,
-) -> dict[str, Any]:
-    """BundleWriter's settings, for every bundle a Recorder writes."""
-    return dict(
-        workload=workload_ref,
-        device=label,
-        device_type=device.type,
-        digest=algorithm_for(device.type),
-        environment=Environment(**determinism.environment(device)),
-        determinism=Switches(**switches),
-        fingerprint=determinism.fingerprint(device),
-        capture=capture,
-        **more,
-    )
-
-
-def _check_ring(ring: int | None, checkpoint: str | Path | None, max_window: int) -> None:
-    if ring is None:
-        return
-    if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
-        raise SdcReplayError(
-            f"ring={ring!r} is not a number of steps", "Pass ring=K with K >= 1, or no ring."
-        )
-    if isinstance(max_window, bool) or not isinstance(max_window, int) or max_window < ring:
-        raise SdcReplayError(
-            f"max_window={max_window!r} is not a number of steps of at least ring={ring}",
-            "Pass max_window=W >= K: the most steps a window since a checkpoint holds.",
-        )
-    if checkpoint is not None:
-        raise SdcReplayError(
-            "a ring buffer's bundle starts from the state at its window's start, not from the "
-            "checkpoint the loop started from",
-            "Drop checkpoint= with ring=, and call recorder.checkpoint_saved(path) after each "
-            "checkpoint the loop saves: the ring's window then starts there.",
-        )
-
-
-def _check_model_matches_checkpoint(model: torch.nn.Module, reference: CheckpointState) -> None:
-    model_state, _ = load_checkpoint(reference)
-    for name, tensor in model.state_dict().items():
-        saved = model_state.get(name)
-        if saved is None or not torch.equal(saved, tensor.detach().cpu()):
-            raise CheckpointError(
-                f"the model's {name} differs from checkpoint {reference.path}",
-                "Load the checkpoint into the model (and optimizer) before creating the Recorder.",
-            )

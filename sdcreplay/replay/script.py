@@ -114,7 +114,11 @@ class ScriptCommand:
         if self.world_size is not None:
             command["world_size"] = self.world_size
         return WorkloadRef(
-            ref=SCRIPT_PREFIX + self.argv[0], kwargs={}, kind="script", command=command
+            ref=SCRIPT_PREFIX + self.argv[0],
+            kwargs={},
+            kind="script",
+            command=command,
+            absent=frozenset(),
         )
 
     @classmethod
