@@ -312,8 +312,22 @@ def _enter_command(command: ScriptCommand) -> None:
     loggers quiet."""
     os.environ.update(command.env)
     os.environ.update(QUIET_LOGGERS)
+    os.environ.update(_world())
     os.chdir(command.cwd)
     sys.argv = list(command.argv)
+
+
+def _world() -> dict[str, str]:
+    """torchrun's variables for a rank this process replays (its group joined already, by the
+    replay's launcher or as a rank alone), so the script takes its distributed path."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return {}
+    rank, size = dist.get_rank(), dist.get_world_size()
+    world = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank)}
+    world.update(LOCAL_WORLD_SIZE=str(size), GROUP_RANK="0")
+    return {name: value for name, value in world.items() if name not in os.environ}
 
 
 def _run_command(command: ScriptCommand, own_process: bool) -> None:
