@@ -237,17 +237,20 @@ class ReplaySession:
         record: StepRecord,
         observers: Sequence[OperatorObserver] = (),
         kernel_observers: Sequence[KernelObserver] = (),
+        within: contextlib.AbstractContextManager | None = None,
     ) -> list[tuple[str, str]]:
         """Run one recorded step from its recorded batch and RNG state; return its entries.
 
         ``observers`` see every operator call (through an OperatorMode, after
         the fault injector), e.g. bisect's operator log; ``kernel_observers`` every Inductor
-        kernel call of its compiled regions (after the injector's ``kernel=`` faults).
+        kernel call of its compiled regions (after the injector's ``kernel=`` faults);
+        ``within``: a context the step runs in, entered where the step runs (the script's
+        thread in script mode).
         """
         if self.script is not None:
-            self.script.run_block(self._step_block(record, observers, kernel_observers))
+            self.script.run_block(self._step_block(record, observers, kernel_observers, within))
         else:
-            with self._step_block(record, observers, kernel_observers) as batch:
+            with self._step_block(record, observers, kernel_observers, within) as batch:
                 if self.workload.train_step is not None:
                     self.workload.train_step(batch)
                 else:
@@ -260,6 +263,7 @@ class ReplaySession:
         record: StepRecord,
         observers: Sequence[OperatorObserver],
         kernel_observers: Sequence[KernelObserver],
+        within: contextlib.AbstractContextManager | None = None,
     ) -> Iterator[object]:
         """Everything around one step's body: its recorded batch, RNG and hyperparameters,
         the injector, observers and capture; ``_entries`` holds its signature as it ends.
@@ -292,7 +296,13 @@ class ReplaySession:
             self._points.begin_replay(around.get("rng", []))
             fed = StepFeeds(batch, self._points)
         try:  # stopped where the recording stopped: before the mode's optimizer phase
-            with self._stopped_like(record), mode, kernel_mode, self.capture.backward_capture():
+            with (
+                within or contextlib.nullcontext(),
+                self._stopped_like(record),
+                mode,
+                kernel_mode,
+                self.capture.backward_capture(),
+            ):
                 yield fed
         except BaseException as exc:
             if log is not None:

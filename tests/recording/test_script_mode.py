@@ -57,6 +57,7 @@ def flat(tmp_path_factory) -> Path:
     bundle = _record(tmp_path_factory.mktemp("flat"))
     opened = Bundle.open(bundle)
     assert opened.manifest.workload.is_script and opened.trusted and opened.verified
+    assert opened.probe()["calls"]  # the first-step check ran the step's calls in its thread
     assert opened.manifest.workload.command["argv"] == [str(LOOP), f"--bundle={bundle}"]
     return bundle
 
