@@ -71,8 +71,11 @@ from .verification import FirstStepCheck
 class Recorder(RingMode):
     """Writes the steps of a training loop into a bundle at ``path``.
 
-    ``workload`` names the factory replay will call (with ``workload_kwargs``) to
-    rebuild the model, optimizer and state objects; the state they start from
+    Without ``workload`` (script mode, docs/porting.md) the bundle names the command that
+    ran and replay runs this script again in replay mode, where ``Recorder(...)`` is a
+    `ReplayingRecorder`. ``workload`` names the factory replay will call instead (with
+    ``workload_kwargs``) to rebuild the model, optimizer and state objects; the state they
+    start from
     is embedded in the bundle, or referenced by SHA-256 when ``checkpoint`` is
     the file the model and optimizer were just loaded from. ``state`` names the
     loop's other stateful objects (schedulers, a GradScaler, an EMA model...),
@@ -386,6 +389,7 @@ class Recorder(RingMode):
                     messages,
                     ddp_before,
                     stopped,
+                    around,
                 )  # fmt: skip
             )
         self.steps_written += 1

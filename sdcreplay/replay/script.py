@@ -22,6 +22,7 @@ runs the step.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import queue
 import runpy
@@ -72,6 +73,7 @@ class ScriptCommand:
     env: dict[str, str]
     module: str | None = None  # `python -m MODULE`
     world_size: int | None = None  # torchrun's WORLD_SIZE, when it ran under it
+    sha256: str | None = None  # the script file's, as it was recorded
 
     @classmethod
     def of_this_process(cls) -> ScriptCommand:
@@ -100,7 +102,18 @@ class ScriptCommand:
             env=env,
             module=module,
             world_size=int(world) if world and world.isdigit() else None,
+            sha256=_sha256(Path(script)),
         )
+
+    def changed(self) -> str | None:
+        """Why the script replay runs may not be the recorded one (None when it is)."""
+        if self.sha256 is None:
+            return None
+        now = _sha256(Path(self.argv[0]))
+        if now == self.sha256:
+            return None
+        what = "is gone" if now is None else "changed since the recording (its SHA-256 differs)"
+        return f"the recorded script {self.argv[0]} {what}: a difference may be the code's"
 
     def workload_ref(self) -> WorkloadRef:
         command: dict[str, Any] = {
@@ -113,6 +126,8 @@ class ScriptCommand:
             command["module"] = self.module
         if self.world_size is not None:
             command["world_size"] = self.world_size
+        if self.sha256 is not None:
+            command["sha256"] = self.sha256
         return WorkloadRef(
             ref=SCRIPT_PREFIX + self.argv[0],
             kwargs={},
@@ -131,12 +146,20 @@ class ScriptCommand:
             env=dict(command["env"]),
             module=command.get("module"),
             world_size=command.get("world_size"),
+            sha256=command["sha256"] if isinstance(command.get("sha256"), str) else None,
         )
 
     def is_this_process(self) -> bool:
         """Is this the recording's own process (the first-step check replays in it)?"""
         here = [str(Path(sys.argv[0]).resolve()) if sys.argv else "", *sys.argv[1:]]
         return here == self.argv and os.getcwd() == self.cwd
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 @dataclass
@@ -315,6 +338,10 @@ def _enter_command(command: ScriptCommand) -> None:
     os.environ.update(_world())
     os.chdir(command.cwd)
     sys.argv = list(command.argv)
+    # What the recorded PYTHONPATH put on the script's path (the variable alone does not).
+    for entry in command.env.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and entry not in sys.path:
+            sys.path.append(entry)
 
 
 def _world() -> dict[str, str]:

@@ -87,6 +87,9 @@ class ReplaySession:
         self._entries: list[tuple[str, str]] = []
         # Script mode: the loop's own script, run in replay mode, is the step (script.py).
         self.script = ScriptRun(workload_ref) if workload_ref.is_script else None
+        changed = self.script and self.script.command.changed()
+        if changed:
+            self.warnings.append(changed)
         try:
             self._build(workload_ref, after_load)
         except BaseException:
@@ -293,7 +296,8 @@ class ReplaySession:
             log.begin_step(record.index, self.recorded_messages.get(record.index, []))
         fed: object = batch
         if self._points is not None:
-            self._points.begin_replay(around.get("rng", []))
+            if "rng" in around:  # else nothing to put back (a bundle recorded without them)
+                self._points.begin_replay(around["rng"])
             fed = StepFeeds(batch, self._points)
         try:  # stopped where the recording stopped: before the mode's optimizer phase
             with (

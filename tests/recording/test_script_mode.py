@@ -13,6 +13,7 @@ with torch.compile it replays `correct` and a fault in one generated kernel is f
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,29 @@ def test_a_factory_loop_that_sets_lr_before_each_step_verifies_and_replays(tmp_p
     assert bundle.verified
     log = replay_on_device(bundle, "cpu")
     assert compare_logs(bundle.signature_log(), log).identical
+
+
+def test_the_script_mode_example_records_and_a_changed_script_is_named(tmp_path, run_exe):
+    """examples/train_script.py as its docstring runs it: verified (its first step re-executed
+    by running it again in replay mode, in the recording process); edited afterwards, its
+    replay still runs and says the script changed."""
+    example = tmp_path / "train_script.py"
+    shutil.copy(TESTS.parent / "examples" / "train_script.py", example)
+    out = tmp_path / "run.bundle"
+    done = subprocess.run(
+        [sys.executable, str(example), "--out", str(out), "--steps", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Recorded 2 steps in {out}" in done.stdout
+    bundle = Bundle.open(out)
+    assert bundle.manifest.workload.ref == f"script:{example}" and bundle.verified
+    example.write_text(example.read_text() + "# edited after the recording\n")
+    replayed = run_exe("replay", out, "--device", "cpu:0", "--json", env=NO_LEDGER, timeout=600)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    (device,) = json.loads(replayed.stdout)["devices"]
+    assert device["verdict"] == "match"
+    assert f"the recorded script {example} changed since the recording" in device["warnings"][0]
