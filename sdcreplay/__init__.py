@@ -42,6 +42,7 @@ _EXPORTS = {
     "ReplaySession": "replay",
     "replay_devices": "replay",
     "replay_on_device": "replay",
+    "replaying": "replay",
     "TrainingSnapshot": "capture",
     "SignatureLog": "capture",
     "read_signature_log": "capture",
@@ -71,6 +72,7 @@ __all__ = [
     "replay_devices",
     "replay_job",
     "replay_on_device",
+    "replaying",
     "vote",
 ]
 
@@ -81,7 +83,7 @@ if TYPE_CHECKING:
     from .errors import SdcReplayError, WorkloadMismatchError
     from .online import ReplayCheck, TrainingStopped, UpdateDetector
     from .recording import Recorder, record, record_job
-    from .replay import ReplaySession, replay_devices, replay_job, replay_on_device
+    from .replay import ReplaySession, replay_devices, replay_job, replay_on_device, replaying
     from .workload import Workload, build_workload
 
 moved.install()

@@ -118,11 +118,18 @@ def manifest_digest(manifest: dict) -> str:
 
 @dataclass(kw_only=True)
 class WorkloadRef(Record):
-    """What replay calls to rebuild the model: ``ref`` (builtin:NAME, module:function or
-    /file.py:function) with ``kwargs``; trust.py decides whether it may be imported."""
+    """What replay runs (if trust.py allows): a factory ``ref`` called with ``kwargs``, or, of
+    ``kind`` "script", the ``command`` that ran the loop (replay/script.py)."""
 
     ref: str
     kwargs: dict[str, Any]
+    kind: str = "factory"  # absent: a factory
+    command: dict[str, Any] | None = None  # kind "script" only
+    absent: frozenset[str] = frozenset({"kind", "command"})  # a factory's JSON as before
+
+    @property
+    def is_script(self) -> bool:
+        return self.kind == "script"
 
 
 @dataclass(kw_only=True)
@@ -410,6 +417,19 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "workload.ref": text(4096),
     "workload.kwargs": mapping(text(256), Check(lambda v: True, "any JSON value")),
     "workload.kwargs.seed": optional(integer(-(2**63), 2**64 - 1)),
+    "workload.kind": absent_or(choice("factory", "script")),
+    "workload.command": absent_or(OBJECT),
+    "workload.command.python": absent_or(text(4096)),
+    "workload.command.argv": absent_or(
+        Check(
+            lambda v: isinstance(v, list) and len(v) >= 1 and all(isinstance(a, str) for a in v),
+            "a list of strings, the script first",
+        )
+    ),
+    "workload.command.cwd": absent_or(text(4096)),
+    "workload.command.env": absent_or(mapping(ENV_NAME, text(65536))),
+    "workload.command.module": optional(text(1024)),
+    "workload.command.world_size": optional(integer(1, MAX_WORLD_SIZE)),
     "device": text(64, r"[a-z]+(:\d{1,6})?"),
     "device_type": text(32, "[a-z]+"),
     "digest": optional(text(64)),
@@ -510,6 +530,13 @@ def _validate_manifest(manifest: Any) -> None:
         capture.get("level", "layer") == "layer" or capture.get("program") is True,
         "capture.program is true at capture.level 'boundary' (its program entries are its "
         "boundary)",
+    )
+    workload = manifest["workload"]
+    _require(
+        (workload.get("kind") == "script")
+        == all(key in workload.get("command", {}) for key in ("python", "argv", "cwd", "env")),
+        "workload.command (python, argv, cwd, env) is given for a workload of kind 'script', "
+        "and only for one",
     )
     state = manifest["state"]
     _check_fields(state, STATE_KINDS[state["kind"]].RULES, "state.")

@@ -354,6 +354,20 @@ class Bundle:
             except BundleError as exc:
                 raise BundleError(f"{record.file}: {exc.message}", exc.hint) from exc
 
+    def load_around(self, index: int) -> dict | None:
+        """What the loop set around step ``index`` (capture/around.py), None in a bundle that
+        does not hold it (recorded before it was)."""
+        from ..storage import tensorio
+
+        record = next(step for step in self.steps if step.index == index)
+        with self._open_h5(record.file) as handle, self._damaged(record.file):
+            if "around" not in handle:
+                return None
+            around = tensorio.read_tree(handle["around"])
+        if not isinstance(around, dict):
+            raise BundleError(f"{record.file}: 'around' is not a group of named values")
+        return around
+
     def load_state(self) -> tuple[dict, dict | None]:
         """The model and optimizer state before the first recorded step."""
         import torch

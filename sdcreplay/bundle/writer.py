@@ -349,17 +349,21 @@ class BundleWriter:
         seconds: float | None = None,
         messages: list[Message] | None = None,
         stopped: bool = False,
+        around: dict | None = None,
     ) -> None:
         """``grads``: what the gradients held as the step began; ``seconds``: how long the step
         took while recording (replay's timeout comes from it); ``messages``: a rank's logged
         collectives (a job's part), one frame of the message log per step that has any;
-        ``stopped``: a detector stopped the step before its optimizer's update."""
+        ``stopped``: a detector stopped the step before its optimizer's update; ``around``: what
+        the loop set around the step (capture/around.py: hyperparameters, restore points)."""
         from ..storage import tensorio
 
         name = step_file(index)
         with h5py.File(self.path / name, "w") as handle:
             tensorio.write_tree(handle.create_group("batch"), batch)
             write_rng(handle.create_group("rng"), rng)
+            if around is not None:
+                tensorio.write_tree(handle.create_group("around"), around)
         self._note_file(name)
         self._signatures.append_step(index, entries)
         if messages:

@@ -116,6 +116,7 @@ class RingDumper:
                     seconds=step.seconds,
                     messages=step.messages,
                     stopped=step.stopped,
+                    around=step.around,
                 )
             writer.set_trigger(trigger)
             compiled = self._compiled()

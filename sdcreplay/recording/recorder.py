@@ -1,13 +1,15 @@
 """The Recorder: the hook a training loop uses to write a trace bundle.
 
 ```python
-rec = sdcreplay.Recorder("run.bundle", workload="mytrain:make_workload", model=model,
-                         optimizer=opt, state={"scheduler": sched})
+rec = sdcreplay.Recorder("run.bundle", model=model, optimizer=opt, state={"scaler": scaler})
 for batch in loader:
-    with rec.step(batch):
-        loss = train_step(batch)  # the whole step: backward, clipping, opt.step(), sched.step()
+    with rec.step():
+        loss = train_step(rec.feed(batch))  # the whole step: backward, clipping, opt.step()
 rec.close()
 ```
+Without ``workload=`` (script mode, script.py) the bundle names the command that ran, and
+replay runs this same script in replay mode; ``workload="mytrain:make_workload"`` names a
+factory replay calls instead (built-ins, trainer callbacks).
 A step ends when the block exits, or at the optimizer step right after it
 (``with rec.step(b): loss.backward()`` then ``opt.step()``), and is written
 then, so a run that dies later keeps every step that completed.
@@ -32,14 +34,11 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..bundle.checkpoints import checkpoint_reference, load_checkpoint
+from ..bundle.checkpoints import checkpoint_reference
 from ..bundle.jobs import JobRecording, ddp_buckets_rebuilt, ddp_iterations_before, distributed_job
 from ..bundle.layout import ParallelLayout, job_layout
 from ..bundle.manifest import (
     CaptureSettings,
-    CheckpointState,
-    Environment,
-    Switches,
     WorkloadRef,
     part_dir,
 )
@@ -49,24 +48,34 @@ from ..capture.collectives import MessageLog
 from ..capture.compiled import CompileWatch
 from ..capture.digest import algorithm_for
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
-from ..errors import CheckpointError, SdcReplayError, WorkloadMismatchError
-from ..kinds import SIGNATURE_LEVELS, SignatureLevel
-from ..storage.tensorio import map_tensors
+from ..errors import SdcReplayError, WorkloadMismatchError
+from ..kinds import SignatureLevel
+from ..replay.script import ScriptCommand
+from ..replay.script import handoff as replay_handoff
 from ..workload.definition import check_state_objects, recorded_ref
+from .arguments import (
+    VERIFY_MODES,
+    bundle_settings,
+    check_model_matches_checkpoint,
+    check_options,
+    loop_objects,
+)
 from .drill import Drill
 from .dump import RingDumper
 from .ring import HeldStep, StepRing
 from .ring_mode import RingMode
+from .script import AroundSteps, ReplayingRecorder, stored
 from .verification import FirstStepCheck
-
-VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
 
 class Recorder(RingMode):
     """Writes the steps of a training loop into a bundle at ``path``.
 
-    ``workload`` names the factory replay will call (with ``workload_kwargs``) to
-    rebuild the model, optimizer and state objects; the state they start from
+    Without ``workload`` (script mode, docs/porting.md) the bundle names the command that
+    ran and replay runs this script again in replay mode, where ``Recorder(...)`` is a
+    `ReplayingRecorder`. ``workload`` names the factory replay will call instead (with
+    ``workload_kwargs``) to rebuild the model, optimizer and state objects; the state they
+    start from
     is embedded in the bundle, or referenced by SHA-256 when ``checkpoint`` is
     the file the model and optimizer were just loaded from. ``state`` names the
     loop's other stateful objects (schedulers, a GradScaler, an EMA model...),
@@ -92,12 +101,24 @@ class Recorder(RingMode):
     model's DDP or device mesh does not show it (found by itself otherwise).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """In a script replayed in replay mode, the Recorder is the replay's (script.py)."""
+        handoff = replay_handoff()
+        if handoff is None:
+            return super().__new__(cls)
+        return ReplayingRecorder(
+            handoff,
+            *loop_objects(*args, **kwargs),
+            kwargs.get("state"),
+            kwargs.get("data_parallel"),
+        )
+
     def __init__(
         self,
         path: str | Path,
-        workload: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        workload: str | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         *,
         state: Mapping[str, Any] | None = None,
         workload_kwargs: dict | None = None,
@@ -116,16 +137,9 @@ class Recorder(RingMode):
         max_window: int = 1000,
         layout: ParallelLayout | None = None,
     ):
-        if verify not in VERIFY_MODES:
-            raise SdcReplayError(f"verify={verify!r} is not one of True, 'warn', False")
-        _check_ring(ring, checkpoint, max_window)
-        if signature not in SIGNATURE_LEVELS:
-            raise SdcReplayError(
-                f"signature={signature!r} is not one of {', '.join(SIGNATURE_LEVELS)}",
-                "Record with signature='layer' (every module) or 'boundary' (production).",
-            )
-        first_param = next(model.parameters())
-        self.device = first_param.device
+        check_options(verify, ring, checkpoint, max_window, signature)
+        model, optimizer = loop_objects(path, workload, model, optimizer)
+        self.device = next(model.parameters()).device
         self.model, self.optimizer = model, optimizer
         self._data_parallel = model if data_parallel is None else data_parallel
         self.state_objects = check_state_objects(dict(state or {}), "Recorder")
@@ -133,7 +147,12 @@ class Recorder(RingMode):
         self._ledger = ledger  # note each dump in the device ledger (docs/fleet.md)
         self.verify_mode = VERIFY_MODES[verify]
         switches = determinism.enable() if deterministic else determinism.current_switches()
-        workload_ref = WorkloadRef(ref=recorded_ref(workload), kwargs=dict(workload_kwargs or {}))
+        workload_ref = (
+            ScriptCommand.of_this_process().workload_ref()
+            if workload is None
+            else WorkloadRef(ref=recorded_ref(workload), kwargs=dict(workload_kwargs or {}))
+        )
+        self._around = AroundSteps(model, optimizer, script=workload is None)
         # Under torch.distributed this rank writes its part of a job bundle at `path`, with
         # every collective of its steps in a message log (jobs.py, collectives.py). With a ring
         # it holds its steps and their messages, and every rank's dump() writes one job bundle.
@@ -157,15 +176,12 @@ class Recorder(RingMode):
         # A drill: the recording device's faults (SDCREPLAY_INJECT's too) fire in each step.
         self.drill = Drill(inject, model, optimizer, self.label)
         self.injected_faults = self.drill.fired_specs  # the manifest's: those that fired
-        bundle_settings: dict[str, Any] = dict(  # BundleWriter's, for every bundle
-            workload=workload_ref,
-            device=self.label,
-            device_type=self.device.type,
-            digest=algorithm_for(self.device.type),
-            environment=Environment(**determinism.environment(self.device)),
-            determinism=Switches(**switches),
-            fingerprint=determinism.fingerprint(self.device),
-            capture=CaptureSettings(  # the level is written where it is not the default
+        settings = bundle_settings(
+            workload_ref,
+            self.label,
+            self.device,
+            switches,
+            CaptureSettings(  # the level is written where it is not the default
                 max_depth=max_depth,
                 program=True,
                 level=signature,
@@ -186,12 +202,12 @@ class Recorder(RingMode):
             self._writer = BundleWriter(
                 self._job.part_path if self._job else Path(path),
                 overwrite=overwrite,
-                **bundle_settings,
+                **settings,
             )
             objects = {name: obj.state_dict() for name, obj in self.state_objects.items()}
             if checkpoint is not None:
                 reference = checkpoint_reference(Path(checkpoint))
-                _check_model_matches_checkpoint(model, reference)
+                check_model_matches_checkpoint(model, reference)
                 self._writer.reference_checkpoint(reference, objects)
             else:
                 self._writer.embed_state(model.state_dict(), optimizer.state_dict(), objects)
@@ -217,7 +233,7 @@ class Recorder(RingMode):
         )
         self._next_index = start_step
         self._first_index = start_step
-        self._pending: tuple[int, Any, determinism.RngState, str, float, bool] | None = None
+        self._pending: tuple[int, Any, determinism.RngState, str, float, bool, dict] | None = None
         self._stopped = False  # the open step was stopped before its optimizer's update
         self._open_batch: Any = None  # the stored batch of the step whose block is open
         self._in_block = False
@@ -237,7 +253,7 @@ class Recorder(RingMode):
             if self._ring is None
             else RingDumper(
                 self.path,
-                bundle_settings,
+                settings,
                 overwrite=overwrite,
                 workload_ref=workload_ref,
                 label=self.label,
@@ -250,9 +266,16 @@ class Recorder(RingMode):
         )
 
     @contextlib.contextmanager
-    def step(self, batch: Any) -> Iterator[None]:
+    def step(self, batch: Any = None) -> Iterator[Any]:
         """Record one training step: the block, and the optimizer step right after a block
-        without one."""
+        without one. ``batch``: the step's one input (optional in script mode, where the step
+        can take its inputs through ``feed``); the block gets it back (in a replay, the
+        recorded one)."""
+        if batch is None and not self._around.script:
+            raise SdcReplayError(
+                "a Recorder with a workload= factory records the batch each step is given",
+                "Pass it: `with rec.step(batch):` (or record without workload=: script mode).",
+            )
         self._finish_pending()
         self.verify()
         self._check_unchanged_since_last_step()
@@ -271,21 +294,32 @@ class Recorder(RingMode):
             self._ddp_rebuilt_at_start = ddp_buckets_rebuilt(self._data_parallel)
         started = time.perf_counter()
         rng = determinism.capture_rng(self.device)
-        stored_batch = _stored(batch)
+        self._around.begin()
+        stored_batch = stored(batch) if not self._around.script else None
+        if self._around.script and batch is not None:
+            self._around.feed(batch)
         self._capture.begin_step(rng)
         if self._messages is not None:
             self._messages.begin_step(self._next_index)
         self._open_batch, self._in_block, self._stopped = stored_batch, True, False
         try:
             with self._capture.backward_capture(), self.drill.step(self._next_index):
-                yield
+                yield batch
         finally:
             self._open_batch, self._in_block = None, False
+        feeds, around = self._around.end()
+        stored_batch = stored_batch if feeds is None else feeds
         self._capture.close_window()
-        self._pending = (self._next_index, stored_batch, rng, grads, started, self._stopped)
+        self._pending = (self._next_index, stored_batch, rng, grads, started, self._stopped, around)
         self._next_index += 1
         if self._capture.optimizer_stepped or self._stopped:  # nothing of the step comes later
             self._finish_pending()
+
+    def feed(self, obj: Any) -> Any:
+        """An input the open step takes (a micro-batch, wherever in the step it is fetched):
+        recorded and returned; in a replay, the recorded input instead (script mode)."""
+        self._around.feed(obj)
+        return obj
 
     def extend_batch(self, micro_batch: Any) -> None:
         """Add a micro-batch to the open step's batch, a list (a trainer that hands over each
@@ -295,7 +329,7 @@ class Recorder(RingMode):
                 "extend_batch() needs an open step whose batch is a list of micro-batches",
                 "Call it inside `with recorder.step([first_micro_batch]):`.",
             )
-        self._open_batch.append(_stored(micro_batch))
+        self._open_batch.append(stored(micro_batch))
 
     def stop_before_optimizer(self) -> None:
         """The open step stops now, at its optimizer's step, before the update (a detector
@@ -313,7 +347,7 @@ class Recorder(RingMode):
         """Write the step that ended; ``at_optimizer_step``: called from the optimizer's hook."""
         if self._pending is None:
             return
-        index, batch, rng, grads, started, stopped = self._pending
+        index, batch, rng, grads, started, stopped, around = self._pending
         self._pending = None
         stepped = self._capture.optimizer_stepped
         entries = self._capture.end_step()
@@ -343,6 +377,7 @@ class Recorder(RingMode):
                 seconds=seconds,
                 messages=messages,
                 stopped=stopped,
+                around=around,
             )
         elif self._ring is not None:
             self._ring.add(
@@ -357,6 +392,7 @@ class Recorder(RingMode):
                     messages,
                     ddp_before,
                     stopped,
+                    around,
                 )  # fmt: skip
             )
         self.steps_written += 1
@@ -464,6 +500,7 @@ class Recorder(RingMode):
             self._hook.remove()
             self._capture.close()
             self._compiled.close()
+            self._around.close()
             self._hook = None
 
     def __enter__(self) -> Recorder:
@@ -480,40 +517,3 @@ def own_part(path: Path) -> Path:
     """The bundle this process wrote at ``path``: its rank's part of a job bundle under
     torch.distributed, else ``path`` itself."""
     return path / part_dir(torch.distributed.get_rank()) if distributed_job() else path
-
-
-def _stored(batch: Any) -> Any:
-    """The recorder's own CPU copy: the loop may reuse or change its batch afterwards."""
-    return map_tensors(batch, lambda t: t.detach().to("cpu", copy=True))
-
-
-def _check_ring(ring: int | None, checkpoint: str | Path | None, max_window: int) -> None:
-    if ring is None:
-        return
-    if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
-        raise SdcReplayError(
-            f"ring={ring!r} is not a number of steps", "Pass ring=K with K >= 1, or no ring."
-        )
-    if isinstance(max_window, bool) or not isinstance(max_window, int) or max_window < ring:
-        raise SdcReplayError(
-            f"max_window={max_window!r} is not a number of steps of at least ring={ring}",
-            "Pass max_window=W >= K: the most steps a window since a checkpoint holds.",
-        )
-    if checkpoint is not None:
-        raise SdcReplayError(
-            "a ring buffer's bundle starts from the state at its window's start, not from the "
-            "checkpoint the loop started from",
-            "Drop checkpoint= with ring=, and call recorder.checkpoint_saved(path) after each "
-            "checkpoint the loop saves: the ring's window then starts there.",
-        )
-
-
-def _check_model_matches_checkpoint(model: torch.nn.Module, reference: CheckpointState) -> None:
-    model_state, _ = load_checkpoint(reference)
-    for name, tensor in model.state_dict().items():
-        saved = model_state.get(name)
-        if saved is None or not torch.equal(saved, tensor.detach().cpu()):
-            raise CheckpointError(
-                f"the model's {name} differs from checkpoint {reference.path}",
-                "Load the checkpoint into the model (and optimizer) before creating the Recorder.",
-            )

@@ -52,6 +52,7 @@ class HeldStep:
     messages: list[Message] | None = None
     ddp_iterations_before: int | None = None
     stopped: bool = False  # a detector stopped it before its optimizer's update
+    around: dict | None = None  # what the loop set around it (capture/around.py)
 
     @cached_property  # asked after every step, for every held step
     def nbytes(self) -> int:

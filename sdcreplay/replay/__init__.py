@@ -11,5 +11,6 @@ __getattr__, __dir__ = lazy_exports(
         "replay_devices": "replicas",
         "replay_on_device": "session",
         "replay_job": "job",
+        "replaying": "script",
     },
 )

@@ -17,10 +17,11 @@ import h5py
 import torch
 
 from ..bundle.jobs import shard_like, shard_optimizer_state_like
-from ..bundle.manifest import StepRecord
+from ..bundle.manifest import StepRecord, WorkloadRef
 from ..bundle.reader import Bundle
 from ..bundle.state import write_state
 from ..capture import determinism
+from ..capture.around import RestorePoints, set_hyperparameters
 from ..capture.collectives import MessageLog
 from ..capture.compiled import CompileWatch
 from ..capture.compiled_kernels import KernelObserver
@@ -38,6 +39,7 @@ from ..heartbeat import HEARTBEAT
 from ..ledger.verdicts import incident_of
 from ..storage.tensorio import map_tensors, read_tree, write_tree
 from ..workload.definition import Workload, build_workload
+from .script import LoopObjects, ScriptRun, StepFeeds
 from .worker import device_task
 
 
@@ -80,8 +82,30 @@ class ReplaySession:
             self.bundle.manifest.environment.to_json(), determinism.environment(self.device)
         )
         self.bundle.require_trusted()
-        self.workload: Workload = build_workload(
-            self.bundle.workload_ref, self.bundle.workload_kwargs
+        workload_ref = self.bundle.manifest.workload
+        self._points: RestorePoints | None = None
+        self._entries: list[tuple[str, str]] = []
+        # Script mode: the loop's own script, run in replay mode, is the step (script.py).
+        self.script = ScriptRun(workload_ref) if workload_ref.is_script else None
+        changed = self.script and self.script.command.changed()
+        if changed:
+            self.warnings.append(changed)
+        try:
+            self._build(workload_ref, after_load)
+        except BaseException:
+            if self.script is not None:
+                self.script.close()
+            raise
+
+    def _build(
+        self,
+        workload_ref: WorkloadRef,
+        after_load: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None,
+    ) -> None:
+        self.workload: Workload = (
+            build_workload(workload_ref.ref, workload_ref.kwargs)
+            if self.script is None
+            else _script_workload(self.script.start())
         )
         self.workload.model.to(self.device)
         model_state, optimizer_state = self._as_sharded(*self.bundle.load_state())
@@ -98,6 +122,9 @@ class ReplaySession:
             ) from exc
         if after_load is not None:
             after_load(self.workload.model, self.workload.optimizer)
+        # What the loop set around each step: its torch RNG at each input it fed and each
+        # entry of its model's forward (script mode), put back there (capture/around.py).
+        self._points = RestorePoints(self.device, self.model) if self.script else None
         # The code this process generates for the workload's compiled regions, compared with
         # the record's (capture/compiled.py): other code is another program, not evidence.
         self.compiled = CompileWatch(self.workload.model)
@@ -111,6 +138,8 @@ class ReplaySession:
             state=self.workload.state,
             program=capture.program or capture.level != "layer",
         )
+        if self.script is not None:  # the script runs on to its first rec.step()
+            self.script.go()
 
     def _warm_up_ddp(self, batch: object, index: int) -> None:
         """DDP rebuilds its buckets in its second iteration (two broadcasts, then another
@@ -123,6 +152,12 @@ class ReplaySession:
         self._ddp_before = None
         if iterations <= 0:
             return
+        if self.script is not None:
+            raise WorkloadError(
+                f"{self.bundle.path}'s DistributedDataParallel had run {iterations} iterations "
+                "before this window, which a replayed script cannot run outside its steps",
+                "Record the script's window from its first DDP iteration on.",
+            )
         snapshot = TrainingSnapshot.take(self.model, self.optimizer, self.workload.state)
         with self.capture.paused():
             for _ in range(iterations):
@@ -205,17 +240,45 @@ class ReplaySession:
         record: StepRecord,
         observers: Sequence[OperatorObserver] = (),
         kernel_observers: Sequence[KernelObserver] = (),
+        within: contextlib.AbstractContextManager | None = None,
     ) -> list[tuple[str, str]]:
         """Run one recorded step from its recorded batch and RNG state; return its entries.
 
         ``observers`` see every operator call (through an OperatorMode, after
         the fault injector), e.g. bisect's operator log; ``kernel_observers`` every Inductor
-        kernel call of its compiled regions (after the injector's ``kernel=`` faults).
+        kernel call of its compiled regions (after the injector's ``kernel=`` faults);
+        ``within``: a context the step runs in, entered where the step runs (the script's
+        thread in script mode).
         """
+        if self.script is not None:
+            self.script.run_block(self._step_block(record, observers, kernel_observers, within))
+        else:
+            with self._step_block(record, observers, kernel_observers, within) as batch:
+                if self.workload.train_step is not None:
+                    self.workload.train_step(batch)
+                else:
+                    self._default_step(record, batch)
+        return self._entries
+
+    @contextlib.contextmanager
+    def _step_block(
+        self,
+        record: StepRecord,
+        observers: Sequence[OperatorObserver],
+        kernel_observers: Sequence[KernelObserver],
+        within: contextlib.AbstractContextManager | None = None,
+    ) -> Iterator[object]:
+        """Everything around one step's body: its recorded batch, RNG and hyperparameters,
+        the injector, observers and capture; ``_entries`` holds its signature as it ends.
+        The body is the workload's step, or, in script mode, the loop's own, run in the
+        script's thread (script.py), which yields it the recorded inputs to feed."""
         batch, rng = self.feed.load_step(record.index)
         batch = map_tensors(batch, lambda t: t.to(self.device))
+        around = self.feed.load_around(record.index) or {}
         if self._ddp_before is not None:
             self._warm_up_ddp(batch, record.index)
+        if "hyper" in around:
+            set_hyperparameters(self.optimizer, around["hyper"])
         determinism.restore_rng(rng, self.device)
         self.injector.before_step(record.index, self.model)
         chain = ([self.injector] if self.injector.has_operator_faults else []) + list(observers)
@@ -231,21 +294,32 @@ class ReplaySession:
         log = self.message_log
         if log is not None:
             log.begin_step(record.index, self.recorded_messages.get(record.index, []))
+        fed: object = batch
+        if self._points is not None:
+            if "rng" in around:  # else nothing to put back (a bundle recorded without them)
+                self._points.begin_replay(around["rng"])
+            fed = StepFeeds(batch, self._points)
         try:  # stopped where the recording stopped: before the mode's optimizer phase
-            with self._stopped_like(record), mode, kernel_mode, self.capture.backward_capture():
-                if self.workload.train_step is not None:
-                    self.workload.train_step(batch)
-                else:
-                    self._default_step(record, batch)
-        except Exception as exc:
+            with (
+                within or contextlib.nullcontext(),
+                self._stopped_like(record),
+                mode,
+                kernel_mode,
+                self.capture.backward_capture(),
+            ):
+                yield fed
+        except BaseException as exc:
             if log is not None:
                 log.abandon()
                 if log.violation is not None and log.violation is not exc:
                     raise log.violation from exc  # raised inside autograd, maybe rewrapped
             raise
+        finally:
+            if self._points is not None:
+                self._points.end()
         if log is not None:
             self.last_messages = log.end_step()
-        return self.capture.end_step()
+        self._entries = self.capture.end_step()
 
     @contextlib.contextmanager
     def _stopped_like(self, record: StepRecord) -> Iterator[None]:
@@ -312,8 +386,27 @@ class ReplaySession:
             yield record
 
     def close(self) -> None:
+        if self.script is not None:
+            self.script.close()
+        if self._points is not None:
+            self._points.close()
         self.capture.close()
         self.compiled.close()
+
+
+def _script_workload(objects: LoopObjects) -> Workload:
+    """The loop's objects as the Workload replay reads; its step is the script's own."""
+
+    def no_batches(index: int) -> object:
+        raise WorkloadError("a replayed script feeds its own step the recorded inputs")
+
+    return Workload(
+        model=objects.model,
+        optimizer=objects.optimizer,
+        get_batch=no_batches,
+        state=objects.state,
+        data_parallel=objects.data_parallel,
+    )
 
 
 def _with_tied_twins(model_state: dict, model: torch.nn.Module) -> dict:

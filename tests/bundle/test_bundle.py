@@ -565,6 +565,21 @@ HAND_EDITS = {
     ),
     "workload-missing": (_delete(["workload"]), "workload is missing"),
     "kwargs-a-list": (_set(["workload", "kwargs"], []), "workload.kwargs"),
+    "workload-kind-unknown": (_set(["workload", "kind"], "shell"), "workload.kind"),
+    "script-without-command": (
+        _set(["workload", "kind"], "script"),
+        "workload.command \\(python, argv, cwd, env\\) is given for a workload of kind 'script'",
+    ),
+    "command-of-a-factory": (
+        _set(["workload", "command"], {"python": "p", "argv": ["t.py"], "cwd": "/", "env": {}}),
+        "and only for one",
+    ),
+    "script-argv-empty": (
+        lambda m: m["workload"].update(
+            kind="script", command={"python": "p", "argv": [], "cwd": "/", "env": {}}
+        ),
+        "workload.command.argv",
+    ),
     "switch-a-string": (
         _set(["determinism", "deterministic_algorithms"], "true"),
         "determinism.deterministic_algorithms",

@@ -99,7 +99,13 @@ def test_another_learning_rate_is_a_program_difference(small_bundle: Path, cli, 
     bundle = Bundle.open(small_bundle)
 
     def bump_lr(model, optimizer):
-        optimizer.param_groups[0]["lr"] *= 2
+        """The lr as each step begins is the recorded one (set back there): the program differs
+        where the optimizer is then given another."""
+
+        def double(optimizer, args, kwargs):
+            optimizer.param_groups[0]["lr"] *= 2
+
+        optimizer.register_step_pre_hook(double)
 
     bumped = replay_on_device(bundle, "cpu", after_load=bump_lr)
     comparison = compare_logs(bundle.signature_log(), bumped)
