@@ -6,6 +6,9 @@ documented Python import and ``sdcreplay.`` name resolves."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import doccheck
 import pytest
@@ -33,6 +36,55 @@ def test_block_is_what_a_real_run_prints(block: doccheck.Block) -> None:
         "\n".join(diff) + f"\n{block.where} no longer shows what the command prints: "
         f"`{doccheck.REGENERATE}` rewrites it from a real run (then read the diff)"
     )
+
+
+def _native_capability() -> str:
+    """The ATen CPU capability this machine's CPU gives when nothing pins it (avx2, avx512)."""
+    env = {key: value for key, value in os.environ.items() if key != "ATEN_CPU_CAPABILITY"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip().lower()
+
+
+def _through_first(command: str, session_blocks: list[doccheck.Block]) -> list[doccheck.Block]:
+    """A session's blocks up to the first that runs ``command``: a prefix runs on its own."""
+    for count, block in enumerate(session_blocks, 1):
+        if any(found.shell.startswith(command) for found in block.commands()):
+            return session_blocks[:count]
+    raise AssertionError(f"no block runs {command!r}")
+
+
+def test_pages_pass_on_a_cpu_that_computes_otherwise() -> None:
+    """The pages, generated under ATEN_CPU_CAPABILITY=default, pass unregenerated where the
+    kernels round otherwise: the native capability's vector kernels stand for another CPU. The
+    README's walkthrough through its bisect shows every kind of value a machine computes (a
+    bundle's size, a replay's per-step entry counts, a diff's digests, a bisect's element
+    values) for one record, one replay and one bisect; the other sessions' blocks show the same
+    kinds (tests/docs/test_doccheck.py pins the rule on each)."""
+    native = _native_capability()
+    if native == doccheck.SETTINGS["ATEN_CPU_CAPABILITY"]:
+        pytest.skip(f"this CPU has no capability beyond {native!r}: nothing computes otherwise")
+    session_blocks = _through_first("sdcreplay bisect", doccheck.sessions()["walkthrough"])
+    ran = doccheck.run_session("walkthrough", session_blocks, {"ATEN_CPU_CAPABILITY": native})
+    problems = [
+        problem
+        for block in session_blocks
+        for problem in doccheck.failures(block, ran) + doccheck.stale(block, ran)
+    ]
+    assert not problems, "\n".join(problems)
+    # the native kernels did compute otherwise, or this test would prove nothing
+    computed_otherwise = [
+        block.where
+        for block in session_blocks
+        if doccheck.normalized(doccheck.generated(block, ran), machine=False)
+        != doccheck.normalized(block.body, machine=False)
+    ]
+    assert computed_otherwise, f"{native} printed every value the pages show, bit for bit"
 
 
 def test_every_block_with_a_command_is_generated() -> None:
