@@ -576,15 +576,24 @@ def rewrite(path: Path, ran_by_session: dict[str, dict[str, Ran]], force: bool =
     return changed
 
 
-def run_all(names: list[str] | None = None) -> dict[str, dict[str, Ran]]:
-    """Every session (or the named ones) at once: each is mostly one process at a time, so on
-    two cores two sessions side by side finish sooner than one after the other."""
+Run = tuple[str, list[Block], dict[str, str] | None]  # a session, its blocks, the overrides
+
+
+def run_all(
+    names: list[str] | None = None, extra: dict[str, Run] | None = None
+) -> dict[str, dict[str, Ran]]:
+    """Every session (or the named ones), and the ``extra`` runs by their keys, at once: each is
+    mostly one process at a time, so on two cores the runs side by side take about as long as
+    the longest (``tiny``) alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    grouped = {n: b for n, b in sessions().items() if not names or n in names}
-    with ThreadPoolExecutor(max_workers=len(grouped) or 1) as pool:
-        futures = {n: pool.submit(run_session, n, b) for n, b in grouped.items()}
-        return {name: future.result() for name, future in futures.items()}
+    runs: dict[str, Run] = {
+        n: (n, b, None) for n, b in sessions().items() if not names or n in names
+    }
+    runs.update(extra or {})
+    with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:
+        futures = {key: pool.submit(run_session, *run) for key, run in runs.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
 # -- python snippets -------------------------------------------------------------------------
