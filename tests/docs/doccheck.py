@@ -32,16 +32,19 @@ the shell's settings, so the suite and ``make docs`` run each session once per c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -269,10 +272,15 @@ SETTINGS = {
 }
 
 
+# The environment as this process began: the runs go on in a thread beside tests that change
+# os.environ for a while (tests/docs/conftest.py).
+STARTING_ENVIRONMENT = dict(os.environ)
+
+
 def environment(home: Path, overrides: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         key: value
-        for key, value in os.environ.items()
+        for key, value in STARTING_ENVIRONMENT.items()
         if not key.startswith(("SDCREPLAY_", "SLURM_", "PYTEST_", "LINES"))
     }
     env.update(
@@ -432,7 +440,7 @@ def _raw_runs(
     settings = {
         k: v
         for k, v in environment(Path("HOME"), overrides).items()
-        if k not in os.environ or k in (overrides or {})
+        if k not in STARTING_ENVIRONMENT or k in (overrides or {})
     }
     key = hashlib.sha256(
         json.dumps(
@@ -453,15 +461,22 @@ def _raw_runs(
         for folder in (workdir, home, results):
             folder.mkdir()
         (root / "session.sh").write_text(script(commands, allowed, results))
-        subprocess.run(
+        with subprocess.Popen(
             ["bash", "--noprofile", "--norc", str(root / "session.sh")],
             cwd=workdir,
             env=environment(home, overrides),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            check=False,
-        )
+            start_new_session=True,  # stop_runs() ends it with all it started
+        ) as shell:
+            with _SHELLS_LOCK:
+                _SHELLS.add(shell)
+            try:
+                shell.wait()
+            finally:
+                with _SHELLS_LOCK:
+                    _SHELLS.discard(shell)
         runs: dict = {"workdir": str(workdir), "home": str(home), "commands": {}}
         for number, command in enumerate(commands):
             out, rc = results / f"{number}.out", results / f"{number}.rc"
@@ -473,6 +488,19 @@ def _raw_runs(
         CACHE.mkdir(parents=True, exist_ok=True)
         cached.write_text(json.dumps(runs))
     return runs
+
+
+_SHELLS: set[subprocess.Popen] = set()  # the sessions' shells running now
+_SHELLS_LOCK = threading.Lock()
+
+
+def stop_runs() -> None:
+    """End every session's shell still running, and what it started (a suite that stops before
+    its docs tests leaves no replay behind); those runs are not cached."""
+    with _SHELLS_LOCK:
+        for shell in _SHELLS:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGKILL)
 
 
 def run_session(
@@ -588,7 +616,7 @@ def run_all(
     from concurrent.futures import ThreadPoolExecutor
 
     runs: dict[str, Run] = {
-        n: (n, b, None) for n, b in sessions().items() if not names or n in names
+        n: (n, b, None) for n, b in sessions().items() if names is None or n in names
     }
     runs.update(extra or {})
     with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:

@@ -9,6 +9,7 @@ import functools
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import doccheck
 import pytest
@@ -41,17 +42,39 @@ def _through_first(command: str, session_blocks: list[doccheck.Block]) -> list[d
     raise AssertionError(f"no block runs {command!r}")
 
 
-@functools.cache
-def all_runs() -> dict[str, dict[str, doccheck.Ran]]:
-    """Every session, and the walkthrough's proof on another capability, run once for the whole
-    suite side by side (the proof costs little more than the ``tiny`` session alone takes), or
-    read from the cache."""
-    native = _native_capability()
+_RUNS: Future[dict[str, dict[str, doccheck.Ran]]] | None = None
+
+
+def run_needed(item: pytest.Item) -> str | None:
+    """The run (a session's name, or OTHER_CPU) a chosen test of this module needs, if any."""
+    name = getattr(item, "originalname", None)
+    if name == "test_block_is_what_a_real_run_prints":
+        return item.callspec.params["block"].session  # type: ignore[attr-defined]
+    if name == "test_pages_pass_on_a_cpu_that_computes_otherwise":
+        return OTHER_CPU
+    return None
+
+
+def start_runs(wanted: set[str]) -> None:
+    """The sessions named, and (OTHER_CPU) the walkthrough's proof on another capability, run
+    once for the whole suite side by side (the proof costs little more than the ``tiny`` session
+    alone takes), or read from the cache; in a thread of their own, so that they start with the
+    suite (conftest.py) and run on the core its other tests leave idle."""
+    global _RUNS
+    if _RUNS is not None:
+        return
     extra: dict[str, doccheck.Run] = {}
-    if native != doccheck.SETTINGS["ATEN_CPU_CAPABILITY"]:
+    if OTHER_CPU in wanted and _native_capability() != doccheck.SETTINGS["ATEN_CPU_CAPABILITY"]:
         proof = _through_first("sdcreplay bisect", doccheck.sessions()["walkthrough"])
-        extra[OTHER_CPU] = ("walkthrough", proof, {"ATEN_CPU_CAPABILITY": native})
-    return doccheck.run_all(extra=extra)
+        extra[OTHER_CPU] = ("walkthrough", proof, {"ATEN_CPU_CAPABILITY": _native_capability()})
+    names = sorted(wanted & set(doccheck.sessions()))
+    _RUNS = ThreadPoolExecutor(1, "sdcreplay-docs").submit(doccheck.run_all, names, extra)
+
+
+def all_runs() -> dict[str, dict[str, doccheck.Ran]]:
+    start_runs({*doccheck.sessions(), OTHER_CPU})  # run without conftest.py's choice: all
+    assert _RUNS is not None
+    return _RUNS.result()
 
 
 def session_run(name: str) -> dict[str, doccheck.Ran]:
