@@ -57,9 +57,10 @@ def run_needed(item: pytest.Item) -> str | None:
 
 def start_runs(wanted: set[str]) -> None:
     """The sessions named, and (OTHER_CPU) the walkthrough's proof on another capability, run
-    once for the whole suite side by side (the proof costs little more than the ``tiny`` session
-    alone takes), or read from the cache; in a thread of their own, so that they start with the
-    suite (conftest.py) and run on the core its other tests leave idle."""
+    once for the whole suite side by side (in one pool: each run is mostly one process at a
+    time, so the proof overlaps the longer ``tiny`` session), or read from the cache; in a
+    thread of their own, so that they start with the suite (conftest.py) and run on the core
+    its other tests leave idle."""
     global _RUNS
     if _RUNS is not None:
         return
