@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,lightning,postgres]' "$(TORCH_PIN)"
 	touch $(STAMP)
 
+# --durations: the slowest tests of each run, to keep the suite under 15 minutes on 2 cores.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The demo's verdicts (drills) go to demo-out/ledger.sqlite, its secret to demo-out/home:
 # ~/.config/sdcreplay is left alone unless SDCREPLAY_LEDGER / SDCREPLAY_HOME say otherwise.

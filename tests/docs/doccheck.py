@@ -32,17 +32,22 @@ the shell's settings, so the suite and ``make docs`` run each session once per c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+
+from normalize import normalized
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -268,10 +273,15 @@ SETTINGS = {
 }
 
 
-def environment(home: Path) -> dict[str, str]:
+# The environment as this process began: the runs go on in a thread beside tests that change
+# os.environ for a while (tests/docs/conftest.py).
+STARTING_ENVIRONMENT = dict(os.environ)
+
+
+def environment(home: Path, overrides: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         key: value
-        for key, value in os.environ.items()
+        for key, value in STARTING_ENVIRONMENT.items()
         if not key.startswith(("SDCREPLAY_", "SLURM_", "PYTEST_", "LINES"))
     }
     env.update(
@@ -280,6 +290,7 @@ def environment(home: Path) -> dict[str, str]:
         SDCREPLAY_HOME=str(home),  # its signing secret and default ledger: never the person's
         SDCREPLAY_DOC_REPO=str(REPO),
     )
+    env.update(overrides or {})
     return env
 
 
@@ -298,31 +309,6 @@ def host_shown(name: str) -> str:
     """The documented host, h17, cut or padded to the real name's length so that the columns
     of a table stay aligned (h1 for a host named vm, h1700 for node1)."""
     return (HOST_SHOWN + "0" * len(name))[: len(name)]
-
-
-# What legitimately differs between two runs of the same command, and nothing else.
-VARYING = [
-    (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?([+-]\d\d:\d\d|Z)?"), "<iso-time>"),
-    (re.compile(r"\b\d{8}-\d{6}(-[0-9A-Za-z]+)*"), "<run-dir>"),  # run and log directory stamps
-    (re.compile(r"\b\d+(\.\d+)? ?(s|ms|seconds)\b"), "<seconds>"),
-    (re.compile(r"\b\d+(\.\d+)? (B|KiB|MiB|GiB)\b"), "<size>"),  # the manifest holds the host
-    (re.compile(r"\bpid \d+"), "pid <pid>"),
-    (re.compile(r"\b[0-9a-f]{64}\b"), "<sha256>"),  # a manifest's (an incident's) holds times
-    # the machine a page was generated on (its CPU model and flags) is not the one it is read on
-    (re.compile(r'("cpu\.(model|flags)": )"[^"]*"'), r'\1"<cpu>"'),
-    (re.compile(r"(?<![\w.-])h(1(70*)?)?(?![\w-])"), "<host>"),  # host_shown() of any length
-    (re.compile(r"[ \t]+"), " "),  # table columns widen and narrow with the values above
-    (re.compile(r"([─━═┄-])\1+"), r"\1"),
-]
-
-
-def normalized(lines: list[str]) -> list[str]:
-    result = []
-    for line in lines:
-        for pattern, replacement in VARYING:
-            line = pattern.sub(replacement, line)
-        result.append(line.rstrip())
-    return result
 
 
 # -- the runs, once per source ---------------------------------------------------------------
@@ -354,9 +340,18 @@ class Ran:
     status: int | None  # None: not reached, an earlier command failed
 
 
-def _raw_runs(session: str, commands: list[str], allowed: dict[str, set[int]]) -> dict:
+def _raw_runs(
+    session: str,
+    commands: list[str],
+    allowed: dict[str, set[int]],
+    overrides: dict[str, str] | None = None,
+) -> dict:
     """Each command's raw output and status, from one bash (or the cache of the same inputs)."""
-    settings = {k: v for k, v in environment(Path("HOME")).items() if k not in os.environ}
+    settings = {
+        k: v
+        for k, v in environment(Path("HOME"), overrides).items()
+        if k not in STARTING_ENVIRONMENT or k in (overrides or {})
+    }
     key = hashlib.sha256(
         json.dumps(
             [
@@ -376,15 +371,22 @@ def _raw_runs(session: str, commands: list[str], allowed: dict[str, set[int]]) -
         for folder in (workdir, home, results):
             folder.mkdir()
         (root / "session.sh").write_text(script(commands, allowed, results))
-        subprocess.run(
+        with subprocess.Popen(
             ["bash", "--noprofile", "--norc", str(root / "session.sh")],
             cwd=workdir,
-            env=environment(home),
+            env=environment(home, overrides),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            check=False,
-        )
+            start_new_session=True,  # stop_runs() ends it with all it started
+        ) as shell:
+            with _SHELLS_LOCK:
+                _SHELLS.add(shell)
+            try:
+                shell.wait()
+            finally:
+                with _SHELLS_LOCK:
+                    _SHELLS.discard(shell)
         runs: dict = {"workdir": str(workdir), "home": str(home), "commands": {}}
         for number, command in enumerate(commands):
             out, rc = results / f"{number}.out", results / f"{number}.rc"
@@ -398,10 +400,27 @@ def _raw_runs(session: str, commands: list[str], allowed: dict[str, set[int]]) -
     return runs
 
 
-def run_session(session: str, session_blocks: list[Block]) -> dict[str, Ran]:
-    """A session's commands run for real, once per set of sources; their output presented."""
+_SHELLS: set[subprocess.Popen] = set()  # the sessions' shells running now
+_SHELLS_LOCK = threading.Lock()
+
+
+def stop_runs() -> None:
+    """End every session's shell still running, and what it started (a suite that stops before
+    its docs tests leaves no replay behind); those runs are not cached."""
+    with _SHELLS_LOCK:
+        for shell in _SHELLS:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGKILL)
+
+
+def run_session(
+    session: str, session_blocks: list[Block], overrides: dict[str, str] | None = None
+) -> dict[str, Ran]:
+    """A session's commands run for real, once per set of sources; their output presented.
+    ``overrides`` replace settings of its shell (another CPU capability: a machine that
+    computes otherwise than the one the pages were generated on)."""
     commands = unique_commands(session, session_blocks)
-    runs = _raw_runs(session, commands, _expected_statuses(session_blocks))
+    runs = _raw_runs(session, commands, _expected_statuses(session_blocks), overrides)
     workdir, home = Path(runs["workdir"]), Path(runs["home"])
     ran = {}
     for command, (text, status) in runs["commands"].items():
@@ -495,15 +514,24 @@ def rewrite(path: Path, ran_by_session: dict[str, dict[str, Ran]], force: bool =
     return changed
 
 
-def run_all(names: list[str] | None = None) -> dict[str, dict[str, Ran]]:
-    """Every session (or the named ones) at once: each is mostly one process at a time, so on
-    two cores two sessions side by side finish sooner than one after the other."""
+Run = tuple[str, list[Block], dict[str, str] | None]  # a session, its blocks, the overrides
+
+
+def run_all(
+    names: list[str] | None = None, extra: dict[str, Run] | None = None
+) -> dict[str, dict[str, Ran]]:
+    """Every session (or the named ones), and the ``extra`` runs by their keys, at once: each is
+    mostly one process at a time, so on two cores the runs side by side take about as long as
+    the longest (``tiny``) alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    grouped = {n: b for n, b in sessions().items() if not names or n in names}
-    with ThreadPoolExecutor(max_workers=len(grouped) or 1) as pool:
-        futures = {n: pool.submit(run_session, n, b) for n, b in grouped.items()}
-        return {name: future.result() for name, future in futures.items()}
+    runs: dict[str, Run] = {
+        n: (n, b, None) for n, b in sessions().items() if names is None or n in names
+    }
+    runs.update(extra or {})
+    with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:
+        futures = {key: pool.submit(run_session, *run) for key, run in runs.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
 # -- python snippets -------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def main(arguments: list[str]) -> int:
     if unknown:
         print(f"Error: no session named {', '.join(unknown)} (sessions: {', '.join(known)})")
         return 3
-    runs = doccheck.run_all(names)
+    runs = doccheck.run_all(names or None)
     problems = [
         problem
         for name in runs

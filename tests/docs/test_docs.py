@@ -6,6 +6,10 @@ documented Python import and ``sdcreplay.`` name resolves."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import doccheck
 import pytest
@@ -13,10 +17,65 @@ import pytest
 BLOCKS = doccheck.all_blocks()
 
 
+OTHER_CPU = "walkthrough, through its bisect, under the native capability"
+
+
 @functools.cache
+def _native_capability() -> str:
+    """The ATen CPU capability this machine's CPU gives when nothing pins it (avx2, avx512)."""
+    env = {key: value for key, value in os.environ.items() if key != "ATEN_CPU_CAPABILITY"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip().lower()
+
+
+def _through_first(command: str, session_blocks: list[doccheck.Block]) -> list[doccheck.Block]:
+    """A session's blocks up to the first that runs ``command``: a prefix runs on its own."""
+    for count, block in enumerate(session_blocks, 1):
+        if any(found.shell.startswith(command) for found in block.commands()):
+            return session_blocks[:count]
+    raise AssertionError(f"no block runs {command!r}")
+
+
+_RUNS: Future[dict[str, dict[str, doccheck.Ran]]] | None = None
+
+
+def run_needed(item: pytest.Item) -> str | None:
+    """The run (a session's name, or OTHER_CPU) a chosen test of this module needs, if any."""
+    name = getattr(item, "originalname", None)
+    if name == "test_block_is_what_a_real_run_prints":
+        return item.callspec.params["block"].session  # type: ignore[attr-defined]
+    if name == "test_pages_pass_on_a_cpu_that_computes_otherwise":
+        return OTHER_CPU
+    return None
+
+
+def start_runs(wanted: set[str]) -> None:
+    """The sessions named, and (OTHER_CPU) the walkthrough's proof on another capability, run
+    once for the whole suite side by side (in one pool: each run is mostly one process at a
+    time, so the proof overlaps the longer ``tiny`` session), or read from the cache; in a
+    thread of their own, so that they start with the suite (conftest.py) and run on the core
+    its other tests leave idle."""
+    global _RUNS
+    if _RUNS is not None:
+        return
+    extra: dict[str, doccheck.Run] = {}
+    if OTHER_CPU in wanted and _native_capability() != doccheck.SETTINGS["ATEN_CPU_CAPABILITY"]:
+        proof = _through_first("sdcreplay bisect", doccheck.sessions()["walkthrough"])
+        extra[OTHER_CPU] = ("walkthrough", proof, {"ATEN_CPU_CAPABILITY": _native_capability()})
+    names = sorted(wanted & set(doccheck.sessions()))
+    _RUNS = ThreadPoolExecutor(1, "sdcreplay-docs").submit(doccheck.run_all, names, extra)
+
+
 def all_runs() -> dict[str, dict[str, doccheck.Ran]]:
-    """Every session, run once for the whole suite (side by side), or read from the cache."""
-    return doccheck.run_all()
+    start_runs({*doccheck.sessions(), OTHER_CPU})  # run without conftest.py's choice: all
+    assert _RUNS is not None
+    return _RUNS.result()
 
 
 def session_run(name: str) -> dict[str, doccheck.Ran]:
@@ -33,6 +92,33 @@ def test_block_is_what_a_real_run_prints(block: doccheck.Block) -> None:
         "\n".join(diff) + f"\n{block.where} no longer shows what the command prints: "
         f"`{doccheck.REGENERATE}` rewrites it from a real run (then read the diff)"
     )
+
+
+def test_pages_pass_on_a_cpu_that_computes_otherwise() -> None:
+    """The pages, generated under ATEN_CPU_CAPABILITY=default, pass unregenerated where the
+    kernels round otherwise: the native capability's vector kernels stand for another CPU. The
+    README's walkthrough through its bisect shows every kind of value a machine computes (a
+    bundle's size, a replay's per-step entry counts, a diff's digests, a bisect's element
+    values) for one record, one replay and one bisect; the other sessions' blocks show the same
+    kinds (tests/docs/test_doccheck.py pins the rule on each)."""
+    if OTHER_CPU not in all_runs():
+        pytest.skip(f"this CPU has no capability beyond {_native_capability()!r}")
+    session_blocks = _through_first("sdcreplay bisect", doccheck.sessions()["walkthrough"])
+    ran = all_runs()[OTHER_CPU]
+    problems = [
+        problem
+        for block in session_blocks
+        for problem in doccheck.failures(block, ran) + doccheck.stale(block, ran)
+    ]
+    assert not problems, "\n".join(problems)
+    # the native kernels did compute otherwise, or this test would prove nothing
+    computed_otherwise = [
+        block.where
+        for block in session_blocks
+        if doccheck.normalized(doccheck.generated(block, ran), machine=False)
+        != doccheck.normalized(block.body, machine=False)
+    ]
+    assert computed_otherwise, "the native kernels printed every value the pages show, bit for bit"
 
 
 def test_every_block_with_a_command_is_generated() -> None:
