@@ -176,6 +176,15 @@ def make_workload(
         iteration.number += 1
         return total
 
+    def first_micro_batch_loss(model: nn.Module, batch) -> torch.Tensor:
+        """The loss of the first micro-batch, as the step hands it to backward."""
+        return model(batch[0][0], batch[1][0]) / accumulation
+
     return Workload(
-        model, optimizer, get_batch, train_step=train_step, state={"iteration": iteration}
+        model,
+        optimizer,
+        get_batch,
+        first_micro_batch_loss,
+        train_step=train_step,
+        state={"iteration": iteration},
     )
