@@ -17,7 +17,6 @@ import pytest
 import torch
 from conftest import REPO, planted
 
-from sdcreplay import Recorder
 from sdcreplay.integrations.watch import StepWatch
 from sdcreplay.online.alarms import gradient_norms
 from sdcreplay.online.pre_clip import PreClipNorms
@@ -40,29 +39,27 @@ def nanogpt(**kwargs):
     return make_workload(**kwargs)
 
 
-def test_a_flipped_gradient_bit_under_clipping_alarms_and_its_bundle_bisects_to_the_call(
-    tmp_path: Path, cli
+def test_the_drill_of_docs_online_alarms_and_its_bundle_bisects_to_the_planted_call(
+    tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
 ):
-    workload = nanogpt()
-    recorder = Recorder(
-        tmp_path / "alarm.bundle",
-        FACTORY,
-        workload.model,
-        workload.optimizer,
-        state=workload.state,
-        ring=4,
-    )
-    detector = UpdateDetector(workload, recorder=recorder)
-    for i in range(15):
-        with planted(workload.model, workload.optimizer, FLIP if i == 12 else None, i):
-            detector.run_step(workload.get_batch(i))
+    """docs/online.md's drill on the clipped loop, as a user pastes it, then its commands."""
+    text = (REPO / "docs" / "online.md").read_text()
+    (block,) = [b for b in text.split("```python\n")[1:] if "clipped.bundle" in b]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the drill adds bench/ to it
+    printed: list[str] = []
+    names = {"print": printed.append, "__name__": "docs"}
+    exec(compile(block.split("```")[0], "docs/online.md", "exec"), names)
+    detector = names["detector"]
+    assert names["spec"] == FLIP
     (alarm,) = detector.alarms
-    assert (alarm.step, alarm.classification) == (12, "transient")
-    assert f"grad:{C_ATTN}.weight" in alarm.reasons and "grad_norm_jump" in alarm.reasons
+    assert printed == [
+        f"step 12: grad_norm_jump, grad:{C_ATTN}.weight -> transient (bundle clipped.bundle)"
+    ]
     # judged before the clip: the corrupted norm, not max_norm's share of it
     assert alarm.original.grad_norms[f"{C_ATTN}.weight"] > 1e20
     detector.close()
-    recorder.close()
+    names["recorder"].close()
 
     replayed = cli("replay", alarm.bundle, "--device", "cpu:0", "--device", "cpu:1", "--json")
     assert replayed.exit_code == 1, replayed.output
@@ -74,7 +71,7 @@ def test_a_flipped_gradient_bit_under_clipping_alarms_and_its_bundle_bisects_to_
     found = json.loads(bisected.stdout)
     assert (found["step"], found["module"], found["entry"]) == (12, C_ATTN, f"grad:{C_ATTN}.weight")
     # and on a device that computes as the recording one did, the planted call, element and bit
-    spec = FLIP + ",device=cpu:1"
+    spec = FLIP + ",device=cpu:1"  # the drill's spec
     bisected = cli(
         "bisect", alarm.bundle, "--suspect", "cpu:1", "--reference", "cpu:0", "--step", "12",
         "--inject", spec, "--out", tmp_path / "r2", "--json",
