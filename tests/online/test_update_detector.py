@@ -289,7 +289,8 @@ def test_a_transformer_with_warmup_and_cosine_raises_no_alarm() -> None:
 def test_the_fault_of_docs_online_trips_the_default_thresholds() -> None:
     """docs/online.md's planted backward bias, with the defaults it states."""
     text = (Path(__file__).parents[2] / "docs" / "online.md").read_text()
-    (block,) = [b for b in text.split("```python\n")[1:] if "detector.last_alarm.describe()" in b]
+    blocks = text.split("```python\n")[1:]
+    (block,) = [b for b in blocks if "last_alarm.describe()" in b and "kind=bias" in b]
     printed: list[str] = []
     exec(compile(block.split("```")[0], "docs/online.md", "exec"), {"print": printed.append})
     assert printed == ["step 10: grad_norm_jump, grad:layers.0.attn.wq.weight -> transient"]
