@@ -112,10 +112,9 @@ class SiteList:
         return out
 
 
-def step_sites(kwargs: dict) -> list[Site]:
+def step_sites(workload: Workload) -> list[Site]:
     """The sites of step 1 of a fresh workload: every later step runs the same calls (step 0
     also creates the optimizer's state)."""
-    workload = build_workload("builtin:tiny-llama", dict(kwargs))
     workload.run_step(workload.get_batch(0))
     listing = SiteList()
     with OperatorMode(workload.model, workload.optimizer, [listing], 1):
@@ -265,8 +264,20 @@ def _checked_tensors(workload: Workload, batch) -> list[torch.Tensor]:
     return [raw_bits(t.detach()).clone() for t in (loss, *grads)]
 
 
-def changes_checked_tensors(workload: Workload, fault: PlantedFault, step: int, batch) -> bool:
-    """Does a firing of ``fault`` in ``step`` change the loss or a gradient? (the oracle)
+def _xor_changes(clean: torch.Tensor, faulty: torch.Tensor) -> bool:
+    """Does the XOR of all the tensor's words change (TorchTitan's ``torch.hash_tensor``)? Only
+    if some bit is flipped in an odd number of elements: a swap or a pair of flips is blind."""
+    flipped = (clean ^ faulty).reshape(-1).to(torch.int64)
+    bits = torch.arange(8 * clean.element_size())
+    return bool((((flipped.unsqueeze(1) >> bits) & 1).sum(0) % 2).any())
+
+
+def changes_checked_tensors(
+    workload: Workload, fault: PlantedFault, step: int, batch
+) -> tuple[bool, bool]:
+    """Does a firing of ``fault`` in ``step`` change the loss or a gradient, and does it
+    change their XOR hashes? (the oracle; ``workload.loss`` is the forward and backward
+    TorchTitan's replayer checks: the first micro-batch's)
 
     The forward and backward run twice from the same parameters and RNG, clean and with
     the fault forced (p=1); gradients and RNG are put back after.
@@ -282,7 +293,11 @@ def changes_checked_tensors(workload: Workload, fault: PlantedFault, step: int, 
     restore_rng(rng, CPU)
     for parameter, grad in zip(model.parameters(), saved):
         parameter.grad = grad
-    return bool(forced.fired) and any(not torch.equal(a, b) for a, b in zip(clean, faulty))
+    fired = bool(forced.fired)
+    return (
+        fired and any(not torch.equal(a, b) for a, b in zip(clean, faulty)),
+        fired and any(_xor_changes(a, b) for a, b in zip(clean, faulty)),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -408,35 +423,45 @@ def model_kwargs(args: argparse.Namespace, seed: int) -> dict:
 
 
 def run_trial(
-    detector: str, fault: PlantedFault | None, seed: int, args: argparse.Namespace
+    detector: str,
+    fault: PlantedFault | None,
+    seed: int,
+    args: argparse.Namespace,
+    build: Callable[[int], Workload] | None = None,
+    faulty_step: type[FaultyStep] = FaultyStep,
 ) -> dict:
     """One training run of ``args.steps`` steps under ``detector`` and what it alarmed.
 
     The run goes on after an alarm (a detector that rolled a step back lets the loop
     continue), so a clean run counts every false alarm and the update detector can reach
     ``persistent``; it ends at a fatal error, and the replay check's at its first detection.
+    ``build(seed)``: the workload (default: tiny-llama at ``args``' size); ``faulty_step``: the
+    step with the fault planted.
     """
-    workload = build_workload("builtin:tiny-llama", model_kwargs(args, seed))
-    faulty = FaultyStep(workload, fault)
+    workload = (
+        build(seed) if build else build_workload("builtin:tiny-llama", model_kwargs(args, seed))
+    )
+    faulty = faulty_step(workload, fault)
     running = DETECTORS[detector](faulty.wrapped(), args)
     oracle = detector == "ReplayCheck" and fault is not None
     alarms: list[dict] = []
-    visible, steps_run = None, 0
+    visible = xor_visible = None
+    steps_run = 0
     try:
         for step in range(args.steps):
             steps_run = step + 1
             faulty.step = step
             batch = workload.get_batch(step)
             changes = (
-                oracle
-                and visible is None
-                and fault is not None
-                and fault.active(step)
-                and changes_checked_tensors(workload, fault, step, batch)
+                changes_checked_tensors(workload, fault, step, batch)
+                if oracle and visible is None and fault is not None and fault.active(step)
+                else (False, False)
             )
             alarm = running.run(step, batch)
-            if changes and step in faulty.diverging_steps():
+            if changes[0] and step in faulty.diverging_steps():
                 visible = step
+            if changes[1] and xor_visible is None and step in faulty.diverging_steps():
+                xor_visible = step
             if alarm is None:
                 continue
             alarms.append(alarm)
@@ -454,6 +479,7 @@ def run_trial(
         "first_fired": first,
         "alarms": alarms,
         "visible": visible,
+        "xor_visible": xor_visible,
         "steps_run": steps_run,
         "detected": bool(after),
         "steps_to_alarm": after[0]["step"] - first if after and first is not None else None,
@@ -466,7 +492,7 @@ def run_trial(
 
 def campaign(args: argparse.Namespace, on_trial: Callable[[dict], None]) -> list[dict]:
     """Every detector on the same random faults: ``args.trials`` per kind and mode."""
-    sites = step_sites(model_kwargs(args, 0))
+    sites = step_sites(build_workload("builtin:tiny-llama", model_kwargs(args, 0)))
     draw = random.Random(args.seed)
     planted = [
         (random_fault(draw, sites, kind, mode, args.steps), 1 + number)
@@ -489,13 +515,17 @@ def campaign(args: argparse.Namespace, on_trial: Callable[[dict], None]) -> list
 # Overhead, side by side
 
 
-def overhead(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def overhead(
+    args: argparse.Namespace, workload: Workload | None = None
+) -> dict[str, dict[str, float]]:
     """Median step time (wall and process CPU) of the plain step and under each detector.
 
-    One model: blocks of steps in turn (plain, detector 1, detector 2, plain, ...), after
-    a warm-up of each, so drift in the machine's speed hits every mode alike.
+    One model (``workload``, default tiny-llama at ``args``' size): blocks of steps in turn
+    (plain, detector 1, detector 2, plain, ...), after a warm-up of each, so drift in the
+    machine's speed hits every mode alike.
     """
-    workload = build_workload("builtin:tiny-llama", model_kwargs(args, 0))
+    if workload is None:
+        workload = build_workload("builtin:tiny-llama", model_kwargs(args, 0))
     modes = {"plain": Plain(workload, args)}
     modes.update((name, DETECTORS[name](workload, args)) for name in args.detectors)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}

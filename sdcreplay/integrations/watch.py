@@ -3,8 +3,9 @@
 A trainer runs its own step, so no detector can drive it (nor roll it back and
 recompute it): the callbacks *observe* each step instead. ``StepWatch`` opens a
 ring ``Recorder`` step when the framework hands over the batch, notes the
-gradient norms just before the optimizer's update (and a copy of the parameters
-where the detector judges updates, ``when="after_update"``), and when the step
+gradient norms before the step's clipping (``online.pre_clip``; else just before
+the optimizer's update) and a copy of the parameters where the detector judges
+updates (``when="after_update"``), and when the step
 ends gives ``UpdateDetector.judge`` what it saw. On an alarm the detector dumps
 the ring (the alarmed step is its last one) and the callback stops training
 (``stop_on_alarm``). A failure of the callback's own never reaches the trainer's
@@ -27,7 +28,8 @@ from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError, message_of
 from ..kinds import SignatureLevel
-from ..online.alarms import Alarm, Observation, gradient_norms, observe
+from ..online.alarms import Alarm, Observation, observe
+from ..online.pre_clip import PreClipNorms
 from ..online.update_detector import UpdateDetector
 from ..recording.recorder import Recorder
 
@@ -90,6 +92,7 @@ class StepWatch:
             **dict(detector or {}),
         )
         self.step_index = start_step
+        self._pre_clip = PreClipNorms(model, optimizer)
         self._open: contextlib.AbstractContextManager | None = None
         self._losses: list[torch.Tensor] = []
         self._grad_norms: dict[str, float] = {}
@@ -112,6 +115,7 @@ class StepWatch:
             self.optimizer.zero_grad(set_to_none=True)
         self._losses, self._grad_norms, self._before = [], {}, None
         self._reached_optimizer = False
+        self._pre_clip.begin()
         step = self.recorder.step(batch)
         step.__enter__()
         self._open = step
@@ -126,9 +130,11 @@ class StepWatch:
             self._losses.append(loss.detach().reshape(()))
 
     def before_optimizer(self) -> None:
-        """Gradients as the optimizer will use them; the parameters before its update only
-        where the detector judges the update (``when="after_update"``: a copy)."""
-        self._grad_norms = gradient_norms(self.model)
+        """The gradients' norms before the step's first clip or unscale (``PreClipNorms``:
+        a trainer clips before it tells callbacks the optimizer steps); the parameters before
+        its update only where the detector judges the update (``when="after_update"``: a
+        copy)."""
+        self._grad_norms = self._pre_clip.take()
         self._reached_optimizer = True
         if self.detector.when == "after_update":
             with _own_work():
@@ -176,6 +182,7 @@ class StepWatch:
 
     def close(self) -> None:
         self._abandon_open_step()
+        self._pre_clip.close()
         self.detector.close()
         self.recorder.close()
 

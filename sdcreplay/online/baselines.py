@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from ..errors import SdcReplayError
 from .alarms import Observation
 
+TOTAL_NORM_STEPS = 3
+"""Accepted steps after which a jump of the global gradient norm alarms (``grad_norm_jump``):
+from the first steps, where Megatron's ``grad_spike`` waits for ``spike_steps``."""
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -86,7 +90,9 @@ class Baselines:
 
     ``nonfinite:loss`` / ``nonfinite:grad:NAME`` / ``nonfinite:update:NAME``: NaN or Inf.
     ``loss_spike`` / ``grad_spike``: the loss / global gradient norm above ``spike_factor``
-    x the largest of the first ``spike_steps`` steps (Megatron's rule). After ``warmup``
+    x the largest of the first ``spike_steps`` steps (Megatron's rule). ``grad_norm_jump``:
+    after ``TOTAL_NORM_STEPS`` accepted steps (or ``warmup``, if fewer), the global gradient
+    norm jumps as a parameter's does (below: its own EMA and spread). After ``warmup``
     accepted steps, per parameter: ``grad:NAME``, its gradient norm *jumps*: above both
     ``jump_factor`` x its EMA and its EMA + ``jump_sigmas`` x the spread of its last
     ``window`` accepted norms (both: a small, noisy gradient is judged by its spread, a
@@ -100,6 +106,7 @@ class Baselines:
         self.exact_updates = exact_updates
         self.accepted = 0
         self._grads = _Series()
+        self._total = _Series()  # the global gradient norm, as "total"
         self._updates = _Series()
         self._first_losses: list[float] = []
         self._first_grad_norms: list[float] = []
@@ -124,6 +131,9 @@ class Baselines:
             seen.grad_norm, self._first_grad_norms, limits.spike_steps, limits.spike_factor
         ):
             found.append("grad_spike")
+        early = self.accepted >= min(limits.warmup, TOTAL_NORM_STEPS)
+        if seen.grad_norms and early and self._jumps(self._total, _total(seen)):
+            found.append("grad_norm_jump")
         if self.accepted < limits.warmup:
             return found
         found += [f"grad:{name}" for name in self._jumps(self._grads, seen.grad_norms)]
@@ -165,11 +175,17 @@ class Baselines:
         limits = self.thresholds
         self.accepted += 1
         self._grads.add(seen.grad_norms, limits.ema_decay, limits.window)
+        if seen.grad_norms:
+            self._total.add(_total(seen), limits.ema_decay, limits.window)
         self._updates.add(seen.update_norms, limits.ema_decay, limits.window)
         if seen.loss is not None and len(self._first_losses) < limits.spike_steps:
             self._first_losses.append(abs(seen.loss))
         if seen.grad_norms and len(self._first_grad_norms) < limits.spike_steps:
             self._first_grad_norms.append(seen.grad_norm)
+
+
+def _total(seen: Observation) -> dict[str, float]:
+    return {"total": seen.grad_norm}
 
 
 def _nonfinite(reasons: list[str]) -> bool:

@@ -34,13 +34,13 @@ from .alarms import (
     BackwardLosses,
     Observation,
     Sketch,
-    gradient_norms,
     gradient_result,
     learning_rates,
     observe,
     sketch_distances,
     update_sketch,
 )
+from .pre_clip import PreClipNorms
 from .replay_check import _Baseline, _weakly
 
 Decide = Callable[[Observation], bool]
@@ -73,6 +73,7 @@ class BeforeUpdate:
         self._sketch: Sketch | None = None  # after the last update
         # the model's parameters, named once: a step walks the module tree no more
         self._named = list(workload.model.named_parameters())
+        self._norms = PreClipNorms(workload.model, workload.optimizer, self._named)
         self._hooks = [
             register_optimizer_step_pre_hook(_weakly(self._optimizer_begins)),
             register_optimizer_step_post_hook(_weakly(self._optimizer_ended)),
@@ -83,6 +84,7 @@ class BeforeUpdate:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._norms.close()
 
     def begin(self, step: int) -> None:
         """The step starts: note what its forward and backward may change (nothing is copied
@@ -110,6 +112,7 @@ class BeforeUpdate:
             recompute,
             None,
         )
+        self._norms.begin()
         try:
             with self._losses.observing():
                 loss = self.workload.run_step(batch)
@@ -165,9 +168,7 @@ class BeforeUpdate:
         loss = self._losses.tensor()
         if loss is None and isinstance(returned, torch.Tensor):
             loss = returned.detach()
-        seen = Observation(
-            None if loss is None else float(loss), gradient_norms(model, self._named), {}, result=()
-        )
+        seen = Observation(None if loss is None else float(loss), self._norms.take(), {}, result=())
         if self._recompute:
             seen.result = gradient_result(model, loss)
         return seen
@@ -198,10 +199,12 @@ class AfterUpdate:
         self.snapshot_device = snapshot_device
         self._before: TrainingSnapshot | None = None
         self._grad_norms: dict[str, float] | None = None
+        self._norms = PreClipNorms(workload.model, workload.optimizer)
         self._hook = workload.optimizer.register_step_pre_hook(self._optimizer_begins)
 
     def close(self) -> None:
         self._hook.remove()
+        self._norms.close()
 
     def begin(self, step: int) -> None:
         with _own_work():
@@ -219,6 +222,7 @@ class AfterUpdate:
         way: ``rollback`` takes it back)."""
         assert self._before is not None
         self._grad_norms = {}
+        self._norms.begin()
         try:
             loss = self.workload.run_step(batch)
             grad_norms = self._grad_norms
@@ -231,7 +235,7 @@ class AfterUpdate:
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
         if self._grad_norms is None or self._grad_norms:
             return
-        self._grad_norms.update(gradient_norms(self.workload.model))
+        self._grad_norms.update(self._norms.take())
 
     def rollback(self) -> None:
         assert self._before is not None

@@ -51,3 +51,37 @@ def test_quick_campaign_reports_every_kind_for_every_detector(
     # differed, and a firing changes the loss or a gradient) it detected
     replay = data["summary"]["ReplayCheck"]["all"]
     assert replay["visible_detected"] == replay["visible"]
+
+
+def test_the_clipping_campaign_runs_every_detector_clipped_and_not(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+):
+    """bench/clipping_campaign.py's smoke run on tiny-llama, two kinds: a fault in an operator's
+    output and one in AdamW's state; every detector, clip on and off, then the table."""
+    _campaign(monkeypatch)  # clipping_campaign imports it by name
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(
+        "clipping_campaign", REPO / "bench" / "clipping_campaign.py"
+    )
+    assert spec is not None and spec.loader is not None
+    clipping = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, clipping)
+    spec.loader.exec_module(clipping)
+    trials = tmp_path / "trials.jsonl"
+    kinds = "bitflip exponent top (30),memflip optimizer"
+    options = ["--quick", "--loops", "tiny-llama", "--kinds", kinds]
+    assert clipping.main([*options, "--trials-out", str(trials)]) == 0
+    lines = [json.loads(line) for line in trials.read_text().splitlines()]
+    faulty = [line for line in lines if line["fault"] is not None]
+    assert sorted({(t["detector"], t["clip"], t["fault"]["kind"]) for t in faulty}) == sorted(
+        (detector, clip, kind)
+        for detector in ("ReplayCheck", "UpdateDetector", "UpdateDetector(after_update)")
+        for clip in (True, False)
+        for kind in kinds.split(",")
+    )
+    assert all(t["clip"] for t in lines if t["fault"] is None)  # clean runs are clipped
+    capsys.readouterr()
+    assert clipping.main([*options, "--render", str(trials)]) == 0
+    table = capsys.readouterr().out
+    assert "| tiny-llama | memflip optimizer | on |" in table
+    assert "| tiny-llama | all | off |" in table and "TorchTitan" in table

@@ -58,7 +58,7 @@ def test_a_transient_bias_fault_is_recomputed_and_the_clean_run_continues() -> N
     (alarm,) = detector.alarms
     assert (alarm.step, alarm.reasons, alarm.classification, alarm.recomputes) == (
         10,
-        ["grad_spike", "grad:layers.0.attn.wq.weight"],
+        ["grad_spike", "grad_norm_jump", "grad:layers.0.attn.wq.weight"],
         "transient",
         1,
     )
@@ -117,7 +117,7 @@ def test_a_sticky_bias_fault_is_persistent_when_another_device_disagrees() -> No
         run_detector(BIAS, second_opinion=opinion)
     alarm = caught.value.alarm
     assert (alarm.step, alarm.classification) == (10, "persistent")
-    assert alarm.reasons[:2] == ["grad_spike", "grad:tok_embeddings.weight"]
+    assert alarm.reasons[:3] == ["grad_spike", "grad_norm_jump", "grad:tok_embeddings.weight"]
     assert alarm.recomputed is not None and alarm.recomputed.result == alarm.original.result
     assert opinion.last is not None and opinion.last.loss == pytest.approx(alarm.original.loss)
     assert "rolled back" in str(caught.value)
@@ -289,10 +289,11 @@ def test_a_transformer_with_warmup_and_cosine_raises_no_alarm() -> None:
 def test_the_fault_of_docs_online_trips_the_default_thresholds() -> None:
     """docs/online.md's planted backward bias, with the defaults it states."""
     text = (Path(__file__).parents[2] / "docs" / "online.md").read_text()
-    (block,) = [b for b in text.split("```python\n")[1:] if "detector.last_alarm.describe()" in b]
+    blocks = text.split("```python\n")[1:]
+    (block,) = [b for b in blocks if "last_alarm.describe()" in b and "kind=bias" in b]
     printed: list[str] = []
     exec(compile(block.split("```")[0], "docs/online.md", "exec"), {"print": printed.append})
-    assert printed == ["step 10: grad:layers.0.attn.wq.weight -> transient"]
+    assert printed == ["step 10: grad_norm_jump, grad:layers.0.attn.wq.weight -> transient"]
 
 
 # ---------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def test_after_the_update_an_unusual_update_norm_alarms_by_parameter() -> None:
     (alarm,) = detector.alarms
     assert (alarm.step, alarm.reasons, alarm.classification) == (
         30,
-        ["grad:fc1.weight", "update:fc1.weight"],
+        ["grad_norm_jump", "grad:fc1.weight", "update:fc1.weight"],
         "transient",
     )
     assert alarm.original.update_norms and alarm.original.grad_norms
