@@ -139,11 +139,6 @@ def test_under_torchrun_with_ddp_the_job_replays_correct(ddp_job, cli):
     assert json.loads(done.stdout)["verdict"] == "correct"
 
 
-@pytest.mark.xfail(
-    reason="specs name modules as the plain model under DDP's `module.` once the `names` "
-    "branch lands (issue 34 item 3); with `module.` + MODULE this passes here",
-    strict=False,
-)
 def test_under_torchrun_a_fault_names_its_origin_rank_by_the_plain_module_name(ddp_job, cli):
     spec = f"{SPEC},rank=1,device=cpu:1"
     done = cli(
