@@ -139,7 +139,8 @@ class Injector:
             raise FaultSpecError(
                 f"fault spec {str(spec)!r}: {site.kernel} writes {len(outputs)} tensor(s), "
                 f"no output {spec.output}",
-                "`sdcreplay ops BUNDLE --step N` lists each kernel's outputs; give output= one "
+                "`sdcreplay ops BUNDLE --step N` (a job's rank: `ops JOB --rank R --step N`) lists "
+                "each kernel's outputs; give output= one "
                 "of their positions.",
             )
         call_site = CallSite(site.step, site.phase, site.module, site.kernel, site.index)  # type: ignore[arg-type]
@@ -272,7 +273,8 @@ def check_operators(specs: Iterable[FaultSpec]) -> None:
         raise FaultSpecError(
             f"fault spec {str(spec)!r}: op={spec.op} is not an ATen operator",
             (f"Closest: {', '.join(close)}. " if close else "")
-            + "`sdcreplay ops BUNDLE --step N` lists a step's calls as specs name them.",
+            + "`sdcreplay ops BUNDLE --step N` (a job's rank: `ops JOB --rank R --step N`) "
+            "lists a step's calls as specs name them.",
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,7 @@ from ..bundle.writer import BundleWriter
 from ..capture.compiled_kernels import KernelCall, observing_kernels
 from ..capture.faults import Injector, parse_specs
 from ..capture.operators import CallSite, OperatorMode
+from ..replay.replicas import ops_command
 
 
 class UnmatchedFaultWarning(UserWarning):
@@ -106,14 +108,21 @@ class Drill:
         """The operator and kernel specs that selected no call, with the closest calls."""
         return self.injector.unmatched()
 
-    def close(self) -> None:
-        """Say each spec that matched no call of a recorded step, by name."""
+    def close(self, bundle: Path | str = "BUNDLE") -> None:
+        """Say each spec that matched no call of a recorded step, by name, with the ``ops``
+        command that lists the calls of ``bundle`` (a job's: this rank's part)."""
         for miss in self.unmatched():
             warnings.warn(
                 f"fault spec {miss['spec']!r} matched no operator call of the recorded steps, "
                 "so nothing was injected for it; closest calls: "
                 + ("; ".join(miss["closest"]) or "none")
-                + " (`sdcreplay ops BUNDLE --step N` lists them all)",
+                + f" (`{listing_command(bundle, miss['spec'])}` lists them all)",
                 UnmatchedFaultWarning,
                 stacklevel=3,
             )
+
+
+def listing_command(bundle: Path | str, spec: str) -> str:
+    """The ``sdcreplay ops`` command that lists the calls of the step ``spec`` names."""
+    (parsed,) = parse_specs([spec], include_env=False)
+    return ops_command(bundle, parsed.step)

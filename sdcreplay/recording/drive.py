@@ -24,10 +24,9 @@ from ..kinds import SignatureLevel
 from ..online.replay_check import ReplayCheck
 from ..online.stopping import TrainingStopped
 from ..online.update_detector import UpdateDetector
-from ..replay.replicas import ops_command
 from ..storage.tensorio import map_tensors
 from ..workload.definition import Workload, accepts_seed, build_workload
-from .drill import UnmatchedFaultWarning
+from .drill import UnmatchedFaultWarning, listing_command
 from .recorder import Recorder, own_part
 
 
@@ -166,7 +165,7 @@ def record(
             f"({bundle_path} was recorded without it)",
             "Closest calls: "
             + "; ".join(miss["closest"])
-            + f". `{ops_command(listed, _step_of(miss['spec']))}` lists them all.",
+            + f". `{listing_command(listed, miss['spec'])}` lists them all.",
         )
     own = recorder.own_bundle_path
     opened = None if own is None else Bundle.open(own, verify=False)
@@ -229,8 +228,3 @@ def _ring_summary(recorder: Recorder, size: int, peak_nbytes: int, stopped: str 
         trigger = Bundle.open(own_part(path), verify=False).manifest.trigger
         dumps.append({"bundle": str(path), "trigger": trigger and trigger.to_json()})
     return {"size": size, "peak_nbytes": peak_nbytes, "dumps": dumps, "stopped": stopped}
-
-
-def _step_of(spec: str) -> int | None:
-    (parsed,) = parse_specs([spec], include_env=False)
-    return parsed.step

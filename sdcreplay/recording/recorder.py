@@ -472,13 +472,13 @@ class Recorder(RingMode):
             self.verify()
         finally:
             self._release()
-        self.drill.close()
         if self._writer is not None:
             self.path = self._writer.close()
             self.moved_aside += self._writer.moved_aside
         if self._job is not None:
             self.path = self._job.close()
             self.moved_aside += self._job.moved_aside
+        self.drill.close(self.own_bundle_path or "BUNDLE")  # named as the bundle now is
         return self.path
 
     def abandon(self) -> Path:

@@ -90,6 +90,8 @@ def test_a_spec_that_matches_nothing_warns_by_name_and_makes_no_drill(tmp_path: 
     with pytest.warns(UnmatchedFaultWarning, match="no.such.module") as said:
         losses = record_loop(tmp_path / "b.bundle", steps=2)
     assert len(said) == 1 and "aten.addmm.default under" in str(said[0].message)
+    listing = f"`sdcreplay ops {tmp_path / 'b.bundle'} --step 1` lists them all"
+    assert listing in str(said[0].message)
     assert all(loss == loss for loss in losses)
     assert Bundle.open(tmp_path / "b.bundle").injected_faults == []
 
