@@ -424,3 +424,26 @@ def planted(model, optimizer, spec: str | None, step: int, label: str = "cpu"):
         return contextlib.nullcontext()
     injector = Injector(parse_specs([spec], include_env=False), label)
     return OperatorMode(model, optimizer, [injector], step)
+
+
+# The docs' runs take minutes (tests/docs/test_docs.py): the ones the chosen tests need start
+# as soon as the suite has chosen them, and run beside the tests before them (each run is mostly
+# one process at a time, and so are most other tests, on a machine of two cores or more). Here,
+# not in a tests/docs/conftest.py: the test modules' `from conftest import ...` must find this one.
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    wanted: dict[object, set[str]] = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        needed = getattr(module, "run_needed", None)
+        if needed is not None and (name := needed(item)) is not None:
+            wanted.setdefault(module, set()).add(name)
+    for module, names in wanted.items():
+        module.start_runs(names)  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    doccheck = sys.modules.get("doccheck")  # tests/docs' runner, where the docs tests ran
+    if doccheck is not None:
+        doccheck.stop_runs()
