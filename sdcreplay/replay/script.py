@@ -28,7 +28,7 @@ import queue
 import runpy
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -374,7 +374,7 @@ def _run_command(command: ScriptCommand, own_process: bool) -> None:
 
 
 @contextlib.contextmanager
-def _joined_process_group():
+def _joined_process_group() -> Iterator[None]:
     """The replay's ranks join their process group before the script runs: the script's own
     ``init_process_group`` then joins nothing (and its ``destroy_process_group`` at the end
     never comes: the script ends at its window's last step)."""
