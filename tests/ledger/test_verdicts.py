@@ -146,7 +146,7 @@ def test_update_detector_alarms_are_noted_and_accuse_only_when_another_device_di
         (identify("cpu").id, "alarm", "persistent", True, 10),
     ]
     assert records[1].evidence == (
-        "alarm: step 10 grad_spike, grad (3 parameters: tok_embeddings.weight, "
+        "alarm: step 10 grad_spike, grad_norm_jump, grad (3 parameters: tok_embeddings.weight, "
         "layers.0.attention_norm.weight, layers.0.attn.wq.weight) -> persistent, "
         "cpu computed otherwise"
     )
@@ -275,19 +275,24 @@ def drill_bundle(tmp_path_factory) -> Path:
 
 def test_a_recorder_marks_its_faults_and_sdcreplay_inject_in_the_manifest(tmp_path, monkeypatch):
     """`Recorder(inject=...)` and SDCREPLAY_INJECT in force while recording mark the bundle a
-    drill; a bundle recorded without them has no such field (old bundles load the same)."""
+    drill with the specs that fired (one planted in step 1 fires; SDCREPLAY_INJECT's, for a
+    step 5 never recorded, is said by name and marks nothing); a bundle recorded without them
+    has no such field (old bundles load the same)."""
     import json
 
     from sdcreplay.bundle.reader import Bundle
+    from sdcreplay.recording.drill import UnmatchedFaultWarning
 
     later = "kind=nan,op=aten.mm,phase=forward,step=5"
     monkeypatch.setenv("SDCREPLAY_INJECT", later)
     workload, recorder = tiny_llama_recorder(tmp_path / "drill.bundle", inject=[DRILL])
-    batch = workload.get_batch(0)
-    with recorder.step(batch):
-        workload.run_step(batch)
-    path = recorder.close()
-    assert Bundle.open(path).injected_faults == [DRILL, later]
+    for index in range(2):
+        batch = workload.get_batch(index)
+        with recorder.step(batch):
+            workload.run_step(batch)
+    with pytest.warns(UnmatchedFaultWarning, match="step=5"):
+        path = recorder.close()
+    assert Bundle.open(path).injected_faults == [DRILL]
     monkeypatch.delenv("SDCREPLAY_INJECT")
     workload, recorder = tiny_llama_recorder(tmp_path / "clean.bundle")
     with recorder.step(batch):
