@@ -46,7 +46,6 @@ def test_the_drill_of_docs_online_alarms_and_its_bundle_bisects_to_the_planted_c
     text = (REPO / "docs" / "online.md").read_text()
     (block,) = [b for b in text.split("```python\n")[1:] if "clipped.bundle" in b]
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the drill adds bench/ to it
     printed: list[str] = []
     names = {"print": printed.append, "__name__": "docs"}
     exec(compile(block.split("```")[0], "docs/online.md", "exec"), names)
