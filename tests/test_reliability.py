@@ -473,7 +473,9 @@ def test_a_step_file_whose_global_heap_libhdf5_would_walk_forever_is_refused_at_
         cli("replay", small_bundle, "-d", "cpu:0", "--logs", tmp_path / "logs"),
         f"{small_bundle / 'steps/000001.h5'} is damaged: the global heap at byte ",
     )
-    with pytest.raises(BundleError, match="has an object of 0 bytes at byte"):
+    # which object the walk lands on depends on what else the step stores (its /around group)
+    walked = r"the global heap at byte \d+ has an object of \d+ bytes"
+    with pytest.raises(BundleError, match=walked):
         replay_on_device(small_bundle, "cpu")
 
 
