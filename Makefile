@@ -16,9 +16,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,lightning,postgres]' "$(TORCH_PIN)"
 	touch $(STAMP)
 
-# --durations: the slowest tests of each run, to keep the suite under 15 minutes on 2 cores.
+# One pytest-xdist worker a core: most tests are one busy process at a time. loadfile keeps a
+# module's tests on one worker, so a module's costly fixture is made once; the files go out in
+# their order (tests/bisect first: among the heaviest). --durations: the slowest tests of each
+# run, to keep the suite under 15 minutes on 2 cores.
+# compileall first: the editable install leaves the package uncompiled, and where
+# PYTHONDONTWRITEBYTECODE is set (as in these sandboxes) every process the suite starts (~400:
+# commands, forkservers, ranks) would compile the modules it imports again (~0.5 s CPU each).
+TEST_WORKERS ?= auto
 test: lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m compileall -q sdcreplay tests examples bench
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The demo's verdicts (drills) go to demo-out/ledger.sqlite, its secret to demo-out/home:
 # ~/.config/sdcreplay is left alone unless SDCREPLAY_LEDGER / SDCREPLAY_HOME say otherwise.

@@ -5,7 +5,9 @@ the signal (130, 143, 129) without a traceback. The command line's (`cli.boundar
 ground so that the package installs them first thing in the console script's process.
 
 A signal while that cleanup runs is remembered, not raised, so the cleanup finishes (it waits
-at most a few seconds); a third one ends the process at once. The console script installs the
+at most a few seconds); a third one ends the process at once. One that lands inside an import
+is raised as soon as the import ends (raised in a module's body, it would leave the module half
+made). The console script installs the
 handlers as it imports the package, before typer or torch (`install_for_console_script`);
 there a signal before a command's body runs (while the tool is still importing, or parsing
 the command line) or after it answered ends the process at once: it has started nothing, or
@@ -15,12 +17,15 @@ handlers while it runs (`handled`).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from types import FrameType
 
 from .errors import Terminated
 
@@ -28,9 +33,17 @@ HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CONSOLE_SCRIPT = "sdcreplay"
 _received: list[int] = []
 _running: list[bool] = []  # a command's body is running
+_deferred: list[int] = []  # received inside an import, raised when it ends
 
 
-def _interrupt(signum: int, _frame: object) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    if _running and not _received and _importing(frame):
+        if not _deferred:
+            threading.Thread(target=_raise_after_the_import, daemon=True).start()
+        _deferred.append(signum)
+        if len(_deferred) >= 3:
+            _end_at_once(_deferred[0])
+        return
     _received.append(signum)
     if not _running:
         _end_at_once(signum)
@@ -38,6 +51,28 @@ def _interrupt(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
     if len(_received) >= 3:
         _end_at_once(_received[0])
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether the main thread is inside an import. An interruption raised in a module's body
+    leaves that module half made: a half-initialized torch aborts the interpreter as it exits
+    (SIGABRT instead of 130), a numpy without its ufuncs fails the cleanup."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _raise_after_the_import() -> None:
+    """From a thread of its own: the deferred signal, raised in the main thread as soon as it
+    is out of the import (its handler runs again there, and defers again if another began)."""
+    frames = sys._current_frames
+    while _importing(frames().get(threading.main_thread().ident or 0)):
+        time.sleep(0.01)
+    signum = _deferred[0]
+    _deferred.clear()
+    _thread.interrupt_main(signal.Signals(signum))
 
 
 def _end_at_once(signum: int) -> None:
@@ -84,6 +119,7 @@ def handled() -> Iterator[None]:
     from . import leftovers  # here: the console script installs the handlers before it loads
 
     _received.clear()
+    _deferred.clear()
     leftovers.forget()
     saved = _install()
     _running.append(True)

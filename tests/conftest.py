@@ -8,12 +8,13 @@ as it found it, so test order never matters.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,14 @@ os.environ.setdefault(
         f"sdcreplay-inductor-{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}",
     ),
 )
-# Bundles are signed with a secret of the tests' own, never the person's (see trust.py).
-os.environ["SDCREPLAY_HOME"] = tempfile.mkdtemp(prefix="sdcreplay-home-")
+# Bundles are signed with a secret of the tests' own, never the person's (see trust.py); one
+# for all the pytest-xdist workers of a run, which share what one of them recorded (made_once).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN:
+    os.environ["SDCREPLAY_HOME"] = os.path.join(tempfile.gettempdir(), f"sdcreplay-home-{_RUN}")
+    os.makedirs(os.environ["SDCREPLAY_HOME"], mode=0o700, exist_ok=True)
+else:
+    os.environ["SDCREPLAY_HOME"] = tempfile.mkdtemp(prefix="sdcreplay-home-")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Small enough that a step takes milliseconds and a bundle ~100 KiB.
@@ -127,6 +134,25 @@ def _isolate_global_switches() -> Iterator[None]:
         yield
 
 
+def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """The folder ``name`` that ``make(folder)`` fills once for the whole test run: under
+    pytest-xdist the first worker to ask makes it, and the others wait for it and share it
+    (a recorded job takes a minute of the suite's two cores; each worker recording its own
+    doubles that). The folder is theirs to read, not to change."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder = root / f"made-once-{name}"
+    with open(root / f"made-once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def _small_bundle_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Recorded once per session: 2 steps of a 1-layer tiny-llama (embedded state)."""
@@ -199,6 +225,21 @@ def run_exe(tmp_path: Path):
     return run
 
 
+def process_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of process ``pid`` from /proc (state "Z": a zombie, ended but not
+    reaped); None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def process_ended(pid: int) -> bool:
+    stat = process_stat(pid)
+    return stat is None or stat[0] == "Z"
+
+
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 240):
     """Start ``script`` on ``nproc`` ranks as torchrun does (gloo on this machine)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -212,31 +253,31 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 240):
 def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Recorded once per session by a user's script under torchrun: 2 ranks of DDP tiny-llama,
     2 steps, then replayed in the same ranks (tests/job_script.py). (job bundle, results)."""
-    root = tmp_path_factory.mktemp("ddp-job")
-    script = root / "train.py"
-    shutil.copy(Path(__file__).with_name("job_script.py"), script)
-    results = root / "results"
-    results.mkdir()
-    done = run_torchrun(script, 2, str(root / "job.bundle"), str(results), "ddp")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return root / "job.bundle", results
+
+    def make(root: Path) -> None:
+        script = root / "train.py"
+        shutil.copy(TESTS / "job_script.py", script)
+        (root / "results").mkdir()
+        done = run_torchrun(script, 2, str(root / "job.bundle"), str(root / "results"), "ddp")
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    root = made_once(tmp_path_factory, "ddp-job", make)
+    return root / "job.bundle", root / "results"
 
 
 @pytest.fixture(scope="session")
 def sharded_job(tmp_path_factory: pytest.TempPathFactory):
     """``sharded_job(parallel, nproc)``: the job bundle tests/sharded_script.py records under
     torchrun (``fsdp2``, ``tp``, ``fsdp2+tp``), once per session for each layout."""
-    recorded: dict[str, Path] = {}
 
     def record(parallel: str, nproc: int) -> Path:
-        if parallel not in recorded:
-            root = tmp_path_factory.mktemp(parallel.replace("+", "-"))
+        def make(root: Path) -> None:
             script = root / "train.py"
             shutil.copy(TESTS / "sharded_script.py", script)
             done = run_torchrun(script, nproc, str(root / "job.bundle"), parallel, timeout=300)
             assert done.returncode == 0, done.stderr[-3000:]
-            recorded[parallel] = root / "job.bundle"
-        return recorded[parallel]
+
+        return made_once(tmp_path_factory, parallel.replace("+", "-"), make) / "job.bundle"
 
     return record
 
@@ -253,32 +294,32 @@ def tickets(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Pa
     from sdcreplay.bisect.localize import bisect
     from sdcreplay.minimize.driver import minimize
 
-    root = tmp_path_factory.mktemp("tickets")
-    bundle = root / "run.bundle"
-    shutil.copytree(_small_bundle_template, bundle)
-    with preserved_global_state():
-        found = bisect(
-            bundle,
-            suspect="cpu:1",
-            reference="cpu:0",
-            step=1,
-            inject=[f"{TICKET_CALL},{TICKET_FAULTS[0]},device=cpu:1"],
-            ledger=False,
-        )
-        assert found.verdict == "divergence" and found.findings["op"] == "aten.mm.default"
-        made = [
-            minimize(
-                found.report,
-                trials=20,
-                good_trials=2,
-                inject=[f"{TICKET_CALL},{fault},device=cpu:1"],
-                out=root / f"ticket-{number}",
+    def make(root: Path) -> None:
+        bundle = root / "run.bundle"
+        shutil.copytree(_small_bundle_template, bundle)
+        with preserved_global_state():
+            found = bisect(
+                bundle,
+                suspect="cpu:1",
+                reference="cpu:0",
+                step=1,
+                inject=[f"{TICKET_CALL},{TICKET_FAULTS[0]},device=cpu:1"],
                 ledger=False,
             )
-            for number, fault in enumerate(TICKET_FAULTS)
-        ]
-    assert all(result.reproduced for result in made)
-    return [Path(result.ticket) for result in made]
+            assert found.verdict == "divergence" and found.findings["op"] == "aten.mm.default"
+            for number, fault in enumerate(TICKET_FAULTS):
+                made = minimize(
+                    found.report,
+                    trials=20,
+                    good_trials=2,
+                    inject=[f"{TICKET_CALL},{fault},device=cpu:1"],
+                    out=root / f"ticket-{number}",
+                    ledger=False,
+                )
+                assert made.reproduced and Path(made.ticket) == root / f"ticket-{number}"
+
+    root = made_once(tmp_path_factory, "tickets", make)
+    return [root / f"ticket-{number}" for number in range(len(TICKET_FAULTS))]
 
 
 @pytest.fixture

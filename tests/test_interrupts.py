@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import weakref
 
@@ -39,3 +40,27 @@ def test_an_interruption_raised_inside_a_weakref_callback_is_not_lost():
         for _ in range(500):
             time.sleep(0.01)
     assert watched() is None
+
+
+def test_a_signal_inside_an_import_is_raised_when_the_import_ends(tmp_path, monkeypatch):
+    """A ^C while torch imports made the command abort (SIGABRT, not 130) or fail on a half
+    made numpy: the interruption waits for the module to be whole, then ends the command."""
+    (tmp_path / "slow_to_import.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "for _ in range(30):\n"
+        "    time.sleep(0.01)\n"
+        "WHOLE = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt) as caught, interrupts.handled():
+        import slow_to_import  # noqa: F401
+
+        for _ in range(500):
+            time.sleep(0.01)
+    assert sys.modules["slow_to_import"].WHOLE
+    raised_in = [entry.name for entry in caught.traceback]
+    assert raised_in[-2:] == [
+        "test_a_signal_inside_an_import_is_raised_when_the_import_ends",
+        "_interrupt",
+    ]

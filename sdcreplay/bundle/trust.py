@@ -37,15 +37,36 @@ def secret_path() -> Path:
 def _secret(create: bool) -> bytes | None:
     path = secret_path()
     if not path.is_file() and create:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with contextlib.suppress(FileExistsError):
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "w") as handle:
-                handle.write(secrets.token_hex(32))
+        _make_secret(path)
     try:
         return path.read_bytes().strip() or None
     except OSError:
         return None
+
+
+def _make_secret(path: Path) -> None:
+    """Written whole beside the secret, then linked into place: processes started together on
+    a fresh machine (a job's ranks, a scheduler's jobs) never read it half-written (which
+    would leave their bundles unsigned), and the first link stands for all of them."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    value = secrets.token_hex(32)
+    written = path.with_name(f".secret-{os.getpid()}-{secrets.token_hex(4)}")
+    descriptor = os.open(written, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(value)
+        _link_unless_there(written, path)
+    finally:
+        written.unlink(missing_ok=True)
+
+
+def _link_unless_there(written: Path, path: Path) -> None:
+    try:
+        os.link(written, path)
+    except FileExistsError:
+        pass  # another process's secret stands
+    except OSError:  # a filesystem without hard links: a rename, which a racer may undo
+        os.replace(written, path)
 
 
 def _mac(document: dict, key: bytes) -> str:

@@ -120,11 +120,12 @@ def _rank_entry(
     os.environ.clear()
     os.environ.update(environment)
     path = task_paths[int(os.environ["RANK"])]
+    supervisor = os.getpid()
     child = os.fork()
     if child == 0:  # never returns into the launcher's code: that is the supervisor's
         status = 3
         try:
-            processes.die_with_parent()
+            processes.die_with_parent(supervisor)
             status = _run_rank(path, backend, timeout)
         except BaseException:
             traceback.print_exc()

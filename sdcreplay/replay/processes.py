@@ -66,6 +66,7 @@ def _start_server() -> None:
     their stderr in `server_log`."""
     from multiprocessing import forkserver, resource_tracker
 
+    _sockets_in_a_short_dir()
     terminal = os.dup(2)
     try:
         with open(server_log(), "ab") as log:
@@ -79,6 +80,54 @@ def _start_server() -> None:
     finally:
         os.dup2(terminal, 2)
         os.close(terminal)
+    _end_server_with(os.getpid())
+
+
+_server_ends_with: list[int] = []
+
+
+def _end_server_with(command: int) -> None:
+    """The server ends with the command that started it: it ends by itself once its last
+    client has, but only when it reads its pipe again, which it does not while it still
+    imports its preload (seconds under load, with ^C blocked). A process forked from the
+    command inherits this exit hook and leaves the server alone."""
+    if command in _server_ends_with:
+        return
+    _server_ends_with.append(command)
+
+    def end() -> None:
+        from multiprocessing import forkserver
+
+        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if os.getpid() == command and pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+    atexit.register(end)
+
+
+SOCKET_DIR_MAX = 75
+"""multiprocessing's sockets lie at TEMP/pymp-XXXXXXXX/listener-XXXXXXXX: 32 characters more,
+within the 107 an AF_UNIX address holds on Linux."""
+
+
+def _sockets_in_a_short_dir() -> None:
+    """A deep TMPDIR (a test's, a batch scheduler's per-job one) would make the forkserver's
+    socket address too long ("AF_UNIX path too long"); its sockets then go under the system's
+    own temp dir, as Python 3.13's multiprocessing does. The command's files stay in TMPDIR."""
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) <= SOCKET_DIR_MAX:
+        return
+    for candidate in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.access(candidate, os.W_OK | os.X_OK):
+            chosen, tempfile.tempdir = tempfile.tempdir, candidate
+            try:
+                util.get_temp_dir()  # made once and kept for this process
+            finally:
+                tempfile.tempdir = chosen
+            return
 
 
 def server_log() -> Path:
@@ -129,13 +178,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int) -> None:
     """SIGKILL when the parent process ends (Linux's parent-death signal); at once where it
-    ended before the request took hold."""
+    ended before the request took hold. ``parent`` is the pid the parent had before it forked:
+    read here, it would already be the reaper's had the parent ended before this ran."""
     if sys.platform == "linux":
         import ctypes
 
-        parent = os.getppid()
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -25,8 +25,8 @@ def test_info_of_a_jobs_rank_gives_its_coordinates_steps_and_messages(cli, ddp_j
     assert about["entries"] == part.signature_log().entry_count()
     by_part = cli("info", job / "ranks" / "000001", "--json")
     assert json.loads(by_part.stdout) == about
-    shown = cli("info", job, "--rank", "1")
-    table = " ".join(shown.stderr.replace("│", " ").split())  # a long path wraps its row
+    shown = cli("info", job, "--rank", "1", env={"COLUMNS": "300"})  # no row wraps the path
+    table = " ".join(shown.stderr.replace("│", " ").split())
     assert f"job {job}: rank 1 of 2 coordinates rank 1 (dp=1)" in table
 
 

@@ -142,6 +142,39 @@ def test_the_secret_is_private_and_made_once(tmp_path: Path, monkeypatch):
     assert trust.sign({"workload": {"ref": "x:y", "kwargs": {}}}) == first
 
 
+def test_a_secret_two_processes_make_at_once_is_one_whole_secret(tmp_path: Path, monkeypatch):
+    """Another process signs while this one makes the secret: neither reads it half-written
+    (unsigned) nor signs with a secret that lost the race."""
+    monkeypatch.setenv(trust.HOME_ENV, str(tmp_path / "home"))
+    document = {"workload": {"ref": "x:y", "kwargs": {}}}
+    token_hex = trust.secrets.token_hex
+    meanwhile: list[str | None] = []
+
+    def while_making(size: int) -> str:
+        if not meanwhile:
+            meanwhile.append(None)
+            meanwhile[0] = trust.sign(document)
+        return token_hex(size)
+
+    monkeypatch.setattr(trust.secrets, "token_hex", while_making)
+    signed = trust.sign(document)
+    assert meanwhile[0] is not None and signed == meanwhile[0]
+    assert [path.name for path in (tmp_path / "home").iterdir()] == ["secret"]
+
+
+def test_a_secret_is_made_on_a_filesystem_without_hard_links(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv(trust.HOME_ENV, str(tmp_path / "home"))
+
+    def no_link(source, target):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(trust.os, "link", no_link)
+    document = {"workload": {"ref": "x:y", "kwargs": {}}}
+    signed = trust.sign(document)
+    assert signed is not None and trust.signed_here({**document, trust.SIGNATURE: signed})
+    assert [path.name for path in (tmp_path / "home").iterdir()] == ["secret"]
+
+
 workloads = st.fixed_dictionaries(
     {
         "ref": st.text(min_size=1, max_size=40),

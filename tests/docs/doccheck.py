@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -363,8 +364,24 @@ def _raw_runs(
         ).encode()
     ).hexdigest()[:20]
     cached = CACHE / f"{session}-{key}.json"
-    if cached.exists():
-        return json.loads(cached.read_text())
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # One run per key for the whole suite: each pytest-xdist worker starts the runs its chosen
+    # tests need, the first to take a key's lock runs it, and the others read what it cached.
+    with open(CACHE / f"{session}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cached.exists():
+            return json.loads(cached.read_text())
+        return _run_and_cache(session, commands, allowed, overrides, cached)
+
+
+def _run_and_cache(
+    session: str,
+    commands: list[str],
+    allowed: dict[str, set[int]],
+    overrides: dict[str, str] | None,
+    cached: Path,
+) -> dict:
+    """One bash runs the commands; cached only when every command was reached."""
     with tempfile.TemporaryDirectory(prefix=f"sdcreplay-doc-{session}-") as scratch:
         root = Path(scratch)
         workdir, home, results = root / "work", root / "home", root / "results"
@@ -395,7 +412,6 @@ def _raw_runs(
                 int(rc.read_text()) if rc.exists() else None,
             ]
     if all(status is not None for _, status in runs["commands"].values()):
-        CACHE.mkdir(parents=True, exist_ok=True)
         cached.write_text(json.dumps(runs))
     return runs
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, TESTS
+from conftest import SMALL, TESTS, process_ended
 
 from sdcreplay.bundle.reader import Bundle
 from sdcreplay.capture.signature import read_signature_log
@@ -137,3 +138,59 @@ def test_the_watchdog_kills_the_rank_that_issued_fewest_collectives_not_the_last
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
+
+
+ORPHAN = """
+import os, sys, time
+from sdcreplay.replay import processes
+supervisor = os.getpid()
+ended_r, ended_w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(ended_w)
+    os.read(ended_r, 1)  # EOF: the supervisor has ended, before the request below
+    time.sleep(0.2)
+    processes.die_with_parent(supervisor)
+    open(sys.argv[1], "w").write("outlived its supervisor")
+    os._exit(0)
+print(child, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_ranks_process_whose_supervisor_ended_before_it_asked_to_die_with_it_dies(tmp_path):
+    """A rank's process, forked by its supervisor, may run its first line only after the
+    supervisor was killed (the command interrupted under load): adopted by the reaper by then,
+    it must not take the reaper for its parent and live on, holding the job's pipes."""
+    survived = tmp_path / "survived"
+    done = subprocess.run(
+        [sys.executable, "-c", ORPHAN, str(survived)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout)
+    for _ in range(200):
+        if process_ended(child):
+            break
+        time.sleep(0.05)
+    assert not survived.exists()
+    assert process_ended(child)
+
+
+STARTS_A_SERVER = """
+from multiprocessing import forkserver
+from sdcreplay.replay import processes
+processes.process_context("sdcreplay.replay.worker")
+print(forkserver._forkserver._forkserver_pid, flush=True)
+"""
+
+
+def test_the_forkserver_ends_with_the_command_even_while_it_still_imports(tmp_path):
+    """The server reads its clients' pipe only once it has imported torch (seconds under load,
+    ^C blocked): a command that ends before then (interrupted) takes it along at once, instead
+    of leaving it to finish the import and notice."""
+    done = subprocess.run(
+        [sys.executable, "-c", STARTS_A_SERVER], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    server = int(done.stdout)
+    assert process_ended(server)

@@ -567,6 +567,18 @@ def test_a_task_runs_with_its_environment_in_force(small_bundle: Path, tmp_path:
     assert written["environment"] == {"ATEN_CPU_CAPABILITY": "default"}
 
 
+def test_device_processes_start_under_a_temp_dir_too_deep_for_a_socket(
+    small_bundle: Path, tmp_path: Path, run_exe
+):
+    """A batch scheduler's per-job TMPDIR can be longer than an AF_UNIX address allows under
+    multiprocessing's socket names: the forkserver's sockets go elsewhere, the run goes on."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    done = run_exe("replay", small_bundle, "-d", "cpu:0", "--json", env={"TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["consensus"]["verdict"] == "correct"
+
+
 @pytest.mark.slow
 def test_a_task_file_runs_by_hand(small_bundle: Path, tmp_path: Path):
     """``python -m sdcreplay.replay.worker TASK.json``: the task's function is found from
