@@ -281,6 +281,8 @@ def _job_and_rank(
             python_hint="Pass rank=None, alone=False.",
         )
     job = JobBundle.open(path)
+    if rank is None and job.world_size == 1:  # a one-process torchrun run
+        rank = 0
     if rank is None or not 0 <= rank < job.world_size:
         raise SdcReplayError(
             f"{path} is a job of {job.world_size} ranks: say whose calls to list"

@@ -57,6 +57,8 @@ def job_to_bisect(
             )
         return None
     job = JobBundle.open(bundle)
+    if rank is None and job.world_size == 1:  # a one-process torchrun run
+        rank = 0
     if rank is None or not 0 <= rank < job.world_size:
         raise SdcReplayError(
             f"{bundle} is a job of {job.world_size} ranks: say which rank to bisect",
