@@ -5,7 +5,9 @@ bundle on demand (tests copy it into tmp_path and start it as torchrun does).
 RESULTS MODE``: a ring ``Recorder`` of 3 steps on every rank. ``manual``: 6 steps, then
 ``dump("manual")`` on every rank, twice. ``fault``: the same with rank 1's step 5 corrupted
 while it is recorded (one dump). ``check``: a ``ReplayCheck`` drives 4 steps and rank 1's
-replayed execution of step 3 is corrupted: the check dumps the ring. Each rank writes
+replayed execution of step 3 is corrupted: the check dumps the ring. ``apart``: no DDP (each
+rank trains alone) and a per-rank check of the user's own: rank 1 dumps after its steps 5 and
+8, rank 0 after its steps 6 and 12 (13 steps), with the warnings each rank saw. Each rank writes
 ``RESULTS/rank<r>.json``. The model, optimizer and loop are tests/midjob_script.py's.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,14 +35,22 @@ FAULTS = {  # rank 1's, per mode: the first addmm of a forward (the first Linear
 }
 
 
+DUMPS_APART = {0: (6, 12), 1: (5, 8)}  # mode apart: the steps after which each rank dumps
+
+
 def main(out: str, results: str, mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    workload = make_workload()
+    kwargs = {"alone": True} if mode == "apart" else {}
+    workload = make_workload(**kwargs)
     recorder = sdcreplay.Recorder(
         out, f"{Path(__file__).with_name('midjob_script.py')}:make_workload", workload.model,
-        workload.optimizer, state=workload.state, ring=3,
+        workload.optimizer, state=workload.state, ring=3, workload_kwargs=kwargs,
     )  # fmt: skip
+    if mode == "apart":
+        report = apart(recorder, workload, rank)
+        Path(results, f"rank{rank}.json").write_text(json.dumps(report))
+        return
     specs = [FAULTS[mode]] if rank == 1 and mode in FAULTS else []
     injector = Injector(parse_specs(specs, include_env=False), "cpu")
     report: dict = {"rank": rank}
@@ -69,6 +80,23 @@ def main(out: str, results: str, mode: str) -> None:
     report["recorder_dumps"] = [str(path) for path in recorder.dumps]
     Path(results, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def apart(recorder, workload, rank: int) -> dict:
+    """Ranks training alone, each dumping when its own check says so."""
+    dumps: list[str | None] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index in range(13):
+            batch = workload.get_batch(index)
+            with recorder.step(batch):
+                workload.train_step(batch)
+            if index in DUMPS_APART[rank]:
+                path = recorder.dump(f"rank {rank}'s loss check")
+                dumps.append(None if path is None else str(path))
+        recorder.close()
+    said = [str(w.message) for w in caught if str(w.message).startswith("sdcreplay")]
+    return {"rank": rank, "dumps": dumps, "warnings": said, "ring_steps": recorder.ring_steps}
 
 
 if __name__ == "__main__":

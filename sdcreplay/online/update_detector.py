@@ -438,4 +438,4 @@ class UpdateDetector:
             f"({alarm.classification or 'unresolved'})",
             source="UpdateDetector",
         )
-        alarm.bundle = str(path)
+        alarm.bundle = None if path is None else str(path)
