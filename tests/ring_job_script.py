@@ -5,7 +5,9 @@ bundle on demand (tests copy it into tmp_path and start it as torchrun does).
 RESULTS MODE``: a ring ``Recorder`` of 3 steps on every rank. ``manual``: 6 steps, then
 ``dump("manual")`` on every rank, twice. ``fault``: the same with rank 1's step 5 corrupted
 while it is recorded (one dump). ``check``: a ``ReplayCheck`` drives 4 steps and rank 1's
-replayed execution of step 3 is corrupted: the check dumps the ring. ``apart``: no DDP (each
+replayed execution of step 3 is corrupted: the check dumps the ring. ``inline``: the loop's
+step written inline under ``with detector.step(batch):`` (an ``UpdateDetector`` given no
+train_step), a NaN in rank 1's step 5. ``apart``: no DDP (each
 rank trains alone) and a per-rank check of the user's own: rank 1 dumps after its steps 5 and
 8, rank 0 after its steps 6 and 12 (13 steps), with the warnings each rank saw. Each rank writes
 ``RESULTS/rank<r>.json``. The model, optimizer and loop are tests/midjob_script.py's.
@@ -28,10 +30,12 @@ from sdcreplay.capture.faults import Injector, parse_specs
 from sdcreplay.capture.operators import OperatorMode
 from sdcreplay.online.replay_check import ReplayCheck
 from sdcreplay.online.stopping import SDCReplayMismatch
+from sdcreplay.online.update_detector import UpdateDetector
 
 FAULTS = {  # rank 1's, per mode: the first addmm of a forward (the first Linear)
     "fault": "kind=bitflip,op=aten.addmm,phase=forward,step=5,nth=0,index=3,bit=22",
     "check": "kind=bitflip,op=aten.addmm,phase=forward,step=3,nth=1,index=3,bit=22",
+    "inline": "kind=nan,op=aten.addmm,phase=forward,step=5,nth=0,index=3",
 }
 
 
@@ -55,9 +59,18 @@ def main(out: str, results: str, mode: str) -> None:
     injector = Injector(parse_specs(specs, include_env=False), "cpu")
     report: dict = {"rank": rank}
     check = ReplayCheck(workload, recorder=recorder, num_steps=-1) if mode == "check" else None
+    detector = (
+        UpdateDetector(model=workload.model, optimizer=workload.optimizer, recorder=recorder)
+        if mode == "inline"
+        else None
+    )
     for index in range(4 if check else 6):
         batch = workload.get_batch(index)
         with OperatorMode(workload.model, workload.optimizer, [injector], index):
+            if detector is not None:
+                with detector.step(batch):  # the loop's own step, written inline
+                    workload.train_step(batch)
+                continue
             if check is None:
                 with recorder.step(batch):
                     workload.train_step(batch)
@@ -70,7 +83,12 @@ def main(out: str, results: str, mode: str) -> None:
     report["fired"] = [(fault.step, fault.op) for fault in injector.fired]
     report["written_before_dump"] = sorted(p.name for p in Path(out).parent.glob("job*"))
     report["ring_steps"] = recorder.ring_steps
-    if check is None:
+    if detector is not None:
+        report["alarms"] = [
+            [alarm.step, alarm.reasons[0], alarm.bundle] for alarm in detector.alarms
+        ]
+        detector.close()
+    elif check is None:
         report["dumps"] = [str(recorder.dump("manual"))]
         if mode == "manual":
             report["dumps"].append(str(recorder.dump("manual, again")))

@@ -183,3 +183,20 @@ def test_ranks_dumping_at_different_steps_are_aligned_or_refused_and_alone_is_sa
     shown = cli("info", job)
     assert shown.exit_code == 0, shown.output
     assert "exchanged no message in any" in " ".join(shown.output.split())
+
+
+def test_an_inline_loops_detector_alarms_on_every_rank_at_once_and_dumps_one_job(tmp_path):
+    """`with detector.step(batch):` around a DDP step written inline: a NaN in rank 1's step
+    5 reaches rank 0 through the all-reduce; the ranks agree as the step ends, both alarm at
+    step 5 and dump one job bundle holding steps 3-5, which verifies."""
+    job, reports = ring_job(tmp_path, "inline")
+    assert reports[1]["fired"] == [[5, "aten.addmm.default"]] and reports[0]["fired"] == []
+    assert [report["alarms"] for report in reports] == [
+        [[5, "nonfinite:grad:module.0.weight", str(job)]],
+        [[5, "nonfinite:loss", str(job)]],
+    ]
+    bundle = JobBundle.open(job)
+    for rank in (0, 1):
+        part = bundle.rank(rank)
+        assert part.verified and part.step_indices == [3, 4, 5]
+        assert (part.manifest.trigger.source, part.manifest.trigger.step) == ("UpdateDetector", 5)
