@@ -21,6 +21,7 @@ from tests.conftest import TESTS
 SPEC = "kind=bitflip,op=aten.mm,module=inp,phase=backward,step=12,nth=0,index=5,bit=30"
 
 
+@pytest.mark.slow
 def test_an_inline_loop_alarms_at_the_planted_step_dumps_and_trains_on(tmp_path: Path, cli):
     """16 steps of an inline script-mode loop with a ring of 4 and an UpdateDetector; bit 30
     of one element of step 12's `inp` weight gradient flipped on the recording device. The
