@@ -160,6 +160,25 @@ class StepRing:
             )
         return "snapshot", None
 
+    def held_range(self) -> HeldRange:
+        """Where a dump could start (each window's first step) and end (the newest step)."""
+        held = [window for window in self._windows if window.steps]
+        return HeldRange(
+            [window.steps[0].index for window in held],
+            held[-1].steps[-1].index if held else None,
+        )
+
+    def between(
+        self, first: int, last: int
+    ) -> tuple[TrainingSnapshot | CheckpointAnchor, list[HeldStep]]:
+        """The held steps ``first``..``last`` and the state ``first`` began from (``first``
+        starts a window: ``held_range``)."""
+        for position, window in enumerate(self._windows):
+            if window.steps and window.steps[0].index == first:
+                steps = [s for w in self._windows[position:] for s in w.steps if s.index <= last]
+                return window.start, steps
+        raise ValueError(f"no held window starts at step {first}")
+
     @property
     def start(self) -> TrainingSnapshot | CheckpointAnchor | None:
         """The state the oldest held step began from."""
@@ -177,6 +196,34 @@ class StepRing:
             window.start.nbytes + sum(step.nbytes for step in window.steps)
             for window in self._windows
         )
+
+
+@dataclass
+class HeldRange:
+    """What a rank's ring holds, told to the other ranks before a job's dump: the first step
+    of each window (where a bundle can start) and the newest step (None: nothing held)."""
+
+    starts: list[int]
+    last: int | None
+
+    def describe(self) -> str:
+        return "no step" if self.last is None else steps_text(self.starts[0], self.last)
+
+
+def steps_text(first: int, last: int) -> str:
+    """``step 5`` or ``steps 3-5``."""
+    return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
+def common_window(ranges: list[HeldRange]) -> tuple[int, int] | None:
+    """The steps every rank's ring holds, from the oldest window start they share to the
+    earliest rank's newest step; None where there are none."""
+    if any(held.last is None for held in ranges):
+        return None
+    last = min(held.last for held in ranges if held.last is not None)
+    shared = set.intersection(*(set(held.starts) for held in ranges))
+    firsts = [first for first in shared if first <= last]
+    return (min(firsts), last) if firsts else None
 
 
 def model_state_dict(snapshot: TrainingSnapshot) -> dict[str, torch.Tensor]:

@@ -10,12 +10,15 @@ the last one back for a detector that runs it again.
 
 from __future__ import annotations
 
+import itertools
+import json
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..bundle.jobs import RankExchange
 from ..capture.collectives import MessageLog
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..capture.operators import _own_work
@@ -25,10 +28,15 @@ from ..ledger.notes import note
 from ..ledger.verdicts import dump_record
 from .anchors import CheckpointAnchor
 from .dump import dump_trigger
+from .ring import HeldRange, HeldStep, common_window, steps_text
 
 if TYPE_CHECKING:
     from .dump import RingDumper
     from .ring import StepRing
+
+_job_dumps = itertools.count()
+"""Job dumps asked in this process: every rank asks them in the same order, so the n-th
+one's store keys are the same on every rank."""
 
 
 class RingMode:
@@ -158,7 +166,7 @@ class RingMode:
         """The steps a dump now would write, oldest first."""
         return [] if self._ring is None else [step.index for step in self._ring.steps]
 
-    def dump(self, reason: str, *, source: str = "user") -> Path:
+    def dump(self, reason: str, *, source: str = "user") -> Path | None:
         """Write the ring's steps as a complete bundle and return its path.
 
         The first dump goes to ``path``, later ones to ``path`` with ``-2``, ``-3``... before
@@ -169,9 +177,12 @@ class RingMode:
         window anchored on a checkpoint references it (and the verification also checks it
         holds the state the loop had when it was saved).
 
-        Under torch.distributed every rank must call it at the same step, outside a step's
-        block: each writes its held steps as its part of one job bundle (rank 0 names it), and
+        Under torch.distributed every rank must call it, outside a step's block, at the same
+        step: each writes its held steps as its part of one job bundle (rank 0 names it), and
         the ranks re-execute their parts' first step together (its collectives need them all).
+        Ranks that call it at different steps write the steps they all hold (warned, and
+        noted in the trigger), or, holding none in common, nothing: the refusal, naming each
+        rank's steps, is warned about on every rank and the dump returns None.
         """
         if self._ring is None:
             raise SdcReplayError(
@@ -185,7 +196,20 @@ class RingMode:
                 "Call dump() on every rank after the step's block ended.",
             )
         self._finish_pending()
-        held, start = self._ring.steps, self._ring.start
+        window = self._ring.window_note()
+        if self._messages is None:
+            held, start = self._ring.steps, self._ring.start
+        else:
+            try:
+                held, start, aligned = self._job_window()
+            except SdcReplayError as refused:  # every rank refuses alike: never into the loop
+                warnings.warn(
+                    f"sdcreplay: the ring's dump ({reason}) wrote nothing: {refused.message} "
+                    f"(Hint: {refused.hint})",
+                    stacklevel=2,
+                )
+                return None
+            window = window if aligned is None else (window[0], aligned)
         if not held or start is None:
             raise SdcReplayError(
                 "the ring holds no completed step yet: there is nothing to write",
@@ -193,7 +217,7 @@ class RingMode:
                 "cannot start a bundle).",
             )
         assert self._dumper is not None
-        trigger = dump_trigger(reason, source, held, self._ring.size, self._ring.window_note())
+        trigger = dump_trigger(reason, source, held, self._ring.size, window)
         path = self._dumper.write(
             len(self.dumps) + 1, held, start, trigger, self._messages, self._ring_problem
         )
@@ -201,3 +225,46 @@ class RingMode:
         if self._ledger:
             note([dump_record(self.label, reason, str(path), held[0].index, self.injected_faults)])
         return path
+
+    def _job_window(
+        self,
+    ) -> tuple[list[HeldStep], TrainingSnapshot | CheckpointAnchor | None, str | None]:
+        """The held steps this rank's part of a job's dump holds, their start, and a note
+        where the ranks dumped at different steps: the ranks tell each other what they hold
+        (through the store: nothing in the message log) and write the steps they all hold,
+        from a window start they share. Raises (alike on every rank) where there are none."""
+        assert self._ring is not None
+        mine = self._ring.held_range()
+        words = RankExchange(
+            f"sdcreplay/dump{next(_job_dumps)}/",
+            "Call dump() on every rank (the ranks of a job dump together: agree on the alarm "
+            "first, e.g. with an all-reduce of a per-rank check, as the online detectors do).",
+        )
+        told = [HeldRange(**json.loads(w)) for w in words.gather("held", json.dumps(vars(mine)))]
+        if all(held.last is None for held in told):
+            return [], None, None  # nothing anywhere: refused below, as in a single process
+        dumped = ", ".join(f"rank {r} holding {held.describe()}" for r, held in enumerate(told))
+        window = common_window(told)
+        if window is None:
+            raise SdcReplayError(
+                f"the ranks dumped at different steps and hold no steps in common ({dumped}): "
+                "a job bundle's parts must hold the same steps",
+                "Dump on every rank at the same step: agree on the alarm first (an all-reduce "
+                "of each rank's check, as the online detectors do), then call rec.dump() on "
+                "every rank; or keep more steps (ring=K larger than the ranks' difference).",
+            )
+        first, last = window
+        start, held = self._ring.between(first, last)
+        if len({held.last for held in told}) == 1:
+            return held, start, None
+        later = ", ".join(
+            f"rank {r}'s {steps_text(last + 1, h.last)}"
+            for r, h in enumerate(told)
+            if h.last is not None and h.last > last
+        )
+        text = (
+            f"the ranks dumped at different steps ({dumped}): every part holds "
+            f"{steps_text(first, last)}, the steps all ranks hold"
+        )
+        warnings.warn(f"sdcreplay: {text}; left out: {later}", stacklevel=3)
+        return held, start, text
