@@ -1,13 +1,14 @@
 """Where bisect starts the step: a loop whose step depends on state outside torch still bisects.
 
-tests/loops/counter_accumulation.py is Accelerate's gradient accumulation in script mode: a
-plain Python counter, advanced by ``accumulate()``, decides whether a micro-batch (one
-``rec.step()``) steps the optimizer. Replay runs the window from its start, so the counter runs
-as it did; the state saved entering a step holds it only when it is among the Recorder's
-``state=`` and ``rec.step()`` is entered before ``accumulate()``. Otherwise the reference's run
-from the saved state does not reproduce its run through the window, and every later run starts
-from the window's start instead, as replay's do, said on stderr and in the report; a bit planted
-in step 1 on cpu:1 is named exactly either way.
+tests/loops/counter_accumulation.py is Accelerate's gradient accumulation in script mode with a
+plain Python counter, tests/loops/accelerate_accumulation.py the same with Accelerate itself:
+the counter, advanced by ``accumulate()``, decides whether a micro-batch (one ``rec.step()``)
+steps the optimizer. Replay runs the window from its start, so the counter runs as it did; the
+state saved entering a step holds it only when it is among the Recorder's ``state=`` and
+``rec.step()`` is entered before ``accumulate()``. Otherwise the reference's run from the saved
+state does not reproduce its run through the window, and every later run starts from the
+window's start instead, as replay's do, said on stderr and in the report; a bit planted in step
+1 on cpu:1 is named exactly either way.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ from sdcreplay.bundle.reader import Bundle
 from tests.conftest import TESTS
 
 LOOP = TESTS / "loops" / "counter_accumulation.py"
+ACCELERATE = TESTS / "loops" / "accelerate_accumulation.py"
 SPEC = "kind=bitflip,op=aten.addmm,module=0,phase=forward,step=1,index=5,bit=20,device=cpu:1"
 pytestmark = pytest.mark.slow
 
 
-def _record(folder: Path, nesting: str) -> Path:
-    """``python counter_accumulation.py BUNDLE NESTING`` in ``folder``, as a person runs it."""
-    bundle = folder / f"{nesting}.bundle"
+def _record(folder: Path, *arguments: str, loop: Path = LOOP) -> Path:
+    """``python LOOP BUNDLE ARGUMENTS`` in ``folder``, as a person runs it."""
+    bundle = folder / "run.bundle"
     done = subprocess.run(
-        [sys.executable, str(LOOP), bundle.name, nesting],
+        [sys.executable, str(loop), bundle.name, *arguments],
         cwd=folder,
         capture_output=True,
         text=True,
@@ -102,19 +104,35 @@ def test_a_counter_the_recorder_was_not_given_bisects_from_the_windows_start(tmp
     assert "`with rec.step(), accelerator.accumulate(model):`" in warning
 
 
-@pytest.mark.parametrize(("nesting", "start"), [("outer", "window"), ("inner", "saved_state")])
-def test_the_counter_as_state_starts_from_the_saved_state_only_inside_the_step(
-    tmp_path, nesting, start
+def test_the_counter_as_state_but_counted_before_the_step_bisects_from_the_windows_start(
+    tmp_path,
 ):
-    """The counter in ``state=``: with ``accumulate()`` entered before ``rec.step()`` the state
-    saved entering the step has already counted it, and bisect starts from the window's start;
-    with ``rec.step()`` entered first the saved state reproduces the step and is used."""
-    bundle = _record(tmp_path, nesting)
+    """The counter in ``state=``, but ``accumulate()`` entered before ``rec.step()``: the state
+    saved entering the step has already counted it, so bisect starts from the window's start."""
     result = bisect(
-        bundle, suspect="cpu:1", reference="cpu:0", inject=[SPEC], out=tmp_path / "r", ledger=False
+        _record(tmp_path, "outer"), suspect="cpu:1", inject=[SPEC], out=tmp_path / "r",
+        ledger=False,
+    )  # fmt: skip
+    _exact(result.to_json())
+    assert result.findings["start"]["from"] == "window"
+
+
+@pytest.mark.parametrize(("counted", "start"), [(False, "window"), (True, "saved_state")])
+def test_an_accelerate_loop_bisects_exactly(tmp_path, counted, start):
+    """Accelerate itself (tests/loops/accelerate_accumulation.py): as its examples nest it, the
+    counter not given, bisect starts from the window's start; with the counter in ``state=`` and
+    ``rec.step()`` entered first (docs/porting.md), from the state saved entering the step."""
+    bundle = _record(tmp_path, *["counted"] * counted, loop=ACCELERATE)
+    result = bisect(bundle, suspect="cpu:1", inject=[SPEC], out=tmp_path / "r", ledger=False)
+    _exact(result.to_json())
+    assert result.findings["start"] == (
+        {"from": "saved_state"}
+        if counted
+        else {
+            "from": "window",
+            "steps_before": 1,
+            "reason": "it has 14 signature entries, 31 the first time",
+        }
     )
-    report = result.to_json()
-    _exact(report)
-    assert report["start"]["from"] == start
-    assert ("warnings" in report) == (start == "window")
-    assert (tmp_path / "r" / WORK_DIR / ENTRY_STATE_FILE).exists() == (start == "saved_state")
+    assert ("warnings" in result.findings) == (not counted)
+    assert (tmp_path / "r" / WORK_DIR / ENTRY_STATE_FILE).exists() == counted
