@@ -10,7 +10,9 @@ wrong there (``kernel``); right means the corruption came from before
 (``upstream``: the wrong input, the call that wrote it, and whether it changed
 at rest in between) or does not fire every time (``intermittent``). Every
 device runs in its own process. Only the reference replays the window up to
-the step; it hands the state entering the step to the later runs as HDF5.
+the step; it hands the state entering the step to the later runs as HDF5, unless that state
+does not reproduce the step (a loop's counter outside it): then every run replays the window,
+as replay does, and the report says so (``start``).
 
 This module drives those stages: what each device process runs is `tasks.py` (on a job's
 rank, `rank.py`), and the report it writes is `report.py`.

@@ -4,7 +4,8 @@ reference's copy of one call, and that call re-run alone on the suspect.
 Each device is its own process, so these functions are `device_task`s a task file names
 (`replay.worker`); the driver (`localize.py`) starts them and reads only the JSON they return
 and the files they write in the work directory. Every run after the reference's first starts
-from the state the reference saved entering the step (`_enter_step`).
+from the state the reference saved entering the step (`_enter_step`), or from the window's start
+where that state does not reproduce the step (`_reference_oplog`).
 """
 
 from __future__ import annotations
