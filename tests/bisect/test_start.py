@@ -20,9 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from sdcreplay.bisect.kernel_stage import KERNEL_FILE
 from sdcreplay.bisect.localize import bisect
 from sdcreplay.bisect.report import ENTRY_STATE_FILE, WORK_DIR
 from sdcreplay.bundle.reader import Bundle
+from sdcreplay.errors import ReportError
+from sdcreplay.minimize.kernel_case import minimize_kernel
 from tests.conftest import TESTS
 
 LOOP = TESTS / "loops" / "counter_accumulation.py"
@@ -136,3 +139,17 @@ def test_an_accelerate_loop_bisects_exactly(tmp_path, counted, start):
     )
     assert ("warnings" in result.findings) == (not counted)
     assert (tmp_path / "r" / WORK_DIR / ENTRY_STATE_FILE).exists() == counted
+
+
+def test_minimize_reads_a_compiled_kernels_start_from_the_report(tmp_path):
+    """A kernel found from the window's start has no saved state to compile from: minimize
+    goes on without it (to the case file, unreadable here); a report from the saved state still
+    needs its file."""
+    report_dir = tmp_path / "r"
+    (report_dir / WORK_DIR).mkdir(parents=True)
+    (report_dir / KERNEL_FILE).write_text("not an HDF5 file")
+    options = {"device": "cpu:1", "reference": "cpu:0", "trials": 1, "inject": [], "out": None}
+    with pytest.raises(ReportError, match="cannot read kernel case"):
+        minimize_kernel(report_dir, {"start": {"from": "window"}}, **options)
+    with pytest.raises(ReportError, match=f"has no {WORK_DIR}/{ENTRY_STATE_FILE}"):
+        minimize_kernel(report_dir, {"start": {"from": "saved_state"}}, **options)
