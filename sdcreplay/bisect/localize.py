@@ -10,7 +10,9 @@ wrong there (``kernel``); right means the corruption came from before
 (``upstream``: the wrong input, the call that wrote it, and whether it changed
 at rest in between) or does not fire every time (``intermittent``). Every
 device runs in its own process. Only the reference replays the window up to
-the step; it hands the state entering the step to the later runs as HDF5.
+the step; it hands the state entering the step to the later runs as HDF5, unless that state
+does not reproduce the step (a loop's counter outside it): then every run replays the window,
+as replay does, and the report says so (``start``).
 
 This module drives those stages: what each device process runs is `tasks.py` (on a job's
 rank, `rank.py`), and the report it writes is `report.py`.
@@ -263,6 +265,16 @@ def _localize(
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
     saving = {} if kept is not None else {"save_entry": entry_state}
     ref_log = run("oplog", run_oplog_task, reference, {**common, **saving})
+    start = ref_log.get("start")
+    if start is not None:  # the saved state lacks what the step depends on: replay's start
+        entry_state = None
+        base["warnings"] = [start.pop("warning")]
+        on_event(
+            "start",
+            f"step {step} does not reproduce from the state saved entering it: every later run "
+            "starts from the window's start",
+        )
+    base["start"] = start or {"from": "window" if entry_state is None else "saved_state"}
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
     if ref_log.get("kernel_calls") and suspect is not None:
         in_kernels = bisect_kernels(

@@ -206,7 +206,9 @@ def minimize_kernel(
     already there replaced only with ``overwrite``, moved aside)."""
     case_file, entry_state = report_dir / KERNEL_FILE, report_dir / WORK_DIR / ENTRY_STATE_FILE
     in_job = report_rank(report) is not None  # among its peers, a rank's bisect saves no state
-    for needed in (case_file, *([] if in_job else [entry_state])):
+    # A step the saved state did not reproduce was bisected from the window's start: no state.
+    saved = not in_job and (report.get("start") or {}).get("from") != "window"
+    for needed in (case_file, *([entry_state] if saved else [])):
         if not needed.is_file():
             raise ReportError(f"{report_dir} has no {needed.relative_to(report_dir)}")
     case = KernelCase.read(case_file)
