@@ -10,6 +10,8 @@ the last one back for a detector that runs it again.
 
 from __future__ import annotations
 
+import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,16 +21,23 @@ import torch
 from ..capture.collectives import MessageLog
 from ..capture.layers import SignatureCapture, grads_entering, state_digests
 from ..capture.operators import _own_work
-from ..capture.snapshot import TrainingSnapshot
-from ..errors import SdcReplayError
+from ..errors import SdcReplayError, message_of
 from ..ledger.notes import note
 from ..ledger.verdicts import dump_record
 from .anchors import CheckpointAnchor
 from .dump import dump_trigger
+from .ring import RingSnapshot
 
 if TYPE_CHECKING:
     from .dump import RingDumper
     from .ring import StepRing
+
+
+FAILED_SUFFIX = ".dump-failed.txt"
+
+
+class DumpFailedWarning(UserWarning):
+    """A ring's dump failed: why is written beside its bundle's path; the loop goes on."""
 
 
 class RingMode:
@@ -37,6 +46,7 @@ class RingMode:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     state_objects: dict[str, Any]
+    path: Path
     dumps: list[Path]
     steps_written: int
     entries_written: int
@@ -53,7 +63,8 @@ class RingMode:
     _ledger: bool
     label: str
     injected_faults: list[str]
-    _copy_in_flight: TrainingSnapshot | None = None  # a window's copy the update must await
+    _copy_in_flight: RingSnapshot | None = None  # a window's copy the update must await
+    _copy_failure: str | None = None  # why the last copy of the state failed, while it does
 
     def _finish_pending(self, at_optimizer_step: bool = False) -> None:
         """The Recorder's: write the step that ended."""
@@ -63,18 +74,32 @@ class RingMode:
         if self._capture.step_open and not self._continues_held_steps():
             self._ring.clear()  # the previous step raised mid-way and left the state changed
         if self._ring.wants_snapshot(grads):
-            with _own_work():  # not the step's operators (an OperatorMode may be active)
-                snapshot = TrainingSnapshot.take(
-                    self.model,
-                    self.optimizer,
-                    self.state_objects,
-                    grads=False,
-                    rng=False,
-                    device="cpu",
-                    non_blocking=True,  # from a GPU: the step goes on while it is copied
-                )
+            try:
+                with _own_work():  # not the step's operators (an OperatorMode may be active)
+                    snapshot = RingSnapshot.copy(self.model, self.optimizer, self.state_objects)
+            except Exception as exc:  # never into the loop: no window until a copy succeeds
+                self._copy_failed(exc)
+                return
+            self._copy_failure = None
             self._ring.open_window(snapshot)
             self._copy_in_flight = snapshot if snapshot.pending is not None else None
+
+    def _copy_failed(self, exc: Exception) -> None:
+        """The state could not be copied as a step began: no held step leads on from it, so
+        the ring starts over (a dump says why it holds none); warned once until a copy
+        succeeds."""
+        assert self._ring is not None
+        self._ring.clear()
+        failure = f"{type(exc).__name__}: {message_of(exc)}"
+        if self._copy_failure is None:
+            warnings.warn(
+                f"sdcreplay: the ring could not copy the state as step {self._next_index} "
+                f"began, training goes on: {failure} (no dump holds a step until a copy "
+                "succeeds)",
+                DumpFailedWarning,
+                stacklevel=4,
+            )
+        self._copy_failure = failure
 
     def _update_begins(self) -> None:
         """The optimizer's step pre-hook: its update must not overwrite what a window's copy
@@ -159,7 +184,10 @@ class RingMode:
         return [] if self._ring is None else [step.index for step in self._ring.steps]
 
     def dump(self, reason: str, *, source: str = "user") -> Path:
-        """Write the ring's steps as a complete bundle and return its path.
+        """Write the ring's steps as a complete bundle and return its path; never raises into
+        the loop for a dump that fails (no completed step held, the bundle's write, its
+        verification...): then warns (``DumpFailedWarning``) and returns the path of the text
+        beside the bundle's that says why (``PATH.dump-failed.txt``; not in ``dumps``).
 
         The first dump goes to ``path``, later ones to ``path`` with ``-2``, ``-3``... before
         the suffix (a name already taken is skipped unless ``overwrite``). A step whose block
@@ -184,20 +212,51 @@ class RingMode:
                 "dumped steps together, with collectives of their own",
                 "Call dump() on every rank after the step's block ended.",
             )
-        self._finish_pending()
-        held, start = self._ring.steps, self._ring.start
-        if not held or start is None:
-            raise SdcReplayError(
-                "the ring holds no completed step yet: there is nothing to write",
-                "Dump after a step has ended (a step that began with accumulated gradients "
-                "cannot start a bundle).",
+        try:
+            self._finish_pending()
+            held, start = self._ring.steps, self._ring.start
+            if not held or start is None:
+                copying = self._copy_failure
+                raise SdcReplayError(
+                    "the ring holds no completed step yet: there is nothing to write"
+                    + ("" if copying is None else f" (its copy of the state failed: {copying})"),
+                    "Dump after a step has ended (a step that began with accumulated gradients "
+                    "cannot start a bundle).",
+                )
+            assert self._dumper is not None
+            trigger = dump_trigger(reason, source, held, self._ring.size, self._ring.window_note())
+            path = self._dumper.write(
+                len(self.dumps) + 1, held, start, trigger, self._messages, self._ring_problem
             )
-        assert self._dumper is not None
-        trigger = dump_trigger(reason, source, held, self._ring.size, self._ring.window_note())
-        path = self._dumper.write(
-            len(self.dumps) + 1, held, start, trigger, self._messages, self._ring_problem
-        )
+        except Exception as exc:  # the loop goes on: its alarm matters more than the bundle
+            return self._dump_failed(reason, source, exc)
         self.dumps.append(path)
         if self._ledger:
             note([dump_record(self.label, reason, str(path), held[0].index, self.injected_faults)])
         return path
+
+    def _dump_failed(self, reason: str, source: str, exc: Exception) -> Path:
+        """Write why a dump failed beside the bundle it would have been (appended to
+        ``PATH.dump-failed.txt``, a rank's own under torch.distributed), warn, and return that
+        file's path."""
+        rank = f".rank{torch.distributed.get_rank()}" if self._messages is not None else ""
+        failed = self.path.with_name(f"{self.path.name}{rank}{FAILED_SUFFIX}")
+        said = message_of(exc)
+        hint = f"\nHint: {exc.hint}" if isinstance(exc, SdcReplayError) else ""
+        try:
+            with open(failed, "a", encoding="utf-8") as out:
+                out.write(
+                    f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} dump before step {self._next_index} "
+                    f"({source}: {reason}) failed: {type(exc).__name__}: {said}{hint}\n"
+                    f"{''.join(traceback.format_exception(exc))}\n"
+                )
+            where = f"written to {failed}"
+        except OSError as error:
+            where = f"and could not be written to {failed}: {error}"
+        warnings.warn(
+            f"sdcreplay: the ring's dump ({source}: {reason}) failed, training goes on: "
+            f"{type(exc).__name__}: {said} ({where})",
+            DumpFailedWarning,
+            stacklevel=3,
+        )
+        return failed
