@@ -141,7 +141,8 @@ class OptimizerSet(torch.optim.Optimizer):
                 "Build the same optimizers, with the same param groups, as when it was saved.",
             )
         for optimizer in self.optimizers:
-            own, groups = groups[: len(optimizer.param_groups)], groups[len(optimizer.param_groups) :]
+            count = len(optimizer.param_groups)
+            own, groups = groups[:count], groups[count:]
             numbers = _renumbering(own, start=0)
             optimizer.load_state_dict(
                 {
@@ -151,8 +152,7 @@ class OptimizerSet(torch.optim.Optimizer):
                         if p in numbers
                     },
                     "param_groups": [
-                        {**group, "params": [numbers[p] for p in group["params"]]}
-                        for group in own
+                        {**group, "params": [numbers[p] for p in group["params"]]} for group in own
                     ],
                 }
             )
