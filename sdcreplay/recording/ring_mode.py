@@ -221,7 +221,9 @@ class RingMode:
                     "the ring holds no completed step yet: there is nothing to write"
                     + ("" if copying is None else f" (its copy of the state failed: {copying})"),
                     "Dump after a step has ended (a step that began with accumulated gradients "
-                    "cannot start a bundle).",
+                    "cannot start a bundle)."
+                    if copying is None
+                    else "The ring holds steps again from the first step whose copy succeeds.",
                 )
             assert self._dumper is not None
             trigger = dump_trigger(reason, source, held, self._ring.size, self._ring.window_note())

@@ -5,16 +5,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import sys
+import warnings
+
 import numpy as np
 import pytest
-from conftest import SMALL, SMALL_ARGS, tiny_llama_recorder
+import torch
+from conftest import REPO, SMALL, SMALL_ARGS, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder
 from sdcreplay.capture.snapshot import TrainingSnapshot
 from sdcreplay.errors import SdcReplayError
 from sdcreplay.storage.tensorio import map_tensors
+from sdcreplay.bundle.writer import BundleWriter
+from sdcreplay.recording.ring import RingSnapshot
+from sdcreplay.recording.ring_mode import DumpFailedWarning
 from sdcreplay.workload.definition import build_workload
+
+sys.path.insert(0, str(REPO / "tests" / "loops"))
+import trainers  # noqa: E402
 
 K = 4
 TINY = {**SMALL, "dim": 16, "seq_len": 4, "batch_size": 1}  # 200 steps in a few seconds
@@ -142,8 +152,12 @@ def test_dump_refuses_without_a_ring_or_a_completed_step(tmp_path):
         workload.optimizer,
         ring=2,
     )
-    with pytest.raises(SdcReplayError, match="no completed step"):
-        ring.dump("too early")
+    with pytest.warns(DumpFailedWarning, match="no completed step yet"):
+        failed = ring.dump("too early")  # an alarm at the first step: the loop goes on
+    assert failed == tmp_path / "ring.bundle.dump-failed.txt" and ring.dumps == []
+    assert "(user: too early) failed: SdcReplayError: the ring holds no completed step" in (
+        failed.read_text()
+    )
     ring.close()
     with pytest.raises(SdcReplayError, match="not a number of steps"):
         Recorder(
@@ -367,3 +381,83 @@ def test_a_malformed_trigger_is_refused_by_name(small_bundle, edit, message):
     rewrite_manifest(small_bundle, lambda manifest: edit(manifest["trigger"]))
     with pytest.raises(BundleError, match=message):
         Bundle.open(small_bundle)
+
+
+# A bit of the fused projection's output in the last step, on the recording device itself.
+FUSED_DRILL = "kind=bitflip,op=aten.mm,module=1.attention.wqkv,phase=forward,step=3,index=5,bit=20"
+
+
+@pytest.mark.parametrize("drill", [False, True])
+def test_a_state_dict_hook_that_builds_tensors_is_dumped_as_it_returns_them(tmp_path, drill):
+    """TorchTitan's fused ``wqkv``, split into ``wq``/``wk``/``wv`` by a state_dict hook
+    (tests/loops/trainers.py): the ring keeps the state as ``state_dict()`` returned it as its
+    window began, the dump replays ``correct`` on two replicas, and a fault planted on the
+    recording device is ``recording_suspect``."""
+    rec, step = trainers.recorder(
+        tmp_path / "r.bundle", "fused", ring=2, inject=[FUSED_DRILL] if drill else []
+    )
+    trainers.train(rec, step, range(2))
+    entering = {name: t.clone() for name, t in rec.model.state_dict().items()}  # step 2's
+    trainers.train(rec, step, range(2, 4))
+    path = rec.dump("alarm")
+    rec.close()
+    bundle = Bundle.open(path)
+    assert path == tmp_path / "r.bundle" and bundle.step_indices == [2, 3] and bundle.verified
+    model_state, _ = bundle.load_state()
+    assert list(model_state) == list(entering)
+    assert "1.attention.wq.weight" in model_state and "1.attention.wqkv.weight" not in model_state
+    assert all(torch.equal(model_state[name], entering[name]) for name in entering)
+    logs = {label: [sdcreplay.replay_on_device(bundle, label)] for label in ("cpu:0", "cpu:1")}
+    consensus = sdcreplay.vote(bundle.signature_log(), logs)
+    assert consensus.verdict == ("recording_suspect" if drill else "correct")
+    assert consensus.suspects == (["record"] if drill else [])
+
+
+def test_a_dump_that_fails_warns_writes_why_beside_and_training_goes_on(tmp_path, monkeypatch):
+    """Neither a failure while the dump writes its bundle nor one while the ring copies the
+    state reaches the loop: each is warned about, a failed dump written beside the bundle's
+    name (and nothing at it), and the next dump, once it can, is the bundle."""
+    rec, step = trainers.recorder(tmp_path / "r.bundle", "fused", ring=2, verify=False)
+    trainers.train(rec, step, range(2))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(BundleWriter, "add_step", full)
+    with pytest.warns(DumpFailedWarning, match="No space left on device"):
+        failed = rec.dump("loss spike")
+    assert failed == tmp_path / "r.bundle.dump-failed.txt"
+    said = failed.read_text()
+    assert said.splitlines()[0].endswith(
+        "dump before step 2 (user: loss spike) failed: OSError: [Errno 28] No space left on device"
+    )
+    assert "in full" in said  # the traceback, down to where it failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.bundle.dump-failed.txt"]
+    monkeypatch.undo()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a state_dict hook broke")
+
+    monkeypatch.setattr(RingSnapshot, "copy", broken)
+    with pytest.warns(DumpFailedWarning, match="could not copy the state as step 2 began"):
+        trainers.train(rec, step, range(2, 3))  # the window wanted a copy here
+    with pytest.warns(DumpFailedWarning, match="its copy of the state failed: RuntimeError"):
+        rec.dump("after the broken copy")
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainers.train(rec, step, range(3, 5))  # training went on; copies work again
+        path = rec.dump("once it can")
+    rec.close()
+    assert (path, rec.dumps) == (tmp_path / "r.bundle", [path])
+    assert Bundle.open(path).step_indices == [3, 4]
+    failures = [
+        line.partition(" failed: ")[2]
+        for line in failed.read_text().splitlines()
+        if "(user: " in line
+    ]
+    assert failures == [
+        "OSError: [Errno 28] No space left on device",
+        "SdcReplayError: the ring holds no completed step yet: there is nothing to write (its "
+        "copy of the state failed: RuntimeError: a state_dict hook broke)",
+    ]
