@@ -162,8 +162,9 @@ def make_step(model: Any, optimizer: Any):
 def make_workload(seed: int = 0, form: str = "fused") -> sdcreplay.Workload:
     torch.manual_seed(seed)
     model, optimizer = build(form)
+    step = make_step(model, optimizer)
     return sdcreplay.Workload(
-        model=model, optimizer=optimizer, get_batch=get_batch, train_step=make_step(model, optimizer)
+        model=model, optimizer=optimizer, get_batch=get_batch, train_step=step
     )
 
 

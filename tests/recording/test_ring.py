@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,12 +14,12 @@ from conftest import REPO, SMALL, SMALL_ARGS, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder
+from sdcreplay.bundle.writer import BundleWriter
 from sdcreplay.capture.snapshot import TrainingSnapshot
 from sdcreplay.errors import SdcReplayError
-from sdcreplay.storage.tensorio import map_tensors
-from sdcreplay.bundle.writer import BundleWriter
 from sdcreplay.recording.ring import RingSnapshot
 from sdcreplay.recording.ring_mode import DumpFailedWarning
+from sdcreplay.storage.tensorio import map_tensors
 from sdcreplay.workload.definition import build_workload
 
 sys.path.insert(0, str(REPO / "tests" / "loops"))
