@@ -85,17 +85,18 @@ class RingMode:
             self._copy_in_flight = snapshot if snapshot.pending is not None else None
 
     def _copy_failed(self, exc: Exception) -> None:
-        """The state could not be copied as a step began: no held step leads on from it, so
-        the ring starts over (a dump says why it holds none); warned once until a copy
-        succeeds."""
+        """The state could not be copied as a step began: the held steps go on from the last
+        copy (at most ``max_window`` of them, then the ring starts over and a dump says why it
+        holds none); warned once until a copy succeeds."""
         assert self._ring is not None
-        self._ring.clear()
+        if len(self._ring.steps) >= self._ring.max_window:
+            self._ring.clear()
         failure = f"{type(exc).__name__}: {message_of(exc)}"
         if self._copy_failure is None:
             warnings.warn(
                 f"sdcreplay: the ring could not copy the state as step {self._next_index} "
-                f"began, training goes on: {failure} (no dump holds a step until a copy "
-                "succeeds)",
+                f"began, training goes on: {failure} (its held steps go on from its last copy, "
+                f"at most max_window={self._ring.max_window}, until a copy succeeds)",
                 DumpFailedWarning,
                 stacklevel=4,
             )
@@ -164,13 +165,14 @@ class RingMode:
             )
         self._finish_pending()
         dropped = self._ring.drop_last()
-        if dropped is None:
+        if dropped is None and self._copy_failure is None:
             raise SdcReplayError("the ring holds no completed step to rewind")
-        self._next_index = dropped.index
+        # With no copy of the state, the ring held no step: the index goes back all the same.
+        self._next_index = self._next_index - 1 if dropped is None else dropped.index
         self._end_digests = None
         self._held_end_digests, self._earlier_end_digests = self._earlier_end_digests, None
         self.steps_written -= 1
-        self.entries_written -= len(dropped.entries)
+        self.entries_written -= 0 if dropped is None else len(dropped.entries)
 
     @property
     def ring_nbytes(self) -> int:

@@ -414,8 +414,9 @@ def test_a_state_dict_hook_that_builds_tensors_is_dumped_as_it_returns_them(tmp_
 
 def test_a_dump_that_fails_warns_writes_why_beside_and_training_goes_on(tmp_path, monkeypatch):
     """Neither a failure while the dump writes its bundle nor one while the ring copies the
-    state reaches the loop: each is warned about, a failed dump written beside the bundle's
-    name (and nothing at it), and the next dump, once it can, is the bundle."""
+    state reaches the loop: each is warned about; a failed dump is written beside the
+    bundle's name (nothing at it), a failed copy lets the held steps go on from the last one,
+    and the next dump, once it can, is the bundle."""
     rec, step = trainers.recorder(tmp_path / "r.bundle", "fused", ring=2, verify=False)
     trainers.train(rec, step, range(2))
 
@@ -425,7 +426,7 @@ def test_a_dump_that_fails_warns_writes_why_beside_and_training_goes_on(tmp_path
     monkeypatch.setattr(BundleWriter, "add_step", full)
     with pytest.warns(DumpFailedWarning, match="No space left on device"):
         failed = rec.dump("loss spike")
-    assert failed == tmp_path / "r.bundle.dump-failed.txt"
+    assert failed == tmp_path / "r.bundle.dump-failed.txt" and rec.dumps == []
     said = failed.read_text()
     assert said.splitlines()[0].endswith(
         "dump before step 2 (user: loss spike) failed: OSError: [Errno 28] No space left on device"
@@ -439,24 +440,35 @@ def test_a_dump_that_fails_warns_writes_why_beside_and_training_goes_on(tmp_path
 
     monkeypatch.setattr(RingSnapshot, "copy", broken)
     with pytest.warns(DumpFailedWarning, match="could not copy the state as step 2 began"):
-        trainers.train(rec, step, range(2, 3))  # the window wanted a copy here
-    with pytest.warns(DumpFailedWarning, match="its copy of the state failed: RuntimeError"):
-        rec.dump("after the broken copy")
+        trainers.train(rec, step, range(2, 4))  # the window wanted a copy at each
+    assert rec.ring_steps == [0, 1, 2, 3]  # on from the last copy, before step 0
     monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainers.train(rec, step, range(3, 5))  # training went on; copies work again
+        spike = rec.dump("loss spike again")
+        trainers.train(rec, step, range(4, 6))  # training went on; copies work again
         path = rec.dump("once it can")
     rec.close()
-    assert (path, rec.dumps) == (tmp_path / "r.bundle", [path])
-    assert Bundle.open(path).step_indices == [3, 4]
-    failures = [
-        line.partition(" failed: ")[2]
-        for line in failed.read_text().splitlines()
-        if "(user: " in line
-    ]
-    assert failures == [
-        "OSError: [Errno 28] No space left on device",
-        "SdcReplayError: the ring holds no completed step yet: there is nothing to write (its "
-        "copy of the state failed: RuntimeError: a state_dict hook broke)",
-    ]
+    assert (spike, path) == (tmp_path / "r.bundle", tmp_path / "r-2.bundle") == tuple(rec.dumps)
+    assert Bundle.open(spike).step_indices == [0, 1, 2, 3]
+    assert Bundle.open(path).step_indices == [4, 5]
+
+    # No copy at all yet (the first step's failed): the alarm's dump says why, and its rewind
+    # takes the step back all the same.
+    monkeypatch.setattr(RingSnapshot, "copy", broken)
+    first, step = trainers.recorder(tmp_path / "first.bundle", "fused", ring=2, verify=False)
+    with pytest.warns(DumpFailedWarning, match="could not copy the state as step 0 began"):
+        trainers.train(first, step, range(1))
+    with pytest.warns(DumpFailedWarning, match="its copy of the state failed: RuntimeError"):
+        nothing = first.dump("alarm at step 0")
+    first.rewind()
+    assert (first.ring_steps, first.steps_written) == ([], 0)
+    first.close()
+    assert (
+        nothing.read_text()
+        .splitlines()[0]
+        .endswith(
+            "failed: SdcReplayError: the ring holds no completed step yet: there is nothing to "
+            "write (its copy of the state failed: RuntimeError: a state_dict hook broke)"
+        )
+    )
