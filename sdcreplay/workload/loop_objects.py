@@ -14,8 +14,8 @@ same objects under the same names, and what cannot be taken is refused as it is 
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,10 +56,8 @@ class OptimizerSet(torch.optim.Optimizer):
         return [group for optimizer in self.optimizers for group in optimizer.param_groups]
 
     @property
-    def state(self) -> defaultdict[torch.Tensor, Any]:  # type: ignore[override]
-        return defaultdict(
-            dict, ((param, state) for opt in self.optimizers for param, state in opt.state.items())
-        )
+    def state(self) -> Mapping[torch.Tensor, Any]:  # type: ignore[override]
+        return _States(self.optimizers)
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -156,6 +154,26 @@ class OptimizerSet(torch.optim.Optimizer):
                     ],
                 }
             )
+
+
+class _States(Mapping):
+    """The optimizers' per-parameter state, read where it is (each lookup asks each
+    optimizer: no merged copy per parameter)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self._optimizers = optimizers
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        for optimizer in self._optimizers:
+            if param in optimizer.state:
+                return optimizer.state[param]
+        raise KeyError(param)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (param for optimizer in self._optimizers for param in optimizer.state)
+
+    def __len__(self) -> int:
+        return sum(len(optimizer.state) for optimizer in self._optimizers)
 
 
 def _params(groups: list[dict[str, Any]]) -> list[Any]:
