@@ -77,7 +77,7 @@ class RingMode:
             try:
                 with _own_work():  # not the step's operators (an OperatorMode may be active)
                     snapshot = RingSnapshot.copy(self.model, self.optimizer, self.state_objects)
-            except Exception as exc:  # never into the loop: no window until a copy succeeds
+            except Exception as exc:  # never into the loop: the held steps go on instead
                 self._copy_failed(exc)
                 return
             self._copy_failure = None
