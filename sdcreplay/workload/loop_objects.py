@@ -235,10 +235,15 @@ def _check_state_form(optimizer: torch.optim.Optimizer, where: str) -> None:
         )
 
 
+class ModelParts(torch.nn.ModuleList):
+    """A rank's model parts (a pipeline's stages) as one module: their parameters named by
+    each part's place (``0.``, ``1.``...). It runs no forward of its own: each part's is an
+    entry of the model's forward (capture/around.py's restore points)."""
+
+
 def loop_model(given: Any, where: str = "Recorder") -> torch.nn.Module:
     """The one module of what the loop hands over: itself, or its model parts (a pipeline's
-    stages on this rank, a list) as a ``ModuleList`` (parameters named ``0.``, ``1.``... by
-    their place in the list); refused with the forms it takes."""
+    stages on this rank, a list) as `ModelParts`; refused with the forms it takes."""
     if isinstance(given, torch.nn.Module):
         return given
     if (
@@ -246,7 +251,7 @@ def loop_model(given: Any, where: str = "Recorder") -> torch.nn.Module:
         and given
         and all(isinstance(part, torch.nn.Module) for part in given)
     ):
-        return given[0] if len(given) == 1 else torch.nn.ModuleList(given)
+        return given[0] if len(given) == 1 else ModelParts(given)
     raise WorkloadError(
         f"{where}: model={type(given).__name__} is not a torch.nn.Module nor a list of them",
         "Pass the module the loop trains (model=model), or its model parts as a list "

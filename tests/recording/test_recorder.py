@@ -17,6 +17,7 @@ from conftest import REPO, SMALL, SMALL_ARGS, tiny_llama_recorder
 import sdcreplay
 from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
 from sdcreplay.bundle.manifest import STATE
+from sdcreplay.capture.around import RestorePoints
 from sdcreplay.capture.layers import state_digests
 from sdcreplay.errors import (
     BundleError,
@@ -26,6 +27,7 @@ from sdcreplay.errors import (
     WorkloadMismatchError,
 )
 from sdcreplay.workload.definition import build_workload
+from sdcreplay.workload.loop_objects import loop_model
 
 sys.path.insert(0, str(REPO / "tests" / "loops"))
 import trainers  # noqa: E402
@@ -643,3 +645,21 @@ def test_what_the_recorder_cannot_take_is_refused_as_it_is_created(tmp_path: Pat
         hint = "at .optimizers" if "optimizer" in message else "Pass the module"
         assert hint in refused.value.hint
     assert list(tmp_path.iterdir()) == []
+
+
+def test_model_parts_are_one_module_whose_parts_forward_entries_are_restore_points():
+    """A list of model parts is recorded as one module named by each part's place; it runs
+    no forward of its own, so each part's forward entry is a point where script mode puts the
+    torch RNG back (as the single model's is)."""
+    parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    model = loop_model(parts)
+    assert list(dict(model.named_parameters())) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert loop_model(parts[:1]) is parts[0]
+    points = RestorePoints(torch.device("cpu"), model)
+    points.begin_recording()
+    hidden = parts[0](torch.randn(1, 2))
+    torch.rand(1)  # a draw between the parts
+    parts[1](hidden)
+    noted = points.end()
+    points.close()
+    assert len(noted) == 2 and not torch.equal(noted[0]["cpu"], noted[1]["cpu"])
