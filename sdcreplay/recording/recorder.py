@@ -91,6 +91,9 @@ class Recorder(RingMode):
     ``checkpoint_saved(path)`` the window starts at the loop's checkpoint and holds every step
     since, at most ``max_window`` (then the ring copies the state every K steps again until
     the next checkpoint).
+    ``model`` may be a list of model parts (a pipeline's stages on this rank) and
+    ``optimizer`` a list of optimizers, a wrapper of one (Accelerate's) or a container
+    (TorchTitan's): workload/loop_objects.py; anything else is refused here.
     ``data_parallel``: the DistributedDataParallel the step runs ``model`` through, when
     ``model`` is the plain module (a DDP given as ``model`` is found by itself): a replay's
     fresh DDP then runs the iterations it had run before the first step (its bucket rebuild).
@@ -117,8 +120,8 @@ class Recorder(RingMode):
         self,
         path: str | Path,
         workload: str | None = None,
-        model: torch.nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: Any = None,
         *,
         state: Mapping[str, Any] | None = None,
         workload_kwargs: dict | None = None,

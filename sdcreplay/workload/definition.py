@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import WorkloadError, message_of
+from .loop_objects import loop_model, loop_optimizer
 
 
 @dataclass
@@ -50,6 +51,13 @@ class Workload:
     # The DistributedDataParallel the step runs ``model`` through, when ``model`` is the plain
     # module the bundle names (the Recorder needs it to know DDP's iterations before a step).
     data_parallel: torch.nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        """A factory may return what its trainer hands over (model parts, an optimizer wrapper
+        or container, several optimizers): the one module and optimizer replay reads, as the
+        Recorder takes them (loop_objects.py)."""
+        self.model = loop_model(self.model, "the workload")
+        self.optimizer = loop_optimizer(self.optimizer, "the workload")
 
     def run_step(self, batch: Any) -> torch.Tensor | None:
         """One training step as `sdcreplay record` drives it: ``train_step``, or the default."""
