@@ -170,7 +170,7 @@ class StepRing:
 
     def between(
         self, first: int, last: int
-    ) -> tuple[TrainingSnapshot | CheckpointAnchor, list[HeldStep]]:
+    ) -> tuple[RingSnapshot | CheckpointAnchor, list[HeldStep]]:
         """The held steps ``first``..``last`` and the state ``first`` began from (``first``
         starts a window: ``held_range``)."""
         for position, window in enumerate(self._windows):

@@ -32,7 +32,6 @@ from .dump import dump_trigger
 from .ring import HeldRange, HeldStep, RingSnapshot, common_window, steps_text
 
 if TYPE_CHECKING:
-    from ..capture.snapshot import TrainingSnapshot
     from .dump import RingDumper
     from .ring import StepRing
 
@@ -267,7 +266,7 @@ class RingMode:
 
     def _job_window(
         self,
-    ) -> tuple[list[HeldStep], TrainingSnapshot | CheckpointAnchor | None, str | None]:
+    ) -> tuple[list[HeldStep], RingSnapshot | CheckpointAnchor | None, str | None]:
         """The held steps this rank's part of a job's dump holds, their start, and a note
         where the ranks dumped at different steps: the ranks tell each other what they hold
         (through the store: nothing in the message log) and write the steps they all hold,
