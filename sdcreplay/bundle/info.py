@@ -12,7 +12,7 @@ from typing import Any
 from ..capture.comparable import must_match
 from ..errors import BundleError
 from .job_bundle import JobBundle, is_job_bundle, job_of_part
-from .manifest import JOB_SCHEMA
+from .manifest import JOB_SCHEMA, WorkloadRef
 from .reader import Bundle
 
 
@@ -55,6 +55,15 @@ class BundleInfo:
     coordinates: str | None = None  # one rank's part: where it lies in the job's mesh
 
     exit_code = 0
+
+    @property
+    def workload_named(self) -> str:
+        """The workload as a person knows it: a script's recorded command, or a factory's
+        reference with its keyword arguments."""
+        named = WorkloadRef._read(self.workload).named
+        if self.workload.get("kind") == "script":
+            return named
+        return f"{named} ({', '.join(f'{k}={v}' for k, v in self.workload['kwargs'].items())})"
 
     JOB_ONLY = ("ranks", "messages", "parts", "layout")
     RANK_ONLY = ("job", "rank", "coordinates")

@@ -221,6 +221,11 @@ class Bundle:
         return self.manifest.workload.ref
 
     @property
+    def workload_named(self) -> str:
+        """The workload as errors name it (`WorkloadRef.named`: a script by its command)."""
+        return self.manifest.workload.named
+
+    @property
     def workload_kwargs(self) -> dict:
         return self.manifest.workload.kwargs
 

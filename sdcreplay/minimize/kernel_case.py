@@ -177,9 +177,9 @@ def _measure_as_rank(
         ) from exc
     part = job.rank(rank)
     arguments = {
-        "bundle": str(part.path),
-        "entry_state": entry_state,
-        "case_file": str(report_dir / KERNEL_FILE),
+        "bundle": part.path,
+        "entry_state": entry_state and Path(entry_state),
+        "case_file": report_dir / KERNEL_FILE,
         "trials": trials,
         "inject": list(inject),
     }

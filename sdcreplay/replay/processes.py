@@ -37,7 +37,7 @@ from ..bundle import trust
 from ..errors import SdcReplayError
 from ..leftovers import writing
 from . import worker
-from .worker import DeviceFailure, DeviceResult, DeviceTask
+from .worker import DeviceFailure, DeviceResult, DeviceTask, given_forms
 
 STARTUP_SECONDS = 120.0
 """For a device process to start (fork, build the workload, load the state) before step one."""
@@ -382,12 +382,15 @@ def run_device_processes(
         ) from exc
     running: dict[str, _DeviceProcess] = {}
     results: dict[str, DeviceResult] = {}
+    forms: dict[str, dict[str, str]] = {}  # per label, the paths it was given (worker.given_forms)
     try:
         with logs_written(work_dir):
             for label in devices:
+                arguments = arguments_for(label)
+                forms[label] = given_forms(arguments)
                 device = running[label] = _prepared(
                     work_dir / f"{kind}-{label.replace(':', '-')}",
-                    DeviceTask(reference, label, "", arguments_for(label), dict(environment or {})),
+                    DeviceTask(reference, label, "", arguments, dict(environment or {})),
                     task.__module__,
                 )
                 with caller_main_hidden():
@@ -398,7 +401,7 @@ def run_device_processes(
                     if finished is None:
                         continue
                     del running[label]
-                    results[label] = finished
+                    results[label] = finished = finished.in_given_form(forms[label])
                     if on_done is not None:
                         on_done(label, finished)
                 if running:

@@ -116,7 +116,7 @@ class ReplaySession:
             self._load_state_objects()
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WorkloadError(
-                f"{self.bundle.workload_ref} no longer builds the recorded model: "
+                f"{self.bundle.workload_named} no longer builds the recorded model: "
                 f"{str(exc).splitlines()[0]}",
                 "Replay with the code (and workload arguments) the bundle was recorded with.",
             ) from exc
@@ -203,7 +203,7 @@ class ReplaySession:
         missing = sorted(set(saved) - set(self.workload.state))
         if missing:
             raise WorkloadError(
-                f"{self.bundle.workload_ref} has no state object {missing[0]!r} (it has "
+                f"{self.bundle.workload_named} has no state object {missing[0]!r} (it has "
                 f"{sorted(self.workload.state) or 'none'}), but the recording saved one",
                 "Return the same named state objects from the workload (Workload(state={...})).",
             )
@@ -561,7 +561,7 @@ def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple
     except Exception as exc:
         first_line = (str(exc).splitlines() or [""])[0][:300]
         raise WorkloadError(
-            f"{session.bundle.workload_ref} raised {type(exc).__name__} in step {record.index} "
+            f"{session.bundle.workload_named} raised {type(exc).__name__} in step {record.index} "
             f"on {session.label}: {first_line}",
             "The stored batch or state does not fit the workload (a damaged or foreign "
             "bundle), or the workload changed since the recording; the device's log holds "
