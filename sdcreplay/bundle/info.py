@@ -13,7 +13,7 @@ from ..capture.comparable import must_match
 from ..errors import BundleError
 from .job_bundle import JobBundle, is_job_bundle, job_of_part
 from .manifest import JOB_SCHEMA, WorkloadRef
-from .reader import Bundle
+from .reader import Bundle, workload_named
 
 
 @dataclass
@@ -60,10 +60,10 @@ class BundleInfo:
     def workload_named(self) -> str:
         """The workload as a person knows it: a script's recorded command, or a factory's
         reference with its keyword arguments."""
-        named = WorkloadRef._read(self.workload).named
-        if self.workload.get("kind") == "script":
-            return named
-        return f"{named} ({', '.join(f'{k}={v}' for k, v in self.workload['kwargs'].items())})"
+        ref = WorkloadRef._read(self.workload)
+        if ref.is_script:
+            return workload_named(ref)
+        return f"{ref.ref} ({', '.join(f'{k}={v}' for k, v in ref.kwargs.items())})"
 
     JOB_ONLY = ("ranks", "messages", "parts", "layout")
     RANK_ONLY = ("job", "rank", "coordinates")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -131,17 +130,6 @@ class WorkloadRef(Record):
     @property
     def is_script(self) -> bool:
         return self.kind == "script"
-
-    @property
-    def named(self) -> str:
-        """The workload as a person knows it: a script's recorded command (``script
-        /path/train.py --lr 3e-4``, ``script -m pkg.train ...``), a factory's reference."""
-        if not self.is_script:
-            return self.ref
-        command = self.command or {}
-        argv = [str(word) for word in command.get("argv", [])]
-        module = command.get("module")
-        return "script " + shlex.join(["-m", str(module), *argv[1:]] if module else argv)
 
 
 @dataclass(kw_only=True)

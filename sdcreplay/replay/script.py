@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..bundle.manifest import WorkloadRef
+from ..bundle.reader import workload_named
 from ..capture.around import RestorePoints
 from ..errors import SdcReplayError, WorkloadError, WorkloadMismatchError, message_of
 
@@ -250,7 +251,7 @@ class ScriptRun:
 
     def __init__(self, ref: WorkloadRef):
         self.command = ScriptCommand.of(ref)
-        self.named = ref.named  # the recorded command, as errors name it
+        self.named = workload_named(ref)  # the recorded command, as errors name it
         self._handoff = Handoff()
         self._thread: threading.Thread | None = None
         self._parked = False
