@@ -47,6 +47,13 @@ class _StoppedBeforeUpdate(Exception):
     """Ends a replayed step where its recording was stopped, at the optimizer's step."""
 
 
+def _absolute(bundle: Bundle) -> Bundle:
+    """``bundle``, its files named by an absolute path (resolved in this directory, now)."""
+    if bundle.path.is_absolute():
+        return bundle
+    return Bundle(bundle.path.absolute(), bundle.manifest)
+
+
 class ReplaySession:
     """A workload rebuilt from a bundle, in the state before its first step."""
 
@@ -61,10 +68,11 @@ class ReplaySession:
         repeat: int = 0,
         feed: Bundle | None = None,
     ):
-        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+        # Read by absolute paths: a script-mode step runs in the recorded directory (script.py).
+        self.bundle = _absolute(bundle if isinstance(bundle, Bundle) else Bundle.open(bundle))
         # Whose batches and RNG states the steps run on: another rank's part of the job in a
         # same-batch replay (docs/at-scale.md), else the bundle's own.
-        self.feed = feed or self.bundle
+        self.feed = _absolute(feed) if feed is not None else self.bundle
         self.recorded_messages: dict[int, list[Message]] = {}
         self.message_log = self._message_log()
         info = self.bundle.manifest.distributed

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def places(tmp_path_factory, _small_bundle_template: Path) -> tuple[Path, Path]:
     """(where the script recorded, where the person works): ``p.bundle``, examples/
-    train_script.py recorded in the first with a relative ``--out``, and ``b.bundle``, a
-    built-in workload's, both copied into the second."""
+    train_script.py recorded in the first with a relative ``--out``, moved to the second (a
+    path resolved in the recorded directory finds nothing), and ``b.bundle``, a built-in
+    workload's."""
     recorded = tmp_path_factory.mktemp("recorded")
     shutil.copy(TESTS.parent / "examples" / "train_script.py", recorded)
     command = [sys.executable, "train_script.py", "--out", "p.bundle", "--steps", "2"]
@@ -36,7 +37,7 @@ def places(tmp_path_factory, _small_bundle_template: Path) -> tuple[Path, Path]:
     done = subprocess.run(command, cwd=recorded, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     elsewhere = tmp_path_factory.mktemp("elsewhere")
-    shutil.copytree(recorded / "p.bundle", elsewhere / "p.bundle")
+    shutil.move(recorded / "p.bundle", elsewhere / "p.bundle")
     shutil.copytree(_small_bundle_template, elsewhere / "b.bundle")
     return recorded, elsewhere
 
