@@ -217,7 +217,9 @@ def minimize_kernel(
     def measure(label: str) -> tuple[int, int | None]:
         if in_job:
             return _measure_as_rank(report, report_dir, label, entry, trials, inject)
-        invoke = compile_kernel_here(report["bundle"], label, entry, case)
+        invoke = compile_kernel_here(
+            str(report_bundle(report, report_dir) or report["bundle"]), label, entry, case
+        )
         return _measure(case, invoke, label, specs, trials)
 
     failures, first = measure(device)

@@ -44,12 +44,12 @@ def places(tmp_path_factory, _small_bundle_template: Path) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def run(places, sdcreplay_exe: str):
-    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    def run(*args: str, env: dict | None = None, cwd: Path | None = None):
         full = {**os.environ, **NO_LEDGER, **(env or {})}
         full.pop("SDCREPLAY_DEBUG", None)
         return subprocess.run(
-            [sdcreplay_exe, *args], cwd=places[1], env=full, capture_output=True, text=True,
-            timeout=600,
+            [sdcreplay_exe, *args], cwd=cwd or places[1], env=full, capture_output=True,
+            text=True, timeout=600,
         )  # fmt: skip
 
     return run
@@ -94,7 +94,7 @@ def test_replay_ops_info_and_diff_take_relative_paths(places, run, bundle: str):
 
 
 def test_bisect_and_minimize_write_where_the_command_runs(places, run):
-    _, elsewhere = places
+    recorded, elsewhere = places
     found = run(
         "bisect", "p.bundle", "--suspect", "cpu:1", "--reference", "cpu:0", "--inject", SPEC,
         "--out", "bis", "--json",
@@ -112,11 +112,17 @@ def test_bisect_and_minimize_write_where_the_command_runs(places, run):
     assert report["replay"]["log_dir"] == "bis/work/replay"
     assert (elsewhere / "bis" / "report.json").is_file() and _partials(elsewhere) == []
 
-    shrunk = run("minimize", "bis", "--inject", SPEC, "--trials", "5", "--out", "ticket", "--json")
+    # From a third directory: the report's relative bundle is found where bisect ran.
+    report_dir = os.path.relpath(elsewhere / "bis", recorded)
+    shrunk = run(
+        "minimize", report_dir, "--inject", SPEC, "--trials", "5", "--out", "ticket", "--json",
+        cwd=recorded,
+    )  # fmt: skip
     assert shrunk.returncode == 1, shrunk.stderr[-3000:]
     ticket = json.loads(shrunk.stdout)
     assert (ticket["op"], ticket["trials"], ticket["failures"]) == ("aten.mm.default", 5, 5)
-    assert (elsewhere / "ticket" / "repro.py").is_file() and _partials(elsewhere) == []
+    assert not [w for w in ticket["warnings"] if "bundle cannot be read" in w], ticket["warnings"]
+    assert (recorded / "ticket" / "repro.py").is_file() and _partials(recorded) == []
 
 
 def test_a_failed_bisect_says_what_the_device_said_and_leaves_no_partial_report(places, run):
