@@ -483,13 +483,14 @@ def _own_result(rank: _Rank, hung: tuple[int, str] | None, timeout: float) -> De
             result = DeviceResult.from_json(json.loads(rank.result.read_text()))
     if result is None and rank.ended_by_itself():  # died without a word: stderr is all there is
         assert status is not None
+        said = processes.tail(rank.stderr)
         return DeviceResult(
             error=DeviceFailure(
                 f"rank {rank.rank} ({rank.label}) {processes.exit_description(status)}",
-                processes.retry_hint(status),
+                processes.retry_hint(status, said),
                 exit_status=status,
                 log=str(rank.stderr),
-                stderr_tail=processes.tail(rank.stderr),
+                stderr_tail=said,
             )
         )
     if result is None or result.error is None:

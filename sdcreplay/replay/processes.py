@@ -260,8 +260,9 @@ def exit_description(status: int) -> str:
     return f"exited with status {status}"
 
 
-def retry_hint(status: int) -> str:
-    """Whether running the device again is worth it, from how its process ended."""
+def retry_hint(status: int, said: str) -> str:
+    """Whether running the device again is worth it, from how its process ended (``said``: the
+    last lines of its stderr, which the hint points at; empty: it wrote nothing)."""
     if status in (-signal.SIGKILL, 137):
         return (
             "Killed from outside (out of memory, or a person/scheduler): retry alone on that "
@@ -271,6 +272,11 @@ def retry_hint(status: int) -> str:
         return (
             "A crash inside a kernel or the driver: retry once; if the same device crashes "
             "again while the others do not, treat it as the suspect."
+        )
+    if not said:
+        return (
+            "It ended without a word on stderr (os._exit, or a crash in native code); run it "
+            "again alone to see whether it ends the same way."
         )
     return (
         "The stderr lines above say why; fix that and retry (a retry alone does not change "
@@ -451,11 +457,12 @@ def _poll(
             result = DeviceResult.from_json(json.loads(device.result.read_text()))
     if result is None or (status != 0 and result.error is None):
         # died without a word (signal, os._exit): its last lines of stderr are all there is to say
+        said = tail(device.stderr)
         result = DeviceResult(
             error=DeviceFailure(
                 f"the {label} process {exit_description(status)}",
-                retry_hint(status),
-                stderr_tail=tail(device.stderr),
+                retry_hint(status, said),
+                stderr_tail=said,
             )
         )
     if result.error is not None:
