@@ -74,13 +74,13 @@ def test_replay_ops_info_and_diff_take_relative_paths(places, run, bundle: str):
     ]  # as typed, though the device processes wrote them in the recorded directory
     assert (elsewhere / logs / "cpu-1.r0.sig.zst").is_file()
 
-    listed = run("ops", bundle, "--step", "1")
-    assert listed.returncode == 0, listed.stderr[-3000:]
-    assert "aten.mm.default" in listed.stderr + listed.stdout
-
-    compared = run("diff", bundle, f"{logs}/cpu-1.r0.sig.zst")
-    assert compared.returncode == 0, compared.stderr[-3000:]
-    assert "identical" in compared.stderr + compared.stdout
+    if bundle == "p.bundle":  # in-process commands: only a script's replay moves elsewhere
+        listed = run("ops", bundle, "--step", "1")
+        assert listed.returncode == 0, listed.stderr[-3000:]
+        assert "aten.mm.default" in listed.stderr + listed.stdout
+        compared = run("diff", bundle, f"{logs}/cpu-1.r0.sig.zst")
+        assert compared.returncode == 0, compared.stderr[-3000:]
+        assert "identical" in compared.stderr + compared.stdout
 
     described = run("info", bundle)
     assert described.returncode == 0, described.stderr[-3000:]
