@@ -98,10 +98,11 @@ def given_forms(value: Any) -> dict[str, str]:
         given = os.fspath(value)
         absolute = os.path.abspath(given)
         return {} if given == absolute else {absolute: str(given)}
-    items = value.values() if isinstance(value, dict) else value
-    if not isinstance(value, (dict, list, tuple)):
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
         return {}
-    return {absolute: given for item in items for absolute, given in given_forms(item).items()}
+    return {absolute: given for item in value for absolute, given in given_forms(item).items()}
 
 
 def in_given_form(value: Any, forms: dict[str, str]) -> Any:
@@ -127,7 +128,8 @@ class DeviceTask:
     device process moves to the recorded directory (a script-mode workload, `replay.script`)
     before it reads the bundle or writes a result, and a path a person typed is theirs, not
     the recorded directory's. The task's own files are; its arguments' paths are those given
-    as paths (``Path``, not ``str``)."""
+    as paths (``Path``, not ``str``). What it returns names them as the command gave them
+    (`DeviceResult.in_given_form`): a returned path handed to another task goes as a ``Path``."""
 
     function: str  # a device_task reference, e.g. "sdcreplay.replay.session:run_replay_task"
     device: str
