@@ -287,7 +287,7 @@ def bisect_kernels(
         "kernels",
         run_kernel_log_task,
         suspect,
-        {**common, "expected_log": ref["log"], "repeats": repeats},
+        {**common, "expected_log": Path(ref["log"]), "repeats": repeats},
     )
     if "structure_error" in sus:
         raise SdcReplayError(
@@ -306,7 +306,7 @@ def bisect_kernels(
         "fetch",
         run_kernel_log_task,
         reference,
-        {**common, "expected_log": ref["log"], "watch": suspect_case.site.index},
+        {**common, "expected_log": Path(ref["log"]), "watch": suspect_case.site.index},
     )
     reference_case = KernelCase.read(Path(fetched["case"]))
     case = KernelCase(
@@ -330,7 +330,7 @@ def bisect_kernels(
             "bundle": common["bundle"],
             "step": step,
             "entry_state": common["entry_state"],
-            "case_file": str(staging / KERNEL_FILE),
+            "case_file": staging / KERNEL_FILE,
             "runs": isolation_runs,
             "inject": common["inject"],
         },

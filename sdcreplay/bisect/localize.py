@@ -91,22 +91,29 @@ def bisect(
     replace a report already at ``out``, moving it (and the tickets in it) aside; ``alone``: a
     job's rank runs without its data-parallel peers (`bisect.alone`, docs/at-scale.md);
     ``from_state``: alone, start at a state phase 1 kept (`replay.kept_state`)."""
-    result = _localize(
-        bundle,
-        rank=rank,
-        suspect=suspect,
-        reference=reference,
-        step=step,
-        repeats=repeats,
-        isolation_runs=isolation_runs,
-        inject=inject,
-        out=out,
-        plot=plot,
-        on_event=on_event,
-        overwrite=overwrite,
-        alone=alone,
-        from_state=from_state,
-    )
+    begun: list[ReportDirectory] = []
+    try:
+        result = _localize(
+            bundle,
+            begun,
+            rank=rank,
+            suspect=suspect,
+            reference=reference,
+            step=step,
+            repeats=repeats,
+            isolation_runs=isolation_runs,
+            inject=inject,
+            out=out,
+            plot=plot,
+            on_event=on_event,
+            overwrite=overwrite,
+            alone=alone,
+            from_state=from_state,
+        )
+    except Exception:
+        for written in begun:
+            written.discard()
+        raise
     if ledger:
         note_result(result.to_json())
     return result
@@ -114,6 +121,7 @@ def bisect(
 
 def _localize(
     bundle: str | Path,
+    begun: list[ReportDirectory],
     *,
     rank: int | None,
     suspect: str | None,
@@ -157,6 +165,7 @@ def _localize(
     written = ReportDirectory.begin(
         Path(out) if out else named.with_name(named.name + ".bisect"), overwrite
     )
+    begun.append(written)  # a failure discards it (`bisect`)
     work, finish = written.work, written.finish
     base: dict = {
         "schema": SCHEMA,
@@ -239,19 +248,19 @@ def _localize(
         )
 
     common = {
-        "bundle": str(opened.path),
+        "bundle": opened.path,
         "step": step,
         "inject": list(inject),
-        "work_dir": str(work),
+        "work_dir": work,
     }
     pinned = determinism.pinned_environment(opened.manifest.fingerprint)
     single = partial(_run_alone, work=work, environment=pinned)
     # A job's rank among its peers replays the window with them: no saved state. A rank
     # alone starts every later run from the state entering the step, as a single process.
-    entry_state = str(work / ENTRY_STATE_FILE) if job is None or alone else None
+    entry_state = work / ENTRY_STATE_FILE if job is None or alone else None
     if kept is not None:  # the kept state is the state entering the step: no run saves it
-        common["entry_state"] = entry_state = str(kept.rank_state(rank or 0))
-    kept_path = None if kept is None else str(kept.path)
+        common["entry_state"] = entry_state = kept.rank_state(rank or 0)
+    kept_path = None if kept is None else kept.path
     run = (
         single
         if job is None
@@ -298,7 +307,7 @@ def _localize(
         "oplog",
         run_oplog_task,
         suspect,
-        {**common, "expected_log": ref_log["oplog"], "repeats": repeats},
+        {**common, "expected_log": Path(ref_log["oplog"]), "repeats": repeats},
     )
     steps = {
         "replay": replayed.pop("steps_run", {}).get("replay", 0),
@@ -333,7 +342,7 @@ def _localize(
             **common,
             "op_index": sus["op_index"],
             "state_names": sus["state_differs"],
-            "expected_log": ref_log["oplog"],
+            "expected_log": Path(ref_log["oplog"]),
         },
     )
     steps["fetch"] = fetched["steps_run"]
@@ -382,8 +391,8 @@ def _localize(
         run_isolate_task,
         suspect,
         {
-            "bundle": str(opened.path),
-            "case_file": str(written.staging / OPERATOR_FILE),
+            "bundle": opened.path,
+            "case_file": written.staging / OPERATOR_FILE,
             "inject": list(inject),
             "runs": runs,
             "rank": rank,
@@ -494,9 +503,8 @@ def _run_alone(
     )
     result, error = results[label], results[label].error
     if error is not None:
-        detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
         raise SdcReplayError(
-            f"the {label} process failed: {error.message}{detail}",
+            f"the {label} process failed: {error.said()}",
             error.hint or f"See the process's stderr in {error.log or work}.",
         )
     return result.value or {}

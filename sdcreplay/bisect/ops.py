@@ -257,7 +257,7 @@ def _rank_calls(
         environment=determinism.pinned_environment(part.manifest.fingerprint),
     )
     work = temporary_run_dir("ops")
-    value = run("ops", run_ops_task, device, {"bundle": str(part.path), "step": step}, work=work)
+    value = run("ops", run_ops_task, device, {"bundle": part.path, "step": step}, work=work)
     shutil.rmtree(work, ignore_errors=True)  # kept where a rank failed: its error names its logs
     return [Call(**c) for c in value["calls"]], [KernelEntry(**k) for k in value["kernels"]]
 

@@ -94,7 +94,7 @@ def run_in_job(
     require_own_gpus(labels)
     runs_step = task is not run_fetch_task or arguments.get("op_index") is not None
     job_arguments = {
-        "job": str(job.path),
+        "job": job.path,
         "rank": rank,
         "task": task_reference(task),
         "arguments": arguments,

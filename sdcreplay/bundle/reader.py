@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ from .manifest import (
     Manifest,
     StepRecord,
     Verification,
+    WorkloadRef,
     sha256_file,
 )
 from .rules import Check, _check_fields, _is_int, integer, nullable, optional, text
@@ -151,6 +153,17 @@ def _existing(path: str | Path) -> Path:
     return path
 
 
+def workload_named(workload: WorkloadRef) -> str:
+    """A workload as a person knows it: a script's recorded command (``script /path/train.py
+    --lr 3e-4``, ``script -m pkg.train ...``), a factory's reference."""
+    if not workload.is_script:
+        return workload.ref
+    command = workload.command or {}
+    argv = [str(word) for word in command.get("argv", [])]
+    module = command.get("module")
+    return "script " + shlex.join(["-m", str(module), *argv[1:]] if module else argv)
+
+
 class Bundle:
     """A validated bundle; every file is checked against its SHA-256 on open."""
 
@@ -219,6 +232,11 @@ class Bundle:
     @property
     def workload_ref(self) -> str:
         return self.manifest.workload.ref
+
+    @property
+    def workload_named(self) -> str:
+        """The workload as errors name it (`workload_named`: a script by its command)."""
+        return workload_named(self.manifest.workload)
 
     @property
     def workload_kwargs(self) -> dict:

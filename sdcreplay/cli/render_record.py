@@ -135,7 +135,6 @@ def render_info(output: Output, about: BundleInfo) -> None:
     )
     if about.state_objects:
         state_text += f"; state objects {', '.join(about.state_objects)}"
-    kwargs = ", ".join(f"{k}={v}" for k, v in about.workload["kwargs"].items())
     steps = ", ".join(str(s["index"]) for s in about.steps)
     incomplete = "" if about.complete else " [yellow]incomplete: the recording stopped early[/]"
     switches = about.determinism
@@ -143,7 +142,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
         f"Bundle {about.bundle}",
         ["field", "value"],
         [
-            ["workload", f"{about.workload['ref']} ({kwargs})"],
+            ["workload", about.workload_named],
             ["recorded on", f"{about.device} ({env['device'].get('name')}) on host {env['host']}"],
             [
                 "software",

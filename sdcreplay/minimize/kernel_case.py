@@ -177,9 +177,9 @@ def _measure_as_rank(
         ) from exc
     part = job.rank(rank)
     arguments = {
-        "bundle": str(part.path),
-        "entry_state": entry_state,
-        "case_file": str(report_dir / KERNEL_FILE),
+        "bundle": part.path,
+        "entry_state": entry_state and Path(entry_state),
+        "case_file": report_dir / KERNEL_FILE,
         "trials": trials,
         "inject": list(inject),
     }
@@ -219,7 +219,9 @@ def minimize_kernel(
     def measure(label: str) -> tuple[int, int | None]:
         if in_job:
             return _measure_as_rank(report, report_dir, label, entry, trials, inject)
-        invoke = compile_kernel_here(report["bundle"], label, entry, case)
+        invoke = compile_kernel_here(
+            str(report_bundle(report, report_dir) or report["bundle"]), label, entry, case
+        )
         return _measure(case, invoke, label, specs, trials)
 
     failures, first = measure(device)

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -464,18 +465,23 @@ def staged_ticket(
     """A ticket directory written whole or not at all: ``inputs.h5`` (the case, the call it runs
     and ``result``'s switches) and ``repro.py`` staged in a run directory of its own; the caller
     adds its documents; then it takes ``target``'s place, a ticket there (``overwrite``) moved
-    aside (where to: the list yielded, filled once the block ends)."""
+    aside (where to: the list yielded, filled once the block ends). A block that fails leaves no
+    staging behind."""
     claim_ticket(target, overwrite)
     staging = make_run_dir(target.parent, target.name + ".", ".partial")
-    case.write(staging / INPUTS_FILE)
-    with h5py.File(staging / INPUTS_FILE, "a") as handle:
-        handle.attrs["op"] = case.op
-        handle.attrs["switches"] = json.dumps(result["switches"])
-        if result.get("job"):
-            handle.attrs["rank"] = result["job"]["rank"]
-    (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
     moved: list[Path] = []
-    yield staging, moved
+    try:
+        case.write(staging / INPUTS_FILE)
+        with h5py.File(staging / INPUTS_FILE, "a") as handle:
+            handle.attrs["op"] = case.op
+            handle.attrs["switches"] = json.dumps(result["switches"])
+            if result.get("job"):
+                handle.attrs["rank"] = result["job"]["rank"]
+        (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
+        yield staging, moved
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     claim_ticket(target, overwrite)  # another run may have written one meanwhile
     if target.is_dir() and not any(target.iterdir()):
         target.rmdir()

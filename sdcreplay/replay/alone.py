@@ -323,20 +323,20 @@ def replay_alone(
         directory = log_dir / label.replace(":", "-")
         directory.mkdir(parents=True, exist_ok=True)
         replay = {
-            "job": str(job.path),
-            "log_dir": str(directory),
+            "job": job.path,
+            "log_dir": directory,
             "repeats": 1,
             "inject": list(inject),
             "last_step": last_step,
-            "start_state": None if kept is None else [str(kept.rank_state(rank)), kept.step],
+            "start_state": None if kept is None else [kept.rank_state(rank), kept.step],
         }
         return {
-            "job": str(job.path),
+            "job": job.path,
             "rank": rank,
             "world_size": job.world_size,
             "task": task_reference(run_rank_replay_task),
             "arguments": replay,
-            "from_state": None if kept is None else str(kept.path),
+            "from_state": None if kept is None else kept.path,
         }
 
     results = run_device_processes(

@@ -84,7 +84,7 @@ def judge_against(bundle: str | Path, device: str = "cpu") -> ComparabilityRepor
             "probe",
             run_probe_task,
             [device],
-            lambda label: {"bundle": str(opened.path)},
+            lambda label: {"bundle": opened.path},
             Path(work),
             environment=determinism.pinned_environment(recorded),
         )
@@ -110,7 +110,7 @@ def probe_in_processes(bundle: Bundle, labels: list[str], work: Path) -> dict[st
         "probe",
         run_probe_task,
         labels,
-        lambda label: {"bundle": str(bundle.path)},
+        lambda label: {"bundle": bundle.path},
         work,
         environment=determinism.pinned_environment(bundle.manifest.fingerprint),
     )

@@ -243,8 +243,8 @@ def replay_job(
     for index, labels in enumerate(replicas):
         directory = log_dir / f"replica{index}"
         arguments = {
-            "job": str(job.path),
-            "log_dir": str(directory),
+            "job": job.path,
+            "log_dir": directory,
             "repeats": repeats,
             "inject": list(inject),
             "last_step": last_step,

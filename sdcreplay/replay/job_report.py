@@ -51,9 +51,8 @@ def _failure_text(failure: DeviceFailure) -> str:
     """Its message, with its exit status and, where the message does not say why (a process
     that died without a word), its last stderr line."""
     status = "" if failure.exit_status is None else f" [exit status {failure.exit_status}]"
-    last = failure.stderr_tail.splitlines()[-1] if failure.stderr_tail else ""
-    said = not last or last.split(": ", 1)[-1][:60] in failure.message
-    return f"{failure.message}{status}" + ("" if said else f": {last}")
+    said = failure.said()
+    return f"{failure.message}{status}{said[len(failure.message) :]}"
 
 
 @dataclass

@@ -213,10 +213,10 @@ def keep_state(
     except OSError as exc:
         raise unusable_directory(directory, exc.strerror or str(exc)) from exc
     arguments = {
-        "job": str(job.path),
+        "job": job.path,
         "step": step,
         "feed_from": [layout.counterpart(rank, source) for rank in range(job.world_size)],
-        "out": str(directory),
+        "out": directory,
         "odd": odd,
         "inject": inject,
     }

@@ -37,7 +37,7 @@ from ..bundle import trust
 from ..errors import SdcReplayError
 from ..leftovers import writing
 from . import worker
-from .worker import DeviceFailure, DeviceResult, DeviceTask
+from .worker import DeviceFailure, DeviceResult, DeviceTask, given_forms
 
 STARTUP_SECONDS = 120.0
 """For a device process to start (fork, build the workload, load the state) before step one."""
@@ -260,8 +260,9 @@ def exit_description(status: int) -> str:
     return f"exited with status {status}"
 
 
-def retry_hint(status: int) -> str:
-    """Whether running the device again is worth it, from how its process ended."""
+def retry_hint(status: int, said: str) -> str:
+    """Whether running the device again is worth it, from how its process ended (``said``: the
+    last lines of its stderr, which the hint points at; empty: it wrote nothing)."""
     if status in (-signal.SIGKILL, 137):
         return (
             "Killed from outside (out of memory, or a person/scheduler): retry alone on that "
@@ -271,6 +272,11 @@ def retry_hint(status: int) -> str:
         return (
             "A crash inside a kernel or the driver: retry once; if the same device crashes "
             "again while the others do not, treat it as the suspect."
+        )
+    if not said:
+        return (
+            "It ended without a word on stderr (os._exit, or a crash in native code); run it "
+            "again alone to see whether it ends the same way."
         )
     return (
         "The stderr lines above say why; fix that and retry (a retry alone does not change "
@@ -382,12 +388,15 @@ def run_device_processes(
         ) from exc
     running: dict[str, _DeviceProcess] = {}
     results: dict[str, DeviceResult] = {}
+    forms: dict[str, dict[str, str]] = {}  # per label, the paths it was given (worker.given_forms)
     try:
         with logs_written(work_dir):
             for label in devices:
+                arguments = arguments_for(label)
+                forms[label] = given_forms(arguments)
                 device = running[label] = _prepared(
                     work_dir / f"{kind}-{label.replace(':', '-')}",
-                    DeviceTask(reference, label, "", arguments_for(label), dict(environment or {})),
+                    DeviceTask(reference, label, "", arguments, dict(environment or {})),
                     task.__module__,
                 )
                 with caller_main_hidden():
@@ -398,7 +407,7 @@ def run_device_processes(
                     if finished is None:
                         continue
                     del running[label]
-                    results[label] = finished
+                    results[label] = finished = finished.in_given_form(forms[label])
                     if on_done is not None:
                         on_done(label, finished)
                 if running:
@@ -448,11 +457,12 @@ def _poll(
             result = DeviceResult.from_json(json.loads(device.result.read_text()))
     if result is None or (status != 0 and result.error is None):
         # died without a word (signal, os._exit): its last lines of stderr are all there is to say
+        said = tail(device.stderr)
         result = DeviceResult(
             error=DeviceFailure(
                 f"the {label} process {exit_description(status)}",
-                retry_hint(status),
-                stderr_tail=tail(device.stderr),
+                retry_hint(status, said),
+                stderr_tail=said,
             )
         )
     if result.error is not None:

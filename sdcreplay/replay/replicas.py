@@ -255,6 +255,7 @@ class ReplayReport:
             "recorded_faults": self.recorded_faults,
             "repeats": self.repeats,
             "log_dir": self.log_dir,
+            "verdict": self.consensus.verdict if self.consensus else "error",  # as a job's
             "record": {"verdict": self.record_verdict, "identity": self.record_identity},
             "devices": [run.to_json() for run in self.devices],
             "consensus": self.consensus.to_json() if self.consensus else None,
@@ -366,11 +367,11 @@ def replay_devices(
         run_replay_task,
         labels,
         lambda label: {
-            "bundle": str(opened.path),
+            "bundle": opened.path,
             "repeats": repeats,
             "inject": list(inject),
             "last_step": last_step,
-            "log_dir": str(log_dir),
+            "log_dir": log_dir,
         },
         log_dir,
         environment=determinism.pinned_environment(recorded_fingerprint),
@@ -383,7 +384,7 @@ def replay_devices(
         raise FaultSpecError(wrong_spec.message, wrong_spec.hint)
     if len(errors) == len(results) and len({error.message for error in errors}) == 1:
         shared = errors[0]  # the same failure everywhere: the tool's, not a device's
-        raise SdcReplayError(f"every device failed: {shared.message}", shared.hint)
+        raise SdcReplayError(f"every device failed: {shared.said()}", shared.hint)
     refuse_unmatched_specs(
         [(label, None, result.value) for label, result in results.items()], opened.path
     )

@@ -278,8 +278,8 @@ def replay_same_batch(
     labels = replicas[0]
     directory = log_dir / "same-batch"
     arguments = {
-        "job": str(job.path),
-        "log_dir": str(directory),
+        "job": job.path,
+        "log_dir": directory,
         "repeats": 1,
         "inject": list(inject),
         "last_step": last_step,

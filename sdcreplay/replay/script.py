@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..bundle.manifest import WorkloadRef
+from ..bundle.reader import workload_named
 from ..capture.around import RestorePoints
 from ..errors import SdcReplayError, WorkloadError, WorkloadMismatchError, message_of
 
@@ -250,7 +251,7 @@ class ScriptRun:
 
     def __init__(self, ref: WorkloadRef):
         self.command = ScriptCommand.of(ref)
-        self.ref = ref.ref
+        self.named = workload_named(ref)  # the recorded command, as errors name it
         self._handoff = Handoff()
         self._thread: threading.Thread | None = None
         self._parked = False
@@ -303,12 +304,12 @@ class ScriptRun:
             if isinstance(error, SdcReplayError):
                 return error
             return WorkloadError(
-                f"{self.ref} raised {type(error).__name__} {when}: {message_of(error)}",
+                f"{self.named} raised {type(error).__name__} {when}: {message_of(error)}",
                 "The script fails in replay mode: run it as recorded to see why; "
                 "SDCREPLAY_DEBUG=1 shows the traceback.",
             )
         return WorkloadError(
-            f"{self.ref} ended {when}"
+            f"{self.named} ended {when}"
             + (" (it exited)" if error is not None else " without a Recorder step to replay"),
             "A replayed script must create its Recorder and reach rec.step() as when it "
             "recorded (the same command line and files); guard only writes and logging "

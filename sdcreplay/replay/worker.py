@@ -80,9 +80,56 @@ _TASK_FIELDS: dict[str, type | tuple[type, ...]] = {
 _REQUIRED = ("function", "device", "result")
 
 
+def absolute_paths(value: Any) -> Any:
+    """``value`` with every path in it (an ``os.PathLike``, in dicts, lists and tuples too) an
+    absolute one, as a string: resolved in the directory of the process that asks."""
+    if isinstance(value, os.PathLike):
+        return os.path.abspath(os.fspath(value))
+    if isinstance(value, dict):
+        return {key: absolute_paths(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [absolute_paths(item) for item in value]
+    return value
+
+
+def given_forms(value: Any) -> dict[str, str]:
+    """Each path in ``value`` that `absolute_paths` changes: its absolute form -> as given."""
+    if isinstance(value, os.PathLike):
+        given = os.fspath(value)
+        absolute = os.path.abspath(given)
+        return {} if given == absolute else {absolute: str(given)}
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return {}
+    return {absolute: given for item in value for absolute, given in given_forms(item).items()}
+
+
+def in_given_form(value: Any, forms: dict[str, str]) -> Any:
+    """``value`` (what a device process returned) with every path under an absolute one of
+    ``forms`` in the form the command gave it: a command speaks of its paths as typed."""
+    if isinstance(value, str):
+        for absolute in sorted(forms, key=len, reverse=True):
+            if value == absolute or value.startswith(absolute + os.sep):
+                return forms[absolute] + value[len(absolute) :]
+        return value
+    if isinstance(value, dict):
+        return {key: in_given_form(item, forms) for key, item in value.items()}
+    if isinstance(value, list):
+        return [in_given_form(item, forms) for item in value]
+    return value
+
+
 @dataclass(frozen=True)
 class DeviceTask:
-    """What one device process is asked to do, and where it reports."""
+    """What one device process is asked to do, and where it reports.
+
+    Every path in it is absolute, resolved in the directory of the command that made it: a
+    device process moves to the recorded directory (a script-mode workload, `replay.script`)
+    before it reads the bundle or writes a result, and a path a person typed is theirs, not
+    the recorded directory's. The task's own files are; its arguments' paths are those given
+    as paths (``Path``, not ``str``). What it returns names them as the command gave them
+    (`DeviceResult.in_given_form`): a returned path handed to another task goes as a ``Path``."""
 
     function: str  # a device_task reference, e.g. "sdcreplay.replay.session:run_replay_task"
     device: str
@@ -91,6 +138,13 @@ class DeviceTask:
     environment: dict[str, str] = field(default_factory=dict)  # set before the task runs
     stderr: str | None = None  # the process's log, named in error hints
     alive: str | None = None  # the liveness file (`Heartbeat`)
+
+    def __post_init__(self) -> None:
+        for name in ("result", "stderr", "alive"):
+            path = getattr(self, name)
+            if path:
+                object.__setattr__(self, name, os.path.abspath(path))
+        object.__setattr__(self, "arguments", absolute_paths(self.arguments))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,6 +186,13 @@ class DeviceFailure:
     timed_out: float | None = None  # the timeout it exceeded, in seconds
     kind: str | None = None  # the SdcReplayError class the task raised (e.g. MessageOrderError)
 
+    def said(self) -> str:
+        """Its message and, where the message does not say why (a process that died without a
+        word, the hint pointing at "the stderr lines above"), its last stderr line."""
+        last = self.stderr_tail.splitlines()[-1] if self.stderr_tail else ""
+        said = not last or last.split(": ", 1)[-1][:60] in self.message
+        return self.message if said else f"{self.message}: {last}"
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -160,6 +221,10 @@ class DeviceResult:
         if self.error is not None:
             return {"error": self.error.to_json()}
         return {"value": self.value}
+
+    def in_given_form(self, forms: dict[str, str]) -> DeviceResult:
+        """The value's paths as the command gave them (`in_given_form`)."""
+        return self if self.value is None else DeviceResult(in_given_form(self.value, forms))
 
     @classmethod
     def from_json(cls, data: Any) -> DeviceResult:
