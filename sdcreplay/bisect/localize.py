@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.signature import layer_of
 from ..compare.logs import RECORD
 from ..devices import require_available
@@ -242,7 +242,7 @@ def _localize(
         "inject": list(inject),
         "work_dir": str(work),
     }
-    pinned = determinism.pinned_environment(opened.manifest.fingerprint)
+    pinned = comparable.pinned_environment(opened.manifest.fingerprint)
     single = partial(_run_alone, work=work, environment=pinned)
     # A job's rank among its peers replays the window with them: no saved state. A rank
     # alone starts every later run from the state entering the step, as a single process.

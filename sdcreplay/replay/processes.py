@@ -347,7 +347,7 @@ def _prepared(stem: Path, task: DeviceTask, task_module: str) -> _DeviceProcess:
 
 def run_device_processes(
     kind: str,
-    task: Callable[..., dict],
+    task: Callable[..., dict] | str,
     devices: list[str],
     arguments_for: Callable[[str], dict],
     work_dir: Path,
@@ -357,7 +357,8 @@ def run_device_processes(
     timeout: float | None = None,
     deadline: float | None = None,
 ) -> dict[str, DeviceResult]:
-    """Run ``task`` (a `worker.device_task`) in one process per device label at once.
+    """Run ``task`` (a `worker.device_task`, or its reference) in one process per device label
+    at once.
 
     Each process gets ``device=label`` and ``arguments_for(label)`` as keywords,
     and ``environment`` set before it runs; its files in ``work_dir`` are named
@@ -388,7 +389,7 @@ def run_device_processes(
                 device = running[label] = _prepared(
                     work_dir / f"{kind}-{label.replace(':', '-')}",
                     DeviceTask(reference, label, "", arguments_for(label), dict(environment or {})),
-                    task.__module__,
+                    reference.partition(":")[0],
                 )
                 with caller_main_hidden():
                     device.process.start()

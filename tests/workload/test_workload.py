@@ -21,14 +21,8 @@ from sdcreplay.workloads import tiny_llama, tiny_moe
 from sdcreplay import Workload
 from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
 from sdcreplay.errors import SdcReplayError, WorkloadError
-from sdcreplay.workload.definition import (
-    accepts_seed,
-    build_workload,
-    builtin_names,
-    canonical_ref,
-    recorded_ref,
-    resolve_factory,
-)
+from sdcreplay.workload.definition import accepts_seed, build_workload, resolve_factory
+from sdcreplay.workload.references import builtin_names, canonical_ref, recorded_ref
 
 FACTORY_SOURCE = """
 import torch
