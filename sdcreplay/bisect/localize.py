@@ -37,7 +37,8 @@ from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
-from ..replay.processes import run_device_processes
+from ..replay.processes import process_context, run_device_processes
+from ..replay.replicas import REPLAY_TASK
 from .alone import (
     check_bisect_alone,
     first_divergent_alone_step,
@@ -89,6 +90,9 @@ def bisect(
     replace a report already at ``out``, moving it (and the tickets in it) aside; ``alone``: a
     job's rank runs without its data-parallel peers (`bisect.alone`, docs/at-scale.md);
     ``from_state``: alone, start at a state phase 1 kept (`replay.kept_state`)."""
+    # Every stage's processes fork from one server, started now: it imports torch and the
+    # stages' tasks (the replay's, the operator-level runs') once, while the bundle is read.
+    process_context(REPLAY_TASK.partition(":")[0], run_oplog_task.__module__)
     result = _localize(
         bundle,
         rank=rank,

@@ -30,7 +30,13 @@ from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..storage.rundir import claim, make_run_dir
-from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
+from .processes import (
+    STARTUP_SECONDS,
+    STEP_FACTOR,
+    UNKNOWN_STEP_TIMEOUT,
+    process_context,
+    run_device_processes,
+)
 from .worker import DeviceResult
 
 REPLAY_TASK = "sdcreplay.replay.session:run_replay_task"
@@ -344,6 +350,7 @@ def replay_devices(
     killed (default: derived from the recorded step times, see `progress_timeout`).
     ``ledger``: append each judged device's verdict to the device ledger (docs/fleet.md).
     """
+    process_context(REPLAY_TASK.partition(":")[0])  # it imports torch while the bundle is read
     opened = Bundle.open(bundle)
     labels = [validate_label(label) for label in devices]
     # What would fail on every device is refused here, once, before any process starts.
