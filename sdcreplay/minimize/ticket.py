@@ -25,17 +25,17 @@ import shlex
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
-
-from ..bisect.operator_case import OperatorCase
-from ..capture import determinism
 from ..devices import torch_device
 from ..errors import SdcReplayError
 from ..ledger.identity import identify
 from ..ledger.nvml import nvml_identity
 from ..storage.rundir import make_run_dir, replacing_refused, set_aside
+
+if TYPE_CHECKING:  # torch and h5py are imported where a ticket is written: a corpus reads
+    # tickets' names and JSON without them (`fleet.corpus`, `screen`'s own process)
+    from ..bisect.operator_case import OperatorCase
 
 SCHEMA = "sdcreplay.ticket/1"
 REPRO_FILE = "repro.py"
@@ -54,6 +54,8 @@ def repro_source() -> str:
 
 def device_identity(label: str) -> dict:
     """Who the device is: NVML's identity and health for a GPU; the CPU model otherwise."""
+    from ..capture import determinism
+
     device = torch_device(label)
     identity = {"label": label, "id": identify(label).id, **determinism.device_description(device)}
     if device.type == "cuda":
@@ -65,6 +67,8 @@ def device_identity(label: str) -> dict:
 
 def ticket_document(result: dict, report: dict) -> dict:
     """ticket.json: the measurement (``result``, sdcreplay.minimize/1) said for a vendor."""
+    from ..capture import determinism
+
     environment = determinism.environment(torch_device(result["device"]))
     reproduced = result["reproduced"]
     injected = result["inject"] or report.get("inject") or []  # here, or when bisect found the call
@@ -465,6 +469,8 @@ def staged_ticket(
     and ``result``'s switches) and ``repro.py`` staged in a run directory of its own; the caller
     adds its documents; then it takes ``target``'s place, a ticket there (``overwrite``) moved
     aside (where to: the list yielded, filled once the block ends)."""
+    import h5py
+
     claim_ticket(target, overwrite)
     staging = make_run_dir(target.parent, target.name + ".", ".partial")
     case.write(staging / INPUTS_FILE)

@@ -1,9 +1,10 @@
 """Commands that only orchestrate never import torch in their own process (issue 42).
 
-`--help`, `info`, `diff` of two logs, `devices list` and `replay`'s own process read files,
-start device processes, compare and render: torch (several seconds of CPU) is imported by the
-device processes alone. Each command runs in a real process, through `sdcreplay.cli.main` as
-the console script runs it, and says whether torch was imported once it is done.
+`--help`, `info`, `diff` of two logs, `devices list`, `corpus add` and the own processes of
+`replay` and `screen` read files, start device processes, compare and render: torch (several
+seconds of CPU) is imported by the device processes alone. Each command runs in a real
+process, through `sdcreplay.cli.main` as the console script runs it, and says whether torch
+was imported once it is done.
 """
 
 from __future__ import annotations
@@ -80,3 +81,12 @@ def test_reading_commands_do_not_import_torch(
         for arg in args
     ]
     assert startup(*argv, env=env) == "no torch 0"
+
+
+def test_corpus_add_and_screen_import_torch_only_in_the_device_processes(
+    tickets: list[Path], tmp_path: Path
+):
+    env = {"SDCREPLAY_LEDGER": "off"}
+    corpus = tmp_path / "corpus"
+    assert startup("corpus", "add", corpus, tickets[0], env=env) == "no torch 0"
+    assert startup("screen", corpus, "-d", "cpu:0", env=env) == "no torch 0"
