@@ -90,3 +90,34 @@ def test_corpus_add_and_screen_import_torch_only_in_the_device_processes(
     corpus = tmp_path / "corpus"
     assert startup("corpus", "add", corpus, tickets[0], env=env) == "no torch 0"
     assert startup("screen", corpus, "-d", "cpu:0", env=env) == "no torch 0"
+
+
+BISECT_SERVER = """
+import sys
+from multiprocessing import forkserver
+from sdcreplay.bisect.localize import bisect
+from sdcreplay.errors import BundleError
+try:
+    bisect(sys.argv[1], suspect="cpu:1", ledger=False)
+except BundleError:
+    pass
+print(" ".join(forkserver._forkserver._preload_modules))
+"""
+
+
+def test_a_bisects_server_is_started_at_once_with_every_stages_tasks(tmp_path: Path):
+    """One forkserver serves every stage of a bisect: started as the bisect begins (here it then
+    refuses a missing bundle), it imports the replay's and the operator-level runs' tasks with
+    torch, so that no later stage's processes import them again each."""
+    done = subprocess.run(
+        [sys.executable, "-c", BISECT_SERVER, str(tmp_path / "missing.bundle")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.stdout.split() == [
+        "sdcreplay.replay.processes",
+        "sdcreplay.replay.session",
+        "sdcreplay.bisect.tasks",
+        "torch._dynamo",
+    ], done.stderr
