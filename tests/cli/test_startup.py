@@ -83,6 +83,15 @@ def test_reading_commands_do_not_import_torch(
     assert startup(*argv, env=env) == "no torch 0"
 
 
+def test_a_jobs_info_and_diff_do_not_import_torch(ddp_job: tuple[Path, Path]):
+    job, _ = ddp_job
+    ranks = job / "ranks"
+    assert startup("info", job, "--rank", "1") == "no torch 0"
+    assert startup("diff", job, job) == "no torch 0"
+    # two ranks' logs differ before their reductions (each its own shard of the data): exit 1
+    assert startup("diff", ranks / "000000", ranks / "000001") == "no torch 1"
+
+
 def test_corpus_add_and_screen_import_torch_only_in_the_device_processes(
     tickets: list[Path], tmp_path: Path
 ):
