@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.signature import layer_of
 from ..compare.logs import RECORD
 from ..devices import require_available
@@ -39,7 +39,8 @@ from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
-from ..replay.processes import run_device_processes
+from ..replay.processes import process_context, run_device_processes
+from ..replay.replicas import REPLAY_TASK
 from .alone import (
     check_bisect_alone,
     first_divergent_alone_step,
@@ -91,6 +92,9 @@ def bisect(
     replace a report already at ``out``, moving it (and the tickets in it) aside; ``alone``: a
     job's rank runs without its data-parallel peers (`bisect.alone`, docs/at-scale.md);
     ``from_state``: alone, start at a state phase 1 kept (`replay.kept_state`)."""
+    # Every stage's processes fork from one server, started now: it imports torch and the
+    # stages' tasks (the replay's, the operator-level runs') once, while the bundle is read.
+    process_context(REPLAY_TASK.partition(":")[0], run_oplog_task.__module__)
     begun: list[ReportDirectory] = []
     try:
         result = _localize(
@@ -253,7 +257,7 @@ def _localize(
         "inject": list(inject),
         "work_dir": work,
     }
-    pinned = determinism.pinned_environment(opened.manifest.fingerprint)
+    pinned = comparable.pinned_environment(opened.manifest.fingerprint)
     single = partial(_run_alone, work=work, environment=pinned)
     # A job's rank among its peers replays the window with them: no saved state. A rank
     # alone starts every later run from the state entering the step, as a single process.

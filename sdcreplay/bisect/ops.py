@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle, is_job_bundle, job_of_part
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.compiled_kernels import KernelCall
 from ..capture.faults import FaultSpec
 from ..capture.layers import flatten_tensors
@@ -254,7 +254,7 @@ def _rank_calls(
         run_alone if alone else run_in_job,
         job=job,
         rank=rank,
-        environment=determinism.pinned_environment(part.manifest.fingerprint),
+        environment=comparable.pinned_environment(part.manifest.fingerprint),
     )
     work = temporary_run_dir("ops")
     value = run("ops", run_ops_task, device, {"bundle": part.path, "step": step}, work=work)

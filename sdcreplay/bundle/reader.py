@@ -12,8 +12,6 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import h5py
-
 from ..capture.compiled import CompiledRegion
 from ..capture.message import Message
 from ..capture.signature import (
@@ -59,8 +57,11 @@ from .manifest import (
 from .rules import Check, _check_fields, _is_int, integer, nullable, optional, text
 from .state import read_rng
 
-if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
-    from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch
+if TYPE_CHECKING:  # torch, h5py, tensorio and RngState: imported where tensors are read or
+    # written, so that `sdcreplay info`, `diff` and `replay`'s own process load none of them
+    import h5py
+
+    from ..capture.determinism import RngState
 
 
 def _sizes(v: Any) -> bool:
@@ -343,6 +344,8 @@ class Bundle:
 
     def _open_h5(self, name: str) -> h5py.File:
         """Open a listed HDF5 file, refusing one whose data lives outside it (external data)."""
+        import h5py  # here: reading the manifest and the logs needs not load it
+
         file = regular_file_inside(self.path, name)
         try:
             handle = h5py.File(file, "r")

@@ -117,23 +117,10 @@ def _consensus_explanation(report: ReplayReport) -> str:
 
 
 def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> None:
-    from ..replay import job_report as distributed
-    from ..replay import same_batch
+    from ..replay.replicas import ReplayReport
 
-    if isinstance(report, same_batch.SameBatchReport) and report.fallback is not None:
-        output.warn(f"no peer vote: {report.missing}; replayed as recorded, voted with the record")
-        render_job_replay(output, report.fallback)
-        origin = report.fallback.origin.origin_rank
-        if origin is not None:
-            output.say(f"Origin by coordinates: {escape(report.layout.describe(origin))}")
-        return
-    if isinstance(report, same_batch.SameBatchReport):
-        from .render_scale import render_same_batch
-
-        render_same_batch(output, report)
-        return
-    if isinstance(report, distributed.JobReplayReport):
-        render_job_replay(output, report)
+    if not isinstance(report, ReplayReport):
+        _render_job_replay_report(output, report)
         return
     output.table(
         f"Replay of {report.bundle}",
@@ -233,6 +220,26 @@ def _render_origin(output: Output, origin: Origin) -> None:
         rows.append(["first divergent message", "none: no message differs"])
     rows.append(["spread to ranks", ", ".join(map(str, origin.spread_ranks)) or "-"])
     output.table("Where the job first left the record", ["", ""], rows, fold=[1])
+
+
+def _render_job_replay_report(output: Output, report: JobReplayReport) -> None:
+    """A job's replay, phase 1's included; their modules are imported for a job's report only
+    (the same-batch replay's imports torch, which a replay's own process needs not)."""
+    from ..replay import same_batch
+
+    if isinstance(report, same_batch.SameBatchReport) and report.fallback is not None:
+        output.warn(f"no peer vote: {report.missing}; replayed as recorded, voted with the record")
+        render_job_replay(output, report.fallback)
+        origin = report.fallback.origin.origin_rank
+        if origin is not None:
+            output.say(f"Origin by coordinates: {escape(report.layout.describe(origin))}")
+        return
+    if isinstance(report, same_batch.SameBatchReport):
+        from .render_scale import render_same_batch
+
+        render_same_batch(output, report)
+        return
+    render_job_replay(output, report)
 
 
 def render_diff(output: Output, comparison: Comparison | JobComparison) -> None:

@@ -29,7 +29,7 @@ from ..bisect.kernel_stage import KERNEL_FILE, KernelCase, trial
 from ..bisect.report import ENTRY_STATE_FILE, WORK_DIR
 from ..bisect.tasks import _enter_step
 from ..bundle.job_bundle import JobBundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.compiled_kernels import KernelCall
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
@@ -186,7 +186,7 @@ def _measure_as_rank(
     work = make_run_dir(report_dir / WORK_DIR, "minimize-")
     value = run_alone(
         "minimize", run_kernel_trials_task, label, arguments, job=job, rank=rank, work=work,
-        environment=determinism.pinned_environment(part.manifest.fingerprint),
+        environment=comparable.pinned_environment(part.manifest.fingerprint),
     )  # fmt: skip
     return value["failures"], value["first"]
 

@@ -26,17 +26,17 @@ import shutil
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
-
-from ..bisect.operator_case import OperatorCase
-from ..capture import determinism
 from ..devices import torch_device
 from ..errors import SdcReplayError
 from ..ledger.identity import identify
 from ..ledger.nvml import nvml_identity
 from ..storage.rundir import make_run_dir, replacing_refused, set_aside
+
+if TYPE_CHECKING:  # torch and h5py are imported where a ticket is written: a corpus reads
+    # tickets' names and JSON without them (`fleet.corpus`, `screen`'s own process)
+    from ..bisect.operator_case import OperatorCase
 
 SCHEMA = "sdcreplay.ticket/1"
 REPRO_FILE = "repro.py"
@@ -55,6 +55,8 @@ def repro_source() -> str:
 
 def device_identity(label: str) -> dict:
     """Who the device is: NVML's identity and health for a GPU; the CPU model otherwise."""
+    from ..capture import determinism
+
     device = torch_device(label)
     identity = {"label": label, "id": identify(label).id, **determinism.device_description(device)}
     if device.type == "cuda":
@@ -66,6 +68,8 @@ def device_identity(label: str) -> dict:
 
 def ticket_document(result: dict, report: dict) -> dict:
     """ticket.json: the measurement (``result``, sdcreplay.minimize/1) said for a vendor."""
+    from ..capture import determinism
+
     environment = determinism.environment(torch_device(result["device"]))
     reproduced = result["reproduced"]
     injected = result["inject"] or report.get("inject") or []  # here, or when bisect found the call
@@ -467,6 +471,8 @@ def staged_ticket(
     adds its documents; then it takes ``target``'s place, a ticket there (``overwrite``) moved
     aside (where to: the list yielded, filled once the block ends). A block that fails leaves no
     staging behind."""
+    import h5py
+
     claim_ticket(target, overwrite)
     staging = make_run_dir(target.parent, target.name + ".", ".partial")
     moved: list[Path] = []

@@ -52,7 +52,8 @@ from ..errors import SdcReplayError, WorkloadMismatchError
 from ..kinds import SignatureLevel
 from ..replay.script import ScriptCommand
 from ..replay.script import handoff as replay_handoff
-from ..workload.definition import check_state_objects, recorded_ref
+from ..workload.definition import check_state_objects
+from ..workload.references import recorded_ref
 from .arguments import (
     VERIFY_MODES,
     bundle_settings,

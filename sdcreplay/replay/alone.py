@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from ..bundle.job_bundle import JobBundle
 from ..bundle.layout import ParallelLayout, require_layout
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.collectives import log_python_group_call
 from ..capture.operators import _own_work
 from ..capture.signature import SignatureLog
@@ -345,7 +345,7 @@ def replay_alone(
         labels,
         arguments,
         log_dir,
-        environment=determinism.pinned_environment(first.manifest.fingerprint),
+        environment=comparable.pinned_environment(first.manifest.fingerprint),
         timeout=timeout or progress_timeout(part),
     )
     runs, replayed = [], {}

@@ -27,7 +27,7 @@ import torch
 
 from ..bundle.job_bundle import JobBundle
 from ..bundle.layout import ParallelLayout
-from ..capture import determinism
+from ..capture import comparable
 from ..errors import BundleError, SdcReplayError
 from ..storage.safeio import check_json_value, read_limited
 from .job import this_rank
@@ -227,7 +227,7 @@ def keep_state(
         labels,
         lambda _: arguments,
         log_dir / "keep-state",
-        environment=determinism.pinned_environment(first.manifest.fingerprint),
+        environment=comparable.pinned_environment(first.manifest.fingerprint),
         timeout=timeout or max(progress_timeout(job.rank(r.rank)) for r in job.ranks),
     )
     failure = ranks_failure("keeping the state", results)

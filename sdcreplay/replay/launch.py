@@ -354,7 +354,7 @@ def run_ranks(
     """Run ``task`` (a `worker.device_task`) on ``len(labels)`` ranks of one job.
 
     Rank r gets ``device=labels[r]`` and ``arguments_for(r)``; ``environment``
-    is set in every rank before it runs (e.g. `determinism.pinned_environment`).
+    is set in every rank before it runs (e.g. `comparable.pinned_environment`).
     Its files in ``work_dir`` are ``<kind>-rank<r>.*`` (``stderr.txt`` and
     ``stdout.txt`` are its logs). ``timeout``: seconds the job may go without
     any rank making progress (`heartbeat.HEARTBEAT`); every collective may wait

@@ -49,12 +49,18 @@ UNKNOWN_STEP_TIMEOUT = 3600.0
 _server = None
 
 
-def process_context(task_module: str):
-    """The forkserver context; its server preloads the first caller's task module and torch."""
+def process_context(*task_modules: str):
+    """The forkserver context, its server started if it is not running.
+
+    The server imports torch, torch._dynamo and the first caller's ``task_modules`` once, in
+    its own process, while the command goes on (a device process's start waits for it): a
+    command starts it as soon as it knows it will run device processes, naming the modules of
+    every stage's tasks, so that no stage's processes import them again each. One server per
+    command: every later call, every stage, forks from it."""
     global _server
     if _server is None:
         _server = multiprocessing.get_context("forkserver")
-        _server.set_forkserver_preload([__name__, task_module, "torch._dynamo"])
+        _server.set_forkserver_preload([__name__, *task_modules, "torch._dynamo"])
     _start_server()
     return _server
 
@@ -353,7 +359,7 @@ def _prepared(stem: Path, task: DeviceTask, task_module: str) -> _DeviceProcess:
 
 def run_device_processes(
     kind: str,
-    task: Callable[..., dict],
+    task: Callable[..., dict] | str,
     devices: list[str],
     arguments_for: Callable[[str], dict],
     work_dir: Path,
@@ -363,7 +369,8 @@ def run_device_processes(
     timeout: float | None = None,
     deadline: float | None = None,
 ) -> dict[str, DeviceResult]:
-    """Run ``task`` (a `worker.device_task`) in one process per device label at once.
+    """Run ``task`` (a `worker.device_task`, or its reference) in one process per device label
+    at once.
 
     Each process gets ``device=label`` and ``arguments_for(label)`` as keywords,
     and ``environment`` set before it runs; its files in ``work_dir`` are named
@@ -397,7 +404,7 @@ def run_device_processes(
                 device = running[label] = _prepared(
                     work_dir / f"{kind}-{label.replace(':', '-')}",
                     DeviceTask(reference, label, "", arguments, dict(environment or {})),
-                    task.__module__,
+                    reference.partition(":")[0],
                 )
                 with caller_main_hidden():
                     device.process.start()

@@ -17,9 +17,9 @@ from pathlib import Path
 from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.manifest import CheckpointState
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.compiled import CompiledRegion
-from ..capture.faults import parse_specs
+from ..capture.fault_spec import parse_specs
 from ..capture.signature import SignatureLog, read_signature_log
 from ..compare.compiled_code import code_differences, entry_region
 from ..compare.logs import RECORD, Consensus, DeviceVerdict, vote
@@ -30,9 +30,17 @@ from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..storage.rundir import claim, make_run_dir
-from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
-from .session import run_replay_task
+from .processes import (
+    STARTUP_SECONDS,
+    STEP_FACTOR,
+    UNKNOWN_STEP_TIMEOUT,
+    process_context,
+    run_device_processes,
+)
 from .worker import DeviceResult
+
+REPLAY_TASK = "sdcreplay.replay.session:run_replay_task"
+"""Named, not imported: the session imports torch, which only the device processes need."""
 
 
 @dataclass
@@ -132,7 +140,7 @@ def judge_comparability(run: DeviceRun, bundle: Bundle, value: dict) -> None:
     its kernel probe (``value``: its device task's result)."""
     run.compiled = [CompiledRegion.from_json(region) for region in value.get("compiled", [])]
     run.differences = (
-        determinism.fingerprint_differences(
+        comparable.fingerprint_differences(
             bundle.manifest.fingerprint, run.fingerprint, probed=bundle.has_probe
         )
         or code_differences(bundle.compiled_regions, run.compiled)
@@ -343,6 +351,7 @@ def replay_devices(
     killed (default: derived from the recorded step times, see `progress_timeout`).
     ``ledger``: append each judged device's verdict to the device ledger (docs/fleet.md).
     """
+    process_context(REPLAY_TASK.partition(":")[0])  # it imports torch while the bundle is read
     opened = Bundle.open(bundle)
     labels = [validate_label(label) for label in devices]
     # What would fail on every device is refused here, once, before any process starts.
@@ -353,7 +362,7 @@ def replay_devices(
         )
     opened.require_trusted()
     parse_specs(inject)
-    determinism.check_environment(opened.manifest.determinism.to_json())
+    comparable.check_environment(opened.manifest.determinism.to_json())
     if isinstance(opened.manifest.state, CheckpointState):
         verify_checkpoint(opened.manifest.state)
     if len(set(labels)) != len(labels):
@@ -364,7 +373,7 @@ def replay_devices(
     recorded_fingerprint = opened.manifest.fingerprint
     results = run_device_processes(
         "replay",
-        run_replay_task,
+        REPLAY_TASK,
         labels,
         lambda label: {
             "bundle": opened.path,
@@ -374,7 +383,7 @@ def replay_devices(
             "log_dir": log_dir,
         },
         log_dir,
-        environment=determinism.pinned_environment(recorded_fingerprint),
+        environment=comparable.pinned_environment(recorded_fingerprint),
         on_done=on_done,
         timeout=progress_timeout(opened) if timeout is None else timeout,
     )

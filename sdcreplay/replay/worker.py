@@ -46,8 +46,19 @@ def device_task(function: Callable[..., dict]) -> Callable[..., dict]:
     return function
 
 
-def task_reference(function: Callable[..., dict]) -> str:
-    """The reference a task names ``function`` by (it must be marked with `device_task`)."""
+def task_reference(function: Callable[..., dict] | str) -> str:
+    """The reference a task names ``function`` by (it must be marked with `device_task`).
+
+    A reference given as text (``sdcreplay.replay.session:run_replay_task``) is checked
+    without importing its module: a command's process that only starts device processes
+    leaves torch, which a task's module imports, to them (the worker checks the mark)."""
+    if isinstance(function, str):
+        module, sep, name = function.partition(":")
+        if not sep or not name or module.split(".")[0] != PACKAGE:
+            raise TaskError(f"task function {function!r} is not one of sdcreplay's")
+        if importlib.util.find_spec(module) is None:
+            raise TaskError(f"no module {module} for task function {function!r}")
+        return function
     reference = f"{function.__module__}:{function.__qualname__}"
     if _TASKS.get(reference) is not function:
         raise TaskError(f"{reference} is not a device task")
@@ -238,6 +249,7 @@ class DeviceResult:
 
 _OWN = Path(__file__).resolve().parents[1]
 _BUILTIN_WORKLOADS = _OWN / "workload"  # tiny-llama and tiny-moe are workloads like any other
+_WORKLOAD_MACHINERY = ("__init__.py", "definition.py", "references.py")  # the tool's own there
 _LIBRARIES = tuple(
     str(Path(spec.origin).resolve().parent)
     for spec in (importlib.util.find_spec(name) for name in ("torch", "functorch"))
@@ -266,7 +278,7 @@ def tool_frame(exc: BaseException) -> str | None:
     if innermost is None:
         return None
     path, frame = Path(innermost.filename).resolve(), innermost
-    builtin_workload = path.parent == _BUILTIN_WORKLOADS and path.name != "definition.py"
+    builtin_workload = path.parent == _BUILTIN_WORKLOADS and path.name not in _WORKLOAD_MACHINERY
     if not path.is_relative_to(_OWN) or builtin_workload:
         return None
     where = path.relative_to(_OWN.parent)

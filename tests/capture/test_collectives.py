@@ -17,7 +17,7 @@ import torch
 from conftest import TESTS
 
 from sdcreplay.bundle.job_bundle import JobBundle, is_job_bundle
-from sdcreplay.capture import determinism
+from sdcreplay.capture import comparable, determinism
 from sdcreplay.capture.collectives import LAYOUTS, MessageLog, _below_autograd
 from sdcreplay.capture.digest import CPU_ALGORITHM
 from sdcreplay.capture.operators import OperatorLog, OperatorMode
@@ -252,7 +252,7 @@ def test_nccl_settings_are_recorded_switches_and_compared_in_cuda_fingerprints(m
     )
     recorded = {"nccl.algo": "Tree", "nccl.nvls_enable": "1", "gpu.name": "H100"}
     here = {**recorded, "nccl.nvls_enable": "0"}
-    assert determinism.fingerprint_differences(recorded, here) == [
+    assert comparable.fingerprint_differences(recorded, here) == [
         "nccl.nvls_enable: recorded '1', here '0'"
     ]
 
