@@ -430,6 +430,12 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "workload.command.env": absent_or(mapping(ENV_NAME, text(65536))),
     "workload.command.module": optional(text(1024)),
     "workload.command.world_size": optional(integer(1, MAX_WORLD_SIZE)),
+    "workload.command.env_watched": optional(
+        Check(
+            lambda v: isinstance(v, list) and all(isinstance(a, str) and len(a) <= 256 for a in v),
+            "a list of variable names or NAME* patterns",
+        )
+    ),
     "device": text(64, r"[a-z]+(:\d{1,6})?"),
     "device_type": text(32, "[a-z]+"),
     "digest": optional(text(64)),

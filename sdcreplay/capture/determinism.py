@@ -20,19 +20,10 @@ import torch
 from ..errors import DeterminismError
 from ..ledger.identity import cpu_model
 from .comparable import RESULT_AFFECTING, must_match  # noqa: F401 (torch-free, for info)
+from .environment import PINNED_ENV, SWITCH_ENV_VARS
 
-# Environment variables that change which kernels run (and so the bits they
-# produce); they must match between record and replay.
-SWITCH_ENV_VARS = (
-    "CUBLAS_WORKSPACE_CONFIG",
-    "NCCL_ALGO",
-    "NCCL_PROTO",
-    "NCCL_MIN_NCHANNELS",
-    "NCCL_MAX_NCHANNELS",
-    "NCCL_NVLS_ENABLE",
-    "NCCL_CROSS_NIC",
-    "NVIDIA_TF32_OVERRIDE",
-)
+# SWITCH_ENV_VARS (environment.py): the variables that change which kernels run (and so
+# the bits they produce); they must match between record and replay.
 # NCCL's result-affecting settings as fingerprint properties of a CUDA process: the reduction
 # order follows the algorithm, protocol and channels, and NVLS reductions differ between calls.
 NCCL_SETTINGS = {
@@ -265,10 +256,9 @@ def restore_operator_rng(state: dict | None, device: torch.device) -> None:
 # change a result bit. Two machines whose fingerprints differ in one of these
 # can disagree without either being defective.
 
-# Environment variables that choose CPU kernels; a device process puts the
-# recorded values in force before its first operator (ATen reads the variable
-# once, at the first dispatch; MKL at its first call).
-PINNED_ENV = {"cpu.capability": "ATEN_CPU_CAPABILITY", "cpu.blas_branch": "MKL_CBWR"}
+# Environment variables that choose CPU kernels (PINNED_ENV, environment.py); a device
+# process puts the recorded values in force before its first operator (ATen reads the
+# variable once, at the first dispatch; MKL at its first call).
 _SIMD_FLAGS = (
     "sse4_2",
     "avx",

@@ -149,6 +149,8 @@ def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> Non
         fold=[4, 5],
     )
     _device_failures(output, report.devices)
+    for ignored in report.ignored_environment:
+        output.warn(f"not passed to the replay (the bundle's environment is): {ignored}")
     if report.consensus is not None:
         consensus = report.consensus
         output.say(f"Verdict: {styled(consensus.verdict)}: {_consensus_explanation(report)}")

@@ -31,6 +31,7 @@ from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..storage.rundir import claim, make_run_dir
 from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
+from .script import ignored_environment
 from .session import run_replay_task
 from .worker import DeviceResult
 
@@ -197,6 +198,8 @@ class ReplayReport:
     record_identity: dict | None = None  # the recording device's (ledger.identity)
     incident: str | None = None  # the bundle's identity (ledger.verdicts.incident_of)
     recorded_faults: list[str] = field(default_factory=list)  # a drill bundle's (its manifest)
+    # The shell's variables no device process took that could change the result (script.py).
+    ignored_environment: list[str] = field(default_factory=list)
 
     @property
     def injection_missed(self) -> bool:
@@ -262,6 +265,7 @@ class ReplayReport:
             "caveat": self.caveat,
             "finished": len(self.devices) - len(self.failed),
             "failed": [run.device for run in self.failed],
+            "ignored_environment": self.ignored_environment,
         }
 
 
@@ -427,6 +431,7 @@ def replay_devices(
         ).to_json(),
         incident=incident_of(opened.manifest.manifest_sha256),
         recorded_faults=opened.injected_faults,
+        ignored_environment=ignored_environment(opened.manifest.workload),
     )
     if ledger:
         note_result(report.to_json())
