@@ -16,10 +16,10 @@ then, so a run that dies later keeps every step that completed.
 
 By default the recording proves it can be replayed: at the start of the
 second step (or at ``close()``) the first step is re-executed through the
-workload's own step from the saved state, as a replay runs it (a fresh process on the
-same device, with the bundle's command, directory and environment only:
-verification.py), and every signature entry compared; at the start of every later step the parameters and
-buffers must equal their digests at the end of the previous one. A loop that
+workload's own step from the saved state, as a replay runs it (a fresh process on
+the same device, with the bundle's command, directory and environment only:
+verification.py), and every signature entry compared; at the start of every later
+step the parameters and buffers must equal their digests at the end of the previous one. A loop that
 does something its workload's step does not raises WorkloadMismatchError.
 """
 

@@ -99,7 +99,7 @@ class FirstStepCheck:
         replay's after it (true only while the loop is at the start of its second step);
         ``expected_start``: the digests the parameters and buffers the bundle starts from must
         have (a window anchored on the loop's checkpoint: the state when it was saved)."""
-        arguments = {
+        arguments: dict[str, Any] = {
             "bundle": str(bundle_path),
             "inject": self._inject,
             "state_names": sorted(self.state_objects),

@@ -58,6 +58,7 @@ QUIET_LOGGERS = {
 replay is not a run of the experiment). A script's own writes are its to guard with
 ``sdcreplay.replaying()`` (docs/porting.md)."""
 
+
 @dataclass(frozen=True)
 class ScriptCommand:
     """The command that ran the loop, as a bundle keeps it."""
