@@ -191,12 +191,10 @@ def inherited(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def ignored(
-    environ: Mapping[str, str], kept: Mapping[str, str] | None, extra: Sequence[str] = ()
+    environ: Mapping[str, str], kept: Mapping[str, str], extra: Sequence[str] = ()
 ) -> list[str]:
     """The shell's variables a replay does not use although they could change its result:
-    those the bundle keeps with another value, and those it would have kept (``kept`` None:
-    a bundle that keeps no environment, its workload rebuilt by a factory)."""
-    kept = kept or {}
+    those the bundle keeps with another value, and those it would have kept."""
     notes = []
     for name, value in sorted(environ.items()):
         if matches(name, INHERITED) or is_secret(name):

@@ -181,20 +181,18 @@ class FirstStepCheck:
 
 
 def _unkept_note(bundle: Bundle) -> str:
-    """The variables of this (the recording's) process a replay's process does not get."""
+    """The variables of this (the recording's) process a replay of its script does not get
+    (a factory is rebuilt from its arguments: nothing to say)."""
     workload = bundle.manifest.workload
-    kept = dict((workload.command or {}).get("env", {})) if workload.is_script else {}
-    unkept = environment.unkept(os.environ, kept)
+    if not workload.is_script:
+        return ""
+    unkept = environment.unkept(os.environ, (workload.command or {}).get("env", {}))
     if not unkept:
         return ""
-    where = (
-        'keep a loop\'s own with Recorder(..., env=["NAME*"])'
-        if workload.is_script
-        else "a workload= factory gets its settings as workload_kwargs"
-    )
     return (
         f". The check replayed in a fresh process with the bundle's environment only; "
-        f"{unkept} (if the loop depends on one: {where})"
+        f"{unkept} (if the loop depends on one: keep a loop's own with "
+        'Recorder(..., env=["NAME*"]))'
     )
 
 

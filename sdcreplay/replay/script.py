@@ -164,9 +164,10 @@ _recorded_in: list[int] = []
 def ignored_environment(ref: WorkloadRef) -> list[str]:
     """The variables of this (the investigator's) shell that no replay process of a bundle
     whose workload is ``ref`` takes although they could change its result
-    (`environment.ignored`): said to the person, never used."""
+    (`environment.ignored`): said to the person, never used. None for a factory: it is
+    rebuilt from its arguments, and its check replayed without the shell's variables."""
     if not ref.is_script:
-        return environment.ignored(os.environ, None)
+        return []
     command = ScriptCommand.of(ref)
     return environment.ignored(os.environ, command.env, command.watched)
 
