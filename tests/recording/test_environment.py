@@ -148,3 +148,34 @@ def test_a_variable_the_bundle_does_not_keep_is_named_at_record_never_accusing_a
     assert "MYAPP_SCALE" in opened.verification.problem
     verdict, devices, _ = _verdicts(cli, warned, {"MYAPP_SCALE": "3"})
     assert verdict != "recording_suspect" and devices == [("cpu:0", "match"), ("cpu:1", "match")]
+
+
+@pytest.mark.slow
+def test_an_accelerate_bf16_launch_replays_correct_from_a_plain_shell(tmp_path, cli):
+    """`accelerate launch --mixed_precision bf16` says bf16 in ACCELERATE_MIXED_PRECISION
+    alone: the bundle kept only code-selecting variables, so its replicas trained in fp32 and
+    accused the recording device (recording_suspect)."""
+    pytest.importorskip("accelerate")
+    launcher = Path(sys.executable).parent / "accelerate"
+    bundle = tmp_path / "run.bundle"
+    done = subprocess.run(
+        [
+            launcher, "launch", "--num_processes", "1", "--num_machines", "1",
+            "--mixed_precision", "bf16", "--dynamo_backend", "no", "--cpu",
+            TESTS / "accelerate_loop.py", bundle,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    opened = Bundle.open(bundle)
+    assert opened.verified
+    assert opened.manifest.workload.command["env"]["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    plain = {name: None for name in os.environ if name.startswith("ACCELERATE_")}
+    assert _verdicts(cli, bundle, plain) == (
+        "correct",
+        [("cpu:0", "match"), ("cpu:1", "match")],
+        [],
+    )
