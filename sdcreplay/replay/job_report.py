@@ -23,6 +23,7 @@ from ..errors import SdcReplayError, StructureError
 from ..ledger.verdicts import incident_of
 from .launch import followed
 from .replicas import DeviceRun, case_gaps, caveat_for, incomparable_failure
+from .script import ignored_environment
 from .worker import DeviceFailure, DeviceResult
 
 VERDICT_ORDER = ("persistent", "transient", "recording_suspect", "undecided", "incomparable")
@@ -119,6 +120,7 @@ class JobReplayReport:
     injected_specs: list[str] = field(default_factory=list)
     incident: str | None = None  # the job bundle's identity (ledger.verdicts.incident_of)
     recorded_faults: list[str] = field(default_factory=list)  # a drill job's (its ranks')
+    ignored_environment: list[str] = field(default_factory=list)  # script.ignored_environment
 
     @property
     def verdict(self) -> str:
@@ -193,6 +195,7 @@ class JobReplayReport:
             "verified": self.caveat is None,
             "caveat": self.caveat,
             "failed": [{"rank": rank, "device": run.device} for rank, run in self.failed],
+            "ignored_environment": self.ignored_environment,
         }
 
 
@@ -266,6 +269,7 @@ def _report(
         list(inject),
         incident_of(job.manifest.manifest_sha256),
         job.injected_faults,
+        ignored_environment(job.rank(0).manifest.workload),
     )
 
 

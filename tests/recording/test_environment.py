@@ -47,9 +47,17 @@ def _record(folder: Path, *options: str) -> tuple[Path, subprocess.CompletedProc
 
 
 def _verdicts(cli, bundle: Path, shell: dict) -> tuple[str, list, list]:
+    """The consensus, each device's verdict and the shell's ignored variables (each also a
+    warning on stderr) of `replay --json` run from ``shell``."""
     done = cli("replay", bundle, *DEVICES, "--json", env={**NO_LEDGER, **shell})
     report = json.loads(done.stdout)
     devices = [(d["device"], d["verdict"]) for d in report["devices"]]
+    warned = [
+        line.removeprefix("Warning: not passed to the replay (the bundle's environment is): ")
+        for line in done.stderr.splitlines()
+        if line.startswith("Warning: not passed")
+    ]
+    assert warned == report["ignored_environment"]
     return report["consensus"]["verdict"], devices, report["ignored_environment"]
 
 
