@@ -75,13 +75,29 @@ def _start_server() -> None:
         resource_tracker.ensure_running()  # first: it unblocks SIGINT after starting its process
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            forkserver.ensure_running()
+            with _inherited_only():
+                forkserver.ensure_running()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     finally:
         os.dup2(terminal, 2)
         os.close(terminal)
     _end_server_with(os.getpid())
+
+
+@contextlib.contextmanager
+def _inherited_only() -> Iterator[None]:
+    """While the server starts: only what a device process inherits (`environment.inherited`),
+    so that what torch reads of the environment as the server imports it is never the shell's
+    (a replay's processes and the recording's first-step check import alike)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environment.inherited(saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 _server_ends_with: list[int] = []
