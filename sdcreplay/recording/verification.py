@@ -136,8 +136,8 @@ class FirstStepCheck:
                 environment=determinism.pinned_environment(opened.manifest.fingerprint),
                 timeout=progress_timeout(opened),
             )
-        except SdcReplayError as exc:
-            return Reexecution(f"the first-step check could not run: {exc.message}")
+        except Exception as exc:  # the loop goes on (strict mode refuses the bundle)
+            return Reexecution(f"the first-step check could not run: {message_of(exc)}")
         finally:
             if work is not None:
                 shutil.rmtree(work, ignore_errors=True)  # the device's log: its tail is said

@@ -23,8 +23,9 @@ import torch
 from sdcreplay import Recorder
 from sdcreplay.bundle.reader import Bundle
 from sdcreplay.capture import environment
-from sdcreplay.errors import SdcReplayError
-from tests.conftest import TESTS
+from sdcreplay.errors import SdcReplayError, WorkloadMismatchError
+from sdcreplay.recording.verification import VERIFY_DEVICE_ENV
+from tests.conftest import TESTS, tiny_llama_recorder
 
 SCRIPT = TESTS / "env_script.py"
 DEVICES = ["-d", "cpu:0", "-d", "cpu:1"]
@@ -187,3 +188,24 @@ def test_an_accelerate_bf16_launch_replays_correct_from_a_plain_shell(tmp_path, 
         [("cpu:0", "match"), ("cpu:1", "match")],
         [],
     )
+
+
+def _two_steps(path: Path) -> Path:
+    workload, rec = tiny_llama_recorder(path)
+    for index in range(2):
+        batch = workload.get_batch(index)
+        with rec.step(batch):
+            workload.loss_fn(workload.model, batch).backward()
+            workload.optimizer.step()
+            workload.optimizer.zero_grad()
+    return rec.close()
+
+
+@pytest.mark.slow
+def test_the_check_runs_on_the_device_sdcreplay_verify_device_names(tmp_path, monkeypatch):
+    """For a GPU without the memory for a second copy: another label (of the same model)."""
+    monkeypatch.setenv(VERIFY_DEVICE_ENV, "cpu:5")
+    assert Bundle.open(_two_steps(tmp_path / "other.bundle")).verified
+    monkeypatch.setenv(VERIFY_DEVICE_ENV, "tpu 9")  # the check cannot run: it never raises
+    with pytest.raises(WorkloadMismatchError, match="check could not run: unknown device label"):
+        _two_steps(tmp_path / "refused.bundle")  # ... but the strict refusal
