@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..capture import environment
 from ..capture.compiled import CompiledRegion
 from ..capture.message import Message
 from ..capture.signature import (
@@ -163,6 +164,18 @@ def workload_named(workload: WorkloadRef) -> str:
     argv = [str(word) for word in command.get("argv", [])]
     module = command.get("module")
     return "script " + shlex.join(["-m", str(module), *argv[1:]] if module else argv)
+
+
+def ignored_environment(workload: WorkloadRef) -> list[str]:
+    """The variables of this (the investigator's) shell that no replay process of a bundle
+    whose workload is ``workload`` takes although they could change its result
+    (`environment.ignored`): said to the person, never used. None for a factory: it is
+    rebuilt from its arguments, and its check replayed without the shell's variables."""
+    if not workload.is_script:
+        return []
+    command = workload.command or {}
+    kept = {str(name): str(value) for name, value in dict(command.get("env", {})).items()}
+    return environment.ignored(os.environ, kept, tuple(command.get("env_watched", ())))
 
 
 class Bundle:

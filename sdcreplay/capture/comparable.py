@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from ..errors import DeterminismError
+from .environment import PINNED_ENV
 
 # Compared between the record and a replica. The CPU model is compared only
 # when MKL chose its kernels by CPU (no MKL_CBWR branch): MKL dispatches per
@@ -72,10 +73,9 @@ def fingerprint_differences(
     ]
 
 
-# Environment variables that choose CPU kernels; a device process puts the
-# recorded values in force before its first operator (ATen reads the variable
-# once, at the first dispatch; MKL at its first call).
-PINNED_ENV = {"cpu.capability": "ATEN_CPU_CAPABILITY", "cpu.blas_branch": "MKL_CBWR"}
+# PINNED_ENV (environment.py): the variables that choose CPU kernels; a device process puts
+# the recorded values in force before its first operator (ATen reads the variable once, at
+# the first dispatch; MKL at its first call).
 
 
 def pinned_environment(recorded: dict | None) -> dict[str, str]:

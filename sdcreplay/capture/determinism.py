@@ -20,19 +20,10 @@ import torch
 from ..errors import DeterminismError
 from ..ledger.identity import cpu_model
 from .comparable import check_environment, pinned_environment
+from .environment import SWITCH_ENV_VARS
 
-# Environment variables that change which kernels run (and so the bits they
-# produce); they must match between record and replay.
-SWITCH_ENV_VARS = (
-    "CUBLAS_WORKSPACE_CONFIG",
-    "NCCL_ALGO",
-    "NCCL_PROTO",
-    "NCCL_MIN_NCHANNELS",
-    "NCCL_MAX_NCHANNELS",
-    "NCCL_NVLS_ENABLE",
-    "NCCL_CROSS_NIC",
-    "NVIDIA_TF32_OVERRIDE",
-)
+# SWITCH_ENV_VARS (environment.py): the variables that change which kernels run (and so
+# the bits they produce); they must match between record and replay.
 # NCCL's result-affecting settings as fingerprint properties of a CUDA process: the reduction
 # order follows the algorithm, protocol and channels, and NVLS reductions differ between calls.
 NCCL_SETTINGS = {

@@ -79,6 +79,11 @@ def _device_rows(
     return rows
 
 
+def _ignored_environment(output: Output, ignored: list[str]) -> None:
+    for variable in ignored:
+        output.warn(f"not passed to the replay (the bundle's environment is): {variable}")
+
+
 def _device_failures(output: Output, runs: list[DeviceRun], prefix: str = "") -> None:
     for run in runs:
         for warning in run.warnings:
@@ -136,6 +141,7 @@ def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> Non
         fold=[4, 5],
     )
     _device_failures(output, report.devices)
+    _ignored_environment(output, report.ignored_environment)
     if report.consensus is not None:
         consensus = report.consensus
         output.say(f"Verdict: {styled(consensus.verdict)}: {_consensus_explanation(report)}")
@@ -177,6 +183,7 @@ def render_job_replay(output: Output, report: JobReplayReport) -> None:
     )
     for rank in report.ranks:
         _device_failures(output, rank.runs, prefix=f"rank {rank.rank} ")
+    _ignored_environment(output, report.ignored_environment)
     if report.verdict != "error":
         suspects = report.suspects
         who = f" (suspects: {', '.join(suspects)})" if suspects else ""

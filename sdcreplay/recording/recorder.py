@@ -16,9 +16,10 @@ then, so a run that dies later keeps every step that completed.
 
 By default the recording proves it can be replayed: at the start of the
 second step (or at ``close()``) the first step is re-executed through the
-workload's own step from the saved state, on the same device, and every
-signature entry compared; at the start of every later step the parameters and
-buffers must equal their digests at the end of the previous one. A loop that
+workload's own step from the saved state, as a replay runs it (a fresh process on
+the same device, with the bundle's command, directory and environment only:
+verification.py), and every signature entry compared; at the start of every later
+step the parameters and buffers must equal their digests at the end of the previous one. A loop that
 does something its workload's step does not raises WorkloadMismatchError.
 """
 
@@ -43,7 +44,7 @@ from ..bundle.manifest import (
     part_dir,
 )
 from ..bundle.writer import BundleWriter
-from ..capture import determinism
+from ..capture import determinism, environment
 from ..capture.collectives import MessageLog
 from ..capture.compiled import CompileWatch
 from ..capture.digest import algorithm_for
@@ -102,7 +103,11 @@ class Recorder(RingMode):
     forensics) or ``"boundary"`` (the production level: losses, what the optimizer is given
     and the parameters it produced; replay computes every layer: docs/recording.md,
     "Signature levels"). ``layout``: the job's parallel layout (bundle/layout.py), where the
-    model's DDP or device mesh does not show it (found by itself otherwise).
+    model's DDP or device mesh does not show it (found by itself otherwise). ``env``
+    (script mode): names or ``NAME*`` patterns of the loop's own environment variables the
+    bundle keeps beside the launchers' and libraries' it always keeps (a replay's process
+    gets the bundle's environment, never the investigator's: docs/recording.md, "What a
+    replay inherits"); a name holding TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL is never kept.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -140,8 +145,16 @@ class Recorder(RingMode):
         signature: SignatureLevel = "layer",
         max_window: int = 1000,
         layout: ParallelLayout | None = None,
+        env: Sequence[str] | str | None = None,
     ):
         check_options(verify, ring, checkpoint, max_window, signature)
+        watched = environment.check_patterns(env)
+        if watched and workload is not None:
+            raise SdcReplayError(
+                "env= names the variables a script-mode recording keeps; a workload= factory "
+                "is rebuilt from its arguments alone",
+                "Give the factory its settings as workload_kwargs, or record without workload=.",
+            )
         model, optimizer = loop_objects(path, workload, model, optimizer)
         self.device = next(model.parameters()).device
         self.model, self.optimizer = model, optimizer
@@ -152,7 +165,7 @@ class Recorder(RingMode):
         self.verify_mode = VERIFY_MODES[verify]
         switches = determinism.enable() if deterministic else determinism.current_switches()
         workload_ref = (
-            ScriptCommand.of_this_process().workload_ref()
+            ScriptCommand.of_this_process(watched).workload_ref()
             if workload is None
             else WorkloadRef(ref=recorded_ref(workload), kwargs=dict(workload_kwargs or {}))
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle
 from ..bundle.manifest import part_dir
+from ..bundle.reader import ignored_environment
 from ..capture.signature import SignatureLog
 from ..compare.logs import RECORD, Consensus, compare_logs, vote
 from ..compare.messages import Messages, recorded_log
@@ -118,6 +119,9 @@ class JobReplayReport:
     injected_specs: list[str] = field(default_factory=list)
     incident: str | None = None  # the job bundle's identity (ledger.verdicts.incident_of)
     recorded_faults: list[str] = field(default_factory=list)  # a drill job's (its ranks')
+    ignored_environment: list[str] = field(
+        default_factory=list
+    )  # reader.ignored_environment
 
     @property
     def verdict(self) -> str:
@@ -192,6 +196,7 @@ class JobReplayReport:
             "verified": self.caveat is None,
             "caveat": self.caveat,
             "failed": [{"rank": rank, "device": run.device} for rank, run in self.failed],
+            "ignored_environment": self.ignored_environment,
         }
 
 
@@ -265,6 +270,7 @@ def _report(
         list(inject),
         incident_of(job.manifest.manifest_sha256),
         job.injected_faults,
+        ignored_environment(job.rank(0).manifest.workload),
     )
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bundle import trust
+from ..capture import environment
 from ..errors import SdcReplayError, Terminated
 from . import processes, worker
 from .worker import DeviceFailure, DeviceResult, DeviceTask, given_forms
@@ -84,7 +85,8 @@ def backend_for(labels: list[str]) -> str:
 
 
 def _rank_environment(parent: dict[str, str]) -> dict[str, str]:
-    """The caller's environment, with what the launcher set for this rank on top."""
+    """What a rank inherits of the caller's environment (`environment.inherited`), with what
+    the launcher set for this rank on top."""
     own = {
         name: value
         for name, value in os.environ.items()
@@ -430,7 +432,7 @@ def _launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     processes.process_context(task_module)  # the launcher forks from the same warm server
-    parent = {**os.environ, **trust.child_environment()}
+    parent = {**environment.inherited(os.environ), **trust.child_environment()}
     parent.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
     config = LaunchConfig(
         min_nodes=1,

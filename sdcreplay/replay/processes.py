@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bundle import trust
+from ..capture import environment
 from ..errors import SdcReplayError
 from ..leftovers import writing
 from . import worker
@@ -80,13 +81,29 @@ def _start_server() -> None:
         resource_tracker.ensure_running()  # first: it unblocks SIGINT after starting its process
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            forkserver.ensure_running()
+            with _inherited_only():
+                forkserver.ensure_running()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     finally:
         os.dup2(terminal, 2)
         os.close(terminal)
     _end_server_with(os.getpid())
+
+
+@contextlib.contextmanager
+def _inherited_only() -> Iterator[None]:
+    """While the server starts: only what a device process inherits (`environment.inherited`),
+    so that what torch reads of the environment as the server imports it is never the shell's
+    (a replay's processes and the recording's first-step check import alike)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environment.inherited(saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 _server_ends_with: list[int] = []
@@ -197,7 +214,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def _child(task_path: str, stderr_path: str, env: dict, cwd: str, command: int) -> None:
-    """In the forked process: the caller's environment and directory, stderr to a file (and
+    """In the forked process: ``env`` and the caller's directory, stderr to a file (and
     stdout, so what a workload prints is kept with its log, never in a command's output); ^C
     as the workload would get it (the server it was forked from blocks it)."""
     end_with(command)
@@ -218,8 +235,14 @@ def _child(task_path: str, stderr_path: str, env: dict, cwd: str, command: int) 
 
 def device_process(task_path: Path, stderr_path: Path, label: str, task_module: str):
     """The device process for one task, not started yet (``.start()``); ``.exitcode`` is None
-    while it runs."""
-    env = {**os.environ, **trust.child_environment(), "SDCREPLAY_DEVICE": label}
+    while it runs. Its environment is what it inherits of the caller's
+    (`environment.INHERITED`), the task's (set by the worker) and, replaying a script, the
+    bundle's: never the rest of the shell's, so who runs a replay does not change it."""
+    env = {
+        **environment.inherited(os.environ),
+        **trust.child_environment(),
+        "SDCREPLAY_DEVICE": label,
+    }
     return process_context(task_module).Process(
         target=_child,
         args=(str(task_path), str(stderr_path), env, os.getcwd(), os.getpid()),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.manifest import CheckpointState
-from ..bundle.reader import Bundle
+from ..bundle.reader import Bundle, ignored_environment
 from ..capture import comparable
 from ..capture.compiled import CompiledRegion
 from ..capture.fault_spec import parse_specs
@@ -205,6 +205,8 @@ class ReplayReport:
     record_identity: dict | None = None  # the recording device's (ledger.identity)
     incident: str | None = None  # the bundle's identity (ledger.verdicts.incident_of)
     recorded_faults: list[str] = field(default_factory=list)  # a drill bundle's (its manifest)
+    # The shell's variables no device process took that could change the result (script.py).
+    ignored_environment: list[str] = field(default_factory=list)
 
     @property
     def injection_missed(self) -> bool:
@@ -271,6 +273,7 @@ class ReplayReport:
             "caveat": self.caveat,
             "finished": len(self.devices) - len(self.failed),
             "failed": [run.device for run in self.failed],
+            "ignored_environment": self.ignored_environment,
         }
 
 
@@ -437,6 +440,7 @@ def replay_devices(
         ).to_json(),
         incident=incident_of(opened.manifest.manifest_sha256),
         recorded_faults=opened.injected_faults,
+        ignored_environment=ignored_environment(opened.manifest.workload),
     )
     if ledger:
         note_result(report.to_json())
