@@ -119,9 +119,7 @@ class JobReplayReport:
     injected_specs: list[str] = field(default_factory=list)
     incident: str | None = None  # the job bundle's identity (ledger.verdicts.incident_of)
     recorded_faults: list[str] = field(default_factory=list)  # a drill job's (its ranks')
-    ignored_environment: list[str] = field(
-        default_factory=list
-    )  # reader.ignored_environment
+    ignored_environment: list[str] = field(default_factory=list)  # reader.ignored_environment
 
     @property
     def verdict(self) -> str:
