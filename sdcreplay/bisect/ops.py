@@ -297,7 +297,7 @@ def _job_and_rank(
 
 
 def _coordinates(job: JobBundle, rank: int) -> str | None:
-    return None if job.layout is None else job.layout.where(rank)
+    return None if job.layout is None else job.layout.describe(rank)
 
 
 def _kernel_selected(entry: KernelEntry, phase: str | None, module: str | None, op: str | None):

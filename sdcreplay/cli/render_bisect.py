@@ -267,9 +267,7 @@ def _outputs_text(outputs: list[dict]) -> str:
 def render_ops(output: Output, listing: OpsListing) -> None:
     where = f"Step {listing.step}"
     if listing.rank is not None:
-        where += f" of rank {listing.rank}" + (
-            f" ({listing.coordinates})" if listing.coordinates else ""
-        )
+        where += f" of {listing.coordinates or f'rank {listing.rank}'}"
     output.table(
         f"{where}: {len(listing.calls)} of {listing.total_calls} operator calls",
         ["call", "phase", "module", "op", "nth", "outputs"],

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import STARTUP
+from test_startup import STARTUP
 
 from sdcreplay.devices import cuda_absent
 

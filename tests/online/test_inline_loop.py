@@ -77,7 +77,16 @@ def test_replay_check_without_a_train_step_says_what_it_can_do_inline() -> None:
     assert "sdcreplay replay BUNDLE --device" in refused.value.hint
 
 
-def test_an_inline_detector_cannot_run_a_step_nor_be_nested_in_the_recorders(tmp_path) -> None:
+def test_an_inline_detector_cannot_run_a_step_nor_be_nested_in_the_recorders(
+    tmp_path, monkeypatch
+) -> None:
+    # A script-mode Recorder names the script that runs it: this process's is pytest's own,
+    # or none under pytest-xdist (its workers run from python -c).
+    script = tmp_path / "train.py"
+    script.write_text("")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(script)])
     model, optimizer = _loop_pieces()
     detector = UpdateDetector(model=model, optimizer=optimizer)
     with pytest.raises(ConfigurationError, match="given no train_step"):
