@@ -6,8 +6,9 @@ found by the replay and named by bisect's kernel stage; the block-compiled model
 flipped in a parameter's memory before step 1 (``memflip``), which the compiled kernels read;
 the 2-rank DDP job's is a kernel fault on rank 1, its origin rank named, then bisected on that
 rank. CPU Inductor compiles cost seconds each on a loaded machine; the suite runs the whole
-model at the layer level, the block-compiled model at the boundary level and the DDP job;
-``SDCREPLAY_COMPILED_FULL=1`` adds the other levels, ``dynamic=True`` and ``fullgraph=True``.
+model at the layer level, the block-compiled model at the boundary level and the DDP job, and
+replays a planted fault on cpu:0 and cpu:1; ``SDCREPLAY_COMPILED_FULL=1`` adds the other
+levels, ``dynamic=True`` and ``fullgraph=True``, and cpu:2 to the fault's replay.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def _record(tmp_path: Path, *args: str) -> tuple[Path, list[dict]]:
     return tmp_path / result["bundle"], result["compiled"]
 
 
-def _replay(bundle: Path, tmp_path: Path, name: str, **options):
+def _replay(bundle: Path, tmp_path: Path, name: str, devices=DEVICES, **options):
     with trust.granting([f"{LOOP}:make_workload"]):
-        return replay_devices(bundle, DEVICES, log_dir=tmp_path / name, ledger=False, **options)
+        return replay_devices(bundle, devices, log_dir=tmp_path / name, ledger=False, **options)
 
 
 def _incomparable_under_another_setting(bundle: Path, sdcreplay_exe: str, region: str) -> None:
@@ -76,11 +77,14 @@ def _incomparable_under_another_setting(bundle: Path, sdcreplay_exe: str, region
 
 
 def _planted_fault_is_found(bundle: Path, tmp_path: Path, spec: str, region: str) -> None:
-    report = _replay(bundle, tmp_path, "fault", inject=[spec])
+    """``spec`` planted for cpu:1: persistent, cpu:1 accused (cpu:0..2 under
+    SDCREPLAY_COMPILED_FULL; in the suite cpu:0 and cpu:1, a compile less)."""
+    devices = DEVICES if FULL else DEVICES[:2]
+    report = _replay(bundle, tmp_path, "fault", devices, inject=[spec])
     assert report.exit_code == 1
     assert (report.consensus.verdict, report.consensus.suspects) == ("persistent", ["cpu:1"])
     verdicts = {run.device: run.verdict for run in report.devices}
-    assert verdicts == {"cpu:0": "match", "cpu:1": "persistent", "cpu:2": "match"}
+    assert verdicts == {label: "persistent" if label == "cpu:1" else "match" for label in devices}
     (suspect,) = [run.to_json() for run in report.devices if run.device == "cpu:1"]
     assert suspect["first_divergence"]["step"] == 1
     assert suspect["first_divergence_in"].startswith(f"compiled region {region} (inductor, ")
