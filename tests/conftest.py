@@ -299,6 +299,43 @@ class Ran:
 
 
 @pytest.fixture(scope="session")
+def script_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A script-mode job, once per run: tests/loops/nanogpt_train.py (a flat nanoGPT-style
+    script, its Recorder given no workload) under torchrun, 2 gloo ranks, DDP."""
+
+    def make(root: Path) -> None:
+        loop = TESTS / "loops" / "nanogpt_train.py"
+        done = run_torchrun(loop, 2, f"--bundle={root / 'job.bundle'}", timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "script-job", make) / "job.bundle"
+
+
+@pytest.fixture(scope="session")
+def compiled_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A compiled job, once per run: 2 DDP ranks of tests/compiled_loop.py's block-compiled
+    model (CPU Inductor), 2 steps at the boundary level (``make_workload`` of that file)."""
+
+    def make(root: Path) -> None:
+        from sdcreplay.bundle import trust
+        from sdcreplay.recording.job import record_job
+
+        ref = f"{TESTS / 'compiled_loop.py'}:make_workload"
+        with trust.granting([ref]), preserved_global_state():
+            summary = record_job(
+                ref,
+                root / "job.bundle",
+                nproc=2,
+                steps=2,
+                kwargs={"compile": "blocks", "parallel": "ddp"},
+                signature="boundary",
+            )
+        assert summary.exit_code == 0
+
+    return made_once(tmp_path_factory, "compiled-job", make) / "job.bundle"
+
+
+@pytest.fixture(scope="session")
 def ran_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Ran]:
     """``ran_once(*args)``: ``sdcreplay ARGS --out DIR/out --json`` run in-process once for the
     whole test run, by whichever test module asks first (made_once); the same arguments from any

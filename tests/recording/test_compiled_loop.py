@@ -25,7 +25,6 @@ from typer.testing import CliRunner
 from sdcreplay.bundle import trust
 from sdcreplay.bundle.reader import Bundle
 from sdcreplay.cli import app
-from sdcreplay.recording.job import record_job
 from sdcreplay.replay.job import replay_job
 from sdcreplay.replay.replicas import replay_devices
 
@@ -164,21 +163,10 @@ def test_every_variant_replays_correct(tmp_path, args):
 
 
 @pytest.fixture(scope="module")
-def ddp_job(tmp_path_factory) -> tuple[Path, str]:
-    """A 2-rank DDP job over the block-compiled model, recorded once for this module, and a
-    fault planted for rank 1 on cpu:1 in the second block's fused forward kernel."""
-    ref = f"{LOOP}:make_workload"
-    with trust.granting([ref]):
-        summary = record_job(
-            ref,
-            tmp_path_factory.mktemp("ddp") / "job.bundle",
-            nproc=2,
-            steps=2,
-            kwargs={"compile": "blocks", "parallel": "ddp"},
-            signature="boundary",
-        )
-    assert summary.exit_code == 0
-    part = Bundle.open(Path(summary.bundle) / "ranks" / "000001")
+def ddp_job(compiled_job) -> tuple[Path, str]:
+    """The run's 2-rank DDP job over the block-compiled model (conftest ``compiled_job``), and
+    a fault planted for rank 1 on cpu:1 in the second block's fused forward kernel."""
+    part = Bundle.open(compiled_job / "ranks" / "000001")
     assert part.verified
     assert [r.path for r in part.compiled_regions] == ["layers.0", "layers.1"]
     assert all(r.graphs for r in part.compiled_regions)
@@ -189,7 +177,7 @@ def ddp_job(tmp_path_factory) -> tuple[Path, str]:
         f"kind=bitflip,kernel={kernel},module=layers.1,phase=forward,step=1,output=2,"
         "index=13,bit=20,rank=1,device=cpu:1"
     )
-    return Path(summary.bundle), fault
+    return compiled_job, fault
 
 
 def test_a_ddp_job_with_compiled_blocks_names_the_origin_rank(ddp_job, tmp_path):
@@ -207,7 +195,7 @@ def test_a_ddp_job_with_compiled_blocks_names_the_origin_rank(ddp_job, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def kernel_report(ddp_job) -> dict:
+def kernel_report(ddp_job, tmp_path_factory) -> dict:
     """bisect --rank 1 of the job, once for the module: its report."""
     job, fault = ddp_job
     found = CliRunner().invoke(
@@ -215,7 +203,7 @@ def kernel_report(ddp_job) -> dict:
         [
             "bisect", str(job), "--rank", "1", "--suspect", "cpu:1", "--reference", "cpu:0",
             "--step", "1", "--trust-workload", "--inject", fault, "--out",
-            str(job.with_name("r.bisect")), "--json",
+            str(tmp_path_factory.mktemp("kernel") / "r.bisect"), "--json",
         ],
         env={"SDCREPLAY_LEDGER": "off", "SDCREPLAY_DEBUG": None},
     )  # fmt: skip
