@@ -285,19 +285,6 @@ def sharded_job(tmp_path_factory: pytest.TempPathFactory):
     return record
 
 
-@dataclass(frozen=True)
-class Ran:
-    """One ``sdcreplay`` command's run: what its ``--out`` named, its exit code and output."""
-
-    out: Path
-    code: int
-    stdout: str
-    stderr: str
-
-    def json(self) -> dict:
-        return json.loads(self.stdout)
-
-
 @pytest.fixture(scope="session")
 def script_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A script-mode job, once per run: tests/loops/nanogpt_train.py (a flat nanoGPT-style
@@ -333,6 +320,19 @@ def compiled_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert summary.exit_code == 0
 
     return made_once(tmp_path_factory, "compiled-job", make) / "job.bundle"
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One ``sdcreplay`` command's run: what its ``--out`` named, its exit code and output."""
+
+    out: Path
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict:
+        return json.loads(self.stdout)
 
 
 @pytest.fixture(scope="session")
