@@ -24,7 +24,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sdcreplay.capture import determinism
+from sdcreplay.capture import comparable, determinism
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"  # where the helper scripts beside the test folders live
@@ -111,7 +111,7 @@ def preserved_global_state() -> Iterator[None]:
     }
     env = {
         name: os.environ.get(name)
-        for name in (*determinism.SWITCH_ENV_VARS, *determinism.PINNED_ENV.values())
+        for name in (*determinism.SWITCH_ENV_VARS, *comparable.PINNED_ENV.values())
     }
     try:
         yield

@@ -23,12 +23,14 @@ from torch.nn.parallel import DistributedDataParallel
 import sdcreplay
 
 
-def make_workload(seed: int = 0, plain: bool = False) -> sdcreplay.Workload:
+def make_workload(seed: int = 0, plain: bool = False, alone: bool = False) -> sdcreplay.Workload:
+    """``alone``: no DDP, each rank trains its own model (as Accelerate does when started
+    without its launcher)."""
     torch.manual_seed(seed)
     net = torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4)
     )
-    model = DistributedDataParallel(net)
+    model = net if alone else DistributedDataParallel(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
     rank = dist.get_rank()

@@ -160,6 +160,7 @@ def test_the_process_layer_knows_no_task() -> None:
     graph = module_graph()
     assert graph["sdcreplay.replay.worker"] == {"sdcreplay.errors", "sdcreplay.heartbeat"}
     assert graph["sdcreplay.replay.processes"] == {
+        "sdcreplay.capture.environment",  # what a device process inherits: torch-free, no task
         "sdcreplay.errors",
         "sdcreplay.leftovers",
         "sdcreplay.bundle.trust",

@@ -68,12 +68,12 @@ def run_alone(
     rank: int,
     work: Path,
     environment: dict[str, str],
-    from_state: str | None = None,
+    from_state: Path | None = None,
 ) -> dict:
     """``task`` as rank ``rank`` of the job without peers, in one process on ``label``
     (``from_state``: a kept state, whose peers' shards FSDP2 gathers)."""
     wrapped = {
-        "job": str(job.path),
+        "job": job.path,
         "rank": rank,
         "world_size": job.world_size,
         "task": task_reference(task),
@@ -85,9 +85,8 @@ def run_alone(
     )
     error = results[label].error
     if error is not None:
-        detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
         raise SdcReplayError(
-            f"rank {rank} alone on {label} failed: {error.message}{detail}",
+            f"rank {rank} alone on {label} failed: {error.said()}",
             error.hint or f"See the process's stderr in {error.log or work}.",
         )
     return results[label].value or {}

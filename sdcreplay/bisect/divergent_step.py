@@ -19,6 +19,7 @@ from ..errors import SdcReplayError
 from ..replay.comparability import refuse_unlike_reference
 from ..replay.job import replay_job
 from ..replay.replicas import replay_devices
+from ..replay.worker import DeviceFailure
 from .report import total
 
 
@@ -48,7 +49,7 @@ def first_divergent_step(
     for run in report.devices:
         if run.error:
             raise SdcReplayError(
-                f"the {run.device} replay failed: {run.error['message']}",
+                f"the {run.device} replay failed: {DeviceFailure.from_json(run.error).said()}",
                 run.error.get("hint") or "See the device's stderr in the work directory.",
             )
     runs = {run.device: run for run in report.devices}
@@ -88,9 +89,10 @@ def first_divergent_job_step(
         run = report.ranks[rank].runs[0]
         failed = [run for _, run in report.failed]
         if failed:
-            error = failed[0].error or {}
+            error = failed[0].error or {"message": "no result"}
             raise SdcReplayError(
-                f"the job replay with rank {rank} on {label} failed: {error.get('message')}",
+                f"the job replay with rank {rank} on {label} failed: "
+                f"{DeviceFailure.from_json(error).said()}",
                 error.get("hint") or "See the ranks' logs in the work directory.",
             )
         logs[label] = run.logs

@@ -146,7 +146,13 @@ def run_kernel_log_task(
         finally:
             entry.session.close()
         if watch is not None:  # the reference again: it must make its first run's calls
-            _check_reproduced(expected or [], log, step)
+            _check_reproduced(
+                expected or [],
+                log,
+                step,
+                script=entry.session.script is not None,
+                from_window=entry_state is None,
+            )
             if log.kept is None:
                 return {"case": None, "steps_run": steps_run}
             path = work / "reference-kernel.h5"
@@ -166,7 +172,9 @@ def run_kernel_log_task(
     return {"case": None, "repeats_run": runs, "steps_run": steps_run}
 
 
-def _check_reproduced(expected: list, log: KernelLog, step: int) -> None:
+def _check_reproduced(
+    expected: list, log: KernelLog, step: int, *, script: bool, from_window: bool
+) -> None:
     rows = records_from_json(expected, step)
     if [r.site.kernel for r in log.records] != [r.site.kernel for r in rows]:
         raise SdcReplayError(
@@ -175,7 +183,10 @@ def _check_reproduced(expected: list, log: KernelLog, step: int) -> None:
     for mine, theirs in zip(log.records, rows):
         if mine.digests != theirs.digests:
             _refuse_unreproduced(
-                step, f"kernel call {mine.site.index} ({mine.site.kernel}) gives other outputs"
+                step,
+                f"kernel call {mine.site.index} ({mine.site.kernel}) gives other outputs",
+                script=script,
+                from_window=from_window,
             )
 
 
@@ -276,7 +287,7 @@ def bisect_kernels(
         "kernels",
         run_kernel_log_task,
         suspect,
-        {**common, "expected_log": ref["log"], "repeats": repeats},
+        {**common, "expected_log": Path(ref["log"]), "repeats": repeats},
     )
     if "structure_error" in sus:
         raise SdcReplayError(
@@ -295,7 +306,7 @@ def bisect_kernels(
         "fetch",
         run_kernel_log_task,
         reference,
-        {**common, "expected_log": ref["log"], "watch": suspect_case.site.index},
+        {**common, "expected_log": Path(ref["log"]), "watch": suspect_case.site.index},
     )
     reference_case = KernelCase.read(Path(fetched["case"]))
     case = KernelCase(
@@ -319,7 +330,7 @@ def bisect_kernels(
             "bundle": common["bundle"],
             "step": step,
             "entry_state": common["entry_state"],
-            "case_file": str(staging / KERNEL_FILE),
+            "case_file": staging / KERNEL_FILE,
             "runs": isolation_runs,
             "inject": common["inject"],
         },

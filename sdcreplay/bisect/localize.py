@@ -10,7 +10,9 @@ wrong there (``kernel``); right means the corruption came from before
 (``upstream``: the wrong input, the call that wrote it, and whether it changed
 at rest in between) or does not fire every time (``intermittent``). Every
 device runs in its own process. Only the reference replays the window up to
-the step; it hands the state entering the step to the later runs as HDF5.
+the step; it hands the state entering the step to the later runs as HDF5, unless that state
+does not reproduce the step (a loop's counter outside it): then every run replays the window,
+as replay does, and the report says so (``start``).
 
 This module drives those stages: what each device process runs is `tasks.py` (on a job's
 rank, `rank.py`), and the report it writes is `report.py`.
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.signature import layer_of
 from ..compare.logs import RECORD
 from ..devices import require_available
@@ -37,7 +39,8 @@ from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..replay.comparability import probe_in_processes, refuse_unlike_reference
-from ..replay.processes import run_device_processes
+from ..replay.processes import process_context, run_device_processes
+from ..replay.replicas import REPLAY_TASK
 from .alone import (
     check_bisect_alone,
     first_divergent_alone_step,
@@ -89,22 +92,32 @@ def bisect(
     replace a report already at ``out``, moving it (and the tickets in it) aside; ``alone``: a
     job's rank runs without its data-parallel peers (`bisect.alone`, docs/at-scale.md);
     ``from_state``: alone, start at a state phase 1 kept (`replay.kept_state`)."""
-    result = _localize(
-        bundle,
-        rank=rank,
-        suspect=suspect,
-        reference=reference,
-        step=step,
-        repeats=repeats,
-        isolation_runs=isolation_runs,
-        inject=inject,
-        out=out,
-        plot=plot,
-        on_event=on_event,
-        overwrite=overwrite,
-        alone=alone,
-        from_state=from_state,
-    )
+    # Every stage's processes fork from one server, started now: it imports torch and the
+    # stages' tasks (the replay's, the operator-level runs') once, while the bundle is read.
+    process_context(REPLAY_TASK.partition(":")[0], run_oplog_task.__module__)
+    begun: list[ReportDirectory] = []
+    try:
+        result = _localize(
+            bundle,
+            begun,
+            rank=rank,
+            suspect=suspect,
+            reference=reference,
+            step=step,
+            repeats=repeats,
+            isolation_runs=isolation_runs,
+            inject=inject,
+            out=out,
+            plot=plot,
+            on_event=on_event,
+            overwrite=overwrite,
+            alone=alone,
+            from_state=from_state,
+        )
+    except Exception:
+        for written in begun:
+            written.discard()
+        raise
     if ledger:
         note_result(result.to_json())
     return result
@@ -112,6 +125,7 @@ def bisect(
 
 def _localize(
     bundle: str | Path,
+    begun: list[ReportDirectory],
     *,
     rank: int | None,
     suspect: str | None,
@@ -155,6 +169,7 @@ def _localize(
     written = ReportDirectory.begin(
         Path(out) if out else named.with_name(named.name + ".bisect"), overwrite
     )
+    begun.append(written)  # a failure discards it (`bisect`)
     work, finish = written.work, written.finish
     base: dict = {
         "schema": SCHEMA,
@@ -237,19 +252,19 @@ def _localize(
         )
 
     common = {
-        "bundle": str(opened.path),
+        "bundle": opened.path,
         "step": step,
         "inject": list(inject),
-        "work_dir": str(work),
+        "work_dir": work,
     }
-    pinned = determinism.pinned_environment(opened.manifest.fingerprint)
+    pinned = comparable.pinned_environment(opened.manifest.fingerprint)
     single = partial(_run_alone, work=work, environment=pinned)
     # A job's rank among its peers replays the window with them: no saved state. A rank
     # alone starts every later run from the state entering the step, as a single process.
-    entry_state = str(work / ENTRY_STATE_FILE) if job is None or alone else None
+    entry_state = work / ENTRY_STATE_FILE if job is None or alone else None
     if kept is not None:  # the kept state is the state entering the step: no run saves it
-        common["entry_state"] = entry_state = str(kept.rank_state(rank or 0))
-    kept_path = None if kept is None else str(kept.path)
+        common["entry_state"] = entry_state = kept.rank_state(rank or 0)
+    kept_path = None if kept is None else kept.path
     run = (
         single
         if job is None
@@ -263,6 +278,16 @@ def _localize(
     on_event("oplog", f"operator-level replay of step {step} on {reference}")
     saving = {} if kept is not None else {"save_entry": entry_state}
     ref_log = run("oplog", run_oplog_task, reference, {**common, **saving})
+    start = ref_log.get("start")
+    if start is not None:  # the saved state lacks what the step depends on: replay's start
+        entry_state = None
+        base["warnings"] = [start.pop("warning")]
+        on_event(
+            "start",
+            f"step {step} does not reproduce from the state saved entering it: every later run "
+            "starts from the window's start",
+        )
+    base["start"] = start or {"from": "window" if entry_state is None else "saved_state"}
     common["entry_state"] = entry_state  # every later run starts from the state entering the step
     if ref_log.get("kernel_calls") and suspect is not None:
         in_kernels = bisect_kernels(
@@ -286,7 +311,7 @@ def _localize(
         "oplog",
         run_oplog_task,
         suspect,
-        {**common, "expected_log": ref_log["oplog"], "repeats": repeats},
+        {**common, "expected_log": Path(ref_log["oplog"]), "repeats": repeats},
     )
     steps = {
         "replay": replayed.pop("steps_run", {}).get("replay", 0),
@@ -321,7 +346,7 @@ def _localize(
             **common,
             "op_index": sus["op_index"],
             "state_names": sus["state_differs"],
-            "expected_log": ref_log["oplog"],
+            "expected_log": Path(ref_log["oplog"]),
         },
     )
     steps["fetch"] = fetched["steps_run"]
@@ -370,8 +395,8 @@ def _localize(
         run_isolate_task,
         suspect,
         {
-            "bundle": str(opened.path),
-            "case_file": str(written.staging / OPERATOR_FILE),
+            "bundle": opened.path,
+            "case_file": written.staging / OPERATOR_FILE,
             "inject": list(inject),
             "runs": runs,
             "rank": rank,
@@ -482,9 +507,8 @@ def _run_alone(
     )
     result, error = results[label], results[label].error
     if error is not None:
-        detail = f": {error.stderr_tail.splitlines()[-1]}" if error.stderr_tail else ""
         raise SdcReplayError(
-            f"the {label} process failed: {error.message}{detail}",
+            f"the {label} process failed: {error.said()}",
             error.hint or f"See the process's stderr in {error.log or work}.",
         )
     return result.value or {}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle, is_job_bundle, job_of_part
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.compiled_kernels import KernelCall
 from ..capture.faults import FaultSpec
 from ..capture.layers import flatten_tensors
@@ -254,10 +254,10 @@ def _rank_calls(
         run_alone if alone else run_in_job,
         job=job,
         rank=rank,
-        environment=determinism.pinned_environment(part.manifest.fingerprint),
+        environment=comparable.pinned_environment(part.manifest.fingerprint),
     )
     work = temporary_run_dir("ops")
-    value = run("ops", run_ops_task, device, {"bundle": str(part.path), "step": step}, work=work)
+    value = run("ops", run_ops_task, device, {"bundle": part.path, "step": step}, work=work)
     shutil.rmtree(work, ignore_errors=True)  # kept where a rank failed: its error names its logs
     return [Call(**c) for c in value["calls"]], [KernelEntry(**k) for k in value["kernels"]]
 
@@ -281,6 +281,8 @@ def _job_and_rank(
             python_hint="Pass rank=None, alone=False.",
         )
     job = JobBundle.open(path)
+    if rank is None and job.world_size == 1:  # a one-process torchrun run
+        rank = 0
     if rank is None or not 0 <= rank < job.world_size:
         raise SdcReplayError(
             f"{path} is a job of {job.world_size} ranks: say whose calls to list"
@@ -295,7 +297,7 @@ def _job_and_rank(
 
 
 def _coordinates(job: JobBundle, rank: int) -> str | None:
-    return None if job.layout is None else job.layout.describe(rank)
+    return None if job.layout is None else job.layout.where(rank)
 
 
 def _kernel_selected(entry: KernelEntry, phase: str | None, module: str | None, op: str | None):

@@ -57,6 +57,8 @@ def job_to_bisect(
             )
         return None
     job = JobBundle.open(bundle)
+    if rank is None and job.world_size == 1:  # a one-process torchrun run
+        rank = 0
     if rank is None or not 0 <= rank < job.world_size:
         raise SdcReplayError(
             f"{bundle} is a job of {job.world_size} ranks: say which rank to bisect",
@@ -92,7 +94,7 @@ def run_in_job(
     require_own_gpus(labels)
     runs_step = task is not run_fetch_task or arguments.get("op_index") is not None
     job_arguments = {
-        "job": str(job.path),
+        "job": job.path,
         "rank": rank,
         "task": task_reference(task),
         "arguments": arguments,

@@ -79,7 +79,8 @@ class ReportDirectory:
     renames it to ``final`` once the report is complete. A report already at ``final`` (and
     the tickets minimize wrote into it) is replaced only when asked (``overwrite``), and then
     moved aside, never deleted. A failed run leaves ``final`` untouched (its ``operator.h5``
-    and ``report.json`` still agree) and its logs in ``staging``."""
+    and ``report.json`` still agree) and no ``staging`` (`discard`: its error says what the
+    devices said); an interrupted one leaves ``staging``, its logs in ``work/``."""
 
     final: Path
     staging: Path
@@ -108,18 +109,27 @@ class ReportDirectory:
         """Where to write ``path`` now: a file meant for the final directory goes to staging."""
         return Path(_relocated(str(path), str(self.final), str(self.staging)))
 
+    def discard(self) -> None:
+        """The run failed: its staging goes, unless it holds a finished report (`_taken`)."""
+        if not (self.staging / REPORT_FILE).exists():
+            shutil.rmtree(self.staging, ignore_errors=True)
+            leftovers.end(self.staging)
+
     def finish(self, data: dict, on_event) -> BisectResult:
         """Write ``report.json`` (its paths naming the final directory) and put it in place,
         the report there before moved aside (``moved_aside`` in the report)."""
         data = _relocated(data, str(self.staging), str(self.final))
         final = self.final
+        taken = False
         if _holds_nothing(final):
             shutil.rmtree(final)
         elif (final.exists() or final.is_symlink()) and self.overwrite and _is_report(final):
             data["moved_aside"] = str(set_aside(final))
-        elif final.exists() or final.is_symlink():
-            raise self._taken()  # another run finished there while this one ran
+        else:  # another run finished there while this one ran
+            taken = final.exists() or final.is_symlink()
         (self.staging / REPORT_FILE).write_text(json.dumps(data, indent=2, default=str))
+        if taken:
+            raise self._taken()
         try:
             self.staging.rename(final)
         except OSError as exc:

@@ -4,7 +4,8 @@ reference's copy of one call, and that call re-run alone on the suspect.
 Each device is its own process, so these functions are `device_task`s a task file names
 (`replay.worker`); the driver (`localize.py`) starts them and reads only the JSON they return
 and the files they write in the work directory. Every run after the reference's first starts
-from the state the reference saved entering the step (`_enter_step`).
+from the state the reference saved entering the step (`_enter_step`), or from the window's start
+where that state does not reproduce the step (`_reference_oplog`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,48 @@ def _records_from_json(rows: list, step: int) -> list[OperatorRecord]:
     ]
 
 
+@dataclass
+class _LoggedStep:
+    """The bisected step run once at the operator level, from where its `StepEntry` put it."""
+
+    entry: StepEntry
+    oplog: OperatorLog
+    kernels: KernelCount
+    entries: list[tuple[str, str]]  # its signature
+    differing: list[str]  # state entering it that differs from the reference's
+
+
+def _logged_step(
+    bundle: str,
+    device: str,
+    inject: Sequence[str],
+    step: int,
+    repeat: int,
+    work: Path,
+    expected: dict | None,
+    **entry: str | None,
+) -> _LoggedStep:
+    """Enter the step (``entry``: `_enter_step`'s ``entry_state`` and ``save_entry``) and run
+    it with the operator log, compared with ``expected`` (the reference's) as it runs."""
+    came = _enter_step(bundle, device, inject, step, repeat, **entry)
+    reference = _records_from_json(expected["operators"], step) if expected else None
+    addresses = {storage_address(t): name for name, t in came.state.items()}
+    oplog = OperatorLog(
+        expected=reference,
+        state_memory={address: name for address, name in addresses.items() if address},
+    )
+    kernels = KernelCount()
+    try:
+        differing = [
+            n for n, d in came.digests.items() if expected and expected["state"].get(n) != d
+        ]
+        _save_state(work / f"state-{device.replace(':', '-')}.h5", came.state, differing)
+        entries = came.session.run_step(came.target, observers=[oplog], kernel_observers=[kernels])
+    finally:
+        came.session.close()
+    return _LoggedStep(came, oplog, kernels, entries, differing)
+
+
 @device_task
 def run_oplog_task(
     device: str,
@@ -166,45 +209,16 @@ def run_oplog_task(
     times); ``save_entry`` and ``entry_state``: see `_enter_step`.
     """
     work = Path(work_dir)
-    expected = json.loads(Path(expected_log).read_text()) if expected_log else None
-    repeats = repeats if expected else 1
+    if not expected_log:
+        return _reference_oplog(device, bundle, step, work, inject, save_entry, entry_state)
+    expected = json.loads(Path(expected_log).read_text())
     steps_run = 0
     for repeat in range(repeats):
-        entry = _enter_step(
-            bundle, device, inject, step, repeat, entry_state=entry_state, save_entry=save_entry
+        ran = _logged_step(
+            bundle, device, inject, step, repeat, work, expected, entry_state=entry_state
         )
-        session, digests, state, target = entry.session, entry.digests, entry.state, entry.target
-        steps_run += entry.window_steps + 1
-        reference = _records_from_json(expected["operators"], step) if expected else None
-        addresses = {storage_address(t): name for name, t in state.items()}
-        oplog = OperatorLog(
-            expected=reference,
-            state_memory={address: name for address, name in addresses.items() if address},
-        )
-        kernels = KernelCount()
-        try:
-            differing = [
-                n for n, d in digests.items() if expected and expected["state"].get(n) != d
-            ]
-            _save_state(work / f"state-{device.replace(':', '-')}.h5", state, differing)
-            entries = session.run_step(target, observers=[oplog], kernel_observers=[kernels])
-        finally:
-            session.close()
-        if entry.continuation is not None and entries != entry.continuation:
-            _refuse_unreproduced(step, _first_other_entry(entry.continuation, entries))
-        environment = determinism.environment(session.device)
-        if expected is None:
-            path = work / "oplog-reference.json"
-            path.write_text(
-                json.dumps({"state": digests, "operators": _records_to_json(oplog.records)})
-            )
-            return {
-                "oplog": str(path),
-                "operators": len(oplog.records),
-                "environment": environment,
-                "steps_run": steps_run,
-                "kernel_calls": kernels.calls,  # compiled code ran: the kernel stage's cue
-            }
+        oplog, steps_run = ran.oplog, steps_run + ran.entry.window_steps + 1
+        environment = determinism.environment(ran.entry.session.device)
         structure_error = oplog.structure_error or _missing_calls(oplog, expected["operators"])
         if structure_error:
             return {
@@ -213,7 +227,7 @@ def run_oplog_task(
                 "environment": environment,
                 "steps_run": steps_run,
             }
-        if oplog.divergent is not None or differing:
+        if oplog.divergent is not None or ran.differing:
             case_path = work / "suspect-call.h5"
             # Comparing against a log, the oplog keeps a call only when it diverges.
             if oplog.kept is not None and oplog.divergent is not None:
@@ -228,11 +242,62 @@ def run_oplog_task(
                 "environment": environment,
                 "steps_run": steps_run,
                 "op_index": oplog.divergent.site.index if oplog.divergent else None,
-                "state_differs": differing,
+                "state_differs": ran.differing,
                 "case": str(case_path) if oplog.kept is not None else None,
                 "origins": [_origin_to_json(o, expected["operators"]) for o in oplog.origins],
             }
     return {"divergent": False, "repeats_run": repeats, "steps_run": steps_run}
+
+
+def _reference_oplog(
+    device: str,
+    bundle: str,
+    step: int,
+    work: Path,
+    inject: Sequence[str],
+    save_entry: str | None,
+    entry_state: str | None,
+) -> dict:
+    """The reference's operator log of the step, and where every later run starts it.
+
+    Saving the state entering the step (``save_entry``), the reference runs the step on from
+    the window and again from that saved state. Where the two differ, the step depends on
+    state the bundle's objects do not hold (a loop's Python counter): the log is taken from the
+    window's start instead, as replay runs it, the saved state is removed, and ``start`` says
+    that every later run replays the window too (`start_from_window`)."""
+    ran = _logged_step(
+        bundle, device, inject, step, 0, work, None, entry_state=entry_state, save_entry=save_entry
+    )
+    steps_run, start = ran.entry.window_steps + 1, None
+    continuation = ran.entry.continuation
+    if continuation is not None and ran.entries != continuation:
+        unreproduced = _first_other_entry(continuation, ran.entries)
+        ran = _logged_step(bundle, device, inject, step, 0, work, None)
+        steps_run += ran.entry.window_steps + 1
+        script = ran.entry.session.script is not None
+        if ran.entries != continuation:
+            _refuse_unreproduced(
+                step,
+                f"{_first_other_entry(continuation, ran.entries)} (and from the state saved "
+                f"entering it, {unreproduced})",
+                script=script,
+                from_window=True,
+            )
+        assert save_entry is not None
+        Path(save_entry).unlink()
+        start = start_from_window(step, unreproduced, ran.entry.window_steps, script=script)
+    path = work / "oplog-reference.json"
+    path.write_text(
+        json.dumps({"state": ran.entry.digests, "operators": _records_to_json(ran.oplog.records)})
+    )
+    return {
+        "oplog": str(path),
+        "operators": len(ran.oplog.records),
+        "environment": determinism.environment(ran.entry.session.device),
+        "steps_run": steps_run,
+        "kernel_calls": ran.kernels.calls,  # compiled code ran: the kernel stage's cue
+        "start": start,
+    }
 
 
 def _origin_to_json(origin: InputOrigin, expected: list) -> dict:
@@ -308,7 +373,14 @@ def run_fetch_task(
     steps_run = entry.window_steps + (op_index is not None)
     if expected_log and op_index is not None:
         expected = json.loads(Path(expected_log).read_text())
-        _check_reproduced(expected, entry.digests, oplog, step)
+        _check_reproduced(
+            expected,
+            entry.digests,
+            oplog,
+            step,
+            script=entry.session.script is not None,
+            from_window=entry_state is None,
+        )
     if oplog.kept is None or op_index is None:  # only a watched call is kept
         return {"case": None, "steps_run": steps_run}
     args, kwargs, outputs = oplog.kept
@@ -319,13 +391,28 @@ def run_fetch_task(
     return {"case": str(path), "steps_run": steps_run, "messages_before": messages.count}
 
 
-def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, step: int) -> None:
-    """The reference's run from the saved state made its first run's calls with its outputs."""
+def _check_reproduced(
+    expected: dict,
+    state_digests: dict,
+    oplog: OperatorLog,
+    step: int,
+    *,
+    script: bool = False,
+    from_window: bool = False,
+) -> None:
+    """The reference's run from the saved state (``from_window``: from the window's start) made
+    its first run's calls with its outputs (``script``: a script-mode bundle's words)."""
     rows = expected["operators"]
     saved = expected["state"]
     differing = sorted(n for n in {*saved, *state_digests} if saved.get(n) != state_digests.get(n))
     if differing:
-        _refuse_unreproduced(step, f"the state loaded is not the state saved ({differing[0]})")
+        _refuse_unreproduced(
+            step,
+            f"the state entering it is not the state the first run entered it with "
+            f"({differing[0]})",
+            script=script,
+            from_window=from_window,
+        )
     for record, row in zip(oplog.records, rows):
         site, (phase, module, op, digests) = record.site, row
         if site.key != (op, module, phase):
@@ -340,6 +427,8 @@ def _check_reproduced(expected: dict, state_digests: dict, oplog: OperatorLog, s
                 step,
                 f"operator call {site.index} ({site.op} under {site.module}, {site.phase}) "
                 "gives other outputs",
+                script=script,
+                from_window=from_window,
             )
     if len(oplog.records) != len(rows):
         raise SdcReplayError(
@@ -367,15 +456,47 @@ def _first_other_entry(first: list[tuple[str, str]], again: list[tuple[str, str]
     return f"it has {len(again)} signature entries, {len(first)} the first time"
 
 
-def _refuse_unreproduced(step: int, difference: str) -> None:
-    """Every run after the window starts from the saved state: it must be the whole state."""
+def _refuse_unreproduced(
+    step: int, difference: str, *, script: bool = False, from_window: bool = False
+) -> None:
+    """A later run must start the step where the first did: the saved state (``from_window``:
+    the window's start) must be all the step depends on."""
+    where = "from the window's start" if from_window else "from the state saved entering it"
     raise SdcReplayError(
-        f"the reference does not reproduce its own step {step} from the state saved entering "
-        f"it: {difference}",
-        "The step depends on state outside the model, optimizer and the workload's state "
-        "objects (a Python counter?); give it to the workload as a state object "
-        "(docs/recording.md), since bisect starts the step from what the saved state holds.",
+        f"the reference does not reproduce its own step {step} {where}: {difference}",
+        unreproduced_hint(script),
     )
+
+
+def unreproduced_hint(script: bool) -> str:
+    """What to give the Recorder (``script``: a script-mode loop's) so that the state saved
+    entering a step is all the step depends on."""
+    if not script:
+        return (
+            "The step depends on state outside the model, optimizer and the workload's state "
+            "objects (a Python counter?); give it to the workload as a state object "
+            "(docs/recording.md), since bisect starts the step from what the saved state holds."
+        )
+    return (
+        "The step depends on state the Recorder was not given: something the loop keeps "
+        "between steps outside torch, such as a Python counter that decides whether a "
+        "micro-batch steps the optimizer (Accelerate's accelerator.step). Pass it in the "
+        "Recorder's state= (an object with state_dict() and load_state_dict()), and enter "
+        "rec.step() before whatever advances it (`with rec.step(), accelerator.accumulate("
+        "model):`, not the other way round), so that the state saved entering a step holds "
+        "it (docs/porting.md)."
+    )
+
+
+def start_from_window(step: int, why: str, window_steps: int, *, script: bool) -> dict:
+    """Where bisect's later runs start step ``step`` when the state saved entering it does not
+    reproduce it (``why``): the window's start, as replay does; the report's ``start``."""
+    warning = (
+        f"step {step} does not reproduce from the state saved entering it ({why}), so every "
+        f"later run of it starts from the window's start, as replay does, and replays the "
+        f"{window_steps} step(s) before it. " + unreproduced_hint(script)
+    )
+    return {"from": "window", "steps_before": window_steps, "reason": why, "warning": warning}
 
 
 @device_task

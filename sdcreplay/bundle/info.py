@@ -12,8 +12,8 @@ from typing import Any
 from ..capture.comparable import must_match
 from ..errors import BundleError
 from .job_bundle import JobBundle, is_job_bundle, job_of_part
-from .manifest import JOB_SCHEMA
-from .reader import Bundle
+from .manifest import JOB_SCHEMA, WorkloadRef
+from .reader import Bundle, workload_named
 
 
 @dataclass
@@ -55,6 +55,15 @@ class BundleInfo:
     coordinates: str | None = None  # one rank's part: where it lies in the job's mesh
 
     exit_code = 0
+
+    @property
+    def workload_named(self) -> str:
+        """The workload as a person knows it: a script's recorded command, or a factory's
+        reference with its keyword arguments."""
+        ref = WorkloadRef._read(self.workload)
+        if ref.is_script:
+            return workload_named(ref)
+        return f"{ref.ref} ({', '.join(f'{k}={v}' for k, v in ref.kwargs.items())})"
 
     JOB_ONLY = ("ranks", "messages", "parts", "layout")
     RANK_ONLY = ("job", "rank", "coordinates")

@@ -8,6 +8,7 @@ reads. Each rank writes its own part with a ``BundleWriter``.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -188,15 +189,34 @@ class JobWriter:
 
     def close(self) -> Path:
         """Tie every (closed) part to the job, mark it complete and give it its name."""
+        messages = 0
         for entry in self.manifest.ranks:
             part = Bundle.open(self.path / entry.part, verify=False)
             if not part.complete:
                 raise BundleError(f"rank {entry.rank}'s part did not close; the job stays partial")
             entry.manifest_sha256 = part.manifest.manifest_sha256
+            messages += sum(step.messages or 0 for step in part.steps)
         self.manifest.complete = True
         self._save(durable=True)
         self.moved_aside += _move_into_place(self.path, self.final_path, self._overwrite)
+        alone = isolated_ranks(self.manifest.world_size, messages)
+        if alone is not None:
+            warnings.warn(f"sdcreplay: the job bundle {self.final_path}: {alone}", stacklevel=3)
         return self.final_path
+
+
+def isolated_ranks(world_size: int, messages: int) -> str | None:
+    """What a job of several ranks whose recorded steps logged no message is (None: not
+    that): ranks that trained alone, each its own model, which nobody meant to record as one
+    job (`record` warns, `info` says it)."""
+    if world_size < 2 or messages:
+        return None
+    return (
+        f"its {world_size} ranks exchanged no message in any recorded step (no DDP, FSDP or "
+        "other collective): each rank trained alone, on a model of its own (e.g. Accelerate "
+        f"started without its launcher, or a model never wrapped for data parallelism): the "
+        f"job holds {world_size} separate trainings, not one"
+    )
 
 
 def job_partial_path(path: Path) -> Path:

@@ -70,6 +70,43 @@ def ddp_iterations_before(rebuilt_at_start: bool | None, rebuilt_after: bool | N
     return 2 if rebuilt_at_start else 1 if rebuilt_after else 0
 
 
+class RankExchange:
+    """Words the ranks tell each other through the process group's key-value store, under
+    ``prefix`` (the same on every rank: things the ranks do in the same order number their
+    prefixes alike), each wait with a timeout; ``hint`` says what to do when a rank gives no
+    word."""
+
+    def __init__(self, prefix: str, hint: str):
+        import torch.distributed as dist
+
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._store = dist.distributed_c10d._get_default_store()
+        self._prefix, self._hint = prefix, hint
+
+    def set(self, name: str, value: str) -> None:
+        self._store.set(self._prefix + name, value)
+
+    def get(self, name: str) -> str:
+        self.wait([name], f"waiting for {name!r}")
+        return self._store.get(self._prefix + name).decode()
+
+    def gather(self, name: str, value: str) -> list[str]:
+        """Every rank's ``value`` under ``name``, by rank (each rank calls it)."""
+        self.set(f"{name}/{self.rank}", value)
+        return [self.get(f"{name}/{rank}") for rank in range(self.world_size)]
+
+    def wait(self, names: list[str], what: str) -> None:
+        keys = [self._prefix + name for name in names]
+        try:
+            self._store.wait(keys, CLOSE_TIMEOUT)
+        except (RuntimeError, ValueError) as exc:  # the store's timeout or a dead rank
+            missing = [name for name, key in zip(names, keys) if not self._store.check([key])]
+            raise SdcReplayError(
+                f"rank {self.rank} gave up {what} after {CLOSE_TIMEOUT}: no word of {missing}",
+                self._hint,
+            ) from exc
+
+
 class JobRecording:
     """This rank's part of the job bundle at ``path``: ``part_path`` for its BundleWriter,
     ``distributed`` for its manifest, ``close()`` once its part closed. ``name()``: the path rank 0
@@ -91,46 +128,29 @@ class JobRecording:
         self.distributed = DistributedInfo(
             rank=self.rank, world_size=self.world_size, backend=self.backend
         )
-        self._store = dist.distributed_c10d._get_default_store()
-        self._prefix = f"sdcreplay/job{next(_recordings)}/"
-        self._store.set(self._key(f"device/{self.rank}"), device)
+        self._words = RankExchange(
+            f"sdcreplay/job{next(_recordings)}/",
+            "Every rank creates and closes its Recorder, and calls a ring's dump() at the "
+            "same step (a job bundle has one part per rank); otherwise a rank died or hangs, "
+            "and each part keeps the steps it completed "
+            f"(`sdcreplay info {job_partial_path(Path(path))}`).",
+        )
+        self._words.set(f"device/{self.rank}", device)
         self._writer: JobWriter | None = None
         self.layout = layout
         if self.rank == 0:
             self._create(Path(path), name, workload, overwrite)
-        problem = self._get("created")
+        problem = self._words.get("created")
         if problem != _OK:
             raise BundleError(f"rank 0 could not create the job bundle {path}: {problem}")
-        self.final_path = Path(self._get("path"))
+        self.final_path = Path(self._words.get("path"))
         self.path = job_partial_path(self.final_path)
         self.part_path = part_path(self.final_path, self.rank)
-
-    def _key(self, name: str) -> str:
-        return self._prefix + name
-
-    def _get(self, name: str) -> str:
-        self._wait([name], f"waiting for {name!r}")
-        return self._store.get(self._key(name)).decode()
 
     def gather(self, name: str, value: str) -> list[str]:
         """Every rank's ``value`` under ``name``, by rank (each rank calls it; through the
         store, with the timeout)."""
-        self._store.set(self._key(f"{name}/{self.rank}"), value)
-        return [self._get(f"{name}/{rank}") for rank in range(self.world_size)]
-
-    def _wait(self, names: list[str], what: str) -> None:
-        keys = [self._key(name) for name in names]
-        try:
-            self._store.wait(keys, CLOSE_TIMEOUT)
-        except (RuntimeError, ValueError) as exc:  # the store's timeout or a dead rank
-            missing = [name for name, key in zip(names, keys) if not self._store.check([key])]
-            raise SdcReplayError(
-                f"rank {self.rank} gave up {what} after {CLOSE_TIMEOUT}: no word of {missing}",
-                "Every rank creates and closes its Recorder, and calls a ring's dump() at the "
-                "same step (a job bundle has one part per rank); otherwise a rank died or "
-                "hangs, and each part keeps the steps it "
-                f"completed (`sdcreplay info {self.path}`).",
-            ) from exc
+        return self._words.gather(name, value)
 
     def _create(
         self,
@@ -139,7 +159,7 @@ class JobRecording:
         workload: WorkloadRef,
         overwrite: bool,
     ) -> None:
-        devices = [self._get(f"device/{rank}") for rank in range(self.world_size)]
+        devices = [self._words.get(f"device/{rank}") for rank in range(self.world_size)]
         try:
             final_path = path if name is None else name()
             self._writer = JobWriter(
@@ -153,10 +173,10 @@ class JobRecording:
                 overwrite=overwrite,
             )
         except Exception as exc:  # the other ranks wait for word of it: tell them, then raise
-            self._store.set(self._key("created"), getattr(exc, "message", None) or repr(exc))
+            self._words.set("created", getattr(exc, "message", None) or repr(exc))
             raise
-        self._store.set(self._key("path"), str(final_path))
-        self._store.set(self._key("created"), _OK)
+        self._words.set("path", str(final_path))
+        self._words.set("created", _OK)
 
     @property
     def moved_aside(self) -> list[Path]:
@@ -166,18 +186,18 @@ class JobRecording:
     def close(self) -> Path:
         """After this rank's part closed: rank 0 waits for every part (with a timeout), ties
         them to the job and renames it; the others wait for that. Returns the job's path."""
-        self._store.set(self._key(f"closed/{self.rank}"), _OK)
+        self._words.set(f"closed/{self.rank}", _OK)
         if self._writer is not None:
             ranks = [f"closed/{rank}" for rank in range(self.world_size)]
-            self._wait(ranks, "waiting for every rank to close its part")
+            self._words.wait(ranks, "waiting for every rank to close its part")
             self._writer.manifest.process_groups = process_groups()
             try:
                 self._writer.close()
             except Exception as exc:
-                self._store.set(self._key("closed"), getattr(exc, "message", None) or repr(exc))
+                self._words.set("closed", getattr(exc, "message", None) or repr(exc))
                 raise
-            self._store.set(self._key("closed"), _OK)
-        problem = self._get("closed")
+            self._words.set("closed", _OK)
+        problem = self._words.get("closed")
         if problem != _OK:
             raise BundleError(
                 f"rank 0 could not close the job bundle {self.path}: {problem}",

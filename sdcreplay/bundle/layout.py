@@ -148,10 +148,17 @@ class ParallelLayout(Record):
     def coordinates_of(self, rank: int) -> dict[str, int]:
         return {d.name: c for d, c in zip(self.dimensions, self.coordinates[rank])}
 
+    def where(self, rank: int) -> str | None:
+        """``dp=1, tp=0``; None for a layout that knows only the world size (its one
+        coordinate is the rank itself)."""
+        if self.source == "world":
+            return None
+        return ", ".join(f"{n}={c}" for n, c in self.coordinates_of(rank).items())
+
     def describe(self, rank: int) -> str:
-        """``rank 2 (dp=1, tp=0)``: a rank by its coordinates."""
-        where = ", ".join(f"{n}={c}" for n, c in self.coordinates_of(rank).items())
-        return f"rank {rank} ({where})"
+        """``rank 2 (dp=1, tp=0)``: a rank by its coordinates (``rank 2`` where it has none)."""
+        where = self.where(rank)
+        return f"rank {rank}" + (f" ({where})" if where else "")
 
     def shape(self) -> str:
         """``dp=2 x tp=2`` (kinds in the JSON)."""

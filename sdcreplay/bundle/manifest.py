@@ -404,6 +404,10 @@ def _read_state(obj: dict) -> StateRef:
     return STATE_KINDS[obj["kind"]]._read(obj)
 
 
+def _strings(v: Any, least: int = 0) -> bool:
+    return isinstance(v, list) and len(v) >= least and all(isinstance(a, str) for a in v)
+
+
 # The rules of the manifest's top level and its singular objects: dotted path -> rule, checked
 # in this order (a parent before its fields). The state, each file and each step are checked
 # against their class's RULES. A new field is a line here (or in RULES), a field of its class
@@ -420,16 +424,12 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "workload.kind": absent_or(choice("factory", "script")),
     "workload.command": absent_or(OBJECT),
     "workload.command.python": absent_or(text(4096)),
-    "workload.command.argv": absent_or(
-        Check(
-            lambda v: isinstance(v, list) and len(v) >= 1 and all(isinstance(a, str) for a in v),
-            "a list of strings, the script first",
-        )
-    ),
+    "workload.command.argv": absent_or(Check(lambda v: _strings(v, 1), "strings, script first")),
     "workload.command.cwd": absent_or(text(4096)),
     "workload.command.env": absent_or(mapping(ENV_NAME, text(65536))),
     "workload.command.module": optional(text(1024)),
     "workload.command.world_size": optional(integer(1, MAX_WORLD_SIZE)),
+    "workload.command.env_watched": optional(Check(_strings, "names or NAME* patterns")),
     "device": text(64, r"[a-z]+(:\d{1,6})?"),
     "device_type": text(32, "[a-z]+"),
     "digest": optional(text(64)),

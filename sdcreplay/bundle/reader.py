@@ -8,11 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import h5py
-
+from ..capture import environment
 from ..capture.compiled import CompiledRegion
 from ..capture.message import Message
 from ..capture.signature import (
@@ -52,13 +52,17 @@ from .manifest import (
     Manifest,
     StepRecord,
     Verification,
+    WorkloadRef,
     sha256_file,
 )
 from .rules import Check, _check_fields, _is_int, integer, nullable, optional, text
 from .state import read_rng
 
-if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
-    from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch
+if TYPE_CHECKING:  # torch, h5py, tensorio and RngState: imported where tensors are read or
+    # written, so that `sdcreplay info`, `diff` and `replay`'s own process load none of them
+    import h5py
+
+    from ..capture.determinism import RngState
 
 
 def _sizes(v: Any) -> bool:
@@ -151,6 +155,29 @@ def _existing(path: str | Path) -> Path:
     return path
 
 
+def workload_named(workload: WorkloadRef) -> str:
+    """A workload as a person knows it: a script's recorded command (``script /path/train.py
+    --lr 3e-4``, ``script -m pkg.train ...``), a factory's reference."""
+    if not workload.is_script:
+        return workload.ref
+    command = workload.command or {}
+    argv = [str(word) for word in command.get("argv", [])]
+    module = command.get("module")
+    return "script " + shlex.join(["-m", str(module), *argv[1:]] if module else argv)
+
+
+def ignored_environment(workload: WorkloadRef) -> list[str]:
+    """The variables of this (the investigator's) shell that no replay process of a bundle
+    whose workload is ``workload`` takes although they could change its result
+    (`environment.ignored`): said to the person, never used. None for a factory: it is
+    rebuilt from its arguments, and its check replayed without the shell's variables."""
+    if not workload.is_script:
+        return []
+    command = workload.command or {}
+    kept = {str(name): str(value) for name, value in dict(command.get("env", {})).items()}
+    return environment.ignored(os.environ, kept, tuple(command.get("env_watched", ())))
+
+
 class Bundle:
     """A validated bundle; every file is checked against its SHA-256 on open."""
 
@@ -219,6 +246,11 @@ class Bundle:
     @property
     def workload_ref(self) -> str:
         return self.manifest.workload.ref
+
+    @property
+    def workload_named(self) -> str:
+        """The workload as errors name it (`workload_named`: a script by its command)."""
+        return workload_named(self.manifest.workload)
 
     @property
     def workload_kwargs(self) -> dict:
@@ -325,6 +357,8 @@ class Bundle:
 
     def _open_h5(self, name: str) -> h5py.File:
         """Open a listed HDF5 file, refusing one whose data lives outside it (external data)."""
+        import h5py  # here: reading the manifest and the logs needs not load it
+
         file = regular_file_inside(self.path, name)
         try:
             handle = h5py.File(file, "r")

@@ -11,16 +11,18 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import h5py
-import numpy as np
-
 from ..errors import BundleError
 
-if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
-    from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch
+if TYPE_CHECKING:  # torch, h5py, tensorio and RngState: imported where tensors are read or
+    # written, so that `sdcreplay info`, `diff` and `replay`'s own process load none of them
+    import h5py
+
+    from ..capture.determinism import RngState
 
 
 def write_rng(group: h5py.Group, rng: RngState) -> None:
+    import numpy as np
+
     from ..storage import tensorio
 
     group.attrs["python"] = rng.python_json()
@@ -37,6 +39,8 @@ def write_rng(group: h5py.Group, rng: RngState) -> None:
 
 
 def read_rng(group: h5py.Group) -> RngState:
+    import numpy as np
+
     from ..capture.determinism import RngState
     from ..storage import tensorio
 
@@ -66,6 +70,7 @@ def read_rng(group: h5py.Group) -> RngState:
 def _check_rng(state: RngState, filename: str) -> None:
     """Load the state into throwaway generators: a state of the wrong size or type is refused here,
     with the file named, instead of failing inside the step."""
+    import numpy as np
     import torch
 
     try:
@@ -92,6 +97,8 @@ def write_state(
     objects: dict[str, Any] | None = None,
 ) -> None:
     """Model, optimizer and named state objects' state dicts (a checkpoint bundle: objects only)."""
+    import h5py
+
     from ..storage import tensorio
 
     with h5py.File(path, "w") as handle:

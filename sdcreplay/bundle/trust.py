@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import UntrustedWorkloadError
 from ..home import HOME_ENV, home_dir  # noqa: F401 (HOME_ENV: named here by tests)
+from ..workload.references import canonical_ref
 
 GRANTED_ENV = "SDCREPLAY_TRUSTED_WORKLOADS"
 """JSON list of references the person trusted, handed to the device processes."""
@@ -103,8 +104,6 @@ def granted() -> set[str]:
 def granting(refs: Iterable[str]) -> Iterator[None]:
     """Trust ``refs`` (given by the person) for the duration, in this process and its device
     processes."""
-    from ..workload.definition import canonical_ref
-
     added = [canonical_ref(ref) for ref in refs]
     _granted.extend(added)
     try:

@@ -18,8 +18,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import h5py
-
 from .. import leftovers
 from ..capture.message import Message
 from ..capture.signature import SignatureLogWriter
@@ -54,8 +52,9 @@ from .manifest import (
 )
 from .state import write_rng, write_state
 
-if TYPE_CHECKING:  # torch, tensorio and RngState are imported where tensors are read or written,
-    from ..capture.determinism import RngState  # so that `sdcreplay info` runs without torch
+if TYPE_CHECKING:  # torch, h5py, tensorio and RngState: imported where tensors are read or
+    # written, so that `sdcreplay info`, `diff` and `replay`'s own process load none of them
+    from ..capture.determinism import RngState
 
 
 def _readable_json(obj: dict) -> str:
@@ -356,6 +355,8 @@ class BundleWriter:
         collectives (a job's part), one frame of the message log per step that has any;
         ``stopped``: a detector stopped the step before its optimizer's update; ``around``: what
         the loop set around the step (capture/around.py: hyperparameters, restore points)."""
+        import h5py
+
         from ..storage import tensorio
 
         name = step_file(index)

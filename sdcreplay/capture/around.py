@@ -5,7 +5,8 @@ A loop sets the learning rate before the step (a schedule of its own, nanoGPT's
 that samples its next batch). Replay does not re-derive either: every optimizer
 param group's hyperparameters are taken as each step begins and set back there,
 and the torch generators' states are taken at each *restore point* of a step (each
-input the loop feeds it, each entry of the root module's forward) and put back at
+input the loop feeds it, each entry of the root module's forward, or of each model
+part's) and put back at
 the same point of the replayed step, in order.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import WorkloadMismatchError
+from ..workload.loop_objects import ModelParts
 
 _SKIPPED = ("params",)
 
@@ -79,18 +81,18 @@ def set_torch_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 class RestorePoints:
     """A step's restore points: noted while recording (``note``), put back in the same order
-    while replaying (``restore``). ``forward_of``: the root module whose forward entries are
-    points (a pre-hook, active only between ``begin`` and ``end``)."""
+    while replaying (``restore``). ``root``: the module whose forward entries are points (a
+    pre-hook, active only between ``begin`` and ``end``); of model parts, each part's."""
 
     def __init__(self, device: torch.device, root: torch.nn.Module | None = None):
         self.device = device
         self._noted: list[dict[str, torch.Tensor]] | None = None
         self._replayed: Iterator[dict[str, torch.Tensor]] | None = None
-        self._handle = (
-            None
-            if root is None
-            else root.register_forward_pre_hook(lambda *_: self.at_point("a forward entry"))
-        )
+        roots = [] if root is None else list(root) if isinstance(root, ModelParts) else [root]
+        self._handles = [
+            module.register_forward_pre_hook(lambda *_: self.at_point("a forward entry"))
+            for module in roots
+        ]
 
     def begin_recording(self) -> None:
         self._noted, self._replayed = [], None
@@ -118,6 +120,6 @@ class RestorePoints:
         return noted
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

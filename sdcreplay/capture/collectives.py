@@ -511,7 +511,12 @@ class MessageLog:
         try:
             future = work.get_future() if work is not None else _done(outputs)
         except RuntimeError:  # no future for this Work (gloo's send/recv)
-            work.wait()  # a second wait on gloo's recv would block: hand back a done Work
+            future = None
+        if future is None:
+            # Waited outside the handler: the call's own error (gloo refusing PREMUL_SUM inside
+            # FSDP) is then the one a person sees, not chained to the missing future. A second
+            # wait on gloo's recv would block: a done Work goes back.
+            work.wait()
             future = _done(outputs)
 
         def digest(done: Any) -> Any:

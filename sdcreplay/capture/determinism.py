@@ -19,20 +19,11 @@ import torch
 
 from ..errors import DeterminismError
 from ..ledger.identity import cpu_model
-from .comparable import RESULT_AFFECTING, must_match  # noqa: F401 (torch-free, for info)
+from .comparable import check_environment, pinned_environment
+from .environment import SWITCH_ENV_VARS
 
-# Environment variables that change which kernels run (and so the bits they
-# produce); they must match between record and replay.
-SWITCH_ENV_VARS = (
-    "CUBLAS_WORKSPACE_CONFIG",
-    "NCCL_ALGO",
-    "NCCL_PROTO",
-    "NCCL_MIN_NCHANNELS",
-    "NCCL_MAX_NCHANNELS",
-    "NCCL_NVLS_ENABLE",
-    "NCCL_CROSS_NIC",
-    "NVIDIA_TF32_OVERRIDE",
-)
+# SWITCH_ENV_VARS (environment.py): the variables that change which kernels run (and so
+# the bits they produce); they must match between record and replay.
 # NCCL's result-affecting settings as fingerprint properties of a CUDA process: the reduction
 # order follows the algorithm, protocol and channels, and NVLS reductions differ between calls.
 NCCL_SETTINGS = {
@@ -76,20 +67,6 @@ def enable(num_threads: int | None = None) -> dict:
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     return current_switches()
-
-
-def check_environment(recorded: dict) -> None:
-    """Refuse when a switch variable is set here to another value than in the recording."""
-    conflicts = [
-        f"{name}={os.environ[name]!r} (recorded {value!r})"
-        for name, value in recorded.get("env", {}).items()
-        if os.environ.get(name) is not None and os.environ[name] != value
-    ]
-    if conflicts:
-        raise DeterminismError(
-            "the environment differs from the recording: " + "; ".join(conflicts),
-            "Unset those variables or set them to the recorded values, then replay again.",
-        )
 
 
 def apply(recorded: dict) -> None:
@@ -265,10 +242,6 @@ def restore_operator_rng(state: dict | None, device: torch.device) -> None:
 # change a result bit. Two machines whose fingerprints differ in one of these
 # can disagree without either being defective.
 
-# Environment variables that choose CPU kernels; a device process puts the
-# recorded values in force before its first operator (ATen reads the variable
-# once, at the first dispatch; MKL at its first call).
-PINNED_ENV = {"cpu.capability": "ATEN_CPU_CAPABILITY", "cpu.blas_branch": "MKL_CBWR"}
 _SIMD_FLAGS = (
     "sse4_2",
     "avx",
@@ -374,38 +347,6 @@ def fingerprint(device: torch.device) -> dict:
     return found
 
 
-def pinned_environment(recorded: dict | None) -> dict[str, str]:
-    """The variables that put the recorded kernel choices in force in a new process.
-
-    A variable the person set is left alone: the process's own fingerprint
-    then shows whether the replay is comparable.
-    """
-    recorded = recorded or {}
-    pinned = {}
-    for prop, name in PINNED_ENV.items():
-        value = recorded.get(prop)
-        if isinstance(value, str) and value and os.environ.get(name) is None:
-            pinned[name] = value.lower() if prop == "cpu.capability" else value
-    return pinned
-
-
 def pin_environment(recorded: dict | None) -> None:
     """Call before the first operator of a process that replays a recording."""
     os.environ.update(pinned_environment(recorded))
-
-
-def fingerprint_differences(
-    recorded: dict | None, now: dict | None, probed: bool = True
-) -> list[str]:
-    """``name: recorded X, here Y`` for every result-affecting property that differs
-    (``probed``: see `comparable.must_match`).
-
-    A property the record lacks (an older bundle) cannot be compared and is skipped.
-    """
-    if not recorded or now is None:
-        return []
-    return [
-        f"{name}: recorded {value!r}, here {now.get(name)!r}"
-        for name, value in must_match(recorded, probed).items()
-        if value != now.get(name)
-    ]

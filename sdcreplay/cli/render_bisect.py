@@ -83,6 +83,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
             f"{styled('correct')}: no divergence{step} after {report.get('repeats_run')} "
             f"repeat(s) on {result.suspect}."
         )
+        _warn(output, report)
         say_moved_aside(output, "report", report.get("moved_aside"))
         return
     rows = [
@@ -128,6 +129,7 @@ def render_bisect(output: Output, result: BisectResult) -> None:
     )
     if report.get("next"):
         output.say(report["next"])
+    _warn(output, report)
     output.say(f"Report: {result.report}")
     say_moved_aside(output, "report", report.get("moved_aside"))
     if "plot" in result.findings:
@@ -135,6 +137,12 @@ def render_bisect(output: Output, result: BisectResult) -> None:
         output.say(
             f"Plot: {plot}" if plot else "Plot: none drawn (no element of an output differs)"
         )
+
+
+def _warn(output: Output, report: dict) -> None:
+    """What the bisect did otherwise than asked (its start: docs/bisect.md)."""
+    for warning in report.get("warnings") or []:
+        output.warn(warning)
 
 
 def _minimize_verdict(result: MinimizeResult) -> str:

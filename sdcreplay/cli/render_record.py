@@ -88,6 +88,9 @@ def _job_rows(about: BundleInfo) -> list[list[str]]:
         ]
     if about.ranks is None or about.parts is None:
         return []
+    from ..bundle.job_bundle import isolated_ranks
+
+    alone = isolated_ranks(about.ranks, about.messages or 0) if about.complete else None
     parts = "; ".join(
         f"rank {p['rank']} on {p['device']}: {p['steps']} steps, {p['messages']} messages"
         + ("" if p["complete"] else " (incomplete)")
@@ -96,7 +99,11 @@ def _job_rows(about: BundleInfo) -> list[list[str]]:
     return [
         ["ranks", f"{about.ranks} ({parts})"],
         ["layout", _layout_text(about.layout)],
-        ["messages", f"{about.messages} in all ranks (the other rows: the lowest rank's part)"],
+        [
+            "messages",
+            f"{about.messages} in all ranks (the other rows: the lowest rank's part)"
+            + (f"; warning: {alone}" if alone else ""),
+        ],
     ]
 
 
@@ -128,7 +135,6 @@ def render_info(output: Output, about: BundleInfo) -> None:
     )
     if about.state_objects:
         state_text += f"; state objects {', '.join(about.state_objects)}"
-    kwargs = ", ".join(f"{k}={v}" for k, v in about.workload["kwargs"].items())
     steps = ", ".join(str(s["index"]) for s in about.steps)
     incomplete = "" if about.complete else " [yellow]incomplete: the recording stopped early[/]"
     switches = about.determinism
@@ -136,7 +142,7 @@ def render_info(output: Output, about: BundleInfo) -> None:
         f"Bundle {about.bundle}",
         ["field", "value"],
         [
-            ["workload", f"{about.workload['ref']} ({kwargs})"],
+            ["workload", about.workload_named],
             ["recorded on", f"{about.device} ({env['device'].get('name')}) on host {env['host']}"],
             [
                 "software",

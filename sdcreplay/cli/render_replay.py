@@ -79,6 +79,11 @@ def _device_rows(
     return rows
 
 
+def _ignored_environment(output: Output, ignored: list[str]) -> None:
+    for variable in ignored:
+        output.warn(f"not passed to the replay (the bundle's environment is): {variable}")
+
+
 def _device_failures(output: Output, runs: list[DeviceRun], prefix: str = "") -> None:
     for run in runs:
         for warning in run.warnings:
@@ -117,23 +122,10 @@ def _consensus_explanation(report: ReplayReport) -> str:
 
 
 def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> None:
-    from ..replay import job_report as distributed
-    from ..replay import same_batch
+    from ..replay.replicas import ReplayReport
 
-    if isinstance(report, same_batch.SameBatchReport) and report.fallback is not None:
-        output.warn(f"no peer vote: {report.missing}; replayed as recorded, voted with the record")
-        render_job_replay(output, report.fallback)
-        origin = report.fallback.origin.origin_rank
-        if origin is not None:
-            output.say(f"Origin by coordinates: {escape(report.layout.describe(origin))}")
-        return
-    if isinstance(report, same_batch.SameBatchReport):
-        from .render_scale import render_same_batch
-
-        render_same_batch(output, report)
-        return
-    if isinstance(report, distributed.JobReplayReport):
-        render_job_replay(output, report)
+    if not isinstance(report, ReplayReport):
+        _render_job_replay_report(output, report)
         return
     output.table(
         f"Replay of {report.bundle}",
@@ -149,6 +141,7 @@ def render_replay(output: Output, report: ReplayReport | JobReplayReport) -> Non
         fold=[4, 5],
     )
     _device_failures(output, report.devices)
+    _ignored_environment(output, report.ignored_environment)
     if report.consensus is not None:
         consensus = report.consensus
         output.say(f"Verdict: {styled(consensus.verdict)}: {_consensus_explanation(report)}")
@@ -190,6 +183,7 @@ def render_job_replay(output: Output, report: JobReplayReport) -> None:
     )
     for rank in report.ranks:
         _device_failures(output, rank.runs, prefix=f"rank {rank.rank} ")
+    _ignored_environment(output, report.ignored_environment)
     if report.verdict != "error":
         suspects = report.suspects
         who = f" (suspects: {', '.join(suspects)})" if suspects else ""
@@ -233,6 +227,26 @@ def _render_origin(output: Output, origin: Origin) -> None:
         rows.append(["first divergent message", "none: no message differs"])
     rows.append(["spread to ranks", ", ".join(map(str, origin.spread_ranks)) or "-"])
     output.table("Where the job first left the record", ["", ""], rows, fold=[1])
+
+
+def _render_job_replay_report(output: Output, report: JobReplayReport) -> None:
+    """A job's replay, phase 1's included; their modules are imported for a job's report only
+    (the same-batch replay's imports torch, which a replay's own process needs not)."""
+    from ..replay import same_batch
+
+    if isinstance(report, same_batch.SameBatchReport) and report.fallback is not None:
+        output.warn(f"no peer vote: {report.missing}; replayed as recorded, voted with the record")
+        render_job_replay(output, report.fallback)
+        origin = report.fallback.origin.origin_rank
+        if origin is not None:
+            output.say(f"Origin by coordinates: {escape(report.layout.describe(origin))}")
+        return
+    if isinstance(report, same_batch.SameBatchReport):
+        from .render_scale import render_same_batch
+
+        render_same_batch(output, report)
+        return
+    render_job_replay(output, report)
 
 
 def render_diff(output: Output, comparison: Comparison | JobComparison) -> None:

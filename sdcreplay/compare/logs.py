@@ -9,7 +9,6 @@ order; the first divergent entry is where the corruption became visible.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from ..capture.signature import (
 )
 from ..errors import BundleError, StructureError
 from ..kinds import SIGNATURE_LEVELS, ConsensusVerdict, DeviceVerdictName
+from ..workload.references import builtin_defaults
 
 RECORD = "record"
 
@@ -130,17 +130,13 @@ def load_log(path: str | Path) -> SignatureLog:
 def _effective_kwargs(workload: dict) -> dict:
     """The workload's keyword arguments, with a built-in factory's defaults filled in.
 
-    Only built-in factories are inspected: diff never imports a workload named
-    in a file it was given (that would run a stranger's code).
+    Only built-in factories are inspected, from their source: diff never imports a workload
+    named in a file it was given (that would run a stranger's code), nor torch.
     """
     kwargs = dict(workload.get("kwargs") or {})
     ref = workload.get("ref")
     if isinstance(ref, str) and ref.startswith("builtin:"):
-        from ..workload.definition import resolve_factory
-
-        with contextlib.suppress(Exception):
-            parameters = inspect.signature(resolve_factory(ref)).parameters.values()
-            kwargs = {p.name: p.default for p in parameters if p.default is not p.empty} | kwargs
+        kwargs = builtin_defaults(ref) | kwargs
     return kwargs
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..capture.faults import parse_specs
+from ..capture.fault_spec import parse_specs
 from ..devices import validate_label
 from ..errors import DeviceError
 from ..ledger.identity import DeviceIdentity, identify
@@ -30,12 +30,15 @@ from ..replay.processes import run_device_processes
 from ..replay.worker import DeviceResult
 from ..storage.rundir import make_run_dir, temporary_run_dir, writable_dir
 from .corpus import CorpusError, CorpusTicket, read_corpus
-from .screen_task import run_screen_task
 
 SCHEMA = "sdcreplay.screen/1"
 STOP_BEFORE = 4.0  # the device processes stop starting trials this long before the end
 KILL_BEFORE = 3.0  # and are killed this long before it; the rest is the ledger's and output's
 LEDGER_BEFORE = 1.0  # the ledger must be written by then
+
+
+SCREEN_TASK = "sdcreplay.fleet.screen_task:run_screen_task"
+"""Named, not imported: its trials import torch, which only the device processes need."""
 
 
 def process_started() -> float:
@@ -242,7 +245,7 @@ def screen(
     if running and launched < end - STOP_BEFORE:
         results = run_device_processes(
             "screen",
-            run_screen_task,
+            SCREEN_TASK,
             running,
             lambda label: {
                 "tickets": plans[label],

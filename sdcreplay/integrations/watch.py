@@ -34,14 +34,6 @@ from ..online.update_detector import UpdateDetector
 from ..recording.recorder import Recorder
 
 
-def _run_by_the_trainer(batch: Any) -> None:
-    raise SdcReplayError(
-        "this UpdateDetector judges steps a trainer runs; it cannot run one itself",
-        "Call its judge() from the callback, or build an UpdateDetector with the loop's "
-        "train_step to let it drive (and recompute) steps.",
-    )
-
-
 class _StepAbandoned(Exception):
     """Thrown into a step the framework never ended (it raised between two callbacks)."""
 
@@ -87,7 +79,6 @@ class StepWatch:
         self.detector = UpdateDetector(
             model=model,
             optimizer=optimizer,
-            train_step=_run_by_the_trainer,
             recorder=self.recorder,
             **dict(detector or {}),
         )

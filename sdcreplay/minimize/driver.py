@@ -49,6 +49,7 @@ from .report import (
     load_report,
     read_report,
     recorded_part,
+    report_bundle,
     report_rank,
 )
 from .shrink import shrink_inputs
@@ -161,7 +162,7 @@ def minimize(
     warnings = _report_warnings(report, specs)
     switches = deterministic_switches(report, report_dir, warnings)
     refuse_unlike_reference(
-        _unlike_recording(report, [suspect_label, reference_label], warnings),
+        _unlike_recording(report, report_dir, [suspect_label, reference_label], warnings),
         reference_label,
         suspect_label,
     )
@@ -389,11 +390,13 @@ def _command_line(
     return shlex.join(words)
 
 
-def _unlike_recording(report: dict, labels: list[str], warnings: list[str]) -> dict[str, list[str]]:
+def _unlike_recording(
+    report: dict, report_dir: Path, labels: list[str], warnings: list[str]
+) -> dict[str, list[str]]:
     """How each device here is unlike the recording (its kernel probe, run in this process);
     nothing when the report's bundle is gone or has no probe (a warning says so)."""
     try:
-        bundle = recorded_part(Path(report["bundle"]), report)
+        bundle = recorded_part(report_bundle(report, report_dir) or Path(report["bundle"]), report)
     except SdcReplayError as exc:
         warnings.append(
             f"the report's bundle cannot be read ({exc.message}): "

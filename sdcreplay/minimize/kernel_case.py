@@ -29,7 +29,7 @@ from ..bisect.kernel_stage import KERNEL_FILE, KernelCase, trial
 from ..bisect.report import ENTRY_STATE_FILE, WORK_DIR
 from ..bisect.tasks import _enter_step
 from ..bundle.job_bundle import JobBundle
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.compiled_kernels import KernelCall
 from ..capture.digest import tensor_digest
 from ..capture.faults import Injector, parse_specs
@@ -177,16 +177,16 @@ def _measure_as_rank(
         ) from exc
     part = job.rank(rank)
     arguments = {
-        "bundle": str(part.path),
-        "entry_state": entry_state,
-        "case_file": str(report_dir / KERNEL_FILE),
+        "bundle": part.path,
+        "entry_state": entry_state and Path(entry_state),
+        "case_file": report_dir / KERNEL_FILE,
         "trials": trials,
         "inject": list(inject),
     }
     work = make_run_dir(report_dir / WORK_DIR, "minimize-")
     value = run_alone(
         "minimize", run_kernel_trials_task, label, arguments, job=job, rank=rank, work=work,
-        environment=determinism.pinned_environment(part.manifest.fingerprint),
+        environment=comparable.pinned_environment(part.manifest.fingerprint),
     )  # fmt: skip
     return value["failures"], value["first"]
 
@@ -206,7 +206,9 @@ def minimize_kernel(
     already there replaced only with ``overwrite``, moved aside)."""
     case_file, entry_state = report_dir / KERNEL_FILE, report_dir / WORK_DIR / ENTRY_STATE_FILE
     in_job = report_rank(report) is not None  # among its peers, a rank's bisect saves no state
-    for needed in (case_file, *([] if in_job else [entry_state])):
+    # A step the saved state did not reproduce was bisected from the window's start: no state.
+    saved = not in_job and (report.get("start") or {}).get("from") != "window"
+    for needed in (case_file, *([entry_state] if saved else [])):
         if not needed.is_file():
             raise ReportError(f"{report_dir} has no {needed.relative_to(report_dir)}")
     case = KernelCase.read(case_file)
@@ -217,7 +219,9 @@ def minimize_kernel(
     def measure(label: str) -> tuple[int, int | None]:
         if in_job:
             return _measure_as_rank(report, report_dir, label, entry, trials, inject)
-        invoke = compile_kernel_here(report["bundle"], label, entry, case)
+        invoke = compile_kernel_here(
+            str(report_bundle(report, report_dir) or report["bundle"]), label, entry, case
+        )
         return _measure(case, invoke, label, specs, trials)
 
     failures, first = measure(device)

@@ -59,16 +59,18 @@ def load_report(report_dir: str | Path) -> tuple[dict, OperatorCase]:
 
 
 def report_bundle(report: dict, report_dir: Path) -> Path | None:
-    """The report's bundle where it was, or beside the report (None: found in neither place)."""
-    recorded = Path(report.get("bundle") or "")
-    return next(
-        (
-            path
-            for path in (recorded, report_dir.parent / recorded.name)
-            if report.get("bundle") and path.is_dir()
-        ),
-        None,
-    )
+    """The report's bundle where its bisect named it (a relative path: in the directory that
+    bisect ran in, found from the report's own path), or beside the report (None: found in
+    neither place)."""
+    if not report.get("bundle"):
+        return None
+    recorded = Path(report["bundle"])
+    written = Path(report.get("report") or "").parts  # the report's path as bisect named it
+    here = report_dir.absolute().parts
+    places = [recorded, report_dir.parent / recorded.name]
+    if written and not recorded.is_absolute() and here[-len(written) :] == written:
+        places.insert(0, Path(*here[: -len(written)], recorded))  # where bisect ran
+    return next((path for path in places if path.is_dir()), None)
 
 
 def report_rank(report: dict) -> int | None:

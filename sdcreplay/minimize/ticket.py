@@ -22,20 +22,21 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
-
-from ..bisect.operator_case import OperatorCase
-from ..capture import determinism
 from ..devices import torch_device
 from ..errors import SdcReplayError
 from ..ledger.identity import identify
 from ..ledger.nvml import nvml_identity
 from ..storage.rundir import make_run_dir, replacing_refused, set_aside
+
+if TYPE_CHECKING:  # torch and h5py are imported where a ticket is written: a corpus reads
+    # tickets' names and JSON without them (`fleet.corpus`, `screen`'s own process)
+    from ..bisect.operator_case import OperatorCase
 
 SCHEMA = "sdcreplay.ticket/1"
 REPRO_FILE = "repro.py"
@@ -54,6 +55,8 @@ def repro_source() -> str:
 
 def device_identity(label: str) -> dict:
     """Who the device is: NVML's identity and health for a GPU; the CPU model otherwise."""
+    from ..capture import determinism
+
     device = torch_device(label)
     identity = {"label": label, "id": identify(label).id, **determinism.device_description(device)}
     if device.type == "cuda":
@@ -65,6 +68,8 @@ def device_identity(label: str) -> dict:
 
 def ticket_document(result: dict, report: dict) -> dict:
     """ticket.json: the measurement (``result``, sdcreplay.minimize/1) said for a vendor."""
+    from ..capture import determinism
+
     environment = determinism.environment(torch_device(result["device"]))
     reproduced = result["reproduced"]
     injected = result["inject"] or report.get("inject") or []  # here, or when bisect found the call
@@ -464,18 +469,25 @@ def staged_ticket(
     """A ticket directory written whole or not at all: ``inputs.h5`` (the case, the call it runs
     and ``result``'s switches) and ``repro.py`` staged in a run directory of its own; the caller
     adds its documents; then it takes ``target``'s place, a ticket there (``overwrite``) moved
-    aside (where to: the list yielded, filled once the block ends)."""
+    aside (where to: the list yielded, filled once the block ends). A block that fails leaves no
+    staging behind."""
+    import h5py
+
     claim_ticket(target, overwrite)
     staging = make_run_dir(target.parent, target.name + ".", ".partial")
-    case.write(staging / INPUTS_FILE)
-    with h5py.File(staging / INPUTS_FILE, "a") as handle:
-        handle.attrs["op"] = case.op
-        handle.attrs["switches"] = json.dumps(result["switches"])
-        if result.get("job"):
-            handle.attrs["rank"] = result["job"]["rank"]
-    (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
     moved: list[Path] = []
-    yield staging, moved
+    try:
+        case.write(staging / INPUTS_FILE)
+        with h5py.File(staging / INPUTS_FILE, "a") as handle:
+            handle.attrs["op"] = case.op
+            handle.attrs["switches"] = json.dumps(result["switches"])
+            if result.get("job"):
+                handle.attrs["rank"] = result["job"]["rank"]
+        (staging / REPRO_FILE).write_text(repro_source(), encoding="utf-8")
+        yield staging, moved
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     claim_ticket(target, overwrite)  # another run may have written one meanwhile
     if target.is_dir() and not any(target.iterdir()):
         target.rmdir()

@@ -280,13 +280,12 @@ class ReplayCheck:
                 )
             with self.recorder.step(batch):
                 self._execute(batch, evidence, keep=lambda: None)
-            bundle = str(
-                self.recorder.dump(
-                    f"ReplayCheck: step {step} replay {verdict['replay']} differs at "
-                    f"{difference.entry} on rank {verdict['rank']}",  # one rank: no job
-                    source="ReplayCheck",
-                )
+            dumped = self.recorder.dump(
+                f"ReplayCheck: step {step} replay {verdict['replay']} differs at "
+                f"{difference.entry} on rank {verdict['rank']}",  # one rank: no job
+                source="ReplayCheck",
             )
+            bundle = None if dumped is None else str(dumped)
             self.recorder.rewind()  # the step is undone: the ring ends where training stands
             with _own_work():
                 before.restore()

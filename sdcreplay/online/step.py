@@ -52,6 +52,15 @@ def _no_batches(index: int) -> Any:
     )
 
 
+def _judged_inline(batch: Any) -> Any:
+    raise ConfigurationError(
+        "this UpdateDetector was given no train_step: it judges the steps an inline loop (or a "
+        "trainer) runs, and cannot run one itself",
+        "Wrap each step of the loop in `with detector.step():` (or a trainer callback judges "
+        "them); build it with train_step= to call run_step(batch), which can also recompute.",
+    )
+
+
 def step_workload(
     workload: Workload | None,
     model: torch.nn.Module | None,
@@ -60,8 +69,12 @@ def step_workload(
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
     state: Mapping[str, Any] | None,
     who: str,
+    *,
+    inline: bool = False,
 ) -> Workload:
-    """The step a detector drives: the Workload's, or one made of the loop's own pieces."""
+    """The step a detector drives: the Workload's, or one made of the loop's own pieces.
+    ``inline``: the detector may also judge steps it does not run (an inline loop's, given no
+    ``train_step``), so model and optimizer are enough."""
     pieces = (model, optimizer, train_step, loss_fn, state)
     if workload is not None:
         if any(piece is not None for piece in pieces):
@@ -70,6 +83,18 @@ def step_workload(
                 "Give either a Workload or model=, optimizer= and train_step= (or loss_fn=).",
             )
         return workload
+    if model is not None and optimizer is not None and train_step is None and loss_fn is None:
+        if not inline:
+            raise ConfigurationError(
+                f"{who} re-executes a step in this process (a reference and its replays), and "
+                "an inline loop's body runs once: it needs the step as a function",
+                "Give it train_step= (the loop's whole step; call check.run_step(batch)). In an "
+                "inline loop (`with rec.step():`), judge steps with UpdateDetector(model=, "
+                "optimizer=, recorder=rec) and `with detector.step():`; `sdcreplay replay "
+                "BUNDLE --device ...` re-runs a dumped bundle's steps through the script "
+                '(docs/online.md, "In an inline loop").',
+            )
+        train_step = _judged_inline
     if model is None or optimizer is None or (train_step is None and loss_fn is None):
         raise ConfigurationError(
             f"{who} needs a Workload, or model=, optimizer= and train_step= (or loss_fn=)",

@@ -17,7 +17,7 @@ import contextlib
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -25,12 +25,13 @@ import torch
 from ..errors import SdcReplayError
 from ..ledger.notes import note
 from ..ledger.verdicts import alarm_record
+from ..replay.script import replaying
 from ..workload.definition import Workload
 from .agreement import _highest
 from .alarms import Alarm, Classification, Observation, summarize_reasons
 from .baselines import Baselines, Thresholds
 from .second_opinion import SecondOpinion
-from .step import step_workload
+from .step import ConfigurationError, step_workload
 from .stopping import NonFiniteResultError, PersistentFaultError, RecomputeLimitError
 from .update_steps import AfterUpdate, BeforeUpdate, Decide
 
@@ -117,7 +118,7 @@ class UpdateDetector:
                 "of the state before every step, the update's norms judged).",
             )
         self.workload = step_workload(
-            workload, model, optimizer, train_step, loss_fn, state, "UpdateDetector"
+            workload, model, optimizer, train_step, loss_fn, state, "UpdateDetector", inline=True
         )
         self.when = when
         self.thresholds = thresholds
@@ -224,17 +225,58 @@ class UpdateDetector:
         self._baselines.accept(Observation(seen.loss, seen.grad_norms, {}))
         return loss
 
+    @contextlib.contextmanager
+    def step(self, batch: Any = None, *, step: int | None = None) -> Iterator[Any]:
+        """One step of an inline loop, judged: ``with detector.step():`` where the loop had
+        ``with rec.step():`` (it opens the recorder's step itself and yields what that yields).
+        The block runs once and its update is applied: what it handed to ``backward()``, the
+        gradient norms before its first clip and its update are judged as it ends (with the
+        ranks' agreement); an alarm dumps the ring (the step its last), is warned about and
+        is ``last_alarm``; training goes on. In a replay of the script, just the recorder's
+        step."""
+        recording = self.recorder.step(batch) if self.recorder is not None else None
+        if replaying():
+            with recording if recording is not None else contextlib.nullcontext(batch) as given:
+                yield given
+            return
+        if getattr(self.recorder, "_in_block", False):
+            raise ConfigurationError(
+                "detector.step() inside the recorder's open step: the detector opens it itself "
+                "and judges the step once it is recorded",
+                "Replace `with rec.step():` by `with detector.step():` (not both).",
+            )
+        index = self.next_step if step is None else step
+        if self.when == "after_update":
+            self._steps.begin(index)  # the copy the update is measured against
+        with recording if recording is not None else contextlib.nullcontext(batch) as given:
+            with self._steps.watching(_go_on) as execution:
+                yield given
+        started = time.perf_counter()
+        try:
+            assert execution.seen is not None
+            alarm = self.judge(execution.seen, step=index)
+            if alarm is not None:
+                warnings.warn(
+                    f"sdcreplay: {alarm.describe()}: the update was applied (an inline step "
+                    "runs once); replay the bundle on other devices to tell a fault from a "
+                    "genuine update",
+                    stacklevel=3,
+                )
+        finally:
+            self._overhead += time.perf_counter() - started
+
     def judge(self, seen: Observation, *, step: int) -> Alarm | None:
-        """Judge a step the detector did not run (a Trainer callback's): a clean one joins the
-        baselines; an alarm is dumped (with a recorder), neither rolled back nor recomputed."""
+        """Judge a step the detector did not run (an inline loop's, a Trainer callback's),
+        agreed by the ranks: a clean one joins the baselines; an alarm is dumped (with a
+        recorder), neither rolled back nor recomputed."""
         self._counts["steps"] += 1
         self.next_step = step + 1
         reasons = self.reasons(seen)
-        if not reasons:
+        if not _highest(int(bool(reasons)), self.group):  # the same on every rank
             self._baselines.accept(seen)
             return None
         self._counts["detections"] += 1
-        alarm = Alarm(step, reasons, original=seen)
+        alarm = Alarm(step, reasons or [PEER_ALARM], original=seen)
         self.alarms.append(alarm)
         if self.recorder is not None:
             self._dump(alarm)
@@ -396,4 +438,4 @@ class UpdateDetector:
             f"({alarm.classification or 'unresolved'})",
             source="UpdateDetector",
         )
-        alarm.bundle = str(path)
+        alarm.bundle = None if path is None else str(path)

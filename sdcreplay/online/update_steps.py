@@ -15,8 +15,10 @@ Two ways, one interface (``begin``, ``run``, ``rollback``, ``snapshot``):
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +51,16 @@ Decide = Callable[[Observation], bool]
 
 class _Stopped(Exception):
     """An execution the detector stopped at the optimizer's step, before the update."""
+
+
+@dataclass
+class Execution:
+    """What one execution of the step gave: its loss (as the step returned it, where something
+    returned one), what the detector saw, whether it went through its update."""
+
+    loss: Any = None
+    seen: Observation | None = None
+    went_through: bool = False
 
 
 class BeforeUpdate:
@@ -106,6 +118,19 @@ class BeforeUpdate:
         """The step, judged by ``decide`` at the optimizer's step (or at its end, without one):
         (loss, observation, whether it went through). ``recompute``: note the result a
         recompute must reproduce; ``recorder``: the Recorder whose step this execution is."""
+        with self.watching(decide, recompute=recompute, recorder=recorder) as execution:
+            execution.loss = self.workload.run_step(batch)
+        assert execution.seen is not None
+        return execution.loss, execution.seen, execution.went_through
+
+    @contextlib.contextmanager
+    def watching(
+        self, decide: Decide, *, recompute: bool = False, recorder: Any = None
+    ) -> Iterator[Execution]:
+        """One execution of the step, whatever runs it (``run``, or an inline loop's block):
+        judged by ``decide`` at the optimizer's step, stopped there when it says so (the
+        exception ends the block here), else judged as the block ends."""
+        execution = Execution()
         self._decide, self._recorder, self._recompute, self._seen = (
             decide,
             recorder,
@@ -115,16 +140,18 @@ class BeforeUpdate:
         self._norms.begin()
         try:
             with self._losses.observing():
-                loss = self.workload.run_step(batch)
+                yield execution
         except _Stopped:
             assert self._seen is not None
-            return None, self._seen, False
+            execution.seen, execution.loss = self._seen, None
+            return
         finally:
             self._decide, self._recorder = None, None
         if self._seen is not None:  # judged at the optimizer's step, and let through
-            return loss, self._seen, True
-        seen = self._observe(loss)  # no optimizer step: judged as it ended
-        return loss, seen, self._judged(seen, decide)
+            execution.seen, execution.went_through = self._seen, True
+            return
+        execution.seen = seen = self._observe(execution.loss)  # no optimizer step: judged now
+        execution.went_through = self._judged(seen, decide)
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
         decide = self._decide
@@ -199,6 +226,7 @@ class AfterUpdate:
         self.snapshot_device = snapshot_device
         self._before: TrainingSnapshot | None = None
         self._grad_norms: dict[str, float] | None = None
+        self._losses = BackwardLosses(workload.state)
         self._norms = PreClipNorms(workload.model, workload.optimizer)
         self._hook = workload.optimizer.register_step_pre_hook(self._optimizer_begins)
 
@@ -220,17 +248,32 @@ class AfterUpdate:
     ) -> tuple[Any, Observation, bool]:
         """The whole step, then ``decide`` told what it did (the update is applied either
         way: ``rollback`` takes it back)."""
+        with self.watching(decide) as execution:
+            execution.loss = self.workload.run_step(batch)
+        assert execution.seen is not None
+        return execution.loss, execution.seen, True
+
+    @contextlib.contextmanager
+    def watching(
+        self, decide: Decide, *, recompute: bool = False, recorder: Any = None
+    ) -> Iterator[Execution]:
+        """One execution of the step, whatever runs it, judged once it applied its update
+        (the loss: the one it returned, else those handed to backward)."""
         assert self._before is not None
+        execution = Execution(went_through=True)
         self._grad_norms = {}
         self._norms.begin()
         try:
-            loss = self.workload.run_step(batch)
+            with self._losses.observing():
+                yield execution
             grad_norms = self._grad_norms
         finally:
             self._grad_norms = None
-        seen = observe(self.workload.model, self._before, loss, grad_norms)
-        decide(seen)
-        return loss, seen, True
+        loss = execution.loss
+        if not isinstance(loss, torch.Tensor):
+            loss = self._losses.tensor()
+        execution.seen = observe(self.workload.model, self._before, loss, grad_norms)
+        decide(execution.seen)
 
     def _optimizer_begins(self, optimizer, args, kwargs) -> None:
         if self._grad_norms is None or self._grad_norms:

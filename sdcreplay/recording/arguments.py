@@ -12,8 +12,9 @@ from ..bundle.checkpoints import load_checkpoint
 from ..bundle.manifest import CaptureSettings, CheckpointState, Environment, Switches, WorkloadRef
 from ..capture import determinism
 from ..capture.digest import algorithm_for
-from ..errors import CheckpointError, SdcReplayError
+from ..errors import CheckpointError, SdcReplayError, WorkloadError
 from ..kinds import SIGNATURE_LEVELS
+from ..workload.loop_objects import loop_model, loop_optimizer
 
 VERIFY_MODES = {True: "on", "warn": "warn", False: "off"}
 
@@ -34,17 +35,25 @@ def check_options(
 def loop_objects(
     path: Any = None,
     workload: Any = None,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: Any = None,
+    optimizer: Any = None,
     **_: Any,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model and optimizer a Recorder is given, by position or by name."""
-    if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+    """The model and optimizer a Recorder is given, by position or by name, as the one module
+    and torch optimizer it records (model parts, optimizer wrappers, containers and lists
+    taken: workload/loop_objects.py); what it cannot take is refused here, as it is created."""
+    if model is None or optimizer is None:
         raise SdcReplayError(
             "a Recorder needs the loop's model and optimizer",
             "Recorder(path, model=model, optimizer=optimizer, state={...}).",
         )
-    return model, optimizer
+    model = loop_model(model)
+    if next(model.parameters(), None) is None:
+        raise WorkloadError(
+            f"Recorder: model={type(model).__name__} has no parameters",
+            "Pass the module the loop trains, after it is built (and wrapped).",
+        )
+    return model, loop_optimizer(optimizer)
 
 
 def bundle_settings(

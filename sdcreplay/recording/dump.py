@@ -23,9 +23,8 @@ from ..bundle.manifest import PARTIAL_SUFFIX, Trigger, WorkloadRef
 from ..bundle.writer import BundleWriter
 from ..capture.collectives import MessageLog
 from ..capture.layers import SignatureCapture
-from ..capture.snapshot import TrainingSnapshot
 from .anchors import CheckpointAnchor
-from .ring import HeldStep, model_state_dict
+from .ring import HeldStep, RingSnapshot
 from .verification import FirstStepCheck
 
 
@@ -62,7 +61,7 @@ class RingDumper:
         self,
         number: int,
         held: list[HeldStep],
-        start: TrainingSnapshot | CheckpointAnchor,
+        start: RingSnapshot | CheckpointAnchor,
         trigger: Trigger,
         messages: MessageLog | None,
         ring_problem: str | None,
@@ -91,7 +90,7 @@ class RingDumper:
         self,
         path: Path,
         held: list[HeldStep],
-        start: TrainingSnapshot | CheckpointAnchor,
+        start: RingSnapshot | CheckpointAnchor,
         trigger: Trigger,
         job: JobRecording | None,
         ring_problem: str | None,
@@ -104,7 +103,7 @@ class RingDumper:
                 writer.reference_checkpoint(start.reference(), start.object_states)
             else:
                 optimizer_state = start.ready().optimizer_state  # a copy still in flight
-                writer.embed_state(model_state_dict(start), optimizer_state, start.object_states)
+                writer.embed_state(start.model_state, optimizer_state, start.object_states)
             for step in held:
                 writer.add_step(
                     step.index,

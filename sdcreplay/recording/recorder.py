@@ -16,9 +16,10 @@ then, so a run that dies later keeps every step that completed.
 
 By default the recording proves it can be replayed: at the start of the
 second step (or at ``close()``) the first step is re-executed through the
-workload's own step from the saved state, on the same device, and every
-signature entry compared; at the start of every later step the parameters and
-buffers must equal their digests at the end of the previous one. A loop that
+workload's own step from the saved state, as a replay runs it (a fresh process on
+the same device, with the bundle's command, directory and environment only:
+verification.py), and every signature entry compared; at the start of every later
+step the parameters and buffers must equal their digests at the end of the previous one. A loop that
 does something its workload's step does not raises WorkloadMismatchError.
 """
 
@@ -43,7 +44,7 @@ from ..bundle.manifest import (
     part_dir,
 )
 from ..bundle.writer import BundleWriter
-from ..capture import determinism
+from ..capture import determinism, environment
 from ..capture.collectives import MessageLog
 from ..capture.compiled import CompileWatch
 from ..capture.digest import algorithm_for
@@ -52,7 +53,8 @@ from ..errors import SdcReplayError, WorkloadMismatchError
 from ..kinds import SignatureLevel
 from ..replay.script import ScriptCommand
 from ..replay.script import handoff as replay_handoff
-from ..workload.definition import check_state_objects, recorded_ref
+from ..workload.definition import check_state_objects
+from ..workload.references import recorded_ref
 from .arguments import (
     VERIFY_MODES,
     bundle_settings,
@@ -91,6 +93,9 @@ class Recorder(RingMode):
     ``checkpoint_saved(path)`` the window starts at the loop's checkpoint and holds every step
     since, at most ``max_window`` (then the ring copies the state every K steps again until
     the next checkpoint).
+    ``model`` may be a list of model parts (a pipeline's stages on this rank) and
+    ``optimizer`` a list of optimizers, a wrapper of one (Accelerate's) or a container
+    (TorchTitan's): workload/loop_objects.py; anything else is refused here.
     ``data_parallel``: the DistributedDataParallel the step runs ``model`` through, when
     ``model`` is the plain module (a DDP given as ``model`` is found by itself): a replay's
     fresh DDP then runs the iterations it had run before the first step (its bucket rebuild).
@@ -98,7 +103,11 @@ class Recorder(RingMode):
     forensics) or ``"boundary"`` (the production level: losses, what the optimizer is given
     and the parameters it produced; replay computes every layer: docs/recording.md,
     "Signature levels"). ``layout``: the job's parallel layout (bundle/layout.py), where the
-    model's DDP or device mesh does not show it (found by itself otherwise).
+    model's DDP or device mesh does not show it (found by itself otherwise). ``env``
+    (script mode): names or ``NAME*`` patterns of the loop's own environment variables the
+    bundle keeps beside the launchers' and libraries' it always keeps (a replay's process
+    gets the bundle's environment, never the investigator's: docs/recording.md, "What a
+    replay inherits"); a name holding TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL is never kept.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -117,8 +126,8 @@ class Recorder(RingMode):
         self,
         path: str | Path,
         workload: str | None = None,
-        model: torch.nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: Any = None,
         *,
         state: Mapping[str, Any] | None = None,
         workload_kwargs: dict | None = None,
@@ -136,8 +145,16 @@ class Recorder(RingMode):
         signature: SignatureLevel = "layer",
         max_window: int = 1000,
         layout: ParallelLayout | None = None,
+        env: Sequence[str] | str | None = None,
     ):
         check_options(verify, ring, checkpoint, max_window, signature)
+        watched = environment.check_patterns(env)
+        if watched and workload is not None:
+            raise SdcReplayError(
+                "env= names the variables a script-mode recording keeps; a workload= factory "
+                "is rebuilt from its arguments alone",
+                "Give the factory its settings as workload_kwargs, or record without workload=.",
+            )
         model, optimizer = loop_objects(path, workload, model, optimizer)
         self.device = next(model.parameters()).device
         self.model, self.optimizer = model, optimizer
@@ -148,7 +165,7 @@ class Recorder(RingMode):
         self.verify_mode = VERIFY_MODES[verify]
         switches = determinism.enable() if deterministic else determinism.current_switches()
         workload_ref = (
-            ScriptCommand.of_this_process().workload_ref()
+            ScriptCommand.of_this_process(watched).workload_ref()
             if workload is None
             else WorkloadRef(ref=recorded_ref(workload), kwargs=dict(workload_kwargs or {}))
         )

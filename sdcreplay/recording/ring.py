@@ -3,7 +3,7 @@
 A job records all the time and writes nothing until an alarm asks for a bundle (under
 torch.distributed every rank holds its own steps, and their dumps form one job bundle).
 Replay needs the state a bundle's first step starts from, so the ring keeps
-*windows*: a state snapshot (``TrainingSnapshot``, on the CPU) taken as a step
+*windows*: a state snapshot (``RingSnapshot``, on the CPU) taken as a step
 begins, and the steps recorded from it. A new window opens at the first step
 that begins once the current window holds K steps (and at an optimizer-step
 boundary: gradients carried into a step are not in a bundle); as soon as the
@@ -20,9 +20,9 @@ checkpoint (``window_note`` says so in each dump's trigger).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ class HeldStep:
 
 @dataclass
 class Window:
-    start: TrainingSnapshot | CheckpointAnchor  # the state as ``steps[0]`` began
+    start: RingSnapshot | CheckpointAnchor  # the state as ``steps[0]`` began
     steps: list[HeldStep]
 
     @property
@@ -104,7 +104,7 @@ class StepRing:
         self._windows = [Window(checkpoint, [])]
         self.checkpoint, self.outgrown_at = checkpoint, None
 
-    def open_window(self, snapshot: TrainingSnapshot) -> None:
+    def open_window(self, snapshot: RingSnapshot) -> None:
         """A window starting now (replacing a newest window whose only step never ended)."""
         if self._windows and not self._windows[-1].steps:
             self._windows.pop()
@@ -160,8 +160,27 @@ class StepRing:
             )
         return "snapshot", None
 
+    def held_range(self) -> HeldRange:
+        """Where a dump could start (each window's first step) and end (the newest step)."""
+        held = [window for window in self._windows if window.steps]
+        return HeldRange(
+            [window.steps[0].index for window in held],
+            held[-1].steps[-1].index if held else None,
+        )
+
+    def between(
+        self, first: int, last: int
+    ) -> tuple[RingSnapshot | CheckpointAnchor, list[HeldStep]]:
+        """The held steps ``first``..``last`` and the state ``first`` began from (``first``
+        starts a window: ``held_range``)."""
+        for position, window in enumerate(self._windows):
+            if window.steps and window.steps[0].index == first:
+                steps = [s for w in self._windows[position:] for s in w.steps if s.index <= last]
+                return window.start, steps
+        raise ValueError(f"no held window starts at step {first}")
+
     @property
-    def start(self) -> TrainingSnapshot | CheckpointAnchor | None:
+    def start(self) -> RingSnapshot | CheckpointAnchor | None:
         """The state the oldest held step began from."""
         held = [window for window in self._windows if window.steps]
         return held[0].start if held else None
@@ -179,13 +198,72 @@ class StepRing:
         )
 
 
-def model_state_dict(snapshot: TrainingSnapshot) -> dict[str, torch.Tensor]:
-    """The snapshot's parameters and buffers under ``state_dict`` names (tied weights under
-    each name, non-persistent buffers left out), as the bundle's ``state.h5`` holds them."""
-    copies: dict[int, torch.Tensor] = {}
-    for name, param in snapshot.model.named_parameters():
-        copies[id(param)] = snapshot.params[name]
-    for name, buffer in snapshot.model.named_buffers():
-        copies[id(buffer)] = snapshot.buffers[name]
-    live = snapshot.model.state_dict(keep_vars=True)
-    return {name: copies[id(tensor)] for name, tensor in live.items()}
+@dataclass
+class HeldRange:
+    """What a rank's ring holds, told to the other ranks before a job's dump: the first step
+    of each window (where a bundle can start) and the newest step (None: nothing held)."""
+
+    starts: list[int]
+    last: int | None
+
+    def describe(self) -> str:
+        return "no step" if self.last is None else steps_text(self.starts[0], self.last)
+
+
+def steps_text(first: int, last: int) -> str:
+    """``step 5`` or ``steps 3-5``."""
+    return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
+def common_window(ranges: list[HeldRange]) -> tuple[int, int] | None:
+    """The steps every rank's ring holds, from the oldest window start they share to the
+    earliest rank's newest step; None where there are none."""
+    if any(held.last is None for held in ranges):
+        return None
+    last = min(held.last for held in ranges if held.last is not None)
+    shared = set.intersection(*(set(held.starts) for held in ranges))
+    firsts = [first for first in shared if first <= last]
+    return (min(firsts), last) if firsts else None
+
+
+@dataclass
+class RingSnapshot(TrainingSnapshot):
+    """A window's copy of the state: a ``TrainingSnapshot`` on the CPU, and the model's state
+    dict as ``state_dict()`` returned it then (what a bundle's ``state.h5`` holds), whatever
+    its hooks build: its parameters and buffers are the snapshot's copies (tied weights under
+    each name, non-persistent buffers left out), the tensors its hooks made (a fused weight
+    split into its parts) copied as well."""
+
+    model_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    built: int = 0  # bytes of the tensors the state_dict's hooks made
+
+    @classmethod
+    def copy(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state_objects: dict[str, Any],
+    ) -> RingSnapshot:
+        """Copy the state as a step begins (from a GPU without making the step wait for the
+        parameters: ``TrainingSnapshot.take``'s ``non_blocking``)."""
+        taken = cls.take(  # made by cls(...): a RingSnapshot
+            model, optimizer, state_objects, grads=False, rng=False, device="cpu",
+            non_blocking=True,
+        )  # fmt: skip
+        snapshot = cast(RingSnapshot, taken)
+        copies: dict[int, torch.Tensor] = {}
+        for name, param in model.named_parameters():
+            copies[id(param)] = snapshot.params[name]
+        for name, buffer in model.named_buffers():
+            copies[id(buffer)] = snapshot.buffers[name]
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            copy = copies.get(id(tensor))
+            if copy is None:
+                copy = tensor.detach().to("cpu", copy=True)
+                snapshot.built += copy.numel() * copy.element_size()
+            snapshot.model_state[name] = copy
+        return snapshot
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.built

@@ -1,39 +1,75 @@
 """The proof that a recording can be replayed: its first step re-executed from the bundle.
 
 A loop may do things its workload's step does not (clip gradients, step a scheduler
-outside it, keep an EMA); its bundle would then replay as a corruption. So the
-Recorder has the bundle's first step re-executed through the workload by a
-``ReplaySession``, as `sdcreplay replay` would, in this process, on the same device
-(which is why recording comes after replay), and says where the two steps part and
-what likely causes it. The same re-execution notes the step's distinct operator calls for
-the kernel probe (capture/probe.py), which the bundle keeps as evidence of how this
-device computes them.
+outside it, keep an EMA), or depend on what its bundle does not keep (a variable of the
+environment a launcher set, a file); its bundle would then replay as a corruption and accuse
+a healthy device. So the Recorder has the bundle's first step replayed the way
+`sdcreplay replay` replays it: in a fresh device process (replay/processes.py, which is why
+recording sits above replay), from the bundle alone, with the recorded command, working
+directory and environment (capture/environment.py), on the recording's device label
+(``SDCREPLAY_VERIFY_DEVICE`` names another, for a GPU without the memory for a second copy),
+and says where the two steps part and what likely causes it, naming the variables set while
+recording that the bundle does not keep. The same re-execution notes the step's distinct
+operator calls for the kernel probe (capture/probe.py), which the bundle keeps as evidence of
+how this device computes them. A job's rank re-executes in its own process instead, with the
+step's collectives among the job's live ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable, determinism, environment
 from ..capture.layers import grads_entering, state_digests
 from ..capture.message import Message
 from ..capture.probe import collecting_calls, record_probe
 from ..capture.signature import at_level, is_program_entry
 from ..compare.compiled_code import code_differences
+from ..devices import validate_label
 from ..errors import MessageOrderError, SdcReplayError, message_of
+from ..replay.processes import run_device_processes
+from ..replay.replicas import progress_timeout
 from ..replay.session import ReplaySession
+from ..replay.worker import device_task
+from ..storage.rundir import temporary_run_dir
+
+VERIFY_DEVICE_ENV = "SDCREPLAY_VERIFY_DEVICE"
+"""The device label the first-step check's process runs on, when not the recording's."""
+
+
+@dataclass
+class Reexecution:
+    """What re-executing the first step found: the difference (None: none), the kernel probe,
+    and the replayed state after the step (its digests, the gradients entering the next)."""
+
+    problem: str | None
+    probe: dict | None = None
+    state: dict[str, str] = field(default_factory=dict)
+    grads: str | None = None  # grads_entering, for a workload with its own train_step
+
+    def to_json(self) -> dict:
+        return {
+            "problem": self.problem,
+            "probe": self.probe,
+            "state": self.state,
+            "grads": self.grads,
+        }
 
 
 class FirstStepCheck:
-    """Re-executes a bundle's first step against the loop's ``model``, ``optimizer`` and
-    ``state_objects`` (under ``inject``, the recording device's faults; ``distributed``: with
-    the step's collectives, whose messages must match too)."""
+    """Re-executes a bundle's first step and compares it with the loop's ``model``,
+    ``optimizer`` and ``state_objects`` (under ``inject``, the recording device's faults;
+    ``distributed``: a job's rank, in this process with the step's collectives, whose
+    messages must match too)."""
 
     def __init__(
         self,
@@ -63,103 +99,190 @@ class FirstStepCheck:
         replay's after it (true only while the loop is at the start of its second step);
         ``expected_start``: the digests the parameters and buffers the bundle starts from must
         have (a window anchored on the loop's checkpoint: the state when it was saved)."""
-        # Building the workload reseeds the generators; the loop goes on from its own states.
-        saved = determinism.capture_rng(self.device)
-        try:
-            return self._reexecute_first_step(bundle_path, live_state, expected_start)
-        finally:
-            determinism.restore_rng(saved, self.device)
-
-    def _reexecute_first_step(
-        self, bundle_path: Path, live_state: bool, expected_start: dict[str, str] | None
-    ) -> str | None:
-        """Replay the first step as `sdcreplay replay` would, in this process: what differs, or
-        None."""
-        try:
-            session = ReplaySession(Bundle.open(bundle_path), self.label, inject=self._inject)
-        except SdcReplayError as exc:
-            return f"replay cannot rebuild this recording: {exc.message}"
-        try:
-            if sorted(session.workload.state) != sorted(self.state_objects):
-                return (
-                    f"the workload's state objects are {sorted(session.workload.state)}, the "
-                    f"Recorder was given {sorted(self.state_objects)}: pass the same, by the same "
-                    f"names (Recorder(..., state=workload.state))"
-                )
-            if expected_start is not None:
-                problem = _start_difference(session, expected_start)
-                if problem is not None:
-                    return problem
-            record = session.bundle.steps[0]
-            collected: list = []
-
-            @contextlib.contextmanager
-            def collecting() -> Iterator[None]:  # entered where the step runs (its thread)
-                with collecting_calls(self.device) as calls:
-                    collected.append(calls)
-                    yield
-
+        arguments: dict[str, Any] = {
+            "bundle": str(bundle_path),
+            "inject": self._inject,
+            "state_names": sorted(self.state_objects),
+            "expected_start": expected_start,
+        }
+        if self._distributed:
+            # Building the workload reseeds the generators; the loop goes on from its own.
+            saved = determinism.capture_rng(self.device)
             try:
-                replayed = session.run_step(record, within=collecting())
-            except MessageOrderError as exc:
-                return exc.message + self._unknown_ddp_note(session.bundle)
-            except Exception as exc:  # the workload's own code: a finding, not a crash
-                return f"the workload's step raised {type(exc).__name__}: {message_of(exc)}"
-            self.probe = record_probe(list(collected[0].calls.values()), self.device).to_json()
-            differences = code_differences(
-                session.bundle.compiled_regions, session.compiled.regions()
+                found = reexecute_first_step(device=self.label, distributed=True, **arguments)
+            finally:
+                determinism.restore_rng(saved, self.device)
+        else:
+            found = self._in_fresh_process(bundle_path, arguments)
+        self.probe = found.probe
+        if found.problem is None and live_state:
+            return self._state_difference(found)
+        return found.problem
+
+    def _in_fresh_process(self, bundle_path: Path, arguments: dict) -> Reexecution:
+        """The re-execution in a device process of its own, as a replay runs it; what it
+        cannot do is the problem, with the variables the bundle did not keep as candidates."""
+        work: Path | None = None
+        try:
+            opened = Bundle.open(bundle_path)
+            label = validate_label(os.environ.get(VERIFY_DEVICE_ENV) or self.label)
+            work = temporary_run_dir("verify")
+            results = run_device_processes(
+                "verify",
+                run_first_step_task,
+                [label],
+                lambda _: arguments,
+                work,
+                environment=comparable.pinned_environment(opened.manifest.fingerprint),
+                timeout=progress_timeout(opened),
             )
-            if differences:  # the same process compiled the same model into other code
-                return f"the re-executed step ran other compiled code: {differences[0]}"
-            log = session.bundle.signature_log()
-            recorded = log.steps[record.index]  # replay holds every layer, the record its level
-            replayed = [(name, digest) for name, digest in replayed if at_level(name, log.level)]
-            problem = describe_first_difference(recorded, replayed)
-            if problem is None and self._distributed:
-                problem = describe_message_difference(
-                    session.bundle.messages()[record.index], session.last_messages
-                )
-                problem = problem and problem + self._unknown_ddp_note(session.bundle)
-            if problem is None and live_state:
-                problem = self._state_difference(session)
-            return problem
+        except Exception as exc:  # the loop goes on (strict mode refuses the bundle)
+            return Reexecution(f"the first-step check could not run: {message_of(exc)}")
         finally:
-            session.close()
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)  # the device's log: its tail is said
+        result = results[label]
+        if result.error is None:
+            assert result.value is not None
+            found = Reexecution(**result.value)
+        else:
+            failure = result.error
+            said = (
+                f" (it said: {failure.stderr_tail.splitlines()[-1]})" if failure.stderr_tail else ""
+            )
+            found = Reexecution(
+                f"a fresh process replaying the bundle failed: {failure.message}{said}"
+            )
+        if found.problem is not None:
+            found.problem += _unkept_note(opened)
+        return found
 
-    @staticmethod
-    def _unknown_ddp_note(bundle: Bundle) -> str:
-        """Why a job's collectives may differ from a fresh workload's although its step is the
-        same: a DDP the Recorder does not know of had trained before the first step."""
-        info = bundle.manifest.distributed
-        if info is None or info.ddp_iterations_before is not None:
-            return ""
-        return (
-            " (if a DistributedDataParallel trained before this recording began, it issues "
-            "other collectives than a fresh one: give it to the Recorder as model= or "
-            "data_parallel=)"
-        )
-
-    def _state_difference(self, session: ReplaySession) -> str | None:
+    def _state_difference(self, found: Reexecution) -> str | None:
         """Does replay's state equal the loop's as the next step begins?"""
         live = state_digests(self.model, self.state_objects, self.optimizer)
-        replayed = state_digests(session.model, session.workload.state, session.optimizer)
         for name, digest in live.items():
             # Hyperparameters are set back as each step begins (capture/around.py): the loop may
             # already have set the next step's (a schedule outside the step).
-            if replayed.get(name) != digest and not name.startswith("hyper:"):
+            if found.state.get(name) != digest and not name.startswith("hyper:"):
                 return (
                     f"{name} differs after the first step although every entry of the step "
                     f"matched: the loop changes it where the workload's step does not (an EMA? "
                     f"a scheduler? a manual edit, or something done after the block?)"
                 )
-        if session.workload.train_step is not None:
-            loop, replay = grads_entering(self.model), grads_entering(session.model)
-            if loop != replay:
+        if found.grads is not None:
+            loop = grads_entering(self.model)
+            if loop != found.grads:
                 return (
-                    f"the gradients enter the second step as {loop!r} in the loop but {replay!r} "
-                    f"after the workload's step: the loop zeroes (or keeps) gradients outside it"
+                    f"the gradients enter the second step as {loop!r} in the loop but "
+                    f"{found.grads!r} after the workload's step: the loop zeroes (or keeps) "
+                    "gradients outside it"
                 )
         return None
+
+
+def _unkept_note(bundle: Bundle) -> str:
+    """The variables of this (the recording's) process a replay of its script does not get
+    (a factory is rebuilt from its arguments: nothing to say)."""
+    workload = bundle.manifest.workload
+    if not workload.is_script:
+        return ""
+    unkept = environment.unkept(os.environ, (workload.command or {}).get("env", {}))
+    if not unkept:
+        return ""
+    return (
+        f". The check replayed in a fresh process with the bundle's environment only; "
+        f"{unkept} (if the loop depends on one: keep a loop's own with "
+        'Recorder(..., env=["NAME*"]))'
+    )
+
+
+@device_task
+def run_first_step_task(
+    device: str,
+    bundle: str,
+    inject: Sequence[str],
+    state_names: list[str],
+    expected_start: dict[str, str] | None,
+) -> dict:
+    """In the check's device process: the first step re-executed from the bundle."""
+    return reexecute_first_step(device, bundle, inject, state_names, expected_start).to_json()
+
+
+def reexecute_first_step(
+    device: str,
+    bundle: str,
+    inject: Sequence[str],
+    state_names: list[str],
+    expected_start: dict[str, str] | None,
+    distributed: bool = False,
+) -> Reexecution:
+    """Replay the first step as `sdcreplay replay` would, in this process: what differs."""
+    try:
+        session = ReplaySession(Bundle.open(bundle), device, inject=inject)
+    except SdcReplayError as exc:
+        return Reexecution(f"replay cannot rebuild this recording: {exc.message}")
+    try:
+        if sorted(session.workload.state) != state_names:
+            return Reexecution(
+                f"the workload's state objects are {sorted(session.workload.state)}, the "
+                f"Recorder was given {state_names}: pass the same, by the same "
+                f"names (Recorder(..., state=workload.state))"
+            )
+        if expected_start is not None:
+            problem = _start_difference(session, expected_start)
+            if problem is not None:
+                return Reexecution(problem)
+        record = session.bundle.steps[0]
+        collected: list = []
+
+        @contextlib.contextmanager
+        def collecting() -> Iterator[None]:  # entered where the step runs (its thread)
+            with collecting_calls(session.device) as calls:
+                collected.append(calls)
+                yield
+
+        try:
+            replayed = session.run_step(record, within=collecting())
+        except MessageOrderError as exc:
+            return Reexecution(exc.message + _unknown_ddp_note(session.bundle))
+        except Exception as exc:  # the workload's own code: a finding, not a crash
+            return Reexecution(
+                f"the workload's step raised {type(exc).__name__}: {message_of(exc)}"
+            )
+        probe = record_probe(list(collected[0].calls.values()), session.device).to_json()
+        found = Reexecution(None, probe)
+        differences = code_differences(session.bundle.compiled_regions, session.compiled.regions())
+        if differences:  # the same model compiled into other code
+            found.problem = f"the re-executed step ran other compiled code: {differences[0]}"
+            return found
+        log = session.bundle.signature_log()
+        recorded = log.steps[record.index]  # replay holds every layer, the record its level
+        replayed = [(name, digest) for name, digest in replayed if at_level(name, log.level)]
+        found.problem = describe_first_difference(recorded, replayed)
+        if found.problem is None and distributed:
+            problem = describe_message_difference(
+                session.bundle.messages()[record.index], session.last_messages
+            )
+            found.problem = problem and problem + _unknown_ddp_note(session.bundle)
+        found.state = state_digests(session.model, session.workload.state, session.optimizer)
+        if session.workload.train_step is not None:
+            found.grads = grads_entering(session.model)
+        return found
+    finally:
+        session.close()
+
+
+def _unknown_ddp_note(bundle: Bundle) -> str:
+    """Why a job's collectives may differ from a fresh workload's although its step is the
+    same: a DDP the Recorder does not know of had trained before the first step."""
+    info = bundle.manifest.distributed
+    if info is None or info.ddp_iterations_before is not None:
+        return ""
+    return (
+        " (if a DistributedDataParallel trained before this recording began, it issues "
+        "other collectives than a fresh one: give it to the Recorder as model= or "
+        "data_parallel=)"
+    )
 
 
 def _start_difference(session: ReplaySession, expected: dict[str, str]) -> str | None:

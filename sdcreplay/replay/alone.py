@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from ..bundle.job_bundle import JobBundle
 from ..bundle.layout import ParallelLayout, require_layout
-from ..capture import determinism
+from ..capture import comparable
 from ..capture.collectives import log_python_group_call
 from ..capture.operators import _own_work
 from ..capture.signature import SignatureLog
@@ -323,20 +323,20 @@ def replay_alone(
         directory = log_dir / label.replace(":", "-")
         directory.mkdir(parents=True, exist_ok=True)
         replay = {
-            "job": str(job.path),
-            "log_dir": str(directory),
+            "job": job.path,
+            "log_dir": directory,
             "repeats": 1,
             "inject": list(inject),
             "last_step": last_step,
-            "start_state": None if kept is None else [str(kept.rank_state(rank)), kept.step],
+            "start_state": None if kept is None else [kept.rank_state(rank), kept.step],
         }
         return {
-            "job": str(job.path),
+            "job": job.path,
             "rank": rank,
             "world_size": job.world_size,
             "task": task_reference(run_rank_replay_task),
             "arguments": replay,
-            "from_state": None if kept is None else str(kept.path),
+            "from_state": None if kept is None else kept.path,
         }
 
     results = run_device_processes(
@@ -345,7 +345,7 @@ def replay_alone(
         labels,
         arguments,
         log_dir,
-        environment=determinism.pinned_environment(first.manifest.fingerprint),
+        environment=comparable.pinned_environment(first.manifest.fingerprint),
         timeout=timeout or progress_timeout(part),
     )
     runs, replayed = [], {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable, determinism
 from ..capture.faults import other_machine_kernels
 from ..devices import torch_device, validate_label
 from ..errors import BundleError, SdcReplayError
@@ -84,9 +84,9 @@ def judge_against(bundle: str | Path, device: str = "cpu") -> ComparabilityRepor
             "probe",
             run_probe_task,
             [device],
-            lambda label: {"bundle": str(opened.path)},
+            lambda label: {"bundle": opened.path},
             Path(work),
-            environment=determinism.pinned_environment(recorded),
+            environment=comparable.pinned_environment(recorded),
         )
     result = results[device]
     if result.error is not None:
@@ -98,7 +98,7 @@ def judge_against(bundle: str | Path, device: str = "cpu") -> ComparabilityRepor
     return ComparabilityReport(
         str(opened.path),
         device,
-        determinism.fingerprint_differences(recorded, value["fingerprint"]),
+        comparable.fingerprint_differences(recorded, value["fingerprint"]),
         value["probe"],
         value["fingerprint"],
     )
@@ -110,9 +110,9 @@ def probe_in_processes(bundle: Bundle, labels: list[str], work: Path) -> dict[st
         "probe",
         run_probe_task,
         labels,
-        lambda label: {"bundle": str(bundle.path)},
+        lambda label: {"bundle": bundle.path},
         work,
-        environment=determinism.pinned_environment(bundle.manifest.fingerprint),
+        environment=comparable.pinned_environment(bundle.manifest.fingerprint),
     )
     unlike = {}
     for label, result in results.items():
@@ -122,7 +122,7 @@ def probe_in_processes(bundle: Bundle, labels: list[str], work: Path) -> dict[st
                 result.error.hint or f"See the device process's log: {result.error.log}",
             )
         value = result.value or {}
-        unlike[label] = determinism.fingerprint_differences(
+        unlike[label] = comparable.fingerprint_differences(
             bundle.manifest.fingerprint, value["fingerprint"], probed=bundle.has_probe
         ) or probe_differences(value["probe"])
     return unlike

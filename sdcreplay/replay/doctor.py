@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..capture import determinism
+from ..capture import comparable, determinism
 from ..capture.operators import OperatorLog, OperatorMode
 from ..devices import torch_device
 from ..ledger.identity import identify
@@ -102,6 +102,6 @@ def doctor(
         environment=determinism.environment(target),
         torch=torch.__version__,
         fingerprint=fingerprint,
-        must_match=determinism.must_match(fingerprint),
-        pinned=determinism.pinned_environment(fingerprint),
+        must_match=comparable.must_match(fingerprint),
+        pinned=comparable.pinned_environment(fingerprint),
     )

@@ -27,7 +27,7 @@ from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.job_bundle import JobBundle
 from ..bundle.manifest import CheckpointState
 from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..capture import comparable, determinism
 from ..capture.faults import distributed_rank, other_machine_kernels, parse_specs
 from ..capture.signature import read_signature_log, write_signature_log
 from ..compare.jobs import REPLICA_FILE, REPLICA_SCHEMA
@@ -207,7 +207,7 @@ def _check_job(job: JobBundle) -> Bundle:
             "There is nothing to replay: record again, and let at least one step complete.",
         )
     job.require_trusted()
-    determinism.check_environment(first.manifest.determinism.to_json())
+    comparable.check_environment(first.manifest.determinism.to_json())
     if isinstance(first.manifest.state, CheckpointState):
         verify_checkpoint(first.manifest.state)
     return first
@@ -243,8 +243,8 @@ def replay_job(
     for index, labels in enumerate(replicas):
         directory = log_dir / f"replica{index}"
         arguments = {
-            "job": str(job.path),
-            "log_dir": str(directory),
+            "job": job.path,
+            "log_dir": directory,
             "repeats": repeats,
             "inject": list(inject),
             "last_step": last_step,
@@ -255,7 +255,7 @@ def replay_job(
             labels,
             _same(arguments),
             directory,
-            environment=determinism.pinned_environment(first.manifest.fingerprint),
+            environment=comparable.pinned_environment(first.manifest.fingerprint),
             timeout=timeout,
         )
         structure = ranks_failure("the replay", results)

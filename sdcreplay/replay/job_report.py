@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle
 from ..bundle.manifest import part_dir
+from ..bundle.reader import ignored_environment
 from ..capture.signature import SignatureLog
 from ..compare.logs import RECORD, Consensus, compare_logs, vote
 from ..compare.messages import Messages, recorded_log
@@ -51,9 +52,8 @@ def _failure_text(failure: DeviceFailure) -> str:
     """Its message, with its exit status and, where the message does not say why (a process
     that died without a word), its last stderr line."""
     status = "" if failure.exit_status is None else f" [exit status {failure.exit_status}]"
-    last = failure.stderr_tail.splitlines()[-1] if failure.stderr_tail else ""
-    said = not last or last.split(": ", 1)[-1][:60] in failure.message
-    return f"{failure.message}{status}" + ("" if said else f": {last}")
+    said = failure.said()
+    return f"{failure.message}{status}{said[len(failure.message) :]}"
 
 
 @dataclass
@@ -119,6 +119,7 @@ class JobReplayReport:
     injected_specs: list[str] = field(default_factory=list)
     incident: str | None = None  # the job bundle's identity (ledger.verdicts.incident_of)
     recorded_faults: list[str] = field(default_factory=list)  # a drill job's (its ranks')
+    ignored_environment: list[str] = field(default_factory=list)  # reader.ignored_environment
 
     @property
     def verdict(self) -> str:
@@ -193,6 +194,7 @@ class JobReplayReport:
             "verified": self.caveat is None,
             "caveat": self.caveat,
             "failed": [{"rank": rank, "device": run.device} for rank, run in self.failed],
+            "ignored_environment": self.ignored_environment,
         }
 
 
@@ -266,6 +268,7 @@ def _report(
         list(inject),
         incident_of(job.manifest.manifest_sha256),
         job.injected_faults,
+        ignored_environment(job.rank(0).manifest.workload),
     )
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ..bundle.job_bundle import JobBundle
 from ..bundle.layout import ParallelLayout
-from ..capture import determinism
+from ..capture import comparable
 from ..errors import BundleError, SdcReplayError
 from ..storage.safeio import check_json_value, read_limited
 from .job import this_rank
@@ -213,10 +213,10 @@ def keep_state(
     except OSError as exc:
         raise unusable_directory(directory, exc.strerror or str(exc)) from exc
     arguments = {
-        "job": str(job.path),
+        "job": job.path,
         "step": step,
         "feed_from": [layout.counterpart(rank, source) for rank in range(job.world_size)],
-        "out": str(directory),
+        "out": directory,
         "odd": odd,
         "inject": inject,
     }
@@ -227,7 +227,7 @@ def keep_state(
         labels,
         lambda _: arguments,
         log_dir / "keep-state",
-        environment=determinism.pinned_environment(first.manifest.fingerprint),
+        environment=comparable.pinned_environment(first.manifest.fingerprint),
         timeout=timeout or max(progress_timeout(job.rank(r.rank)) for r in job.ranks),
     )
     failure = ranks_failure("keeping the state", results)

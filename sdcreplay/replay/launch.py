@@ -33,9 +33,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bundle import trust
+from ..capture import environment
 from ..errors import SdcReplayError, Terminated
 from . import processes, worker
-from .worker import DeviceFailure, DeviceResult, DeviceTask
+from .worker import DeviceFailure, DeviceResult, DeviceTask, given_forms
 
 _ELASTIC_PREFIXES = ("TORCHELASTIC_",)
 _ELASTIC_VARIABLES = (
@@ -84,7 +85,8 @@ def backend_for(labels: list[str]) -> str:
 
 
 def _rank_environment(parent: dict[str, str]) -> dict[str, str]:
-    """The caller's environment, with what the launcher set for this rank on top."""
+    """What a rank inherits of the caller's environment (`environment.inherited`), with what
+    the launcher set for this rank on top."""
     own = {
         name: value
         for name, value in os.environ.items()
@@ -354,7 +356,7 @@ def run_ranks(
     """Run ``task`` (a `worker.device_task`) on ``len(labels)`` ranks of one job.
 
     Rank r gets ``device=labels[r]`` and ``arguments_for(r)``; ``environment``
-    is set in every rank before it runs (e.g. `determinism.pinned_environment`).
+    is set in every rank before it runs (e.g. `comparable.pinned_environment`).
     Its files in ``work_dir`` are ``<kind>-rank<r>.*`` (``stderr.txt`` and
     ``stdout.txt`` are its logs). ``timeout``: seconds the job may go without
     any rank making progress (`heartbeat.HEARTBEAT`); every collective may wait
@@ -376,14 +378,17 @@ def run_ranks(
         _Rank(Path(f"{stem}.alive"), now, rank, label, stem)
         for rank, (label, stem) in enumerate(zip(labels, stems))
     ]
+    forms: dict[int, dict[str, str]] = {}  # per rank, the paths it was given (worker.given_forms)
     for rank in ranks:
         for stale in (rank.result, rank.alive, rank.exit, Path(f"{rank.task}.pid")):
             stale.unlink(missing_ok=True)
+        arguments = arguments_for(rank.rank)
+        forms[rank.rank] = given_forms(arguments)
         device_task = DeviceTask(
             reference,
             rank.label,
             str(rank.result),
-            arguments_for(rank.rank),
+            arguments,
             dict(environment or {}),
             stderr=str(rank.stderr),
             alive=str(rank.alive),
@@ -391,7 +396,10 @@ def run_ranks(
         rank.task.write_text(json.dumps(device_task.to_json()))
     with processes.logs_written(work_dir):
         hung = _launch(ranks, work_dir, backend, timeout, task.__module__)
-    results = {rank.rank: _own_result(rank, hung, timeout) for rank in ranks}
+    results = {
+        rank.rank: _own_result(rank, hung, timeout).in_given_form(forms[rank.rank])
+        for rank in ranks
+    }
     first = _first_failure(ranks, results, hung)
     for rank in ranks:
         failure = results[rank.rank].error
@@ -424,7 +432,7 @@ def _launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     processes.process_context(task_module)  # the launcher forks from the same warm server
-    parent = {**os.environ, **trust.child_environment()}
+    parent = {**environment.inherited(os.environ), **trust.child_environment()}
     parent.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
     config = LaunchConfig(
         min_nodes=1,
@@ -441,7 +449,7 @@ def _launch(
     )
     watchdog = _Watchdog(ranks, timeout)
     watchdog.start()
-    paths = [str(rank.task) for rank in ranks]
+    paths = [os.path.abspath(rank.task) for rank in ranks]  # a rank may move (script mode)
     try:
         with _signals_kept(), _launcher_quiet(), processes.caller_main_hidden():
             elastic_launch(config, _rank_entry)(
@@ -477,13 +485,14 @@ def _own_result(rank: _Rank, hung: tuple[int, str] | None, timeout: float) -> De
             result = DeviceResult.from_json(json.loads(rank.result.read_text()))
     if result is None and rank.ended_by_itself():  # died without a word: stderr is all there is
         assert status is not None
+        said = processes.tail(rank.stderr)
         return DeviceResult(
             error=DeviceFailure(
                 f"rank {rank.rank} ({rank.label}) {processes.exit_description(status)}",
-                processes.retry_hint(status),
+                processes.retry_hint(status, said),
                 exit_status=status,
                 log=str(rank.stderr),
-                stderr_tail=processes.tail(rank.stderr),
+                stderr_tail=said,
             )
         )
     if result is None or result.error is None:

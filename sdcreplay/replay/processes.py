@@ -34,10 +34,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bundle import trust
+from ..capture import environment
 from ..errors import SdcReplayError
 from ..leftovers import writing
 from . import worker
-from .worker import DeviceFailure, DeviceResult, DeviceTask
+from .worker import DeviceFailure, DeviceResult, DeviceTask, given_forms
 
 STARTUP_SECONDS = 120.0
 """For a device process to start (fork, build the workload, load the state) before step one."""
@@ -49,12 +50,18 @@ UNKNOWN_STEP_TIMEOUT = 3600.0
 _server = None
 
 
-def process_context(task_module: str):
-    """The forkserver context; its server preloads the first caller's task module and torch."""
+def process_context(*task_modules: str):
+    """The forkserver context, its server started if it is not running.
+
+    The server imports torch, torch._dynamo and the first caller's ``task_modules`` once, in
+    its own process, while the command goes on (a device process's start waits for it): a
+    command starts it as soon as it knows it will run device processes, naming the modules of
+    every stage's tasks, so that no stage's processes import them again each. One server per
+    command: every later call, every stage, forks from it."""
     global _server
     if _server is None:
         _server = multiprocessing.get_context("forkserver")
-        _server.set_forkserver_preload([__name__, task_module, "torch._dynamo"])
+        _server.set_forkserver_preload([__name__, *task_modules, "torch._dynamo"])
     _start_server()
     return _server
 
@@ -74,13 +81,29 @@ def _start_server() -> None:
         resource_tracker.ensure_running()  # first: it unblocks SIGINT after starting its process
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            forkserver.ensure_running()
+            with _inherited_only():
+                forkserver.ensure_running()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     finally:
         os.dup2(terminal, 2)
         os.close(terminal)
     _end_server_with(os.getpid())
+
+
+@contextlib.contextmanager
+def _inherited_only() -> Iterator[None]:
+    """While the server starts: only what a device process inherits (`environment.inherited`),
+    so that what torch reads of the environment as the server imports it is never the shell's
+    (a replay's processes and the recording's first-step check import alike)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(environment.inherited(saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 _server_ends_with: list[int] = []
@@ -191,7 +214,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def _child(task_path: str, stderr_path: str, env: dict, cwd: str, command: int) -> None:
-    """In the forked process: the caller's environment and directory, stderr to a file (and
+    """In the forked process: ``env`` and the caller's directory, stderr to a file (and
     stdout, so what a workload prints is kept with its log, never in a command's output); ^C
     as the workload would get it (the server it was forked from blocks it)."""
     end_with(command)
@@ -212,8 +235,14 @@ def _child(task_path: str, stderr_path: str, env: dict, cwd: str, command: int) 
 
 def device_process(task_path: Path, stderr_path: Path, label: str, task_module: str):
     """The device process for one task, not started yet (``.start()``); ``.exitcode`` is None
-    while it runs."""
-    env = {**os.environ, **trust.child_environment(), "SDCREPLAY_DEVICE": label}
+    while it runs. Its environment is what it inherits of the caller's
+    (`environment.INHERITED`), the task's (set by the worker) and, replaying a script, the
+    bundle's: never the rest of the shell's, so who runs a replay does not change it."""
+    env = {
+        **environment.inherited(os.environ),
+        **trust.child_environment(),
+        "SDCREPLAY_DEVICE": label,
+    }
     return process_context(task_module).Process(
         target=_child,
         args=(str(task_path), str(stderr_path), env, os.getcwd(), os.getpid()),
@@ -260,8 +289,9 @@ def exit_description(status: int) -> str:
     return f"exited with status {status}"
 
 
-def retry_hint(status: int) -> str:
-    """Whether running the device again is worth it, from how its process ended."""
+def retry_hint(status: int, said: str) -> str:
+    """Whether running the device again is worth it, from how its process ended (``said``: the
+    last lines of its stderr, which the hint points at; empty: it wrote nothing)."""
     if status in (-signal.SIGKILL, 137):
         return (
             "Killed from outside (out of memory, or a person/scheduler): retry alone on that "
@@ -271,6 +301,11 @@ def retry_hint(status: int) -> str:
         return (
             "A crash inside a kernel or the driver: retry once; if the same device crashes "
             "again while the others do not, treat it as the suspect."
+        )
+    if not said:
+        return (
+            "It ended without a word on stderr (os._exit, or a crash in native code); run it "
+            "again alone to see whether it ends the same way."
         )
     return (
         "The stderr lines above say why; fix that and retry (a retry alone does not change "
@@ -347,7 +382,7 @@ def _prepared(stem: Path, task: DeviceTask, task_module: str) -> _DeviceProcess:
 
 def run_device_processes(
     kind: str,
-    task: Callable[..., dict],
+    task: Callable[..., dict] | str,
     devices: list[str],
     arguments_for: Callable[[str], dict],
     work_dir: Path,
@@ -357,7 +392,8 @@ def run_device_processes(
     timeout: float | None = None,
     deadline: float | None = None,
 ) -> dict[str, DeviceResult]:
-    """Run ``task`` (a `worker.device_task`) in one process per device label at once.
+    """Run ``task`` (a `worker.device_task`, or its reference) in one process per device label
+    at once.
 
     Each process gets ``device=label`` and ``arguments_for(label)`` as keywords,
     and ``environment`` set before it runs; its files in ``work_dir`` are named
@@ -382,13 +418,16 @@ def run_device_processes(
         ) from exc
     running: dict[str, _DeviceProcess] = {}
     results: dict[str, DeviceResult] = {}
+    forms: dict[str, dict[str, str]] = {}  # per label, the paths it was given (worker.given_forms)
     try:
         with logs_written(work_dir):
             for label in devices:
+                arguments = arguments_for(label)
+                forms[label] = given_forms(arguments)
                 device = running[label] = _prepared(
                     work_dir / f"{kind}-{label.replace(':', '-')}",
-                    DeviceTask(reference, label, "", arguments_for(label), dict(environment or {})),
-                    task.__module__,
+                    DeviceTask(reference, label, "", arguments, dict(environment or {})),
+                    reference.partition(":")[0],
                 )
                 with caller_main_hidden():
                     device.process.start()
@@ -398,7 +437,7 @@ def run_device_processes(
                     if finished is None:
                         continue
                     del running[label]
-                    results[label] = finished
+                    results[label] = finished = finished.in_given_form(forms[label])
                     if on_done is not None:
                         on_done(label, finished)
                 if running:
@@ -448,11 +487,12 @@ def _poll(
             result = DeviceResult.from_json(json.loads(device.result.read_text()))
     if result is None or (status != 0 and result.error is None):
         # died without a word (signal, os._exit): its last lines of stderr are all there is to say
+        said = tail(device.stderr)
         result = DeviceResult(
             error=DeviceFailure(
                 f"the {label} process {exit_description(status)}",
-                retry_hint(status),
-                stderr_tail=tail(device.stderr),
+                retry_hint(status, said),
+                stderr_tail=said,
             )
         )
     if result.error is not None:

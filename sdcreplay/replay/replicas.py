@@ -16,10 +16,10 @@ from pathlib import Path
 
 from ..bundle.checkpoints import verify_checkpoint
 from ..bundle.manifest import CheckpointState
-from ..bundle.reader import Bundle
-from ..capture import determinism
+from ..bundle.reader import Bundle, ignored_environment
+from ..capture import comparable
 from ..capture.compiled import CompiledRegion
-from ..capture.faults import parse_specs
+from ..capture.fault_spec import parse_specs
 from ..capture.signature import SignatureLog, read_signature_log
 from ..compare.compiled_code import code_differences, entry_region
 from ..compare.logs import RECORD, Consensus, DeviceVerdict, vote
@@ -30,9 +30,17 @@ from ..ledger.identity import identify, recorded_identity
 from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..storage.rundir import claim, make_run_dir
-from .processes import STARTUP_SECONDS, STEP_FACTOR, UNKNOWN_STEP_TIMEOUT, run_device_processes
-from .session import run_replay_task
+from .processes import (
+    STARTUP_SECONDS,
+    STEP_FACTOR,
+    UNKNOWN_STEP_TIMEOUT,
+    process_context,
+    run_device_processes,
+)
 from .worker import DeviceResult
+
+REPLAY_TASK = "sdcreplay.replay.session:run_replay_task"
+"""Named, not imported: the session imports torch, which only the device processes need."""
 
 
 @dataclass
@@ -132,7 +140,7 @@ def judge_comparability(run: DeviceRun, bundle: Bundle, value: dict) -> None:
     its kernel probe (``value``: its device task's result)."""
     run.compiled = [CompiledRegion.from_json(region) for region in value.get("compiled", [])]
     run.differences = (
-        determinism.fingerprint_differences(
+        comparable.fingerprint_differences(
             bundle.manifest.fingerprint, run.fingerprint, probed=bundle.has_probe
         )
         or code_differences(bundle.compiled_regions, run.compiled)
@@ -197,6 +205,8 @@ class ReplayReport:
     record_identity: dict | None = None  # the recording device's (ledger.identity)
     incident: str | None = None  # the bundle's identity (ledger.verdicts.incident_of)
     recorded_faults: list[str] = field(default_factory=list)  # a drill bundle's (its manifest)
+    # The shell's variables no device process took that could change the result (script.py).
+    ignored_environment: list[str] = field(default_factory=list)
 
     @property
     def injection_missed(self) -> bool:
@@ -255,6 +265,7 @@ class ReplayReport:
             "recorded_faults": self.recorded_faults,
             "repeats": self.repeats,
             "log_dir": self.log_dir,
+            "verdict": self.consensus.verdict if self.consensus else "error",  # as a job's
             "record": {"verdict": self.record_verdict, "identity": self.record_identity},
             "devices": [run.to_json() for run in self.devices],
             "consensus": self.consensus.to_json() if self.consensus else None,
@@ -262,6 +273,7 @@ class ReplayReport:
             "caveat": self.caveat,
             "finished": len(self.devices) - len(self.failed),
             "failed": [run.device for run in self.failed],
+            "ignored_environment": self.ignored_environment,
         }
 
 
@@ -342,6 +354,7 @@ def replay_devices(
     killed (default: derived from the recorded step times, see `progress_timeout`).
     ``ledger``: append each judged device's verdict to the device ledger (docs/fleet.md).
     """
+    process_context(REPLAY_TASK.partition(":")[0])  # it imports torch while the bundle is read
     opened = Bundle.open(bundle)
     labels = [validate_label(label) for label in devices]
     # What would fail on every device is refused here, once, before any process starts.
@@ -352,7 +365,7 @@ def replay_devices(
         )
     opened.require_trusted()
     parse_specs(inject)
-    determinism.check_environment(opened.manifest.determinism.to_json())
+    comparable.check_environment(opened.manifest.determinism.to_json())
     if isinstance(opened.manifest.state, CheckpointState):
         verify_checkpoint(opened.manifest.state)
     if len(set(labels)) != len(labels):
@@ -363,17 +376,17 @@ def replay_devices(
     recorded_fingerprint = opened.manifest.fingerprint
     results = run_device_processes(
         "replay",
-        run_replay_task,
+        REPLAY_TASK,
         labels,
         lambda label: {
-            "bundle": str(opened.path),
+            "bundle": opened.path,
             "repeats": repeats,
             "inject": list(inject),
             "last_step": last_step,
-            "log_dir": str(log_dir),
+            "log_dir": log_dir,
         },
         log_dir,
-        environment=determinism.pinned_environment(recorded_fingerprint),
+        environment=comparable.pinned_environment(recorded_fingerprint),
         on_done=on_done,
         timeout=progress_timeout(opened) if timeout is None else timeout,
     )
@@ -383,7 +396,7 @@ def replay_devices(
         raise FaultSpecError(wrong_spec.message, wrong_spec.hint)
     if len(errors) == len(results) and len({error.message for error in errors}) == 1:
         shared = errors[0]  # the same failure everywhere: the tool's, not a device's
-        raise SdcReplayError(f"every device failed: {shared.message}", shared.hint)
+        raise SdcReplayError(f"every device failed: {shared.said()}", shared.hint)
     refuse_unmatched_specs(
         [(label, None, result.value) for label, result in results.items()], opened.path
     )
@@ -427,6 +440,7 @@ def replay_devices(
         ).to_json(),
         incident=incident_of(opened.manifest.manifest_sha256),
         recorded_faults=opened.injected_faults,
+        ignored_environment=ignored_environment(opened.manifest.workload),
     )
     if ledger:
         note_result(report.to_json())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..bundle.job_bundle import JobBundle
 from ..bundle.layout import ParallelLayout, require_layout
-from ..capture import determinism
+from ..capture import comparable
 from ..compare.logs import DeviceVerdict, Divergence
 from ..compare.messages import Messages
 from ..compare.peers import MAJORITY_PEERS, OddEntry, PeerVote, peer_vote, record_prefix_divergence
@@ -278,8 +278,8 @@ def replay_same_batch(
     labels = replicas[0]
     directory = log_dir / "same-batch"
     arguments = {
-        "job": str(job.path),
-        "log_dir": str(directory),
+        "job": job.path,
+        "log_dir": directory,
         "repeats": 1,
         "inject": list(inject),
         "last_step": last_step,
@@ -291,7 +291,7 @@ def replay_same_batch(
         labels,
         lambda _: arguments,
         directory,
-        environment=determinism.pinned_environment(first.manifest.fingerprint),
+        environment=comparable.pinned_environment(first.manifest.fingerprint),
         timeout=timeout or max(progress_timeout(job.rank(r.rank)) for r in job.ranks),
     )
     structure = ranks_failure("the same-batch replay", results)

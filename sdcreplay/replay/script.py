@@ -3,7 +3,7 @@
 A bundle recorded by a Recorder given no ``workload=`` names the command that ran
 (``WorkloadRef`` of kind "script"). To replay it, this process runs that script
 again, in *replay mode*, in a thread of its own (the script thread), with the
-recorded ``sys.argv``, working directory and code-selecting environment. The
+recorded ``sys.argv``, working directory and environment (capture/environment.py). The
 script builds its model and optimizer as usual; its Recorder sees replay mode
 (`handoff`), hands its objects over (`ScriptRun.start`) and parks. From then on
 the replay drives: each step it wants is a *block* (the session's step contexts:
@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from ..bundle.manifest import WorkloadRef
+from ..bundle.reader import workload_named
+from ..capture import environment
 from ..capture.around import RestorePoints
 from ..errors import SdcReplayError, WorkloadError, WorkloadMismatchError, message_of
 
@@ -57,11 +59,6 @@ QUIET_LOGGERS = {
 replay is not a run of the experiment). A script's own writes are its to guard with
 ``sdcreplay.replaying()`` (docs/porting.md)."""
 
-CODE_ENV_PREFIXES = ("PYTHONPATH", "PYTHONHASHSEED", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_")
-"""The environment variables a script's command is recorded with: those that select code.
-The determinism switches are the bundle's own (determinism.py); no others are kept (a
-token in the environment is none of a bundle's business)."""
-
 
 @dataclass(frozen=True)
 class ScriptCommand:
@@ -70,14 +67,17 @@ class ScriptCommand:
     python: str
     argv: list[str]  # argv[0]: the script's absolute path (or the module's file with -m)
     cwd: str
-    env: dict[str, str]
+    env: dict[str, str]  # environment.recorded: what a replay's process sets
     module: str | None = None  # `python -m MODULE`
     world_size: int | None = None  # torchrun's WORLD_SIZE, when it ran under it
     sha256: str | None = None  # the script file's, as it was recorded
+    watched: tuple[str, ...] = ()  # the Recorder's env= patterns, kept beside the defaults
 
     @classmethod
-    def of_this_process(cls) -> ScriptCommand:
-        """This process's command: what `sys.argv` and `__main__` say."""
+    def of_this_process(cls, watched: tuple[str, ...] = ()) -> ScriptCommand:
+        """This process's command: what `sys.argv` and `__main__` say; its environment's
+        variables that can change the loop's results (`environment.recorded`, with the
+        ``watched`` patterns of the loop's own)."""
         main = sys.modules.get("__main__")
         spec = getattr(main, "__spec__", None)
         module = spec.name if spec is not None and spec.name != "__main__" else None
@@ -89,12 +89,9 @@ class ScriptCommand:
                 "Run the loop as a script (python train.py, torchrun train.py), or give the "
                 "Recorder a workload= factory.",
             )
-        env = {
-            name: value
-            for name, value in sorted(os.environ.items())
-            if name.startswith(CODE_ENV_PREFIXES)
-        }
+        env = environment.recorded(os.environ, watched)
         world = os.environ.get("WORLD_SIZE")
+        _recorded_in[:] = [os.getpid()]
         return cls(
             python=sys.executable,
             argv=[str(Path(script).resolve()), *sys.argv[1:]],
@@ -103,6 +100,7 @@ class ScriptCommand:
             module=module,
             world_size=int(world) if world and world.isdigit() else None,
             sha256=_sha256(Path(script)),
+            watched=watched,
         )
 
     def changed(self) -> str | None:
@@ -128,6 +126,8 @@ class ScriptCommand:
             command["world_size"] = self.world_size
         if self.sha256 is not None:
             command["sha256"] = self.sha256
+        if self.watched:
+            command["env_watched"] = list(self.watched)
         return WorkloadRef(
             ref=SCRIPT_PREFIX + self.argv[0],
             kwargs={},
@@ -147,12 +147,19 @@ class ScriptCommand:
             module=command.get("module"),
             world_size=command.get("world_size"),
             sha256=command["sha256"] if isinstance(command.get("sha256"), str) else None,
+            watched=tuple(command.get("env_watched", ())),
         )
 
     def is_this_process(self) -> bool:
-        """Is this the recording's own process (the first-step check replays in it)?"""
+        """Is this the recording's own process (a job's rank checks its first step in it)?
+        A process that only looks like it (a device process forked from a server that the
+        recording started, which took its ``sys.argv``) is not."""
         here = [str(Path(sys.argv[0]).resolve()) if sys.argv else "", *sys.argv[1:]]
-        return here == self.argv and os.getcwd() == self.cwd
+        return _recorded_in == [os.getpid()] and here == self.argv and os.getcwd() == self.cwd
+
+
+_recorded_in: list[int] = []
+"""The process that recorded a script here (`ScriptCommand.of_this_process`), if any."""
 
 
 def _sha256(path: Path) -> str | None:
@@ -250,7 +257,7 @@ class ScriptRun:
 
     def __init__(self, ref: WorkloadRef):
         self.command = ScriptCommand.of(ref)
-        self.ref = ref.ref
+        self.named = workload_named(ref)  # the recorded command, as errors name it
         self._handoff = Handoff()
         self._thread: threading.Thread | None = None
         self._parked = False
@@ -303,12 +310,12 @@ class ScriptRun:
             if isinstance(error, SdcReplayError):
                 return error
             return WorkloadError(
-                f"{self.ref} raised {type(error).__name__} {when}: {message_of(error)}",
+                f"{self.named} raised {type(error).__name__} {when}: {message_of(error)}",
                 "The script fails in replay mode: run it as recorded to see why; "
                 "SDCREPLAY_DEBUG=1 shows the traceback.",
             )
         return WorkloadError(
-            f"{self.ref} ended {when}"
+            f"{self.named} ended {when}"
             + (" (it exited)" if error is not None else " without a Recorder step to replay"),
             "A replayed script must create its Recorder and reach rec.step() as when it "
             "recorded (the same command line and files); guard only writes and logging "
@@ -331,8 +338,8 @@ class ScriptRun:
 
 
 def _enter_command(command: ScriptCommand) -> None:
-    """A device process becomes the recorded command: its environment, directory, argv; the
-    loggers quiet."""
+    """A device process becomes the recorded command: its environment (on what the process
+    inherited, `environment.INHERITED`), directory, argv; the loggers quiet."""
     os.environ.update(command.env)
     os.environ.update(QUIET_LOGGERS)
     os.environ.update(_world())

@@ -47,6 +47,13 @@ class _StoppedBeforeUpdate(Exception):
     """Ends a replayed step where its recording was stopped, at the optimizer's step."""
 
 
+def _absolute(bundle: Bundle) -> Bundle:
+    """``bundle``, its files named by an absolute path (resolved in this directory, now)."""
+    if bundle.path.is_absolute():
+        return bundle
+    return Bundle(bundle.path.absolute(), bundle.manifest)
+
+
 class ReplaySession:
     """A workload rebuilt from a bundle, in the state before its first step."""
 
@@ -61,10 +68,11 @@ class ReplaySession:
         repeat: int = 0,
         feed: Bundle | None = None,
     ):
-        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+        # Read by absolute paths: a script-mode step runs in the recorded directory (script.py).
+        self.bundle = _absolute(bundle if isinstance(bundle, Bundle) else Bundle.open(bundle))
         # Whose batches and RNG states the steps run on: another rank's part of the job in a
         # same-batch replay (docs/at-scale.md), else the bundle's own.
-        self.feed = feed or self.bundle
+        self.feed = _absolute(feed) if feed is not None else self.bundle
         self.recorded_messages: dict[int, list[Message]] = {}
         self.message_log = self._message_log()
         info = self.bundle.manifest.distributed
@@ -116,7 +124,7 @@ class ReplaySession:
             self._load_state_objects()
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WorkloadError(
-                f"{self.bundle.workload_ref} no longer builds the recorded model: "
+                f"{self.bundle.workload_named} no longer builds the recorded model: "
                 f"{str(exc).splitlines()[0]}",
                 "Replay with the code (and workload arguments) the bundle was recorded with.",
             ) from exc
@@ -203,7 +211,7 @@ class ReplaySession:
         missing = sorted(set(saved) - set(self.workload.state))
         if missing:
             raise WorkloadError(
-                f"{self.bundle.workload_ref} has no state object {missing[0]!r} (it has "
+                f"{self.bundle.workload_named} has no state object {missing[0]!r} (it has "
                 f"{sorted(self.workload.state) or 'none'}), but the recording saved one",
                 "Return the same named state objects from the workload (Workload(state={...})).",
             )
@@ -561,7 +569,7 @@ def _run_workload_step(session: ReplaySession, record: StepRecord) -> list[tuple
     except Exception as exc:
         first_line = (str(exc).splitlines() or [""])[0][:300]
         raise WorkloadError(
-            f"{session.bundle.workload_ref} raised {type(exc).__name__} in step {record.index} "
+            f"{session.bundle.workload_named} raised {type(exc).__name__} in step {record.index} "
             f"on {session.label}: {first_line}",
             "The stored batch or state does not fit the workload (a damaged or foreign "
             "bundle), or the workload changed since the recording; the device's log holds "

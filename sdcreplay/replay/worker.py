@@ -46,8 +46,19 @@ def device_task(function: Callable[..., dict]) -> Callable[..., dict]:
     return function
 
 
-def task_reference(function: Callable[..., dict]) -> str:
-    """The reference a task names ``function`` by (it must be marked with `device_task`)."""
+def task_reference(function: Callable[..., dict] | str) -> str:
+    """The reference a task names ``function`` by (it must be marked with `device_task`).
+
+    A reference given as text (``sdcreplay.replay.session:run_replay_task``) is checked
+    without importing its module: a command's process that only starts device processes
+    leaves torch, which a task's module imports, to them (the worker checks the mark)."""
+    if isinstance(function, str):
+        module, sep, name = function.partition(":")
+        if not sep or not name or module.split(".")[0] != PACKAGE:
+            raise TaskError(f"task function {function!r} is not one of sdcreplay's")
+        if importlib.util.find_spec(module) is None:
+            raise TaskError(f"no module {module} for task function {function!r}")
+        return function
     reference = f"{function.__module__}:{function.__qualname__}"
     if _TASKS.get(reference) is not function:
         raise TaskError(f"{reference} is not a device task")
@@ -80,9 +91,56 @@ _TASK_FIELDS: dict[str, type | tuple[type, ...]] = {
 _REQUIRED = ("function", "device", "result")
 
 
+def absolute_paths(value: Any) -> Any:
+    """``value`` with every path in it (an ``os.PathLike``, in dicts, lists and tuples too) an
+    absolute one, as a string: resolved in the directory of the process that asks."""
+    if isinstance(value, os.PathLike):
+        return os.path.abspath(os.fspath(value))
+    if isinstance(value, dict):
+        return {key: absolute_paths(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [absolute_paths(item) for item in value]
+    return value
+
+
+def given_forms(value: Any) -> dict[str, str]:
+    """Each path in ``value`` that `absolute_paths` changes: its absolute form -> as given."""
+    if isinstance(value, os.PathLike):
+        given = os.fspath(value)
+        absolute = os.path.abspath(given)
+        return {} if given == absolute else {absolute: str(given)}
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return {}
+    return {absolute: given for item in value for absolute, given in given_forms(item).items()}
+
+
+def in_given_form(value: Any, forms: dict[str, str]) -> Any:
+    """``value`` (what a device process returned) with every path under an absolute one of
+    ``forms`` in the form the command gave it: a command speaks of its paths as typed."""
+    if isinstance(value, str):
+        for absolute in sorted(forms, key=len, reverse=True):
+            if value == absolute or value.startswith(absolute + os.sep):
+                return forms[absolute] + value[len(absolute) :]
+        return value
+    if isinstance(value, dict):
+        return {key: in_given_form(item, forms) for key, item in value.items()}
+    if isinstance(value, list):
+        return [in_given_form(item, forms) for item in value]
+    return value
+
+
 @dataclass(frozen=True)
 class DeviceTask:
-    """What one device process is asked to do, and where it reports."""
+    """What one device process is asked to do, and where it reports.
+
+    Every path in it is absolute, resolved in the directory of the command that made it: a
+    device process moves to the recorded directory (a script-mode workload, `replay.script`)
+    before it reads the bundle or writes a result, and a path a person typed is theirs, not
+    the recorded directory's. The task's own files are; its arguments' paths are those given
+    as paths (``Path``, not ``str``). What it returns names them as the command gave them
+    (`DeviceResult.in_given_form`): a returned path handed to another task goes as a ``Path``."""
 
     function: str  # a device_task reference, e.g. "sdcreplay.replay.session:run_replay_task"
     device: str
@@ -91,6 +149,13 @@ class DeviceTask:
     environment: dict[str, str] = field(default_factory=dict)  # set before the task runs
     stderr: str | None = None  # the process's log, named in error hints
     alive: str | None = None  # the liveness file (`Heartbeat`)
+
+    def __post_init__(self) -> None:
+        for name in ("result", "stderr", "alive"):
+            path = getattr(self, name)
+            if path:
+                object.__setattr__(self, name, os.path.abspath(path))
+        object.__setattr__(self, "arguments", absolute_paths(self.arguments))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,6 +197,13 @@ class DeviceFailure:
     timed_out: float | None = None  # the timeout it exceeded, in seconds
     kind: str | None = None  # the SdcReplayError class the task raised (e.g. MessageOrderError)
 
+    def said(self) -> str:
+        """Its message and, where the message does not say why (a process that died without a
+        word, the hint pointing at "the stderr lines above"), its last stderr line."""
+        last = self.stderr_tail.splitlines()[-1] if self.stderr_tail else ""
+        said = not last or last.split(": ", 1)[-1][:60] in self.message
+        return self.message if said else f"{self.message}: {last}"
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -161,6 +233,10 @@ class DeviceResult:
             return {"error": self.error.to_json()}
         return {"value": self.value}
 
+    def in_given_form(self, forms: dict[str, str]) -> DeviceResult:
+        """The value's paths as the command gave them (`in_given_form`)."""
+        return self if self.value is None else DeviceResult(in_given_form(self.value, forms))
+
     @classmethod
     def from_json(cls, data: Any) -> DeviceResult:
         """Raises ValueError for anything a worker would not have written."""
@@ -173,6 +249,7 @@ class DeviceResult:
 
 _OWN = Path(__file__).resolve().parents[1]
 _BUILTIN_WORKLOADS = _OWN / "workload"  # tiny-llama and tiny-moe are workloads like any other
+_WORKLOAD_MACHINERY = ("__init__.py", "definition.py", "references.py")  # the tool's own there
 _LIBRARIES = tuple(
     str(Path(spec.origin).resolve().parent)
     for spec in (importlib.util.find_spec(name) for name in ("torch", "functorch"))
@@ -201,7 +278,7 @@ def tool_frame(exc: BaseException) -> str | None:
     if innermost is None:
         return None
     path, frame = Path(innermost.filename).resolve(), innermost
-    builtin_workload = path.parent == _BUILTIN_WORKLOADS and path.name != "definition.py"
+    builtin_workload = path.parent == _BUILTIN_WORKLOADS and path.name not in _WORKLOAD_MACHINERY
     if not path.is_relative_to(_OWN) or builtin_workload:
         return None
     where = path.relative_to(_OWN.parent)

@@ -14,11 +14,12 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import h5py
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BundleError
+
+if TYPE_CHECKING:
+    import h5py
 
 
 def regular_file_inside(root: Path, name: str) -> Path:
@@ -215,6 +216,8 @@ def check_self_contained(handle: h5py.File, limit: int = 100_000) -> None:
 
 
 def _check_links(handle: h5py.File, limit: int) -> None:
+    import h5py  # here: a command that reads only JSON (manifests, logs) needs not load it
+
     pending = [handle]
     seen = 0
     while pending:

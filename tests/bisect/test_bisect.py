@@ -1062,36 +1062,71 @@ def test_device_kernels_reads_real_profiler_events_and_keeps_only_device_ones():
 
 
 HIDDEN_STATE_WORKLOAD = '''
-"""tiny-llama whose loss is scaled by how many steps this process ran: state outside the model."""
+"""tiny-llama whose loss is scaled by how many steps it ran (COUNTER: per workload built, or per
+process): state outside the model and the workload's state objects."""
+import builtins
 from sdcreplay import Workload
 from sdcreplay.workload.tiny_llama import make_workload
-
-CALLS = [0]
 
 
 def make(seed: int = 0) -> Workload:
     base = make_workload(seed=seed, **KWARGS)
+    calls = COUNTER
 
     def loss_fn(model, batch):
-        CALLS[0] += 1
-        return base.loss_fn(model, batch) * CALLS[0]
+        calls[0] += 1
+        return base.loss_fn(model, batch) * calls[0]
 
     return Workload(base.model, base.optimizer, base.get_batch, loss_fn)
 '''
 
 
-def test_a_step_that_depends_on_state_the_saved_state_lacks_is_refused(tmp_path):
-    """The later runs start from the saved model and optimizer state; a step that also depends on
-    something else cannot be bisected that way, and the reference's own re-run says so (exit 3)."""
+def _hidden_state_bundle(tmp_path: Path, counter: str, verify: bool = True) -> Path:
     source = tmp_path / "hidden.py"
-    source.write_text(textwrap.dedent(HIDDEN_STATE_WORKLOAD).replace("KWARGS", repr(LLAMA)))
+    code = textwrap.dedent(HIDDEN_STATE_WORKLOAD).replace("KWARGS", repr(LLAMA))
+    source.write_text(code.replace("COUNTER", counter))
     bundle = tmp_path / "hidden.bundle"
-    sdcreplay.record(f"{source}:make", bundle, steps=2, seed=0)
-    refused = "does not reproduce its own step 1 from the state saved"
-    with pytest.raises(SdcReplayError, match=refused) as caught:
-        bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report")
+    sdcreplay.record(f"{source}:make", bundle, steps=2, seed=0, verify=verify)
+    return bundle
+
+
+def test_a_step_the_saved_state_does_not_reproduce_is_bisected_from_the_windows_start(tmp_path):
+    """The later runs start from the saved model and optimizer state; a step that also depends on
+    something else (a counter each built workload starts at 0) does not reproduce from there, but
+    from the window's start, as replay runs it: every later run starts there, said in the report
+    in the workload's words."""
+    bundle = _hidden_state_bundle(tmp_path, "[0]")
+    report = bisect(bundle, suspect="cpu:1", step=1, out=tmp_path / "report", ledger=False)
+    assert (report.verdict, report.step) == ("no_divergence", 1)
+    assert report.findings["start"] == {
+        "from": "window",
+        "steps_before": 1,
+        "reason": "its signature entry loss differs",
+    }
+    (warning,) = report.findings["warnings"]
+    assert "give it to the workload as a state object (docs/recording.md)" in warning
+
+
+def test_a_step_no_run_of_the_window_reproduces_is_refused(tmp_path, monkeypatch):
+    """A counter that lives as long as the process (not reset when the workload is built again)
+    makes every run of step 1 in the reference's process another step: neither the saved state
+    nor the window's start reproduces it, and the reference says so (exit 3). The reference's
+    task runs here, in this process (the recording, in this process too, is not checked: its
+    first-step check would find step 0 another step already)."""
+    counter = "builtins.__dict__.setdefault('sdcreplay_test_calls', [0])"
+    bundle = _hidden_state_bundle(tmp_path, counter, verify=False)
+    monkeypatch.setenv("SDCREPLAY_DEVICE", "cpu:0")
+    with pytest.raises(SdcReplayError) as caught:
+        run_oplog_task(
+            device="cpu:0", bundle=str(bundle), step=1, work_dir=str(tmp_path),
+            save_entry=str(tmp_path / "entry.h5"),
+        )  # fmt: skip
+    assert caught.value.message == (
+        "the reference does not reproduce its own step 1 from the window's start: its signature "
+        "entry forward:tok_embeddings differs (and from the state saved entering it, its "
+        "signature entry loss differs)"
+    )
     assert "outside the model, optimizer and the workload's state objects" in caught.value.hint
-    assert caught.value.message.endswith("saved entering it: its signature entry loss differs")
 
 
 def test_two_kinds_of_device_running_other_operators_are_told_to_take_a_like_reference():
@@ -1122,7 +1157,7 @@ def test_a_reference_that_runs_other_operators_from_its_saved_state_names_the_ca
         "(forward) the first time"
     )
     assert caught.value.hint.startswith("No kernel choice differs between two runs on one device")
-    with pytest.raises(SdcReplayError, match=r"saved entering it: the state loaded is not the "):
+    with pytest.raises(SdcReplayError, match=r"saved entering it: the state entering it is not "):
         _check_reproduced({"state": {"param:w": "1"}, "operators": []}, {"param:w": "2"}, oplog, 1)
 
 

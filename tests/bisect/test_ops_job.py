@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conftest import SMALL_ARGS
+
 from sdcreplay.bisect.ops import _job_and_rank
 
 TIMEOUT = ["--timeout", "120"]
@@ -116,3 +118,17 @@ def test_rank_on_a_single_process_bundle_is_refused(cli, small_bundle):
     assert done.exit_code == 3
     assert "is a single process's bundle" in done.stderr
     assert f"`sdcreplay ops {small_bundle} --step 1`" in " ".join(done.stderr.split())
+
+
+def test_a_one_rank_job_is_its_rank_0_without_rank(cli, tmp_path):
+    """A one-process torchrun run is a job of one rank: ops and bisect take it as rank 0."""
+    from sdcreplay.bisect.rank import job_to_bisect
+
+    job = tmp_path / "one.bundle"
+    done = cli("record", "builtin:tiny-llama", "--nproc", "1", "--steps", "2", *SMALL_ARGS,
+               "--out", job)  # fmt: skip
+    assert done.exit_code == 0, done.output
+    found, rank = _job_and_rank(job, None, 1, False)
+    assert found is not None and (found.path, rank) == (job, 0)
+    assert job_to_bisect(job, None, None, 1).world_size == 1
+    assert job_to_bisect(job, 0, None, 1).world_size == 1

@@ -49,7 +49,7 @@ from sdcreplay.bundle.manifest import (
     WorkloadRef,
     manifest_digest,
 )
-from sdcreplay.bundle.reader import MESSAGE_FIELDS, Bundle
+from sdcreplay.bundle.reader import MESSAGE_FIELDS, Bundle, workload_named
 from sdcreplay.bundle.writer import BundleWriter, _readable_json, written_by_us
 from sdcreplay.capture import determinism
 from sdcreplay.errors import BundleError, SdcReplayError
@@ -1005,3 +1005,18 @@ def test_a_manifests_compiled_regions_are_read_typed_and_a_malformed_list_is_ref
     rewrite_manifest(small_bundle, damage)
     with pytest.raises(BundleError, match=r"compiled is .*expected null or a list of compiled"):
         sdcreplay.Bundle.open(small_bundle)
+
+
+def test_a_script_workload_is_named_by_its_recorded_command():
+    """Errors and `info` name a script-mode bundle's workload as the command that ran it."""
+    command = {"python": "/usr/bin/python3", "cwd": "/w", "env": {}}
+    script = {**command, "argv": ["/w/train.py", "--lr", "3e-4", "--name", "a b"]}
+    module = {**command, "argv": ["/w/pkg/train.py", "--lr", "3e-4"], "module": "pkg.train"}
+    assert [
+        workload_named(
+            WorkloadRef(ref=f"script:{c['argv'][0]}", kwargs={}, kind="script", command=c)
+        )
+        for c in (script, module)
+    ] == ["script /w/train.py --lr 3e-4 --name 'a b'", "script -m pkg.train --lr 3e-4"]
+    factory = WorkloadRef(ref="builtin:tiny-llama", kwargs={"layers": 1})
+    assert workload_named(factory) == "builtin:tiny-llama"

@@ -58,3 +58,10 @@ def test_kinds_from_the_usual_names():
     assert [kind_of(n) for n in ("dp", "dp_shard", "tp", "pp", "cp", "ep", "foo")] == [
         "replicate", "shard", "tensor", "pipeline", "context", "expert", "other",
     ]  # fmt: skip
+
+
+def test_a_layout_that_knows_only_the_world_size_names_a_rank_plainly():
+    """Nothing said beyond the world size: `rank 1`, never `rank 1 (world=1)`."""
+    layout = ParallelLayout.grid([("world", 2, "other")], "world")
+    assert layout.describe(1) == "rank 1" and layout.where(1) is None
+    assert ParallelLayout.data_parallel_world(2).where(1) == "dp=1"

@@ -17,7 +17,7 @@ import torch
 from conftest import TESTS
 
 from sdcreplay.bundle.job_bundle import JobBundle, is_job_bundle
-from sdcreplay.capture import determinism
+from sdcreplay.capture import comparable, determinism
 from sdcreplay.capture.collectives import LAYOUTS, MessageLog, _below_autograd
 from sdcreplay.capture.digest import CPU_ALGORITHM
 from sdcreplay.capture.operators import OperatorLog, OperatorMode
@@ -252,7 +252,7 @@ def test_nccl_settings_are_recorded_switches_and_compared_in_cuda_fingerprints(m
     )
     recorded = {"nccl.algo": "Tree", "nccl.nvls_enable": "1", "gpu.name": "H100"}
     here = {**recorded, "nccl.nvls_enable": "0"}
-    assert determinism.fingerprint_differences(recorded, here) == [
+    assert comparable.fingerprint_differences(recorded, here) == [
         "nccl.nvls_enable: recorded '1', here '0'"
     ]
 
@@ -337,3 +337,21 @@ def test_collectives_under_a_message_log_leave_the_steps_operator_calls_as_they_
         "gloo:all_reduce"
     ]
     assert log.messages[-1].output_digest == "=float32:40000000"  # 2.0 summed over one rank
+
+
+def test_a_collective_the_backend_refuses_shows_the_backends_error_alone(lone_rank):
+    """FSDP's PREMUL_SUM on gloo: gloo's Work has no future, and the call's own error (raised
+    when it is waited for) is what the person sees, not chained to the log's missing future."""
+    import torch.distributed as dist
+
+    log = MessageLog(CPU_ALGORITHM)
+    log.begin_step(0)
+    try:
+        with pytest.raises(RuntimeError, match="PREMUL_SUM with Gloo") as raised:
+            work = dist.reduce_scatter_tensor(
+                torch.empty(4), torch.ones(4), op=dist._make_nccl_premul_sum(2.0), async_op=True
+            )
+            work.wait()
+    finally:
+        log.abandon()
+    assert raised.value.__context__ is None

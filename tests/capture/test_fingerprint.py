@@ -19,7 +19,7 @@ import torch
 from conftest import SMALL_ARGS
 
 from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
-from sdcreplay.capture import determinism
+from sdcreplay.capture import comparable, determinism
 from sdcreplay.replay.doctor import doctor
 
 # Kernel choices every machine can put in force, whatever its CPU: ATen's scalar kernels and
@@ -147,19 +147,19 @@ def test_info_and_doctor_show_what_a_replay_must_match(small_bundle: Path, cli):
     shown = cli("info", small_bundle)
     assert "cpu.capability" in shown.stderr + shown.stdout
     checked = doctor("cpu", "builtin:tiny-llama", {"layers": 1, "dim": 32}).to_json()
-    assert checked["must_match"] == determinism.must_match(here)
-    assert checked["pinned"] == determinism.pinned_environment(here)
+    assert checked["must_match"] == comparable.must_match(here)
+    assert checked["pinned"] == comparable.pinned_environment(here)
 
 
 def test_pinning_leaves_a_variable_the_person_set(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     monkeypatch.delenv("MKL_CBWR", raising=False)
-    assert determinism.pinned_environment(
-        {"cpu.capability": "AVX2", "cpu.blas_branch": "AVX2"}
-    ) == {"MKL_CBWR": "AVX2"}
-    assert determinism.fingerprint_differences(
+    assert comparable.pinned_environment({"cpu.capability": "AVX2", "cpu.blas_branch": "AVX2"}) == {
+        "MKL_CBWR": "AVX2"
+    }
+    assert comparable.fingerprint_differences(
         {"cpu.capability": "AVX2"}, {"cpu.capability": "DEFAULT"}
     ) == ["cpu.capability: recorded 'AVX2', here 'DEFAULT'"]
     # an older bundle without a fingerprint cannot be compared, and is not called different
-    assert determinism.fingerprint_differences({}, {"cpu.capability": "DEFAULT"}) == []
+    assert comparable.fingerprint_differences({}, {"cpu.capability": "DEFAULT"}) == []
     assert os.environ["ATEN_CPU_CAPABILITY"] == "default"

@@ -14,6 +14,7 @@ import sdcreplay
 from sdcreplay import Bundle
 from sdcreplay.capture.faults import Injector, parse_specs
 from sdcreplay.capture.operators import OperatorMode
+from sdcreplay.online.update_detector import UpdateDetector
 
 HERE = TESTS
 RING = 4
@@ -159,14 +160,19 @@ def test_a_dump_whose_replay_raises_is_written_and_warned_about(tmp_path, monkey
     )
 
 
+def _judging_fails(self, *args, **kwargs) -> None:
+    raise RuntimeError("the detector failed")
+
+
 def test_a_failure_of_the_callback_is_warned_and_training_goes_on(tmp_path, monkeypatch):
-    """The alarm's bundle cannot be written (its folder is a file): the callback warns, stops
-    watching and gives the Trainer its compute_loss back; train() runs to max_steps."""
+    """The detector fails (made to raise as it judges a step: a ring's dump itself never
+    raises): the callback warns, stops watching and gives the Trainer its compute_loss back;
+    train() runs to max_steps."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.syspath_prepend(str(HERE))
-    (tmp_path / "not-a-folder").write_text("")
-    trainer, callback = hf_defective_run(tmp_path, tmp_path / "not-a-folder" / "x.bundle", {})
+    monkeypatch.setattr(UpdateDetector, "judge", _judging_fails)
+    trainer, callback = hf_defective_run(tmp_path, tmp_path / "x.bundle", {})
     with pytest.warns(UserWarning, match="SdcReplayCallback failed in on_step_end") as warned:
         trainer.train()
     assert trainer.state.global_step == 8
@@ -342,8 +348,9 @@ def test_lightning_step_that_raises_leaves_nothing_patched(tmp_path, monkeypatch
 
 
 def test_a_failure_of_the_lightning_callback_is_warned_and_training_goes_on(tmp_path, monkeypatch):
-    """The alarm's bundle cannot be written (its folder is a file): a warning, the callback
-    stops watching (the recorder's capture lets go of backward), fit() runs to max_steps."""
+    """The detector fails (made to raise as it judges a step: a ring's dump itself never
+    raises): a warning, the callback stops watching (the recorder's capture lets go of
+    backward), fit() runs to max_steps."""
     lightning = pytest.importorskip("lightning")
     monkeypatch.syspath_prepend(str(HERE))
     from lightning.pytorch import Callback
@@ -360,9 +367,9 @@ def test_a_failure_of_the_lightning_callback_is_warned_and_training_goes_on(tmp_
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             defect.leave()
 
-    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setattr(UpdateDetector, "judge", _judging_fails)
     callback = SdcReplayCallback(
-        tmp_path / "not-a-folder" / "x.bundle", f"{HERE / 'lightning_workload.py'}:make_workload",
+        tmp_path / "x.bundle", f"{HERE / 'lightning_workload.py'}:make_workload",
         workload_kwargs={"seed": 0}, ring=RING,
     )  # fmt: skip
     trainer = lightning_trainer(lightning, [DefectCallback(), callback])

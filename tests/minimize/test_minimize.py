@@ -31,6 +31,7 @@ from sdcreplay.minimize.ddmin import ddmin
 from sdcreplay.minimize.driver import minimize
 from sdcreplay.minimize.shrink import Shrinker, shrink_axes
 from sdcreplay.minimize.statistics import Z95, wilson_interval
+from sdcreplay.minimize.ticket import staged_ticket
 from sdcreplay.minimize.trials import Acceptance, TrialRunner
 from sdcreplay.storage.tensorio import raw_bits
 
@@ -565,3 +566,12 @@ def test_an_interrupted_shrink_writes_a_partial_ticket_then_ends_the_call(
         f"> **Partial:** the shrink was interrupted ({name}) after 3 tests"
         in (ticket / "ticket.md").read_text()
     )
+
+
+def test_a_ticket_that_fails_while_written_leaves_no_staging(tmp_path: Path, wq_call: OperatorCase):
+    """Only an interruption leaves something of a minimize behind (docs/commands.md)."""
+    with pytest.raises(OSError, match="disk full"):
+        with staged_ticket(tmp_path / "ticket", wq_call, {"switches": {}}) as (staging, _):
+            assert staging.name.endswith(".partial") and (staging / "inputs.h5").is_file()
+            raise OSError("disk full")
+    assert list(tmp_path.iterdir()) == []

@@ -412,14 +412,12 @@ def test_builtin_defaults_keep_the_plain_step():
 
 
 HIDDEN_STATE_WORKLOAD = """
-import sys
 from pathlib import Path
 
 import torch
 import sdcreplay
 
-sys.path.insert(0, str(Path(__file__).parent))
-from shared_counter import calls  # a global step counter in another module: not in the bundle
+COUNTER = Path(__file__).parent / "steps.txt"  # a step counter in a file: not in the bundle
 
 
 def make_workload(seed: int = 0):
@@ -428,8 +426,9 @@ def make_workload(seed: int = 0):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def train_step(batch):
-        calls["n"] += 1
-        loss = (model(batch) * calls["n"]).pow(2).mean()
+        n = int(COUNTER.read_text()) + 1 if COUNTER.exists() else 1
+        COUNTER.write_text(str(n))
+        loss = (model(batch) * n).pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -445,7 +444,6 @@ def test_record_refuses_a_step_that_depends_on_state_it_does_not_save(run_exe, c
     """A real process: exit 3, Error and Hint, no traceback, the steps so far kept as .partial."""
     source = tmp_path / "hidden.py"
     source.write_text(HIDDEN_STATE_WORKLOAD)
-    (tmp_path / "shared_counter.py").write_text('calls = {"n": 0}\n')
     done = run_exe(
         "record", f"{source}:make_workload", "--steps", "3", "--out", tmp_path / "run.bundle"
     )

@@ -17,14 +17,20 @@ from conftest import REPO, SMALL, SMALL_ARGS, tiny_llama_recorder
 import sdcreplay
 from sdcreplay import Bundle, Recorder, compare_logs, replay_on_device
 from sdcreplay.bundle.manifest import STATE
+from sdcreplay.capture.around import RestorePoints
 from sdcreplay.capture.layers import state_digests
 from sdcreplay.errors import (
     BundleError,
     CheckpointError,
     SdcReplayError,
+    WorkloadError,
     WorkloadMismatchError,
 )
 from sdcreplay.workload.definition import build_workload
+from sdcreplay.workload.loop_objects import loop_model
+
+sys.path.insert(0, str(REPO / "tests" / "loops"))
+import trainers  # noqa: E402
 
 KIND_ORDER = [
     "rng",
@@ -578,3 +584,82 @@ def test_an_unknown_signature_level_is_refused_before_anything_is_written(tmp_pa
     with pytest.raises(SdcReplayError, match="signature='every' is not one of layer, boundary"):
         tiny_llama_recorder(tmp_path / "b.bundle", signature="every")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("form", ["accelerate", "container", "list"])
+def test_the_recorder_takes_the_optimizers_and_model_parts_a_trainer_hands_it(
+    tmp_path: Path, form: str
+):
+    """Accelerate's wrapped optimizer (``prepare``'s AcceleratedOptimizer), TorchTitan's
+    container over its model parts (a torch Optimizer with a flat state_dict keyed by name),
+    an AdamW and an SGD with momentum in a list (tests/loops/trainers.py): recorded from a
+    state where every optimizer has its own, verified, kept as one optimizer state_dict in
+    torch's form, and replayed ``correct`` on two replicas from it."""
+    rec, step = trainers.recorder(tmp_path / "run.bundle", form, warmup=2)
+    with rec:
+        trainers.train(rec, step, range(2, 4))
+    bundle = Bundle.open(rec.path)
+    assert bundle.verified and bundle.step_indices == [2, 3]
+    _, optimizer = bundle.load_state()
+    assert [group["params"] for group in optimizer["param_groups"]] == (
+        [list(range(8))] if form == "accelerate" else [list(range(4)), list(range(4, 8))]
+    )  # 4 parameters a part; the second optimizer's numbered after the first's
+    assert sorted(optimizer["state"]) == list(range(8))
+    second = "momentum_buffer" if form == "list" else "exp_avg"
+    assert set(optimizer["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert second in optimizer["state"][7]
+    names = [name for name, _ in bundle.signature_log().steps[2]]
+    assert "param:1.attention.wqkv.weight" in names and "optim:0.proj.bias.step" in names
+    assert ("hyper:1.momentum" in names) == (form == "list")
+    logs = {label: [replay_on_device(bundle, label)] for label in ("cpu:0", "cpu:1")}
+    assert sdcreplay.vote(bundle.signature_log(), logs).verdict == "correct"
+
+
+class FlatState(torch.optim.SGD):
+    """An optimizer whose state_dict is keyed by parameter name, with no optimizers inside."""
+
+    def state_dict(self):
+        return {"weight.momentum_buffer": None}
+
+
+def test_what_the_recorder_cannot_take_is_refused_as_it_is_created(tmp_path: Path):
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    refusals = {
+        "optimizer=object is not a torch optimizer, nor a wrapper or container of one": {
+            "optimizer": object()
+        },
+        "optimizer= holds no optimizer": {"optimizer": []},
+        "FlatState.state_dict() gives ['weight.momentum_buffer'], not torch's optimizer "
+        "state_dict (state, param_groups), which a bundle keeps": {
+            "optimizer": FlatState(model.parameters(), lr=0.1)
+        },
+        "model=str is not a torch.nn.Module nor a list of them": {"model": "model"},
+        "model=Identity has no parameters": {"model": torch.nn.Identity()},
+    }
+    for message, given in refusals.items():
+        objects = {"model": model, "optimizer": sgd, **given}
+        with pytest.raises(WorkloadError) as refused:
+            Recorder(tmp_path / "run.bundle", "builtin:tiny-llama", **objects)
+        assert refused.value.message == f"Recorder: {message}"
+        hint = "at .optimizers" if "optimizer" in message else "Pass the module"
+        assert hint in refused.value.hint
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_model_parts_are_one_module_whose_parts_forward_entries_are_restore_points():
+    """A list of model parts is recorded as one module named by each part's place; it runs
+    no forward of its own, so each part's forward entry is a point where script mode puts the
+    torch RNG back (as the single model's is)."""
+    parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    model = loop_model(parts)
+    assert list(dict(model.named_parameters())) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert loop_model(parts[:1]) is parts[0]
+    points = RestorePoints(torch.device("cpu"), model)
+    points.begin_recording()
+    hidden = parts[0](torch.randn(1, 2))
+    torch.rand(1)  # a draw between the parts
+    parts[1](hidden)
+    noted = points.end()
+    points.close()
+    assert len(noted) == 2 and not torch.equal(noted[0]["cpu"], noted[1]["cpu"])

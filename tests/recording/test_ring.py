@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import json
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SMALL, SMALL_ARGS, tiny_llama_recorder
+import torch
+from conftest import REPO, SMALL, SMALL_ARGS, tiny_llama_recorder
 
 import sdcreplay
 from sdcreplay import Bundle, Recorder
+from sdcreplay.bundle.writer import BundleWriter
 from sdcreplay.capture.snapshot import TrainingSnapshot
 from sdcreplay.errors import SdcReplayError
+from sdcreplay.recording.ring import RingSnapshot
+from sdcreplay.recording.ring_mode import DumpFailedWarning
 from sdcreplay.storage.tensorio import map_tensors
 from sdcreplay.workload.definition import build_workload
+
+sys.path.insert(0, str(REPO / "tests" / "loops"))
+import trainers  # noqa: E402
 
 K = 4
 TINY = {**SMALL, "dim": 16, "seq_len": 4, "batch_size": 1}  # 200 steps in a few seconds
@@ -142,8 +151,13 @@ def test_dump_refuses_without_a_ring_or_a_completed_step(tmp_path):
         workload.optimizer,
         ring=2,
     )
-    with pytest.raises(SdcReplayError, match="no completed step"):
-        ring.dump("too early")
+    with pytest.warns(DumpFailedWarning, match="no completed step yet"):
+        assert ring.dump("too early") is None  # an alarm at the first step: the loop goes on
+    failed = tmp_path / "ring.bundle.dump-failed.txt"
+    assert ring.dumps == []
+    assert "(user: too early) failed: SdcReplayError: the ring holds no completed step" in (
+        failed.read_text()
+    )
     ring.close()
     with pytest.raises(SdcReplayError, match="not a number of steps"):
         Recorder(
@@ -367,3 +381,97 @@ def test_a_malformed_trigger_is_refused_by_name(small_bundle, edit, message):
     rewrite_manifest(small_bundle, lambda manifest: edit(manifest["trigger"]))
     with pytest.raises(BundleError, match=message):
         Bundle.open(small_bundle)
+
+
+# A bit of the fused projection's output in the last step, on the recording device itself.
+FUSED_DRILL = "kind=bitflip,op=aten.mm,module=1.attention.wqkv,phase=forward,step=3,index=5,bit=20"
+
+
+@pytest.mark.parametrize("drill", [False, True])
+def test_a_state_dict_hook_that_builds_tensors_is_dumped_as_it_returns_them(tmp_path, drill):
+    """TorchTitan's fused ``wqkv``, split into ``wq``/``wk``/``wv`` by a state_dict hook
+    (tests/loops/trainers.py): the ring keeps the state as ``state_dict()`` returned it as its
+    window began, the dump replays ``correct`` on two replicas, and a fault planted on the
+    recording device is ``recording_suspect``."""
+    rec, step = trainers.recorder(
+        tmp_path / "r.bundle", "fused", ring=2, inject=[FUSED_DRILL] if drill else []
+    )
+    trainers.train(rec, step, range(2))
+    entering = {name: t.clone() for name, t in rec.model.state_dict().items()}  # step 2's
+    trainers.train(rec, step, range(2, 4))
+    path = rec.dump("alarm")
+    rec.close()
+    bundle = Bundle.open(path)
+    assert path == tmp_path / "r.bundle" and bundle.step_indices == [2, 3] and bundle.verified
+    model_state, _ = bundle.load_state()
+    assert list(model_state) == list(entering)
+    assert "1.attention.wq.weight" in model_state and "1.attention.wqkv.weight" not in model_state
+    assert all(torch.equal(model_state[name], entering[name]) for name in entering)
+    logs = {label: [sdcreplay.replay_on_device(bundle, label)] for label in ("cpu:0", "cpu:1")}
+    consensus = sdcreplay.vote(bundle.signature_log(), logs)
+    assert consensus.verdict == ("recording_suspect" if drill else "correct")
+    assert consensus.suspects == (["record"] if drill else [])
+
+
+def test_a_dump_that_fails_warns_writes_why_beside_and_training_goes_on(tmp_path, monkeypatch):
+    """Neither a failure while the dump writes its bundle nor one while the ring copies the
+    state reaches the loop: each is warned about; a failed dump is written beside the
+    bundle's name (nothing at it), a failed copy lets the held steps go on from the last one,
+    and the next dump, once it can, is the bundle."""
+    rec, step = trainers.recorder(tmp_path / "r.bundle", "fused", ring=2, verify=False)
+    trainers.train(rec, step, range(2))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(BundleWriter, "add_step", full)
+    with pytest.warns(DumpFailedWarning, match="No space left on device"):
+        assert rec.dump("loss spike") is None
+    failed = tmp_path / "r.bundle.dump-failed.txt"
+    assert rec.dumps == []
+    said = failed.read_text()
+    assert said.splitlines()[0].endswith(
+        "dump before step 2 (user: loss spike) failed: OSError: [Errno 28] No space left on device"
+    )
+    assert "in full" in said  # the traceback, down to where it failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.bundle.dump-failed.txt"]
+    monkeypatch.undo()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a state_dict hook broke")
+
+    monkeypatch.setattr(RingSnapshot, "copy", broken)
+    with pytest.warns(DumpFailedWarning, match="could not copy the state as step 2 began"):
+        trainers.train(rec, step, range(2, 4))  # the window wanted a copy at each
+    assert rec.ring_steps == [0, 1, 2, 3]  # on from the last copy, before step 0
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spike = rec.dump("loss spike again")
+        trainers.train(rec, step, range(4, 6))  # training went on; copies work again
+        path = rec.dump("once it can")
+    rec.close()
+    assert (spike, path) == (tmp_path / "r.bundle", tmp_path / "r-2.bundle") == tuple(rec.dumps)
+    assert Bundle.open(spike).step_indices == [0, 1, 2, 3]
+    assert Bundle.open(path).step_indices == [4, 5]
+
+    # No copy at all yet (the first step's failed): the alarm's dump says why, and its rewind
+    # takes the step back all the same.
+    monkeypatch.setattr(RingSnapshot, "copy", broken)
+    first, step = trainers.recorder(tmp_path / "first.bundle", "fused", ring=2, verify=False)
+    with pytest.warns(DumpFailedWarning, match="could not copy the state as step 0 began"):
+        trainers.train(first, step, range(1))
+    with pytest.warns(DumpFailedWarning, match="its copy of the state failed: RuntimeError"):
+        assert first.dump("alarm at step 0") is None
+    nothing = tmp_path / "first.bundle.dump-failed.txt"
+    first.rewind()
+    assert (first.ring_steps, first.steps_written) == ([], 0)
+    first.close()
+    assert (
+        nothing.read_text()
+        .splitlines()[0]
+        .endswith(
+            "failed: SdcReplayError: the ring holds no completed step yet: there is nothing to "
+            "write (its copy of the state failed: RuntimeError: a state_dict hook broke)"
+        )
+    )

@@ -142,3 +142,61 @@ def test_record_nproc_with_a_ring_dumps_a_job_bundle_per_alarm_and_at_the_end(cl
     assert report["suspects"] == ["record:rank1 (cpu)"] and report["origin_rank"] == 1
     first = report["first_divergent_message"]
     assert (first["rank"], first["step"], first["which"]) == (1, 5, "input")
+
+
+def test_ranks_dumping_at_different_steps_are_aligned_or_refused_and_alone_is_said(cli, tmp_path):
+    """Ranks training alone (no DDP) with a per-rank check of the user's own. Rank 1 dumps
+    after step 5, rank 0 after step 6: both parts hold steps 3-5, the window every rank holds,
+    said in a warning and in the trigger. Rank 1 then dumps after step 8, rank 0 after step
+    12: no step in common, so nothing is written, the refusal naming each rank's steps is
+    warned about on every rank and training goes on. The job's ranks logged no message: the
+    recording warns (rank 0 writes the job) and `info` says so by name."""
+    job, reports = ring_job(tmp_path, "apart")
+    note = (
+        "the ranks dumped at different steps (rank 0 holding steps 3-6, rank 1 holding steps "
+        "3-5): every part holds steps 3-5, the steps all ranks hold"
+    )
+    aligned = f"sdcreplay: {note}; left out: rank 0's step 6"
+    alone = (
+        f"sdcreplay: the job bundle {job}: its 2 ranks exchanged no message in any recorded "
+        "step (no DDP, FSDP or other collective): each rank trained alone"
+    )
+    for rank, report in enumerate(reports):
+        assert report["dumps"] == [str(job), None]
+        assert report["ring_steps"] == [9, 10, 11, 12]  # training went on to the end
+        said = report["warnings"]
+        assert said[0] == aligned
+        assert [w.startswith(alone) for w in said[1:]] == ([True, False] if rank == 0 else [False])
+        assert said[-1].startswith(
+            f"sdcreplay: the ring's dump (rank {rank}'s loss check) wrote nothing: the ranks "
+            "dumped at different steps and hold no steps in common (rank 0 holding steps 9-12, "
+            "rank 1 holding steps 6-8): a job bundle's parts must hold the same steps (Hint: "
+            "Dump on every rank at the same step"
+        )
+    assert sorted(p.name for p in tmp_path.glob("job*")) == ["job.bundle"]
+    bundle = JobBundle.open(job)
+    for rank in (0, 1):
+        part = bundle.rank(rank)
+        assert part.verified and part.step_indices == [3, 4, 5]
+        assert (part.manifest.trigger.step, part.manifest.trigger.note) == (5, note)
+        assert message_names(part) == [[], [], []]
+    shown = cli("info", job)
+    assert shown.exit_code == 0, shown.output
+    assert "exchanged no message in any" in " ".join(shown.output.split())
+
+
+def test_an_inline_loops_detector_alarms_on_every_rank_at_once_and_dumps_one_job(tmp_path):
+    """`with detector.step(batch):` around a DDP step written inline: a NaN in rank 1's step
+    5 reaches rank 0 through the all-reduce; the ranks agree as the step ends, both alarm at
+    step 5 and dump one job bundle holding steps 3-5, which verifies."""
+    job, reports = ring_job(tmp_path, "inline")
+    assert reports[1]["fired"] == [[5, "aten.addmm.default"]] and reports[0]["fired"] == []
+    assert [report["alarms"] for report in reports] == [
+        [[5, "nonfinite:grad:module.0.weight", str(job)]],
+        [[5, "nonfinite:loss", str(job)]],
+    ]
+    bundle = JobBundle.open(job)
+    for rank in (0, 1):
+        part = bundle.rank(rank)
+        assert part.verified and part.step_indices == [3, 4, 5]
+        assert (part.manifest.trigger.source, part.manifest.trigger.step) == ("UpdateDetector", 5)

@@ -13,6 +13,7 @@ with torch.compile it replays `correct` and a fault in one generated kernel is f
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -130,10 +131,16 @@ def ddp_job(script_job) -> Path:
     return script_job
 
 
-def test_under_torchrun_with_ddp_the_job_replays_correct(ddp_job, cli):
-    done = cli("replay", ddp_job, "--device", "cpu:0", "--device", "cpu:1", "--json", env=NO_LEDGER)
-    assert done.exit_code == 0, done.stderr
-    assert json.loads(done.stdout)["verdict"] == "correct"
+def test_under_torchrun_with_ddp_the_job_replays_correct(ddp_job, run_exe, tmp_path):
+    """From another directory than the recorded one, with relative paths (its ranks run in the
+    recorded directory)."""
+    job = os.path.relpath(ddp_job, tmp_path)
+    devices = ["--device", "cpu:0", "--device", "cpu:1"]
+    done = run_exe("replay", job, *devices, "--logs", "logs", "--json", env=NO_LEDGER)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert (report["verdict"], report["bundle"], report["log_dir"]) == ("correct", job, "logs")
+    assert (tmp_path / "logs" / "replica0" / "rank1.r0.sig.zst").is_file()
 
 
 def test_under_torchrun_a_fault_names_its_origin_rank_by_the_plain_module_name(ddp_job, cli):

@@ -80,6 +80,11 @@ def test_a_rank_that_dies_mid_collective_is_reported_and_the_others_end(
     assert dead.exit_status == 7
     assert dead.message == "rank 1 (cpu:1) exited with status 7"
     assert dead.log == str(tmp_path / "replay-rank1.stderr.txt")
+    assert (dead.stderr_tail, dead.hint) == (  # no "stderr lines above" where there are none
+        "",
+        "It ended without a word on stderr (os._exit, or a crash in native code); run it again "
+        "alone to see whether it ends the same way.",
+    )
     for rank in (0, 2):  # waiting for rank 1 in the all-reduce: ended, not left hanging
         error = results[rank].error
         assert error is not None

@@ -40,7 +40,13 @@ from sdcreplay.compare.logs import compare_logs, vote
 from sdcreplay.replay import worker
 from sdcreplay.replay.processes import run_device_processes
 from sdcreplay.replay.session import run_replay_task
-from sdcreplay.replay.worker import DeviceFailure, DeviceResult, DeviceTask, TaskError
+from sdcreplay.replay.worker import (
+    DeviceFailure,
+    DeviceResult,
+    DeviceTask,
+    TaskError,
+    given_forms,
+)
 
 LLAMA = {"layers": 2, "dim": 32, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 64}
 MOE = {**LLAMA, "layers": 1, "experts": 2, "top_k": 1}
@@ -694,3 +700,28 @@ def test_an_exception_in_sdcreplays_code_in_a_device_process_is_an_internal_erro
     assert "workload" not in error.message and "damaged" not in error.hint
     assert "bug in sdcreplay" in error.hint and "`sdcreplay doctor`" in error.hint
     assert "replay-cpu-0" in error.hint  # the device's log file, with the traceback
+
+
+def test_a_task_holds_absolute_paths_and_its_result_comes_back_as_typed(tmp_path, monkeypatch):
+    """A device process moves to a script's recorded directory before it reads the bundle or
+    writes its result: every path of its task is resolved where the command runs; what it
+    returns names those paths as the command gave them."""
+    monkeypatch.chdir(tmp_path)
+    arguments = {"bundle": Path("b.bundle"), "nested": {"logs": [Path("../logs")]}, "ref": "x.py"}
+    task = DeviceTask("m:f", "cpu:0", "r.json", arguments, stderr="e.txt", alive="a")
+    assert (task.result, task.stderr, task.alive) == tuple(
+        str(tmp_path / name) for name in ("r.json", "e.txt", "a")
+    )
+    assert task.arguments == {
+        "bundle": str(tmp_path / "b.bundle"),
+        "nested": {"logs": [str(tmp_path.parent / "logs")]},
+        "ref": "x.py",  # a string is not a path: only what is given as one is resolved
+    }
+    assert DeviceTask.from_json(json.loads(json.dumps(task.to_json()))) == task
+    returned = DeviceResult(
+        value={"logs": [str(tmp_path.parent / "logs" / "cpu-0.sig")], "bundle": "/elsewhere"}
+    )
+    assert returned.in_given_form(given_forms(arguments)).value == {
+        "logs": [os.path.join("..", "logs", "cpu-0.sig")],
+        "bundle": "/elsewhere",
+    }

@@ -6,6 +6,7 @@ never a bare ImportError, TypeError or the factory's own exception.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -21,13 +22,12 @@ from sdcreplay.workloads import tiny_llama, tiny_moe
 from sdcreplay import Workload
 from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
 from sdcreplay.errors import SdcReplayError, WorkloadError
-from sdcreplay.workload.definition import (
-    accepts_seed,
-    build_workload,
+from sdcreplay.workload.definition import accepts_seed, build_workload, resolve_factory
+from sdcreplay.workload.references import (
+    builtin_defaults,
     builtin_names,
     canonical_ref,
     recorded_ref,
-    resolve_factory,
 )
 
 FACTORY_SOURCE = """
@@ -85,6 +85,16 @@ def test_builtin_names_resolve_to_the_shipped_factories():
     assert builtin_names() == ["tiny-llama", "tiny-moe"]
     assert resolve_factory("builtin:tiny-llama") is tiny_llama.make_workload
     assert resolve_factory("builtin:tiny-moe") is tiny_moe.make_workload
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe"])
+def test_a_builtins_defaults_read_from_its_source_are_its_signatures(name: str):
+    """`diff` fills in a built-in's defaults without importing it (and torch)."""
+    parameters = inspect.signature(resolve_factory(f"builtin:{name}")).parameters.values()
+    assert builtin_defaults(f"builtin:{name}") == {
+        p.name: p.default for p in parameters if p.default is not p.empty
+    }
+    assert builtin_defaults("builtin:no-such") == {}
 
 
 def test_builtin_builds_a_workload_with_keyword_sizes():
