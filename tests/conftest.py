@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -282,6 +285,125 @@ def sharded_job(tmp_path_factory: pytest.TempPathFactory):
     return record
 
 
+@pytest.fixture(scope="session")
+def script_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A script-mode job, once per run: tests/loops/nanogpt_train.py (a flat nanoGPT-style
+    script, its Recorder given no workload) under torchrun, 2 gloo ranks, DDP."""
+
+    def make(root: Path) -> None:
+        loop = TESTS / "loops" / "nanogpt_train.py"
+        done = run_torchrun(loop, 2, f"--bundle={root / 'job.bundle'}", timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "script-job", make) / "job.bundle"
+
+
+@pytest.fixture(scope="session")
+def compiled_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A compiled job, once per run: 2 DDP ranks of tests/compiled_loop.py's block-compiled
+    model (CPU Inductor), 2 steps at the boundary level (``make_workload`` of that file)."""
+
+    def make(root: Path) -> None:
+        from sdcreplay.bundle import trust
+        from sdcreplay.recording.job import record_job
+
+        ref = f"{TESTS / 'compiled_loop.py'}:make_workload"
+        with trust.granting([ref]), preserved_global_state():
+            summary = record_job(
+                ref,
+                root / "job.bundle",
+                nproc=2,
+                steps=2,
+                kwargs={"compile": "blocks", "parallel": "ddp"},
+                signature="boundary",
+            )
+        assert summary.exit_code == 0
+
+    return made_once(tmp_path_factory, "compiled-job", make) / "job.bundle"
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One ``sdcreplay`` command's run: what its ``--out`` named, its exit code and output."""
+
+    out: Path
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict:
+        return json.loads(self.stdout)
+
+
+@pytest.fixture(scope="session")
+def ran_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Ran]:
+    """``ran_once(*args)``: ``sdcreplay ARGS --out DIR/out --json`` run in-process once for the
+    whole test run, by whichever test module asks first (made_once); the same arguments from any
+    module get that run. For what several modules prove things about (a recorded job, a bisect
+    report of it): its ``out`` is theirs to read, not to change."""
+
+    def run(*args: object) -> Ran:
+        words = [str(arg) for arg in args]
+        key = hashlib.sha256("\0".join(words).encode()).hexdigest()[:16]
+
+        def make(root: Path) -> None:
+            from sdcreplay.cli import app
+
+            with preserved_global_state():
+                done = CliRunner().invoke(
+                    app,
+                    [*words, "--out", str(root / "out"), "--json"],
+                    env={"SDCREPLAY_DEBUG": None, "SDCREPLAY_INJECT": None},
+                )
+            ran = {"code": done.exit_code, "stdout": done.stdout, "stderr": done.stderr}
+            (root / "ran.json").write_text(json.dumps(ran))
+
+        root = made_once(tmp_path_factory, f"{words[0]}-{key}", make)
+        return Ran(root / "out", **json.loads((root / "ran.json").read_text()))
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def builtin_job(ran_once) -> Callable[..., Ran]:
+    """``builtin_job(parallel, nproc=2)``: ``sdcreplay record builtin:tiny-llama --nproc N
+    --steps 2`` of the small tiny-llama with ``-a parallel=PARALLEL`` (ddp, fsdp2, tp, ...),
+    once for the whole run: its ``out`` is the job bundle."""
+
+    def record(parallel: str, nproc: int = 2) -> Ran:
+        ran = ran_once(
+            "record", "builtin:tiny-llama", "--nproc", nproc, "--steps", "2", *SMALL_ARGS,
+            "-a", f"parallel={parallel}",
+        )  # fmt: skip
+        assert ran.code == 0, ran.stderr[-3000:]
+        return ran
+
+    return record
+
+
+# A bit of rank 1's first backward matmul of step 1 (the head's), planted for cpu:1.
+RANK_FAULT = (
+    "kind=bitflip,op=aten.mm,phase=backward,step=1,nth=0,index=3,bit=20,rank=1,device=cpu:1"
+)
+
+
+@pytest.fixture(scope="session")
+def rank_bisect(ran_once) -> Callable[..., dict]:
+    """``rank_bisect(job, spec, *options, rank=1)``: ``bisect JOB --rank R OPTIONS`` of step 1
+    on cpu:1 against cpu:0 with ``spec`` planted, once for the whole run: its JSON report.
+    Every module that bisects the same rank of the same job with the same spec shares it."""
+
+    def bisect(job: Path, spec: str, *options: str, rank: int = 1) -> dict:
+        ran = ran_once(
+            "bisect", job, "--rank", rank, *options, "--suspect", "cpu:1", "--reference",
+            "cpu:0", "--step", "1", "--trust-workload", "--inject", spec, "--no-ledger",
+        )  # fmt: skip
+        assert ran.code == 1, ran.stderr[-3000:]
+        return ran.json()
+
+    return bisect
+
+
 TICKET_CALL = "kind=bitflip,op=aten.mm,module=layers.0.attn.wq,phase=forward,step=1"
 TICKET_FAULTS = ["index=5,bit=22", "index=0,bit=3", "index=2,bit=30"]
 
@@ -445,8 +567,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
 def rewrite_manifest(path: Path, edit, rehash: bool = True) -> None:
     """Hand-edit the manifest; ``rehash`` keeps its own SHA-256 valid so the validator is what is
     tested."""
-    import json
-
     from sdcreplay.bundle.manifest import MANIFEST, MANIFEST_DIGEST, manifest_digest
 
     manifest = json.loads((path / MANIFEST).read_text())

@@ -34,22 +34,17 @@ def origin_of(cli, job: Path, spec: str) -> int:
     return json.loads(done.stdout)["origin_rank"]
 
 
-def bisected(cli, tmp_path: Path, job: Path, spec: str) -> tuple:
-    """bisect --rank 1 on cpu:1 against cpu:0 with ``spec`` planted for cpu:1: what it names."""
-    done = cli(
-        "bisect", job, "--trust-workload", "--rank", "1", "--suspect", "cpu:1", "--reference",
-        "cpu:0", "--step", "1", "--inject", f"{spec},device=cpu:1", "--no-ledger",
-        "--out", tmp_path / "report", "--json",
-    )  # fmt: skip
-    assert done.exit_code == 1, done.output
-    report = json.loads(done.stdout)
+def bisected(rank_bisect, job: Path, spec: str) -> tuple:
+    """bisect --rank 1 on cpu:1 against cpu:0 with ``spec`` planted for cpu:1 (conftest
+    ``rank_bisect``: the FSDP2 one is tests/bisect/test_rank.py's too): what it names."""
+    report = rank_bisect(job, f"{spec},device=cpu:1")
     return (
         report["rank"], report["step"], report["phase"], report["module"], report["op"],
         report["elements"]["indices"], report["bits"]["histogram"],
     )  # fmt: skip
 
 
-def test_a_ddp_ranks_spec_from_ops_is_named_by_replay_and_bisect(cli, ddp_job, tmp_path):
+def test_a_ddp_ranks_spec_from_ops_is_named_by_replay_and_bisect(cli, ddp_job, rank_bisect):
     job, _ = ddp_job
     listing = listed(
         cli, job, "--rank", "1", "--module", "layers.0.attn.wq", "--op", "aten.mm",
@@ -71,13 +66,13 @@ def test_a_ddp_ranks_spec_from_ops_is_named_by_replay_and_bisect(cli, ddp_job, t
     ]
     spec = listing["calls"][0]["spec"] + FLIP
     assert origin_of(cli, job, spec) == 1
-    assert bisected(cli, tmp_path, job, spec) == (
+    assert bisected(rank_bisect, job, spec) == (
         1, 1, "backward", "layers.0.attn.wq", "aten.mm.default", [3], {"20": 1}
     )  # fmt: skip
 
 
 def test_an_fsdp2_ranks_spec_from_ops_is_named_and_alone_lists_the_same_calls(
-    cli, sharded_job, tmp_path
+    cli, sharded_job, rank_bisect
 ):
     """FSDP2 (every block and the root fully_shard): the listing among peers and the one of the
     rank alone (its peers' shards from the bundle) name the same calls with the same specs."""
@@ -98,7 +93,7 @@ def test_an_fsdp2_ranks_spec_from_ops_is_named_and_alone_lists_the_same_calls(
         "kind=bitflip,op=aten.addmm.default,module=blocks.1.fc1,phase=forward,step=1,nth=0,rank=1"
     )
     assert origin_of(cli, job, forward["spec"] + FLIP) == 1
-    assert bisected(cli, tmp_path, job, forward["spec"] + FLIP) == (
+    assert bisected(rank_bisect, job, forward["spec"] + FLIP) == (
         1, 1, "forward", "blocks.1.fc1", "aten.addmm.default", [3], {"20": 1}
     )  # fmt: skip
 

@@ -4,7 +4,9 @@ tiny-llama job; minimize measures it alone, shrinks it and writes a ticket that 
 the rank, its coordinates and the collectives around the call, whose repro.py fails on the
 planted device and passes on another; corpus add and screen take that ticket.
 
-One job per parallelism, recorded once for the module; each bisect once.
+One job per parallelism and its bisect among the peers, made once for the whole run
+(tests/conftest.py: ``builtin_job``, ``rank_bisect``); the ``--alone`` bisect and the tickets
+once for the module.
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, preserved_global_state
+from conftest import RANK_FAULT, preserved_global_state
 from typer.testing import CliRunner
 
 from sdcreplay.bundle.job_bundle import JobBundle
 from sdcreplay.cli import app
-from sdcreplay.recording.job import record_job
 
-FAULT = "kind=bitflip,op=aten.mm,phase=backward,step=1,nth=0,index=3,bit=20,rank=1,device=cpu:1"
+FAULT = RANK_FAULT
 TRIALS = ["--trials", "20", "--good-trials", "2"]
 
 
@@ -46,29 +47,21 @@ class Job:
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """``made(parallel)``: the job recorded, bisected (``--rank 1`` among its peers and
-    ``--alone``) and minimized, once per module."""
+def made(tmp_path_factory, builtin_job, rank_bisect):
+    """``made(parallel)``: the run's shared job (conftest ``builtin_job``) and its two bisect
+    reports of rank 1 (``rank_bisect``: among its peers, shared with tests/bisect/test_rank.py,
+    and ``--alone``), minimized once per module."""
     jobs: dict[str, Job] = {}
 
     def make(parallel: str) -> Job:
         if parallel in jobs:
             return jobs[parallel]
-        bundle = tmp_path_factory.mktemp(parallel) / "job.bundle"
-        summary = record_job(
-            "builtin:tiny-llama", bundle, nproc=2, steps=2, kwargs={**SMALL, "parallel": parallel}
-        )
-        assert summary.exit_code == 0
+        bundle = builtin_job(parallel).out
         job = jobs[parallel] = Job(parallel, bundle)
+        tickets = tmp_path_factory.mktemp(parallel)
         for how, extra in (("peers", []), ("alone", ["--alone"])):
-            code, report, stderr = invoke(
-                "bisect", bundle, "--rank", "1", *extra, "--suspect", "cpu:1", "--reference",
-                "cpu:0", "--step", "1", "--inject", FAULT, "--out",
-                bundle.with_name(f"{how}.bisect"), "--no-ledger", "--json",
-            )  # fmt: skip
-            assert code == 1, stderr
-            job.reports[how] = report
-            ticket = bundle.with_name(f"{how}.ticket")
+            report = job.reports[how] = rank_bisect(bundle, FAULT, *extra)
+            ticket = tickets / f"{how}.ticket"
             code, result, stderr = invoke(
                 "minimize", report["report"], *TRIALS, "--inject", FAULT, "--out", ticket,
                 "--no-ledger", "--json",

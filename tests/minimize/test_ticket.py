@@ -17,10 +17,9 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from conftest import REPO, preserved_global_state
+from conftest import REPO, TICKET_CALL, TICKET_FAULTS, preserved_global_state
 from test_minimize import MODULE, STICKY
 
-from sdcreplay.bisect.localize import bisect
 from sdcreplay.bisect.operator_case import OperatorCase
 from sdcreplay.capture import determinism
 from sdcreplay.capture.operators import CallSite
@@ -34,22 +33,17 @@ TRIALS = 200
 
 
 @pytest.fixture(scope="session")
-def ticket(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Path) -> Path:
-    """The whole story once: bisect a recorded tiny-llama step with a sticky bitflip on cpu:1, then
-    minimize."""
-    report = tmp_path_factory.mktemp("ticket") / "report"
+def ticket(tmp_path_factory: pytest.TempPathFactory, tickets: list[Path]) -> Path:
+    """The whole story once: the run's bisect of a recorded tiny-llama step with a sticky
+    bitflip on cpu:1 (conftest ``tickets``, whose first fault is STICKY), minimized here."""
+    assert f"{TICKET_CALL},{TICKET_FAULTS[0]},device=cpu:1" == STICKY
+    report = tickets[0].parent / "run.bundle.bisect"
+    found = json.loads((report / "report.json").read_text())
+    assert (found["op"], found["module"]) == ("aten.mm.default", MODULE)
+    out = tmp_path_factory.mktemp("ticket") / "ticket"
     with preserved_global_state(), pytest.MonkeyPatch.context() as patch:
         patch.delenv("SDCREPLAY_INJECT", raising=False)
-        found = bisect(
-            _small_bundle_template,
-            suspect="cpu:1",
-            reference="cpu:0",
-            step=1,
-            inject=[STICKY],
-            out=report,
-        )
-        assert (found.to_json()["op"], found.to_json()["module"]) == ("aten.mm.default", MODULE)
-        return Path(minimize(report, trials=TRIALS, inject=[STICKY]).to_json()["ticket"])
+        return Path(minimize(report, trials=TRIALS, inject=[STICKY], out=out).to_json()["ticket"])
 
 
 def _distribution_closure(names: list[str]) -> set[str]:

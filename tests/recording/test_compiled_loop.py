@@ -6,8 +6,9 @@ found by the replay and named by bisect's kernel stage; the block-compiled model
 flipped in a parameter's memory before step 1 (``memflip``), which the compiled kernels read;
 the 2-rank DDP job's is a kernel fault on rank 1, its origin rank named, then bisected on that
 rank. CPU Inductor compiles cost seconds each on a loaded machine; the suite runs the whole
-model at the layer level, the block-compiled model at the boundary level and the DDP job;
-``SDCREPLAY_COMPILED_FULL=1`` adds the other levels, ``dynamic=True`` and ``fullgraph=True``.
+model at the layer level, the block-compiled model at the boundary level and the DDP job, and
+replays a planted fault on cpu:0 and cpu:1; ``SDCREPLAY_COMPILED_FULL=1`` adds the other
+levels, ``dynamic=True`` and ``fullgraph=True``, and cpu:2 to the fault's replay.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typer.testing import CliRunner
 from sdcreplay.bundle import trust
 from sdcreplay.bundle.reader import Bundle
 from sdcreplay.cli import app
-from sdcreplay.recording.job import record_job
 from sdcreplay.replay.job import replay_job
 from sdcreplay.replay.replicas import replay_devices
 
@@ -47,9 +47,9 @@ def _record(tmp_path: Path, *args: str) -> tuple[Path, list[dict]]:
     return tmp_path / result["bundle"], result["compiled"]
 
 
-def _replay(bundle: Path, tmp_path: Path, name: str, **options):
+def _replay(bundle: Path, tmp_path: Path, name: str, devices=DEVICES, **options):
     with trust.granting([f"{LOOP}:make_workload"]):
-        return replay_devices(bundle, DEVICES, log_dir=tmp_path / name, ledger=False, **options)
+        return replay_devices(bundle, devices, log_dir=tmp_path / name, ledger=False, **options)
 
 
 def _the_shells_setting_is_not_used(bundle: Path, sdcreplay_exe: str) -> None:
@@ -69,11 +69,14 @@ def _the_shells_setting_is_not_used(bundle: Path, sdcreplay_exe: str) -> None:
 
 
 def _planted_fault_is_found(bundle: Path, tmp_path: Path, spec: str, region: str) -> None:
-    report = _replay(bundle, tmp_path, "fault", inject=[spec])
+    """``spec`` planted for cpu:1: persistent, cpu:1 accused (cpu:0..2 under
+    SDCREPLAY_COMPILED_FULL; in the suite cpu:0 and cpu:1, a compile less)."""
+    devices = DEVICES if FULL else DEVICES[:2]
+    report = _replay(bundle, tmp_path, "fault", devices, inject=[spec])
     assert report.exit_code == 1
     assert (report.consensus.verdict, report.consensus.suspects) == ("persistent", ["cpu:1"])
     verdicts = {run.device: run.verdict for run in report.devices}
-    assert verdicts == {"cpu:0": "match", "cpu:1": "persistent", "cpu:2": "match"}
+    assert verdicts == {label: "persistent" if label == "cpu:1" else "match" for label in devices}
     (suspect,) = [run.to_json() for run in report.devices if run.device == "cpu:1"]
     assert suspect["first_divergence"]["step"] == 1
     assert suspect["first_divergence_in"].startswith(f"compiled region {region} (inductor, ")
@@ -153,21 +156,10 @@ def test_every_variant_replays_correct(tmp_path, args):
 
 
 @pytest.fixture(scope="module")
-def ddp_job(tmp_path_factory) -> tuple[Path, str]:
-    """A 2-rank DDP job over the block-compiled model, recorded once for this module, and a
-    fault planted for rank 1 on cpu:1 in the second block's fused forward kernel."""
-    ref = f"{LOOP}:make_workload"
-    with trust.granting([ref]):
-        summary = record_job(
-            ref,
-            tmp_path_factory.mktemp("ddp") / "job.bundle",
-            nproc=2,
-            steps=2,
-            kwargs={"compile": "blocks", "parallel": "ddp"},
-            signature="boundary",
-        )
-    assert summary.exit_code == 0
-    part = Bundle.open(Path(summary.bundle) / "ranks" / "000001")
+def ddp_job(compiled_job) -> tuple[Path, str]:
+    """The run's 2-rank DDP job over the block-compiled model (conftest ``compiled_job``), and
+    a fault planted for rank 1 on cpu:1 in the second block's fused forward kernel."""
+    part = Bundle.open(compiled_job / "ranks" / "000001")
     assert part.verified
     assert [r.path for r in part.compiled_regions] == ["layers.0", "layers.1"]
     assert all(r.graphs for r in part.compiled_regions)
@@ -178,7 +170,7 @@ def ddp_job(tmp_path_factory) -> tuple[Path, str]:
         f"kind=bitflip,kernel={kernel},module=layers.1,phase=forward,step=1,output=2,"
         "index=13,bit=20,rank=1,device=cpu:1"
     )
-    return Path(summary.bundle), fault
+    return compiled_job, fault
 
 
 def test_a_ddp_job_with_compiled_blocks_names_the_origin_rank(ddp_job, tmp_path):
@@ -196,7 +188,7 @@ def test_a_ddp_job_with_compiled_blocks_names_the_origin_rank(ddp_job, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def kernel_report(ddp_job) -> dict:
+def kernel_report(ddp_job, tmp_path_factory) -> dict:
     """bisect --rank 1 of the job, once for the module: its report."""
     job, fault = ddp_job
     found = CliRunner().invoke(
@@ -204,7 +196,7 @@ def kernel_report(ddp_job) -> dict:
         [
             "bisect", str(job), "--rank", "1", "--suspect", "cpu:1", "--reference", "cpu:0",
             "--step", "1", "--trust-workload", "--inject", fault, "--out",
-            str(job.with_name("r.bisect")), "--json",
+            str(tmp_path_factory.mktemp("kernel") / "r.bisect"), "--json",
         ],
         env={"SDCREPLAY_LEDGER": "off", "SDCREPLAY_DEBUG": None},
     )  # fmt: skip

@@ -25,7 +25,7 @@ from sdcreplay.bundle.job_bundle import JobBundle
 from sdcreplay.bundle.reader import Bundle
 from sdcreplay.compare.logs import compare_logs
 from sdcreplay.replay.session import replay_on_device
-from tests.conftest import TESTS, run_torchrun, tiny_llama_recorder
+from tests.conftest import TESTS, tiny_llama_recorder
 
 LOOP = TESTS / "loops" / "nanogpt_train.py"
 DEVICES = ["--device", "cpu:0", "--device", "cpu:1", "--device", "cpu:2"]
@@ -124,14 +124,11 @@ def test_a_fault_on_cpu1_is_named_bisected_and_minimized(flat, cli, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ddp_job(tmp_path_factory) -> Path:
-    """The same script under torchrun: 2 gloo ranks, DDP."""
-    job = tmp_path_factory.mktemp("ddp") / "job.bundle"
-    done = run_torchrun(LOOP, 2, f"--bundle={job}", timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    opened = JobBundle.open(job)
+def ddp_job(script_job) -> Path:
+    """The same script under torchrun: 2 gloo ranks, DDP (the run's, conftest ``script_job``)."""
+    opened = JobBundle.open(script_job)
     assert opened.world_size == 2
-    return job
+    return script_job
 
 
 def test_under_torchrun_with_ddp_the_job_replays_correct(ddp_job, run_exe, tmp_path):

@@ -38,12 +38,10 @@ def run_json(cli, *args: str, code: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def job4(tmp_path_factory) -> Path:
-    """A 2-step recording of 4 DDP ranks of the small tiny-llama."""
-    out = tmp_path_factory.mktemp("job4") / "job4.bundle"
-    with preserved_global_state():
-        record_job("builtin:tiny-llama", out, nproc=4, steps=2, kwargs=dict(SMALL), timeout=60)
-    return out
+def job4(builtin_job) -> Path:
+    """A 2-step recording of 4 DDP ranks of the small tiny-llama (the run's shared one,
+    tests/replay/test_same_batch.py's too)."""
+    return builtin_job("ddp", 4).out
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +61,18 @@ def misbehaving_job(tmp_path_factory) -> Path:
     return out
 
 
-def test_two_ranks_record_and_replay_bit_for_bit_messages_included(cli, tmp_path):
-    bundle, logs = tmp_path / "job2.bundle", tmp_path / "logs"
-    result = cli(
-        "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "2", *SMALL_ARGS,
-        "--out", bundle, "--json",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    recorded = json.loads(result.stdout)
+def test_two_ranks_record_and_replay_bit_for_bit_messages_included(cli, builtin_job, tmp_path):
+    """`record --nproc 2` (the run's shared recording: conftest ``builtin_job``), then replay."""
+    result = builtin_job("ddp")
+    bundle, logs = result.out, tmp_path / "logs"
+    recorded = result.json()
     assert re.search(  # the progress line shows the steps, not "on 2 ranks:  (72.3 s)"
         r"recording builtin:tiny-llama on 2 ranks: 2/2, steps on each rank, loss \d+\.\d{4} \(",
         result.stderr,
     ), result.stderr
     assert recorded["world_size"] == 2 and recorded["kwargs"]["parallel"] == "ddp"
     assert [rank["steps"] for rank in recorded["ranks"]] == [2, 2]
-    (run,) = (tmp_path / "job2.bundle.logs").iterdir()  # this recording's own run directory
+    (run,) = bundle.with_name(f"{bundle.name}.logs").iterdir()  # the recording's run directory
     assert (run / "record-rank1.stderr.txt").is_file()
 
     info = run_json(cli, "info", bundle, code=0)
@@ -341,12 +336,9 @@ def test_a_replica_started_by_torchrun_is_compared_by_diff(misbehaving_job, tmp_
 
 
 @pytest.mark.slow
-def test_fsdp2_ranks_record_and_replay_bit_for_bit(cli, tmp_path):
-    bundle = tmp_path / "fsdp.bundle"
-    recorded = run_json(
-        cli, "record", "builtin:tiny-llama", "--nproc", "2", "--steps", "2", *SMALL_ARGS,
-        "-a", "parallel=fsdp2", "--out", bundle, code=0,
-    )  # fmt: skip
+def test_fsdp2_ranks_record_and_replay_bit_for_bit(cli, builtin_job, tmp_path):
+    result = builtin_job("fsdp2")  # the run's shared recording
+    bundle, recorded = result.out, result.json()
     assert recorded["kwargs"]["parallel"] == "fsdp2"
     job = JobBundle.open(bundle)
     names = {

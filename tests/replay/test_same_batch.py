@@ -21,26 +21,23 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, run_torchrun
+from conftest import SMALL, TESTS, run_torchrun
 from typer.testing import CliRunner
 
 from sdcreplay.bundle.job_bundle import JobBundle
 from sdcreplay.cli import app
 from sdcreplay.ledger.verdicts import records_for
-from sdcreplay.recording.job import record_job
 
-TINY = {"layers": 1, "dim": 16, "heads": 2, "seq_len": 8, "batch_size": 2, "vocab": 32}
 FAULT = "kind=bitflip,op=aten.mm,phase=backward,step=0,rank=2,index=3,bit=20"
 LABELS = [arg for rank in range(4) for arg in ("-d", f"cpu:{rank}")]
 CLEAN_RUNS = int(os.environ.get("SDCREPLAY_SCALE_CLEAN_RUNS", "1"))
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
-def job(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    out = tmp_path_factory.mktemp(request.param) / "job.bundle"
-    kwargs = {**TINY, "parallel": request.param}
-    record_job("builtin:tiny-llama", out, nproc=4, steps=2, kwargs=kwargs)
-    return request.param, out
+def job(request, builtin_job) -> tuple[str, Path]:
+    """The run's shared 4-rank job (conftest ``builtin_job``; the DDP one is
+    tests/replay/test_distributed.py's too)."""
+    return request.param, builtin_job(request.param, 4).out
 
 
 def test_info_shows_the_layout(job, cli):
@@ -179,7 +176,7 @@ def test_phase_1_keeps_the_state_entering_the_divergent_step(kept):
     from sdcreplay.replay.kept_state import KeptState
     from sdcreplay.workload.definition import build_workload
 
-    model = build_workload("builtin:tiny-llama", TINY).model.state_dict()
+    model = build_workload("builtin:tiny-llama", SMALL).model.state_dict()
     loaded = {name: torch.zeros_like(tensor) for name, tensor in model.items()}
     dcp.load({"model": loaded}, checkpoint_id=str(directory), no_dist=True)
     kept_state = KeptState.open(directory, JobBundle.open(bundle))
