@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # One pytest-xdist worker a core: most tests are one busy process at a time. loadfile keeps a
 # module's tests on one worker, so a module's costly fixture is made once; the files go out in
 # their order (tests/bisect first: among the heaviest). --durations: the slowest tests of each
-# run, to keep the suite under 15 minutes on 2 cores.
+# run, to keep the suite under 20 minutes on 2 cores.
 # compileall first: the editable install leaves the package uncompiled, and where
 # PYTHONDONTWRITEBYTECODE is set (as in these sandboxes) every process the suite starts (~400:
 # commands, forkservers, ranks) would compile the modules it imports again (~0.5 s CPU each).

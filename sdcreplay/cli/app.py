@@ -167,7 +167,7 @@ def record(
     if nproc is not None:
         from ..recording.job import record_job
 
-        stage = f"recording {workload} on {nproc} ranks"
+        stage = f"recording {workload} on {nproc} rank{'' if nproc == 1 else 's'}"
         with output.stages() as progress:
             progress.update(stage, 0, steps)  # the ranks report when the job ends
             summary = record_job(workload, target, nproc=nproc, **options)
