@@ -31,8 +31,11 @@ DATA_PARALLEL = ("replicate", "shard")
 _NAME = r"[A-Za-z_][A-Za-z0-9_.-]{0,63}"
 
 _KIND_BY_NAME = (  # a mesh dimension's usual names, as TorchTitan and Megatron spell them
-    (("dp_replicate", "replicate", "ddp"), "replicate"),
-    (("dp_shard", "fsdp", "shard", "dp_shard_cp"), "shard"),
+    (
+        ("dp_replicate", "replicate", "ddp", "dp", "dp_cp", "batch", "data", "data_parallel"),
+        "replicate",
+    ),
+    (("dp_shard", "fsdp", "shard", "dp_shard_cp", "efsdp", "hsdp_shard"), "shard"),
     (("tp", "tensor", "model", "mp"), "tensor"),
     (("pp", "pipe", "pipeline"), "pipeline"),
     (("cp", "context", "sp"), "context"),
@@ -210,7 +213,7 @@ def kind_of(name: str) -> str:
     for names, kind in _KIND_BY_NAME:
         if lowered in names:
             return kind
-    return "replicate" if lowered in ("dp", "data", "data_parallel", "dp_replicate") else "other"
+    return "other"
 
 
 def _validate(obj: Any) -> None:
@@ -261,52 +264,100 @@ def _validate(obj: Any) -> None:
 
 def detect_layout(model: Any, data_parallel: Any = None) -> ParallelLayout:
     """This job's layout, from what the model is: the device mesh its DTensor parameters live
-    on (FSDP2, HSDP, tensor parallelism: a dimension along which they are sharded and that is
-    named data-parallel, or FSDP's own unnamed one, is ``shard``), or DDP over the world. A
-    job that says neither is ``world``: one dimension of kind ``other`` (no peers known)."""
+    on (FSDP2, HSDP, tensor parallelism), or DDP over the world. Of the meshes that span the
+    job, the root a trainer built is preferred (its ``cp`` stays apart from ``dp_shard``) over
+    the parameters' own (a flattened ``dp_shard_cp``, or TorchTitan's ``fsdp`` cut from a 1-D
+    ``world`` mesh), unless one of its dimensions has no known kind. A dimension is ``shard``
+    where parameters are sharded along it and its name says data-parallel; size-1 dimensions
+    are left out. A job that says neither is ``world``: one dimension of kind ``other``."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
-    mesh, sharded_on = _parameter_mesh(model)
-    if mesh is not None and mesh.mesh.numel() == world_size:
+    meshes = _parameter_meshes(model, world_size)
+    layouts = []
+    for mesh, sharded_on in meshes:
         names = list(mesh.mesh_dim_names or [])
+        if not names:
+            continue
         kinds = {}
         for i, name in enumerate(names):
-            kind = kind_of(name)
-            if kind == "replicate" and i in sharded_on:
+            if kind_of(name) == "replicate" and i in sharded_on:
                 kinds[name] = "shard"
-        if not names and _is_fsdp(model):  # fully_shard's own mesh: one unnamed dimension
-            return ParallelLayout.data_parallel_world(world_size, "shard")
-        if names:
-            return ParallelLayout.from_mesh(mesh, kinds, source="device_mesh")
+        layouts.append(_without_singletons(ParallelLayout.from_mesh(mesh, kinds, "device_mesh")))
+    for layout in layouts:
+        if all(d.kind != "other" for d in layout.dimensions):
+            return layout
+    if layouts:
+        return layouts[0]
+    if meshes and _is_fsdp(model):  # fully_shard's own mesh
+        return ParallelLayout.data_parallel_world(world_size, "shard")
     if _is_ddp(data_parallel) and dist.get_world_size(data_parallel.process_group) == world_size:
         return ParallelLayout.data_parallel_world(world_size)
     return ParallelLayout.grid([("world", world_size, "other")], "world")
 
 
-def _parameter_mesh(model: Any) -> tuple[Any, set[int]]:
-    """The root device mesh of the first DTensor parameter, and the root's dimensions along
-    which some parameter is sharded."""
+def _parameter_meshes(model: Any, world_size: int) -> list[tuple[Any, set[int]]]:
+    """The meshes that span the job, root first: the root of the first DTensor parameter's
+    mesh and that mesh itself, each with its dimensions along which some parameter (on a mesh
+    of that root) is sharded, however the parameter's mesh was sliced or flattened from it."""
     from torch.distributed.tensor import DTensor, Shard
 
-    root, sharded_on = None, set()
-    for param in model.parameters():
-        if not isinstance(param, DTensor):
-            continue
-        mesh = param.device_mesh
-        top = _root_of(mesh)
-        root = root or top
-        if top is not root:
-            continue
-        names = list(mesh.mesh_dim_names or [])
-        root_names = list(top.mesh_dim_names or [])
-        for i, placement in enumerate(param.placements):
-            if isinstance(placement, Shard):
-                if top is mesh:
-                    sharded_on.add(i)
-                elif i < len(names) and names[i] in root_names:
-                    sharded_on.add(root_names.index(names[i]))
-    return root, sharded_on
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if not params:
+        return []
+    own = params[0].device_mesh
+    root = _root_of(own)
+    candidates = [m for m in (root, own) if m.mesh.numel() == world_size]
+    if len(candidates) == 2 and candidates[1] is candidates[0]:
+        candidates.pop()
+    found = []
+    for candidate in candidates:
+        place = _places(candidate)
+        sharded_on: set[int] = set()
+        for param in params:
+            mesh = param.device_mesh
+            if _root_of(mesh) is not root:
+                continue
+            for i, placement in enumerate(param.placements):
+                if isinstance(placement, Shard):
+                    sharded_on |= _moves_along(mesh, i, place)
+        found.append((candidate, sharded_on))
+    return found
+
+
+def _places(mesh: Any) -> dict[int, list[int]]:
+    """Each global rank's coordinates in ``mesh``."""
+    shape = list(mesh.mesh.shape)
+    ranks = mesh.mesh.reshape(-1).tolist()
+    return {int(r): list(c) for r, c in zip(ranks, itertools.product(*map(range, shape)))}
+
+
+def _moves_along(mesh: Any, dim: int, place: dict[int, list[int]]) -> set[int]:
+    """The dimensions (of the mesh whose coordinates are ``place``) along which this rank's
+    group on ``mesh``'s dimension ``dim`` spreads."""
+    index: list[Any] = list(mesh.get_coordinate() or [])
+    if len(index) != mesh.ndim:
+        return set()
+    index[dim] = slice(None)
+    ranks = mesh.mesh[tuple(index)].reshape(-1).tolist()
+    if not all(int(r) in place for r in ranks):
+        return set()
+    group = [place[int(r)] for r in ranks]
+    return {d for point in group for d, c in enumerate(point) if c != group[0][d]}
+
+
+def _without_singletons(layout: ParallelLayout) -> ParallelLayout:
+    """The layout less its size-1 dimensions (a trainer names every dimension it knows, used
+    or not); one is kept where all are."""
+    keep = [i for i, d in enumerate(layout.dimensions) if d.size > 1] or [0]
+    if len(keep) == len(layout.dimensions):
+        return layout
+    return ParallelLayout(
+        world_size=layout.world_size,
+        dimensions=[layout.dimensions[i] for i in keep],
+        coordinates=[[point[i] for i in keep] for point in layout.coordinates],
+        source=layout.source,
+    )
 
 
 def _root_of(mesh: Any) -> Any:

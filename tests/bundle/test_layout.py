@@ -3,10 +3,14 @@ and the refusal of a layout that does not describe the job."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from sdcreplay.bundle.layout import ParallelLayout, kind_of
 from sdcreplay.errors import BundleError
+from tests.conftest import TESTS, run_torchrun
 
 
 def test_ddp_world_every_rank_a_peer_and_alone_in_its_group():
@@ -58,6 +62,36 @@ def test_kinds_from_the_usual_names():
     assert [kind_of(n) for n in ("dp", "dp_shard", "tp", "pp", "cp", "ep", "foo")] == [
         "replicate", "shard", "tensor", "pipeline", "context", "expert", "other",
     ]  # fmt: skip
+
+
+def test_kinds_of_torchtitans_names():
+    """TorchTitan's mesh dimensions, flattened ones too: ``fsdp`` (0.3.0: dp_shard x cp),
+    ``dp_shard_cp``, ``dp`` and ``dp_cp`` (flattened), ``batch`` (its data loading's)."""
+    names = ("dp_replicate", "dp_shard", "fsdp", "dp_shard_cp", "efsdp", "dp", "dp_cp", "batch")
+    assert [kind_of(n) for n in names] == [
+        "replicate", "shard", "shard", "shard", "shard", "replicate", "replicate", "replicate",
+    ]  # fmt: skip
+    assert [kind_of(n) for n in ("cp", "tp", "pp", "ep", "world")] == [
+        "context", "tensor", "pipeline", "expert", "other",
+    ]  # fmt: skip
+
+
+def test_fsdp2_layouts_from_the_meshes_trainers_build(tmp_path):
+    """2 ranks of gloo, `fully_shard` on each mesh of tests/mesh_layout_script.py: the
+    data-parallel dimension found under TorchTitan's names, flattened or cut from its 1-D
+    ``world`` mesh; size-1 dimensions left out; ``cp`` kept apart from ``dp_shard``."""
+    script = tmp_path / "mesh_layout_script.py"
+    shutil.copy(TESTS / "mesh_layout_script.py", script)
+    done = run_torchrun(script, 2, str(tmp_path / "layouts.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "layouts.json").read_text()) == {
+        "torchtitan": [["fsdp", 2, "shard"]],
+        "flattened": [["dp_shard", 2, "shard"]],
+        "hsdp": [["dp_shard", 2, "shard"]],
+        "replicate": [["dp_replicate", 2, "replicate"]],
+        "dp": [["dp_replicate", 2, "shard"]],
+        "cp": [["cp", 2, "context"]],
+    }
 
 
 def test_a_layout_that_knows_only_the_world_size_names_a_rank_plainly():
