@@ -81,10 +81,15 @@ def sdcreplay(elsewhere: Path, *args: str, code: int) -> dict:
 
 
 def planted(report: dict) -> tuple:
+    """What a bisect named: the step, phase, module, operator, elements and bits of CALL."""
     return (
         report["step"], report["phase"], report["module"], report["op"],
         report["elements"]["indices"], report["bits"]["histogram"],
     )  # fmt: skip
+
+
+def call_with_bit(bit: int) -> tuple:
+    return (1, "forward", "transformer.h.0.mlp.c_fc", "aten.addmm.default", [3], {str(bit): 1})
 
 
 def test_a_bf16_launch_replays_correct_and_bisects_from_another_directory(tmp_path):
@@ -102,14 +107,7 @@ def test_a_bf16_launch_replays_correct_and_bisects_from_another_directory(tmp_pa
         elsewhere, "bisect", relative, "--suspect", "cpu:1", "--reference", "cpu:0",
         "--inject", f"{CALL},bit=12,device=cpu:1", "--out", "bis", code=1,
     )  # fmt: skip
-    assert planted(report) == (
-        1,
-        "forward",
-        "transformer.h.0.mlp.c_fc",
-        "aten.addmm.default",
-        [3],
-        {"12": 1},
-    )
+    assert planted(report) == call_with_bit(12)
     assert report["start"]["from"] == "saved_state"  # the counter is the Recorder's state
     assert (elsewhere / "bis" / "report.json").is_file()
     assert not list(elsewhere.glob("*.partial"))
@@ -135,11 +133,4 @@ def test_a_ddp_launch_replays_correct_names_the_rank_and_bisects_it(tmp_path):
         "cpu:0", "--step", "1", "--inject", f"{spec},device=cpu:1", "--out", "bis", code=1,
     )  # fmt: skip
     assert report["rank"] == 1
-    assert planted(report) == (
-        1,
-        "forward",
-        "transformer.h.0.mlp.c_fc",
-        "aten.addmm.default",
-        [3],
-        {"20": 1},
-    )
+    assert planted(report) == call_with_bit(20)
