@@ -80,6 +80,17 @@ def sdcreplay(elsewhere: Path, *args: str, code: int) -> dict:
     return json.loads(done.stdout)
 
 
+def replayed_correct_elsewhere(bundle: Path) -> tuple[Path, str]:
+    """A replay on cpu:0 and cpu:1 from a directory beside the launch's, by a relative path, in
+    a plain shell: correct, with nothing of the shell ignored. (That directory, the path.)"""
+    elsewhere = bundle.parent.parent / "elsewhere"
+    elsewhere.mkdir()
+    relative = os.path.relpath(bundle, elsewhere)
+    replayed = sdcreplay(elsewhere, "replay", relative, "-d", "cpu:0", "-d", "cpu:1", code=0)
+    assert (replayed["verdict"], replayed["ignored_environment"]) == ("correct", [])
+    return elsewhere, relative
+
+
 def planted(report: dict) -> tuple:
     """What a bisect named: the step, phase, module, operator, elements and bits of CALL."""
     return (
@@ -97,12 +108,7 @@ def test_a_bf16_launch_replays_correct_and_bisects_from_another_directory(tmp_pa
         tmp_path / "run", "run.bundle", "--cpu", "--num_processes", "1", "--mixed_precision",
         "bf16",
     )  # fmt: skip
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    relative = os.path.relpath(bundle, elsewhere)
-    replayed = sdcreplay(elsewhere, "replay", relative, "-d", "cpu:0", "-d", "cpu:1", code=0)
-    assert replayed["verdict"] == "correct"
-    assert replayed["ignored_environment"] == []
+    elsewhere, relative = replayed_correct_elsewhere(bundle)
     report = sdcreplay(
         elsewhere, "bisect", relative, "--suspect", "cpu:1", "--reference", "cpu:0",
         "--inject", f"{CALL},bit=12,device=cpu:1", "--out", "bis", code=1,
@@ -118,11 +124,7 @@ def test_a_ddp_launch_replays_correct_names_the_rank_and_bisects_it(tmp_path):
         tmp_path / "job", "job.bundle", "--multi_gpu", "--num_processes", "2",
         env={"ACCELERATE_USE_CPU": "1"},
     )  # fmt: skip
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    relative = os.path.relpath(job, elsewhere)
-    replayed = sdcreplay(elsewhere, "replay", relative, "-d", "cpu:0", "-d", "cpu:1", code=0)
-    assert replayed["verdict"] == "correct"
+    elsewhere, relative = replayed_correct_elsewhere(job)
     spec = f"{CALL},bit=20,rank=1"
     faulty = sdcreplay(
         elsewhere, "replay", relative, "-d", "cpu:0", "-d", "cpu:1", "--inject", spec, code=1
