@@ -464,15 +464,32 @@ class CompileWatch:
             self._by_compile_id[graph.compile_id] = running
         elif running is None and graph.compile_id is not None:
             running = self._by_compile_id.get(graph.compile_id)
-        path = running or OUTSIDE
-        region = self._regions.get(path)
+        region = self._regions.get(running) if running else self._outside()
+        assert region is not None
+        if graph not in region.graphs and len(region.graphs) < MAX_GRAPHS:
+            region.graphs.append(graph)
+
+    def _outside(self) -> CompiledRegion:
+        """The pseudo region of code compiled while no watched region ran."""
+        region = self._regions.get(OUTSIDE)
         if region is None:
-            region = self._regions[path] = CompiledRegion(
+            region = self._regions[OUTSIDE] = CompiledRegion(
                 path=OUTSIDE, backend="inductor", settings=self._settings_at_open or {}
             )
             if not region.settings:
                 region.settings = codegen_settings()
-        if graph not in region.graphs and len(region.graphs) < MAX_GRAPHS:
+        return region
+
+    def _ran_outside(self, graph: CompiledGraph) -> None:
+        """Code run while no watched region ran, served from Dynamo's cache (a compiled loss
+        already compiled in this process): the outside region's, unless it is a backward
+        (a region's, run as the loss's backward runs) or a region's own code."""
+        if graph.kind == "backward" or any(
+            g.digest == graph.digest for r in self._regions.values() for g in r.graphs
+        ):
+            return
+        region = self._outside()
+        if len(region.graphs) < MAX_GRAPHS:
             region.graphs.append(graph)
 
     def _ran(self, graph: CompiledGraph, path: str) -> None:
@@ -534,7 +551,7 @@ def _install() -> None:
     if not getattr(call, "_sdcreplay", False):
 
         def watched_call(graph: Any, inputs: Any) -> Any:
-            if _watches and _stack():
+            if _watches:
                 _on_graph_run(graph)
             return call(graph, inputs)
 
@@ -543,15 +560,25 @@ def _install() -> None:
 
 
 def _on_graph_run(compiled: Any) -> None:
-    """A compiled graph runs inside a watched region's call: the region ran that code (its
-    digest taken once per graph object, from the code Inductor keeps on it)."""
+    """A compiled graph runs: inside a watched region's call, the region ran that code; in
+    none, the code outside every region did (its digest taken once per graph object, from
+    the code Inductor keeps on it)."""
+    from .operators import _capture_work
+
+    if getattr(_capture_work, "depth", 0):  # the tool's own compiled digest pass
+        return
     graph = compiled.__dict__.get("_sdcreplay_graph")
     if graph is None:
         code = getattr(compiled, "source_code", None)
         if not isinstance(code, str):
             return
         graph = compiled.__dict__["_sdcreplay_graph"] = _graph(code, None)
-    owner, path = _stack()[-1]
+    stack = _stack()
+    if not stack:
+        for watch in list(_watches.values()):
+            watch._ran_outside(graph)
+        return
+    owner, path = stack[-1]
     if owner in _watches:
         _watches[owner]._ran(graph, path)
 

@@ -22,10 +22,10 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FaultSpecError
 from ..storage.tensorio import raw_bits
+from .aten_mode import AtenMode
 from .compiled_kernels import KernelCall, KernelObserver, KernelSite, observing_kernels
 from .fault_spec import ENV_VAR as ENV_VAR  # the grammar lives there, torch-free; the names
 from .fault_spec import FaultSpec  # are kept here for everyone who imports them from faults
@@ -415,7 +415,7 @@ def corrupt(spec: FaultSpec, tensor: torch.Tensor) -> tuple[list[int], int | Non
 OTHER_MACHINE_VAR = "SDCREPLAY_OTHER_MACHINE"
 
 
-class _OtherMachineKernels(TorchDispatchMode):
+class _OtherMachineKernels(AtenMode):
     """``ops`` computed as another kind of machine would: the lowest bit of each output's
     first element differs, on every call, in the probe and the step alike."""
 
@@ -423,8 +423,8 @@ class _OtherMachineKernels(TorchDispatchMode):
         super().__init__()
         self.ops = ops
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def on_aten(self, func, types, args, kwargs):
+        out = func(*args, **kwargs)
         if str(func) in self.ops or str(func.overloadpacket) in self.ops:
             target = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(target, torch.Tensor) and target.numel():

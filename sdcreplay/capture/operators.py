@@ -18,11 +18,11 @@ from functools import partial
 from typing import Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..kinds import PhaseName
 from ..storage.tensorio import map_tensors
 from . import determinism
+from .aten_mode import AtenMode
 from .digest import tensor_digest
 from .memory import data_address, storage_address
 from .module_names import ROOT as ROOT
@@ -124,7 +124,7 @@ def op_name(func) -> str:
     )
 
 
-class OperatorMode(TorchDispatchMode):
+class OperatorMode(AtenMode):
     """A dispatch mode that names every operator call and hands it to observers.
 
     The module a call ran under comes from forward pre/post hooks; in backward,
@@ -238,8 +238,7 @@ class OperatorMode(TorchDispatchMode):
         self.index += 1
         return site
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def on_aten(self, func, types, args, kwargs):
         if _capture_depth() or func.namespace in COLLECTIVE_NAMESPACES:
             # collectives are messages (collectives.py), not operators to digest or corrupt: a
             # functional one's output is not even written until wait_tensor waits for it

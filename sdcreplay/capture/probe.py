@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .aten_mode import AtenMode
 from .digest import tensor_digest
 from .memory import local_shard, storage_layout
 
@@ -134,7 +134,7 @@ class ProbeOutcome:
         }
 
 
-class _CallCollector(TorchDispatchMode):
+class _CallCollector(AtenMode):
     """Notes each distinct operator call of a step, passing every call through unchanged."""
 
     def __init__(self, device: torch.device):
@@ -152,8 +152,7 @@ class _CallCollector(TorchDispatchMode):
         them."""
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def on_aten(self, func, types, args, kwargs):
         out = func(*args, **kwargs)
         call = _describe_call(func, args, kwargs, self.device, measure=False)
         if call is None:

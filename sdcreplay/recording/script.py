@@ -12,6 +12,7 @@ replay and runs each step's body inside the block the replay hands it.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,7 +109,11 @@ class ReplayingRecorder:
 
     def close(self) -> None:
         """A replayed script ends at its next step once the replay has its steps; a loop that
-        closes its Recorder first ends here."""
+        closes its Recorder first ends here. One that closes it as an error unwinds (a
+        trainer's ``close()`` in its ``except``) lets the error end the script: it is the
+        replay's to report, not a parked script's."""
+        if sys.exc_info()[1] is not None:
+            return
         self._handoff.next_block()
         raise SdcReplayError("a replayed script went on after its Recorder was closed")
 

@@ -12,7 +12,8 @@ and says where the two steps part and what likely causes it, naming the variable
 recording that the bundle does not keep. The same re-execution notes the step's distinct
 operator calls for the kernel probe (capture/probe.py), which the bundle keeps as evidence of
 how this device computes them. A job's rank re-executes in its own process instead, with the
-step's collectives among the job's live ranks.
+step's collectives among the job's live ranks; a job of one rank (a one-process torchrun)
+re-executes in a fresh process too, as rank 0 of a world of one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..capture.signature import at_level, is_program_entry
 from ..compare.compiled_code import code_differences
 from ..devices import validate_label
 from ..errors import MessageOrderError, SdcReplayError, message_of
+from ..replay.alone import join_alone
 from ..replay.processes import run_device_processes
 from ..replay.replicas import progress_timeout
 from ..replay.session import ReplaySession
@@ -105,14 +107,15 @@ class FirstStepCheck:
             "state_names": sorted(self.state_objects),
             "expected_start": expected_start,
         }
-        if self._distributed:
+        if self._distributed and torch.distributed.get_world_size() > 1:
             # Building the workload reseeds the generators; the loop goes on from its own.
             saved = determinism.capture_rng(self.device)
             try:
                 found = reexecute_first_step(device=self.label, distributed=True, **arguments)
             finally:
                 determinism.restore_rng(saved, self.device)
-        else:
+        else:  # a job of one rank (one torchrun process) is a world of one there too
+            arguments["world_of_one"] = self._distributed
             found = self._in_fresh_process(bundle_path, arguments)
         self.probe = found.probe
         if found.problem is None and live_state:
@@ -203,9 +206,21 @@ def run_first_step_task(
     inject: Sequence[str],
     state_names: list[str],
     expected_start: dict[str, str] | None,
+    world_of_one: bool = False,
 ) -> dict:
-    """In the check's device process: the first step re-executed from the bundle."""
-    return reexecute_first_step(device, bundle, inject, state_names, expected_start).to_json()
+    """In the check's device process: the first step re-executed from the bundle
+    (``world_of_one``: a one-rank job's, as rank 0 of a world of one, which is what its
+    collectives computed)."""
+    if not world_of_one:
+        return reexecute_first_step(device, bundle, inject, state_names, expected_start).to_json()
+    join_alone(0, 1, device)
+    try:
+        found = reexecute_first_step(
+            device, bundle, inject, state_names, expected_start, distributed=True
+        )
+    finally:
+        torch.distributed.destroy_process_group()
+    return found.to_json()
 
 
 def reexecute_first_step(
