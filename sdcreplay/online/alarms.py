@@ -86,8 +86,10 @@ def observe(
     with _own_work():
         names = [name for name, _ in model.named_parameters()]
         updates = [
-            torch.linalg.vector_norm(
-                p.detach() - before.params[n].to(p.device), dtype=torch.float64
+            whole(
+                torch.linalg.vector_norm(
+                    p.detach() - before.params[n].to(p.device), dtype=torch.float64
+                )
             )
             for n, p in model.named_parameters()
         ]
@@ -101,6 +103,17 @@ def observe(
         result = tuple(digest for _, digest in digester.entries())
     value = None if loss is None else float(loss.detach())
     return Observation(value, grad_norms, update_norms, result)
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A reduction of a sharded tensor (FSDP2's DTensor parameters and gradients, a partial
+    norm) as the whole tensor's, the same on every rank of its mesh (a collective)."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+    return value
 
 
 def gradient_norms(
@@ -118,10 +131,10 @@ def gradient_norms(
     with _own_work(), torch.no_grad():
         for group in by_device.values():
             values = torch._foreach_norm([grad for _, grad in group])
-            fetched = torch.stack([value.float() for value in values]).tolist()
+            fetched = torch.stack([whole(value).float() for value in values]).tolist()
             for (name, grad), value in zip(group, fetched):
-                if not math.isfinite(value) and bool(torch.isfinite(grad).all()):
-                    value = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+                if not math.isfinite(value) and bool(whole(torch.isfinite(grad).all())):
+                    value = float(whole(torch.linalg.vector_norm(grad, dtype=torch.float64)))
                 norms[name] = value
     return norms
 
@@ -196,6 +209,7 @@ def sketch_distances(before: Sketch, after: Sketch) -> dict[str, float]:
     with _own_work(), torch.no_grad():
         changes = [a - b for name in names for a, b in zip(after[name], before[name])]
         norms = torch._foreach_norm(changes)
+        norms = [whole(norm) for norm in norms]
         squares = torch.stack([norm.to(norms[0].device) for norm in norms]).square().tolist()
     distances, position = {}, 0
     for name in names:

@@ -1,0 +1,203 @@
+"""TorchTitan's ``Trainer``, recorded in its own config style (TorchTitan 0.3.0).
+
+A run of TorchTitan's own entry point, recorded, with one section more in its config::
+
+    torchrun --nproc-per-node 8 -m sdcreplay.integrations.torchtitan \\
+        --module llama3 --config llama3_debugmodel --sdcreplay.bundle run.bundle
+    torchrun ... -m sdcreplay.integrations.torchtitan --module llama3 --config llama3_8b \\
+        --sdcreplay.bundle alarm.bundle --sdcreplay.ring 8 --sdcreplay.detect
+
+or in a config registry of one's own, ``recorded(llama3_debugmodel(), bundle="run.bundle")``,
+which is a `RecordingTrainer.Config`. The first form writes every step (script mode: a replay
+runs the same command again, in replay mode, and the bundle keeps the command line, the
+directory and the variables that change results); with ``ring`` the last steps stay in
+memory, and with ``detect`` the update detector judges every step and, on an alarm, dumps
+the ring as a bundle whose last step is the alarmed one; training goes on.
+
+The Trainer is recorded as it runs: ``train_step`` is the recorded step (its micro-batches,
+gradient accumulation, clipping, the optimizers' and schedulers' steps), each batch its data
+iterator yields is fed through the recorder, and the Recorder is handed the Trainer's own
+objects: the model parts, the ``OptimizersContainer``, the ``LRSchedulersContainer`` and the
+Trainer's step counters as state. What TorchTitan compiles (each block, the loss) is
+recorded as compiled code; its FSDP2 mesh gives the job's layout. docs/porting.md, "TorchTitan".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torchtitan.config import ConfigManager
+from torchtitan.trainer import Trainer
+
+from ..errors import SdcReplayError
+from ..online.update_detector import UpdateDetector
+from ..recording.recorder import Recorder
+from ..replay.script import replaying
+
+
+@dataclass(kw_only=True, slots=True)
+class SdcReplay:
+    """The ``--sdcreplay.*`` section of a recorded run's config."""
+
+    bundle: str = ""
+    """The bundle the run writes (with ``ring``: the one an alarm dumps); empty: record
+    nothing."""
+
+    ring: int = 0
+    """Keep the last ``ring`` steps in memory and write nothing until a dump (0: write every
+    step as it ends)."""
+
+    detect: bool = False
+    """Judge every step with the update detector; an alarm dumps the ring (needs ``ring``)."""
+
+    verify: bool = True
+    """Check at the second step that the bundle's first step replays bit for bit in a fresh
+    process (docs/recording.md)."""
+
+    signature: str = "layer"
+    """What each step's signature log holds: ``layer`` (every module) or ``boundary``."""
+
+    env: list[str] = field(default_factory=list)
+    """The loop's own environment variables (names or ``NAME*``) the bundle keeps, beside the
+    launchers' and libraries' it always keeps."""
+
+
+class RecordingTrainer(Trainer):
+    """TorchTitan's Trainer with its steps recorded (module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        sdcreplay: SdcReplay = field(default_factory=SdcReplay)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        options = config.sdcreplay
+        self.recorder: Recorder | None = None
+        self.detector: UpdateDetector | None = None
+        if not options.bundle:
+            return
+        if options.detect and not options.ring:
+            raise SdcReplayError(
+                "--sdcreplay.detect judges steps the ring keeps, and --sdcreplay.ring is 0",
+                "Give --sdcreplay.ring K (the steps an alarm's bundle holds, e.g. 8).",
+            )
+        if replaying():  # the bundle's state is the replay's: no checkpoint loaded or saved
+            self.checkpointer.load = _nothing  # type: ignore[method-assign]
+            self.checkpointer.save = _nothing  # type: ignore[method-assign]
+        parts = self.model_parts
+        self.recorder = Recorder(
+            options.bundle,
+            model=parts[0] if len(parts) == 1 else list(parts),
+            optimizer=self.optimizers,
+            state={"lr_schedulers": self.lr_schedulers, "train_state": _StepCounters(self)},
+            ring=options.ring or None,
+            verify=options.verify,
+            signature=options.signature,  # type: ignore[arg-type]
+            env=list(options.env),
+        )
+        if options.detect:
+            self.detector = UpdateDetector(
+                model=self.recorder.model, optimizer=self.recorder.optimizer, recorder=self.recorder
+            )
+
+    def batch_generator(
+        self, data_iterable: Iterable[tuple[dict[str, torch.Tensor], torch.Tensor]]
+    ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """Each batch the step takes is one of the step's recorded inputs (in a replay, the
+        recorded batch)."""
+        for batch in super().batch_generator(data_iterable):
+            yield batch if self.recorder is None else self.recorder.feed(batch)
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+        if self.recorder is not None:
+            # The step zeroes them first anyway; none carried in makes every step a boundary
+            # a ring's window can start at (ring.py).
+            self.optimizers.zero_grad(set_to_none=True)
+        with self._recorded_step():
+            super().train_step(data_iterator)
+
+    def _recorded_step(self) -> contextlib.AbstractContextManager:
+        if self.detector is not None:
+            return self.detector.step()
+        if self.recorder is not None:
+            return self.recorder.step()
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        try:
+            if self.recorder is not None:
+                self.recorder.close()
+            if self.detector is not None:
+                self.detector.close()
+        finally:
+            super().close()
+
+
+class _StepCounters:
+    """The Trainer's counters as a step begins: ``train()`` counts the step before it calls
+    ``train_step``, so the count a recorded step starts from is one behind the Trainer's (a
+    replay loads it, and the script's own loop counts the step again)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.trainer.state_dict()
+        return {**state, "step": state["step"] - 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def recorded(config: Trainer.Config, **sdcreplay: Any) -> RecordingTrainer.Config:
+    """A config registry's ``Trainer.Config`` as a recorded run's, with ``sdcreplay`` the
+    `SdcReplay` section's fields: ``recorded(llama3_debugmodel(), bundle="run.bundle")``."""
+    if type(config) is not Trainer.Config:
+        raise SdcReplayError(
+            f"recorded() takes TorchTitan's Trainer.Config; this config is a "
+            f"{type(config).__qualname__}, the config of another trainer",
+            "Subclass that trainer as RecordingTrainer subclasses Trainer (docs/porting.md, "
+            '"TorchTitan"), or record its steps with sdcreplay.Recorder in its train_step.',
+        )
+    given = {item.name: getattr(config, item.name) for item in fields(config) if item.init}
+    return RecordingTrainer.Config(**given, sdcreplay=SdcReplay(**sdcreplay))
+
+
+class RecordingConfigManager(ConfigManager):
+    """TorchTitan's ConfigManager, whose ``--module/--config`` config is a recorded run's."""
+
+    def _load_config(self, args: list[str]) -> tuple[object, list[str]]:
+        loaded, rest = super()._load_config(args)
+        assert isinstance(loaded, Trainer.Config)
+        return recorded(loaded), rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    """TorchTitan's ``torchtitan.train`` entry point, with the ``--sdcreplay.*`` section."""
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    config = RecordingConfigManager().parse_args(argv)
+    trainer = None
+    try:
+        trainer = config.build()  # type: ignore[attr-defined]
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+__all__ = ["RecordingConfigManager", "RecordingTrainer", "SdcReplay", "main", "recorded"]
+
+if __name__ == "__main__":
+    main()
