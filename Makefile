@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,hf,lightning,postgres]' "$(TORCH_PIN)"
+	# TorchTitan 0.3.0 pins datasets<4.8, which pins huggingface-hub<2, and transformers 5 needs
+	# hub>=2.4: both cannot hold. datasets reads local JSON files with hub 2 too (all the TorchTitan
+	# tests ask of it), so hub is put back at transformers' (pip warns of the conflict).
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[torchtitan]' "$(TORCH_PIN)"
+	$(PY) -m pip install -q --disable-pip-version-check "huggingface-hub>=2.4,<3"
 	touch $(STAMP)
 
 # One pytest-xdist worker a core: most tests are one busy process at a time. loadfile keeps a

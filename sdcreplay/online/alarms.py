@@ -208,8 +208,7 @@ def sketch_distances(before: Sketch, after: Sketch) -> dict[str, float]:
         return {}
     with _own_work(), torch.no_grad():
         changes = [a - b for name in names for a, b in zip(after[name], before[name])]
-        norms = torch._foreach_norm(changes)
-        norms = [whole(norm) for norm in norms]
+        norms = [whole(norm) for norm in torch._foreach_norm(changes)]
         squares = torch.stack([norm.to(norms[0].device) for norm in norms]).square().tolist()
     distances, position = {}, 0
     for name in names:
