@@ -93,7 +93,7 @@ class RecordingTrainer(Trainer):
             options.bundle,
             model=parts[0] if len(parts) == 1 else list(parts),
             optimizer=self.optimizers,
-            state={"lr_schedulers": self.lr_schedulers, "train_state": _StepCounters(self)},
+            state={"lr_schedulers": self.lr_schedulers, "train_state": self},
             ring=options.ring or None,
             verify=options.verify,
             signature=options.signature,  # type: ignore[arg-type]
@@ -113,19 +113,25 @@ class RecordingTrainer(Trainer):
             yield batch if self.recorder is None else self.recorder.feed(batch)
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
-        if self.recorder is not None:
-            # The step zeroes them first anyway; none carried in makes every step a boundary
-            # a ring's window can start at (ring.py).
-            self.optimizers.zero_grad(set_to_none=True)
+        if self.recorder is None:
+            super().train_step(data_iterator)
+            return
+        # The step zeroes them first anyway; none carried in makes every step a boundary a
+        # ring's window can start at (ring.py).
+        self.optimizers.zero_grad(set_to_none=True)
+        # train() counts the step before it calls train_step: the count moves into the
+        # recorded step, so the state a step begins from (what a replay loads, and the script's
+        # own loop counts on from) is the count before it, and changes only inside steps.
+        self.step -= 1
         with self._recorded_step():
+            self.step += 1
             super().train_step(data_iterator)
 
     def _recorded_step(self) -> contextlib.AbstractContextManager:
         if self.detector is not None:
             return self.detector.step()
-        if self.recorder is not None:
-            return self.recorder.step()
-        return contextlib.nullcontext()
+        assert self.recorder is not None
+        return self.recorder.step()
 
     def close(self) -> None:
         try:
@@ -135,22 +141,6 @@ class RecordingTrainer(Trainer):
                 self.detector.close()
         finally:
             super().close()
-
-
-class _StepCounters:
-    """The Trainer's counters as a step begins: ``train()`` counts the step before it calls
-    ``train_step``, so the count a recorded step starts from is one behind the Trainer's (a
-    replay loads it, and the script's own loop counts the step again)."""
-
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.trainer.state_dict()
-        return {**state, "step": state["step"] - 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
