@@ -608,3 +608,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     doccheck = sys.modules.get("doccheck")  # tests/docs' runner, where the docs tests ran
     if doccheck is not None:
         doccheck.stop_runs()
+
+
+@pytest.fixture
+def lone_rank():
+    """This process as the one rank of a gloo group: real c10d calls, completed on gloo's
+    thread."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

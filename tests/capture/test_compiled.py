@@ -183,3 +183,30 @@ def test_the_recorder_adds_no_graph_break_and_records_the_compiled_step(tmp_path
         assert "forward:layers.0" in names and "backward:layers.1" in names
     else:
         assert not any(name.startswith("forward:") for name in names)
+
+
+def test_a_compiled_loss_served_from_dynamos_cache_is_the_outside_regions_code():
+    """TorchTitan compiles its loss beside the blocks. Re-executed in the process that
+    compiled it (or with Dynamo's cache warm), the loss's code is run, never generated again:
+    it used to be unseen, and the first-step check said 'region <outside> is not compiled
+    here'. Run from the cache it is the outside region's, as when it was generated."""
+    net = Net()
+    for block in net.layers:
+        block.compile()
+    loss = torch.compile(lambda out: (out.float() ** 2).mean())
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        loss(net(x)).backward()
+
+    with watching(net) as generated:
+        step()
+    with watching(net) as cached:
+        step()
+    recorded = {region.path: region for region in generated.regions()}
+    replayed = {region.path: region for region in cached.regions()}
+    assert recorded["<outside>"].graphs and replayed["<outside>"].graphs
+    assert {g.digest for g in replayed["<outside>"].graphs} <= {
+        g.digest for g in recorded["<outside>"].graphs
+    }
+    assert code_differences(generated.regions(), cached.regions()) == []

@@ -8,6 +8,9 @@ of this).
 - FlexAttention has no backward on CPU: its compiled call is replaced by the same masked
   attention through SDPA (the dense mask of the BlockMask's ``mask_mod``).
 - TorchTitan calls ``torch.distributed.set_timeout``, newer than torch 2.13.
+- TorchTitan divides gradients itself and sets FSDP2's divide factor to 1, which FSDP2 turns
+  into a ``PREMUL_SUM(1.0)`` reduce-scatter that gloo cannot do: FSDP2 is told to reduce with
+  a plain sum there instead (multiplying by 1 changes no bit).
 
 The files the debug model reads are titan_assets.py's.
 """
@@ -21,6 +24,7 @@ import torch._utils
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import distributed_c10d
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import create_mask
 
 
@@ -68,3 +72,14 @@ FlexAttention._compiled_flex_attn = staticmethod(_dense_flex_attention)
 
 if not hasattr(dist, "set_timeout"):
     dist.set_timeout = distributed_c10d._set_pg_timeout
+
+_set_factor = FSDPModule.set_gradient_divide_factor
+
+
+def _set_gradient_divide_factor(module: FSDPModule, factor: float) -> None:
+    _set_factor(module, factor)
+    if factor == 1.0:
+        module.set_force_sum_reduction_for_comms(True)
+
+
+FSDPModule.set_gradient_divide_factor = _set_gradient_divide_factor

@@ -409,3 +409,23 @@ def test_an_unusual_update_is_seen_once_applied_dumped_and_left_unresolved(tmp_p
     # the step's recorded parameters hold the corrupted write: a healthy replay differs there
     first = compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu")).first
     assert (first.step, first.name) == (12, "param:layers.0.mlp.w1.weight")
+
+
+def test_the_norms_of_fsdp2_gradients_are_those_of_the_whole_gradients(lone_rank):
+    """FSDP2 (TorchTitan's) trains DTensor parameters: their gradient norms used to raise
+    ``.tolist() is not supported for tensor subclasses`` into the training loop."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sdcreplay.online.alarms import gradient_norms
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    sharded = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    sharded.load_state_dict(plain.state_dict())
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+    x = torch.randn(3, 4)
+    for model in (plain, sharded):
+        model(x).square().sum().backward()
+    assert gradient_norms(sharded) == pytest.approx(gradient_norms(plain), rel=1e-6)
+    assert set(gradient_norms(sharded)) == {"0.weight", "0.bias", "1.weight", "1.bias"}

@@ -219,3 +219,29 @@ def test_the_script_mode_example_records_and_a_changed_script_is_named(tmp_path,
     (device,) = json.loads(replayed.stdout)["devices"]
     assert device["verdict"] == "match"
     assert f"the recorded script {example} changed since the recording" in device["warnings"][0]
+
+
+def test_a_replayed_scripts_close_while_an_error_unwinds_lets_the_error_end_the_script():
+    """A trainer closes its Recorder in its ``except`` (TorchTitan's ``main``): replayed,
+    ``close()`` used to park the script as if the step had ended, so the replay read an empty
+    step and blamed the program; the step's own error must end the script instead."""
+    import torch
+
+    from sdcreplay.recording.script import ReplayingRecorder
+    from sdcreplay.replay.script import Handoff, ReplayEnded
+
+    handoff = Handoff()
+    handoff.to_script.put(("go", None))
+    model = torch.nn.Linear(2, 2)
+    rec = ReplayingRecorder(handoff, model, torch.optim.SGD(model.parameters()), None, None)
+    assert handoff.to_replay.get_nowait()[0] == "objects"
+    handoff.to_script.put(("end", None))  # what a replay answers a parked script at the end
+    with pytest.raises(ValueError, match="the step failed"):
+        try:
+            raise ValueError("the step failed")
+        except ValueError:
+            rec.close()
+            raise
+    assert handoff.to_replay.empty()  # not parked
+    with pytest.raises(ReplayEnded):
+        rec.close()  # a loop that closes it as it ends parks, and is ended there
