@@ -176,7 +176,7 @@ def test_a_drills_alarm_dumps_the_ring_training_goes_on_and_the_record_is_suspec
     )  # fmt: skip
     assert "step: 16" in output
     part = Bundle.open(user_dir / "alarm.bundle" / "ranks" / "000000")
-    assert part.step_indices()[-1] == 13 and len(part.step_indices()) <= 5
+    assert part.step_indices[-1] == 13 and len(part.step_indices) <= 5
     assert part.manifest.trigger is not None and part.manifest.trigger.step == 13
     report = sdcreplay(
         elsewhere, "replay", relative(user_dir / "alarm.bundle", elsewhere), "-d", "cpu:0",
@@ -199,7 +199,7 @@ def fsdp_job(user_dir) -> Path:
 
 JOB_FAULT = (
     "kind=bitflip,op=aten.mm,module=layers.1.feed_forward.w1,phase=forward,step=1,index=3,"
-    "bit=12,rank=1"
+    "bit=12,rank=1,device=cpu:1"
 )
 
 
