@@ -25,6 +25,7 @@ recorded as compiled code; its FSDP2 mesh gives the job's layout. docs/porting.m
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -74,17 +75,19 @@ class RecordingTrainer(Trainer):
         sdcreplay: SdcReplay = field(default_factory=SdcReplay)
 
     def __init__(self, config: Config):
-        super().__init__(config)
         options = config.sdcreplay
+        if options.detect and not (options.bundle and options.ring):
+            raise SdcReplayError(
+                "--sdcreplay.detect dumps the steps a ring keeps into --sdcreplay.bundle, and "
+                "the ring or the bundle is not given",
+                "Give --sdcreplay.bundle PATH and --sdcreplay.ring K (the steps an alarm's "
+                "bundle holds, e.g. 8).",
+            )
+        super().__init__(config)
         self.recorder: Recorder | None = None
         self.detector: UpdateDetector | None = None
         if not options.bundle:
             return
-        if options.detect and not options.ring:
-            raise SdcReplayError(
-                "--sdcreplay.detect judges steps the ring keeps, and --sdcreplay.ring is 0",
-                "Give --sdcreplay.ring K (the steps an alarm's bundle holds, e.g. 8).",
-            )
         if replaying():  # the bundle's state is the replay's: no checkpoint loaded or saved
             self.checkpointer.load = _nothing  # type: ignore[method-assign]
             self.checkpointer.save = _nothing  # type: ignore[method-assign]
@@ -171,11 +174,19 @@ class RecordingConfigManager(ConfigManager):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """TorchTitan's ``torchtitan.train`` entry point, with the ``--sdcreplay.*`` section."""
+    """TorchTitan's ``torchtitan.train`` entry point, with the ``--sdcreplay.*`` section; what
+    sdcreplay refuses (before training starts) is said as ``Error:``/``Hint:``, exit 3."""
     from torchtitan.tools.logging import init_logger
 
     init_logger()
-    config = RecordingConfigManager().parse_args(argv)
+    try:
+        _train(RecordingConfigManager().parse_args(argv))
+    except SdcReplayError as exc:
+        print(f"Error: {exc.message}\nHint: {exc.hint}", file=sys.stderr)
+        raise SystemExit(3) from None
+
+
+def _train(config: RecordingTrainer.Config) -> None:
     trainer = None
     try:
         trainer = config.build()  # type: ignore[attr-defined]

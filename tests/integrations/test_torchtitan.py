@@ -68,8 +68,14 @@ def trained(root: Path, processes: int, steps: int, *options: str, env: dict | N
     torchrun = Path(sys.executable).parent / "torchrun"
     done = subprocess.run(
         [
-            torchrun, "--nproc-per-node", str(processes), "train.py", *DEBUG_MODEL,
-            "--training.steps", str(steps), *options,
+            torchrun,
+            "--nproc-per-node",
+            str(processes),
+            "train.py",
+            *DEBUG_MODEL,
+            "--training.steps",
+            str(steps),
+            *options,
         ],  # fmt: skip
         cwd=root,
         env={**shell(), **(env or {})},
@@ -93,6 +99,35 @@ def sdcreplay(elsewhere: Path, *args: str, code: int) -> dict:
     )
     assert done.returncode == code, done.stderr[-4000:]
     return json.loads(done.stdout)
+
+
+def test_a_detector_without_a_ring_is_refused_before_training_with_error_and_hint(user_dir):
+    done = subprocess.run(
+        [sys.executable, "train.py", *DEBUG_MODEL, "--sdcreplay.bundle", "a.bundle",
+         "--sdcreplay.detect"],
+        cwd=user_dir, env=shell(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "Error: --sdcreplay.detect dumps the steps a ring keeps" in done.stderr
+    assert "Hint: Give --sdcreplay.bundle PATH and --sdcreplay.ring K" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_recorded_takes_a_registrys_trainer_config_and_refuses_another_trainers():
+    from torchtitan.models.flux.config_registry import flux_debugmodel
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from sdcreplay.errors import SdcReplayError
+    from sdcreplay.integrations.torchtitan import RecordingTrainer, recorded
+
+    config = recorded(llama3_debugmodel(), bundle="run.bundle", ring=8, detect=True)
+    assert isinstance(config, RecordingTrainer.Config)
+    assert (config.sdcreplay.bundle, config.sdcreplay.ring, config.sdcreplay.detect) == (
+        "run.bundle", 8, True,
+    )  # fmt: skip
+    assert config.training.steps == llama3_debugmodel().training.steps
+    with pytest.raises(SdcReplayError, match="FluxTrainer.Config"):
+        recorded(flux_debugmodel())
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import random
 from pathlib import Path
 
 WORDS = (
-    "the quick brown fox jumps over a lazy dog while silent data corruption flips one bit "
-    "of a kernel output on a faulty device and the loss drifts"
+    "the quick brown fox jumps over lazy dog silent data corruption gpu kernel replay tensor "
+    "bit flip train step loss"
 ).split()
 
 
