@@ -80,6 +80,24 @@ def tiny_llama_recorder(path: Path, kwargs: dict = SMALL, **recorder_kwargs):
     return workload, recorder
 
 
+def wrapped_as(workload, wrapper: str):
+    """A workload's model wrapped as trainers wrap it, in place: each block of tiny-llama in
+    an activation-checkpoint wrapper (``checkpoint``, TorchTitan's), or the whole model in
+    DistributedDataParallel (``ddp``; a process group first: ``lone_rank``)."""
+    if wrapper == "checkpoint":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        layers = workload.model.layers
+        for position, block in enumerate(layers):
+            layers[position] = checkpoint_wrapper(block)
+    else:
+        assert wrapper == "ddp", wrapper
+        workload.model = torch.nn.parallel.DistributedDataParallel(workload.model)
+    return workload
+
+
 def ring_recorder(workload, path: Path, **options):
     """A ring Recorder of a small tiny-llama workload's last 4 steps."""
     from sdcreplay import Recorder
@@ -442,6 +460,19 @@ def tickets(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Pa
 
     root = made_once(tmp_path_factory, "tickets", make)
     return [root / f"ticket-{number}" for number in range(len(TICKET_FAULTS))]
+
+
+@pytest.fixture
+def lone_rank():
+    """This process as the one rank of a gloo group: real c10d calls, completed on gloo's
+    thread."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

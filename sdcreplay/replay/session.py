@@ -145,6 +145,7 @@ class ReplaySession:
             max_depth=capture.max_depth,
             state=self.workload.state,
             program=capture.program or capture.level != "layer",
+            names="plain" if capture.naming == "plain" else "wrapped",
         )
         if self.script is not None:  # the script runs on to its first rec.step()
             self.script.go()

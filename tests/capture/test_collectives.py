@@ -261,19 +261,6 @@ def test_nccl_settings_are_recorded_switches_and_compared_in_cuda_fingerprints(m
 # The log's own digests are never the step's operators, on whichever thread they run.
 
 
-@pytest.fixture
-def lone_rank():
-    """This process as the one rank of a gloo group: real c10d calls, completed on gloo's
-    thread."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def operators_seen(step, message_log: MessageLog | None = None) -> list[str]:
     """The operator calls an OperatorMode names while ``step`` runs (under ``message_log``)."""
     oplog = OperatorLog()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, planted, ring_recorder
+from conftest import SMALL, planted, ring_recorder, wrapped_as
 
 from sdcreplay import Bundle, compare_logs, replay_on_device
 from sdcreplay.capture.faults import Injector, parse_specs
@@ -409,3 +409,23 @@ def test_an_unusual_update_is_seen_once_applied_dumped_and_left_unresolved(tmp_p
     # the step's recorded parameters hold the corrupted write: a healthy replay differs there
     first = compare_logs(bundle.signature_log(), replay_on_device(bundle, "cpu")).first
     assert (first.step, first.name) == (12, "param:layers.0.mlp.w1.weight")
+
+
+@pytest.mark.parametrize("wrapper", ["checkpoint", "ddp"])
+def test_an_alarm_under_a_wrapper_names_the_plain_parameters(wrapper: str, request) -> None:
+    """TorchTitan's checkpointed blocks, a DDP: the reasons name what the model itself calls
+    its parameters (a fault spec's names), not ``_checkpoint_wrapped_module.`` or ``module.``."""
+    if wrapper == "ddp":
+        request.getfixturevalue("lone_rank")
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=2,nth=0,index=3"
+    workload = wrapped_as(small_llama(), wrapper)
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5)
+    for i in range(3):
+        with planted(workload.model, workload.optimizer, spec, i):
+            detector.run_step(workload.get_batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.classification) == (2, "transient")
+    plain = [name for name, _ in small_llama().model.named_parameters()]
+    assert "nonfinite:grad:layers.0.mlp.w2.weight" in alarm.reasons
+    assert {reason.split(":")[-1] for reason in alarm.reasons} <= set(plain)
+    assert list(alarm.original.grad_norms) == plain
