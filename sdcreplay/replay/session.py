@@ -240,6 +240,7 @@ class ReplaySession:
                     "kwargs": self.bundle.workload_kwargs,
                 },
                 "role": "replay",
+                "naming": self.capture.names,
                 **meta,
             }
         )

@@ -280,4 +280,11 @@ def test_a_bundle_recorded_with_wrapped_names_still_replays_correct(cli, checkpo
     assert "naming" not in Bundle.open(checkpointed["wrapped"]).manifest.capture.to_json()
     replayed = cli("replay", checkpointed["wrapped"], "-d", "cpu:0", "--json")
     assert replayed.exit_code == 0, replayed.output
-    assert json.loads(replayed.stdout)["verdict"] == "correct"
+    report = json.loads(replayed.stdout)
+    assert report["verdict"] == "correct"
+    (log,) = Path(report["log_dir"]).glob("*.sig.zst")
+    same = cli("diff", checkpointed["wrapped"], log, "--json")
+    assert same.exit_code == 0 and json.loads(same.stdout)["identical"], same.output
+    other = cli("diff", checkpointed["wrapped"], checkpointed["plain"])
+    assert other.exit_code == 3, other.output
+    assert "recorded before names were plain" in " ".join(other.output.split())
