@@ -211,10 +211,9 @@ class SignatureCapture:
         self._handles = []
         # A compiled region's modules run inside its compiled code: the region's entry is
         # hooked from outside it (compiled.boundary_hooks), the modules within are not.
-        regions = find_regions(model) if level == "layer" else []
-        for name, path, module in outermost_modules(model, names) if level == "layer" else ():
-            depth_path = "" if name == ROOT else name
-            if not within_depth(depth_path, max_depth) or covered(path or ROOT, regions):
+        regions = find_regions(model, names) if level == "layer" else []
+        for name, _, module in outermost_modules(model, names) if level == "layer" else ():
+            if not within_depth("" if name == ROOT else name, max_depth) or covered(name, regions):
                 continue
             self._handles += boundary_hooks(
                 module,

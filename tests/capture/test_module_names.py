@@ -18,12 +18,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from sdcreplay import Bundle
 from sdcreplay.bundle.manifest import CaptureSettings
+from sdcreplay.capture.compiled import ROOT, find_regions
 from sdcreplay.capture.determinism import capture_rng
 from sdcreplay.capture.fault_spec import FaultSpec
 from sdcreplay.capture.faults import Injector
 from sdcreplay.capture.layers import SignatureCapture, state_digests
 from sdcreplay.capture.module_names import aliases, named_modules, named_parameters, plain_paths
 from sdcreplay.capture.operators import CallSite, OperatorMode
+from sdcreplay.compare.compiled_code import entry_region
 from sdcreplay.recording.drive import record
 from sdcreplay.recording.job import record_job
 from sdcreplay.workload.definition import build_workload
@@ -288,3 +290,16 @@ def test_a_bundle_recorded_with_wrapped_names_still_replays_correct(cli, checkpo
     other = cli("diff", checkpointed["wrapped"], checkpointed["plain"])
     assert other.exit_code == 3, other.output
     assert "recorded before names were plain" in " ".join(other.output.split())
+
+
+def test_compiled_regions_are_named_by_plain_path_as_the_entries_they_computed():
+    """A divergent entry is placed in the compiled region that computed it by name: the
+    region's path and modules are plain, as the entries are."""
+    (region,) = find_regions(wrapped_model())
+    assert (region.path, region.modules) == ("0", ["0", "0.fc", "0.module"])
+    assert entry_region("grad:0.module.weight", [region]).startswith("compiled region 0 ")
+    assert entry_region("forward:1.fc", [region]) is None
+    (whole,) = find_regions(nn.DataParallel(torch.compile(nn.Sequential(Block()))))
+    assert (whole.path, whole.modules) == (ROOT, [ROOT, "0", "0.fc", "0.module"])
+    (kept,) = find_regions(wrapped_model(), "wrapped")  # a bundle recorded before plain names
+    assert (kept.path, kept.modules[:2]) == ("module.0", ["module.0", "module.0._orig_mod"])
