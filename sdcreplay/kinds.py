@@ -18,6 +18,11 @@ PhaseName = Literal["forward", "backward", "optimizer"]
 SignatureLevel = Literal["layer", "boundary"]
 SIGNATURE_LEVELS: tuple[SignatureLevel, ...] = ("layer", "boundary")
 
+# How a signature log names modules and parameters: by their plain paths (wrappers' segments
+# left out: capture/module_names.py), or as ``named_modules()`` says (bundles recorded before).
+ModuleNaming = Literal["plain", "wrapped"]
+MODULE_NAMINGS: tuple[ModuleNaming, ...] = ("plain", "wrapped")
+
 
 class Phase(str, Enum):
     """A phase of a training step, as an option value (``--phase``)."""

@@ -80,6 +80,24 @@ def tiny_llama_recorder(path: Path, kwargs: dict = SMALL, **recorder_kwargs):
     return workload, recorder
 
 
+def wrapped_as(workload, wrapper: str):
+    """A workload's model wrapped as trainers wrap it, in place: each block of tiny-llama in
+    an activation-checkpoint wrapper (``checkpoint``, TorchTitan's), or the whole model in
+    DistributedDataParallel (``ddp``; a process group first: ``lone_rank``)."""
+    if wrapper == "checkpoint":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        layers = workload.model.layers
+        for position, block in enumerate(layers):
+            layers[position] = checkpoint_wrapper(block)
+    else:
+        assert wrapper == "ddp", wrapper
+        workload.model = torch.nn.parallel.DistributedDataParallel(workload.model)
+    return workload
+
+
 def ring_recorder(workload, path: Path, **options):
     """A ring Recorder of a small tiny-llama workload's last 4 steps."""
     from sdcreplay import Recorder
@@ -445,6 +463,19 @@ def tickets(tmp_path_factory: pytest.TempPathFactory, _small_bundle_template: Pa
 
 
 @pytest.fixture
+def lone_rank():
+    """This process as the one rank of a gloo group: real c10d calls, completed on gloo's
+    thread."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def read_only() -> Iterator:
     """``read_only(directory)`` makes an existing directory refuse every write for the rest of
     the test, root's too: a read-only bind mount of it over itself (``chmod 555`` stops only
@@ -608,16 +639,3 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     doccheck = sys.modules.get("doccheck")  # tests/docs' runner, where the docs tests ran
     if doccheck is not None:
         doccheck.stop_runs()
-
-
-@pytest.fixture
-def lone_rank():
-    """This process as the one rank of a gloo group: real c10d calls, completed on gloo's
-    thread."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()

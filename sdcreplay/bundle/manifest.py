@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from ..capture.compiled import regions_problem
 from ..errors import BundleError
-from ..kinds import SIGNATURE_LEVELS
+from ..kinds import MODULE_NAMINGS, SIGNATURE_LEVELS
 from ..storage.safeio import check_json_value
 from .rules import (
     BOOL,
@@ -170,9 +170,10 @@ class CaptureSettings(Record):
     max_depth: int | None = None  # forward/backward entries of modules at most this deep
     program: bool = False  # hyper:, step_grad:, optim:, state: entries
     # What the record holds: every layer's entries, or the step's boundary only (program
-    # entries included); replay captures the layer level either way and votes the record at
-    # the entries it has. Absent: "layer".
-    level: str = "layer"
+    # entries included); replay captures every layer and votes the record at its entries.
+    level: str = "layer"  # absent: "layer"
+    # How entries name modules: "plain" (module_names), or "wrapped" (absent: recorded before)
+    naming: str = "wrapped"
 
 
 @dataclass(kw_only=True)
@@ -369,10 +370,8 @@ class Manifest(Record):
 
     @classmethod
     def from_json(cls, obj: Any) -> Manifest:
-        """The one way to read a manifest: every rule checked, then every object typed.
-
-        A violation is a BundleError naming the field and the form expected.
-        """
+        """The one way to read a manifest: every rule checked (a violation is a BundleError
+        naming the field and the form expected), then every object typed."""
         _validate_manifest(obj)
         typed: dict[str, Any] = {
             "workload": WorkloadRef._read(obj["workload"]),
@@ -457,6 +456,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "capture.max_depth": optional(integer(0, 1024)),
     "capture.program": absent_or(BOOL),
     "capture.level": absent_or(choice(*SIGNATURE_LEVELS)),
+    "capture.naming": absent_or(choice(*MODULE_NAMINGS)),
     "compiled": optional(
         Check(lambda v: regions_problem(v) is None, "a list of compiled regions (bundle-format.md)")
     ),

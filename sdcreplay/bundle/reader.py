@@ -278,6 +278,7 @@ class Bundle:
             device=self.manifest.device,
             role="record",
             level=self.manifest.capture.level,
+            naming=self.manifest.capture.naming,
         )
         if list(log.steps) != self.step_indices:
             raise BundleError(

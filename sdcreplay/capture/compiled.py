@@ -28,7 +28,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..kinds import ModuleNaming
 from . import graph_modules
+from .module_names import plain_paths
 
 if TYPE_CHECKING:  # torch-free at import: the manifest's rule and `info` use this module
     import torch
@@ -82,6 +84,7 @@ class CompiledRegion:
     modules: list[str] = field(default_factory=list)  # its own path and every submodule's
     settings: dict[str, Any] = field(default_factory=dict)  # non-default, code-changing
     graphs: list[CompiledGraph] = field(default_factory=list)
+    module: Any = field(default=None, compare=False, repr=False)  # live (find_regions) only
 
     @property
     def observed(self) -> bool:
@@ -223,33 +226,32 @@ def _mode_of(options: dict[str, Any], dynamic: bool | None) -> str | None:
     return None
 
 
-def find_regions(model: torch.nn.Module) -> list[CompiledRegion]:
+def find_regions(model: torch.nn.Module, names: ModuleNaming = "plain") -> list[CompiledRegion]:
     """The compiled regions of ``model`` (outermost only: a region inside another is the
-    outer one's), without graphs."""
+    outer one's), without graphs; paths named as signature entries are (`module_names`)."""
     regions: list[CompiledRegion] = []
+    plain = plain_paths(model) if names == "plain" else {}
     for path, module in model.named_modules():
-        if any(region.covers(path or ROOT) for region in regions):
+        if any(region.covers(plain.get(path, path) or ROOT) for region in regions):
             continue
         context = _compile_context(module)
         if context is None:
             continue
         backend, options, dynamic = _backend_of(context)
+        inside = (plain.get(p, p) or ROOT for p, _ in module.named_modules(prefix=path))
         regions.append(
             CompiledRegion(
-                path=path or ROOT,
+                path=plain.get(path, path) or ROOT,
                 backend=backend,
                 mode=_mode_of(options, dynamic),
                 options=_jsonable(options),
                 dynamic=dynamic,
                 fullgraph=bool(getattr(context, "fullgraph", False)),
-                modules=[_joined(path, inner) for inner, _ in module.named_modules()],
+                modules=list(dict.fromkeys(inside)),
+                module=module,
             )
         )
     return regions
-
-
-def _joined(prefix: str, inner: str) -> str:
-    return ".".join(part for part in (prefix, inner) if part) or ROOT
 
 
 def covered(path: str, regions: list[CompiledRegion]) -> bool:
@@ -409,15 +411,14 @@ class CompileWatch:
     graph-break counter is read at open and at ``regions()``.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, names: ModuleNaming = "plain"):
         import torch
 
         self._is_compiling = torch.compiler.is_compiling
-        self._regions = {region.path: region for region in find_regions(model)}
-        modules = dict(model.named_modules())
+        self._regions = {region.path: region for region in find_regions(model, names)}
         self._options = {  # the options each region's backend applies over the global settings
-            path: _backend_of(_compile_context(modules["" if path == ROOT else path]))[1]
-            for path in self._regions
+            path: _backend_of(_compile_context(region.module))[1]
+            for path, region in self._regions.items()
         }
         self._by_compile_id: dict[str, str] = {}
         self._reused: dict[str, set[str]] = {}  # region -> compile ids of code it ran, not made
@@ -425,10 +426,9 @@ class CompileWatch:
         self._breaks_at_open = graph_breaks()
         # For code compiled outside every region (taken at once only for a compiled model).
         self._settings_at_open = codegen_settings() if self._regions else None
-        for path in self._regions:
-            module = modules["" if path == ROOT else path]
+        for path, region in self._regions.items():
             self._handles += boundary_hooks(
-                module, self._entering(path), self._leaving(path), always=True
+                region.module, self._entering(path), self._leaving(path), always=True
             )
         if self._regions:  # Inductor's modules are imported only for a compiled model
             _install()
@@ -481,16 +481,11 @@ class CompileWatch:
         return region
 
     def _ran_outside(self, graph: CompiledGraph) -> None:
-        """Code run while no watched region ran, served from Dynamo's cache (a compiled loss
-        already compiled in this process): the outside region's, unless it is a backward
-        (a region's, run as the loss's backward runs) or a region's own code."""
-        if graph.kind == "backward" or any(
-            g.digest == graph.digest for r in self._regions.values() for g in r.graphs
-        ):
-            return
-        region = self._outside()
-        if len(region.graphs) < MAX_GRAPHS:
-            region.graphs.append(graph)
+        """Code run while no watched region ran, from Dynamo's cache (a loss compiled earlier
+        in this process) is the outside region's, unless a backward (a region's) or known."""
+        known = {g.digest for r in self._regions.values() for g in r.graphs}
+        if graph.kind != "backward" and graph.digest not in known:
+            self._add(graph, None)
 
     def _ran(self, graph: CompiledGraph, path: str) -> None:
         """Region ``path``'s call ran ``graph``'s code: generated for it, or served from

@@ -20,10 +20,11 @@ from functools import partial
 import torch
 
 from ..errors import SdcReplayError
-from ..kinds import SIGNATURE_LEVELS, SignatureLevel
+from ..kinds import SIGNATURE_LEVELS, ModuleNaming, SignatureLevel
 from .compiled import boundary_hooks, covered, find_regions
 from .determinism import RngState
 from .digest import Digester, SignatureValue
+from .module_names import named_buffers, named_parameters, outermost_modules
 from .operators import ROOT, _own_work
 
 
@@ -187,6 +188,7 @@ class SignatureCapture:
         state: dict | None = None,
         program: bool = False,
         level: SignatureLevel = "layer",
+        names: ModuleNaming = "plain",
     ):
         if level not in SIGNATURE_LEVELS:
             raise SdcReplayError(
@@ -196,6 +198,7 @@ class SignatureCapture:
         self.model = model
         self.state_objects = dict(state or {})
         self.level = level
+        self.names = names  # "wrapped": a replay of a bundle recorded before names were plain
         self.program = program or level == "boundary"
         self._digester: Digester | None = None
         self._in_forward_window = False
@@ -208,14 +211,14 @@ class SignatureCapture:
         self._handles = []
         # A compiled region's modules run inside its compiled code: the region's entry is
         # hooked from outside it (compiled.boundary_hooks), the modules within are not.
-        regions = find_regions(model) if level == "layer" else []
-        for path, module in model.named_modules() if level == "layer" else ():
-            if not within_depth(path, max_depth) or covered(path or ROOT, regions):
+        regions = find_regions(model, names) if level == "layer" else []
+        for name, _, module in outermost_modules(model, names) if level == "layer" else ():
+            if not within_depth("" if name == ROOT else name, max_depth) or covered(name, regions):
                 continue
             self._handles += boundary_hooks(
                 module,
-                partial(self._on_forward_begin, path or ROOT),
-                partial(self._on_forward, path or ROOT),
+                partial(self._on_forward_begin, name),
+                partial(self._on_forward, name),
             )
         if optimizer is not None:
             if program:
@@ -295,7 +298,7 @@ class SignatureCapture:
         if self._digester is None or self.level == "boundary":
             return
         with _own_work():
-            for name, param in self.model.named_parameters():
+            for name, param in named_parameters(self.model, self.names):
                 self._add(f"grad:{name}", param.grad)
 
     def backward_capture(self) -> contextlib.AbstractContextManager[None]:
@@ -320,7 +323,9 @@ class SignatureCapture:
 
     def _named_group_params(self, optimizer) -> Iterator[tuple[str, torch.nn.Parameter]]:
         if self._param_names is None:  # once per step: both optimizer hooks walk the groups
-            self._param_names = {id(p): name for name, p in self.model.named_parameters()}
+            self._param_names = {
+                id(p): name for name, p in named_parameters(self.model, self.names)
+            }
         names = self._param_names
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -354,10 +359,10 @@ class SignatureCapture:
                         if isinstance(value, torch.Tensor):
                             self._add(f"optim:{name}.{key}", value)
             positions = self._updated_state_positions
-            for name, param in self.model.named_parameters():
+            for name, param in named_parameters(self.model, self.names):
                 positions[f"param:{name}"] = len(self._step_digester())
                 self._add(f"param:{name}", param)
-            for name, buffer in self.model.named_buffers():
+            for name, buffer in named_buffers(self.model, self.names):
                 positions[f"buffer:{name}"] = len(self._step_digester())
                 self._add(f"buffer:{name}", buffer)
         self.optimizer_stepped = True
@@ -389,12 +394,13 @@ def state_digests(
     objects: dict | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, str]:
-    """Digests of the parameters, buffers, state objects and hyper-parameters, by signature name."""
+    """Digests of the parameters, buffers, state objects and hyper-parameters, by signature name
+    (plain: `module_names`)."""
     digester = Digester()
     with _own_work():
-        for name, param in model.named_parameters():
+        for name, param in named_parameters(model):
             digester.add(f"param:{name}", param)
-        for name, buffer in model.named_buffers():
+        for name, buffer in named_buffers(model):
             digester.add(f"buffer:{name}", buffer)
         for name, value in state_object_items(objects or {}):
             digester.add(name, value)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ..kinds import ModuleNaming
+
 if TYPE_CHECKING:
     import torch
 
@@ -63,20 +65,46 @@ def named_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module
         yield plain[path] or ROOT, module
 
 
+def outermost_modules(
+    model: torch.nn.Module, names: ModuleNaming = "plain"
+) -> Iterator[tuple[str, str, torch.nn.Module]]:
+    """``(name or ROOT, path in named_modules(), module)``: one module per name, the outermost
+    (a wrapper, whose output is what it wraps' output; an activation-checkpoint wrapper's is
+    not run again when the backward recomputes), named as ``names`` says."""
+    plain = plain_paths(model) if names == "plain" else None
+    seen: set[str] = set()
+    for path, module in model.named_modules():
+        name = (plain[path] if plain is not None else path) or ROOT
+        if name not in seen:
+            seen.add(name)
+            yield name, path, module
+
+
 def _plain_leaves(plain: dict[str, str], named: Iterator[tuple[str, object]]):
     for name, value in named:
         owner, _, leaf = name.rpartition(".")
         yield _joined(plain.get(owner, owner), leaf), value
 
 
-def named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``(plain name, parameter)``, in ``named_parameters`` order."""
-    yield from _plain_leaves(plain_paths(model), model.named_parameters())
+def named_parameters(
+    model: torch.nn.Module, names: ModuleNaming = "plain"
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``(plain name, parameter)``, in ``named_parameters`` order (``names="wrapped"``:
+    as ``named_parameters`` names them, for a bundle recorded so)."""
+    if names == "wrapped":
+        yield from model.named_parameters()
+    else:
+        yield from _plain_leaves(plain_paths(model), model.named_parameters())
 
 
-def named_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(plain name, buffer)``, in ``named_buffers`` order."""
-    yield from _plain_leaves(plain_paths(model), model.named_buffers())
+def named_buffers(
+    model: torch.nn.Module, names: ModuleNaming = "plain"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(plain name, buffer)``, in ``named_buffers`` order (``names`` as `named_parameters`)."""
+    if names == "wrapped":
+        yield from model.named_buffers()
+    else:
+        yield from _plain_leaves(plain_paths(model), model.named_buffers())
 
 
 def aliases(name: str) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import zstandard
 
 from ..errors import BundleError
-from ..kinds import SIGNATURE_LEVELS, SignatureLevel
+from ..kinds import SIGNATURE_LEVELS, ModuleNaming, SignatureLevel
 from ..storage.safeio import check_json_value, read_limited
 
 SCHEMA = "sdcreplay.signatures/1"
@@ -118,6 +118,12 @@ class SignatureLog:
         """What the log holds (``meta["level"]``; logs older than levels hold every layer)."""
         level = self.meta.get("level", "layer")
         return level if level in SIGNATURE_LEVELS else "layer"
+
+    @property
+    def naming(self) -> ModuleNaming:
+        """How its entries name modules (``meta["naming"]``; logs older than plain names name
+        them as ``named_modules()`` does: capture/module_names.py)."""
+        return "plain" if self.meta.get("naming") == "plain" else "wrapped"
 
     def at(self, level: SignatureLevel) -> SignatureLog:
         """This log as a log of ``level`` holds it: the entries of a coarser level only."""

@@ -207,7 +207,11 @@ def check_structure(reference: SignatureLog, candidate: SignatureLog, steps: lis
             f"({len(left)} vs {len(right)} entries)",
             "This is a different workload, configuration or code version, "
             "not silent data corruption; "
-            "record and replay the same program.",
+            "record and replay the same program."
+            if reference.naming == candidate.naming
+            else "One log names modules as named_modules() does, wrappers' segments included "
+            "(a bundle recorded before names were plain), the other by their plain names: "
+            "compare each bundle with its own replay.",
         )
 
 

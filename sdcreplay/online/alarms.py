@@ -16,6 +16,7 @@ import torch
 
 from ..capture.digest import Digester
 from ..capture.layers import observed_backward
+from ..capture.module_names import named_parameters
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 
@@ -82,9 +83,10 @@ def summarize_reasons(reasons: list[str], shown: int = 3) -> str:
 def observe(
     model: torch.nn.Module, before: TrainingSnapshot, loss: Any, grad_norms: dict[str, float]
 ) -> Observation:
-    """The step's observation: update norms against ``before`` and digests of the result."""
+    """The step's observation: update norms (by plain name: `module_names`) against
+    ``before`` (by ``named_parameters()``'s) and digests of the result."""
     with _own_work():
-        names = [name for name, _ in model.named_parameters()]
+        names = [name for name, _ in named_parameters(model)]
         updates = [
             whole(
                 torch.linalg.vector_norm(
@@ -121,8 +123,9 @@ def gradient_norms(
 ) -> dict[str, float]:
     """Each parameter's gradient norm now (one fused pass per device and one sync); a norm that
     overflows float32 is taken again in float64, so Inf means a NaN or an Inf is there.
-    ``parameters``: the model's named parameters, when the caller keeps them."""
-    parameters = list(model.named_parameters()) if parameters is None else parameters
+    ``parameters``: the model's named parameters (plain names: `module_names`), when the
+    caller keeps them."""
+    parameters = list(named_parameters(model)) if parameters is None else parameters
     named = [(name, p.grad) for name, p in parameters if p.grad is not None]
     norms: dict[str, float] = {}
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}

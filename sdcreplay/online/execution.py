@@ -19,6 +19,7 @@ from ..capture.digest import Digester, SignatureValue
 from ..capture.layers import observed_backward
 from ..capture.memory import local_shard
 from ..capture.message import Message
+from ..capture.module_names import named_parameters
 from ..capture.operators import _own_work
 
 
@@ -128,7 +129,7 @@ def _probing_backward(
     probe: _Probe, model: torch.nn.Module
 ) -> contextlib.AbstractContextManager[None]:
     """While open, each ``backward()`` adds its loss before and every gradient after it."""
-    parameters = list(model.named_parameters())
+    parameters = list(named_parameters(model))
 
     def gradients() -> None:
         for name, param in parameters:

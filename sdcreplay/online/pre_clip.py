@@ -27,6 +27,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as clip_grad
 
+from ..capture.module_names import named_parameters
 from .alarms import gradient_norms
 
 _lock = threading.Lock()
@@ -98,7 +99,7 @@ class PreClipNorms:
         named: list[tuple[str, torch.nn.Parameter]] | None = None,
     ):
         self.model, self.optimizer = model, optimizer
-        self.named = list(model.named_parameters()) if named is None else named
+        self.named = list(named_parameters(model)) if named is None else named
         self._ids = {id(p) for _, p in self.named}
         self._norms: dict[str, float] | None = None
         self._watching = False

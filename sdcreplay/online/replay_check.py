@@ -25,6 +25,7 @@ from ..capture.collectives import MessageLog, log_open
 from ..capture.determinism import capture_rng
 from ..capture.digest import SignatureValue, algorithm_for
 from ..capture.layers import grads_entering, state_object_items
+from ..capture.module_names import named_buffers, named_parameters
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot, copy_state
 from ..compare.forensics import element_forensics
@@ -218,7 +219,7 @@ class ReplayCheck:
         entries are. Whatever changed it since its backward (clipping, unscaling, a manual
         reduction, a fault in any kernel between them) is then checked too. Hashed afresh:
         in-place foreach ops and ``.data`` edits do not bump the version counter."""
-        names = {id(param): name for name, param in self.workload.model.named_parameters()}
+        names = {id(param): name for name, param in named_parameters(self.workload.model)}
         with _own_work():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -233,7 +234,7 @@ class ReplayCheck:
             self._messages = None
         model = self.workload.model
         with _own_work():
-            for name, buffer in model.named_buffers():
+            for name, buffer in named_buffers(model):
                 probe.add(f"buffer:{name}", buffer)
             for name, value in capture_rng(_device_of(model)).signature_items():
                 probe.add(name, value)

@@ -28,6 +28,7 @@ from torch.optim.optimizer import (
 )
 
 from ..capture.layers import grads_entering
+from ..capture.module_names import named_parameters
 from ..capture.operators import _own_work
 from ..capture.snapshot import TrainingSnapshot
 from ..errors import SdcReplayError
@@ -84,7 +85,7 @@ class BeforeUpdate:
         self._seen: Observation | None = None
         self._sketch: Sketch | None = None  # after the last update
         # the model's parameters, named once: a step walks the module tree no more
-        self._named = list(workload.model.named_parameters())
+        self._named = list(named_parameters(workload.model))
         self._norms = PreClipNorms(workload.model, workload.optimizer, self._named)
         self._hooks = [
             register_optimizer_step_pre_hook(_weakly(self._optimizer_begins)),

@@ -202,6 +202,7 @@ class Recorder(RingMode):
                 max_depth=max_depth,
                 program=True,
                 level=signature,
+                naming="plain",
                 absent=frozenset() if signature != "layer" else frozenset({"level"}),
             ),
             distributed=self._job.distributed if self._job else None,

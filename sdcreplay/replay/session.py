@@ -36,6 +36,7 @@ from ..capture.snapshot import TrainingSnapshot
 from ..devices import torch_device
 from ..errors import BundleError, SdcReplayError, WorkloadError
 from ..heartbeat import HEARTBEAT
+from ..kinds import ModuleNaming
 from ..ledger.verdicts import incident_of
 from ..storage.tensorio import map_tensors, read_tree, write_tree
 from ..workload.definition import Workload, build_workload
@@ -135,8 +136,9 @@ class ReplaySession:
         self._points = RestorePoints(self.device, self.model) if self.script else None
         # The code this process generates for the workload's compiled regions, compared with
         # the record's (capture/compiled.py): other code is another program, not evidence.
-        self.compiled = CompileWatch(self.workload.model)
         capture = self.bundle.manifest.capture
+        names: ModuleNaming = "plain" if capture.naming == "plain" else "wrapped"
+        self.compiled = CompileWatch(self.workload.model, names)
         # Every layer, whatever the record holds: the replicas vote at every entry, the record
         # at the entries its level has (compare/logs.py).
         self.capture = SignatureCapture(
@@ -145,6 +147,7 @@ class ReplaySession:
             max_depth=capture.max_depth,
             state=self.workload.state,
             program=capture.program or capture.level != "layer",
+            names=names,
         )
         if self.script is not None:  # the script runs on to its first rec.step()
             self.script.go()
@@ -239,6 +242,7 @@ class ReplaySession:
                     "kwargs": self.bundle.workload_kwargs,
                 },
                 "role": "replay",
+                "naming": self.capture.names,
                 **meta,
             }
         )

@@ -280,7 +280,7 @@ def test_a_recorded_manifest_survives_from_json_and_to_json(small_bundle: Path):
     assert manifest.steps[1].index == 1 and manifest.steps[1].file == "steps/000001.h5"
     assert manifest.files[STATE].size == (small_bundle / STATE).stat().st_size
     assert manifest.workload.ref == "builtin:tiny-llama" and manifest.workload.kwargs["seed"] == 0
-    assert manifest.capture.to_json() == {"max_depth": None, "program": True}
+    assert manifest.capture.to_json() == {"max_depth": None, "program": True, "naming": "plain"}
     assert manifest.capture.level == "layer"  # the default, not written
     assert manifest.verification.status == "passed" and manifest.verification.passed
 
@@ -295,6 +295,7 @@ def test_an_old_manifest_round_trips_without_gaining_keys():
     assert "verification" not in raw
     assert manifest.verification.to_json() == {"mode": "off", "status": "off"}
     assert "program" not in raw["capture"] and manifest.capture.program is False
+    assert "naming" not in raw["capture"] and manifest.capture.naming == "wrapped"
 
 
 def test_keys_this_version_does_not_know_are_kept(small_bundle: Path):
@@ -609,6 +610,7 @@ HAND_EDITS = {
     ),
     "capture-a-list": (_set(["capture"], []), "capture is \\[\\], expected an object"),
     "capture-level-unknown": (_set(["capture", "level"], "every"), "capture.level"),
+    "capture-naming-unknown": (_set(["capture", "naming"], "short"), "capture.naming"),
     "capture-boundary-without-program": (
         lambda m: m["capture"].update(level="boundary", program=False),
         "capture.program is true at capture.level 'boundary'",

@@ -566,7 +566,7 @@ def test_a_gradient_spread_by_the_all_reduce_is_named_by_its_collective_input(
     for rank, result in enumerate(results):
         assert result["rank"] == rank and result["steps"] == 1
         assert (result["step"], result["replay"], result["failing_rank"]) == (1, 1, 1)
-        assert result["ranks"] == [1] and result["entry"] == "grad:module.fc1.weight"
+        assert result["ranks"] == [1] and result["entry"] == "grad:fc1.weight"
     assert results[1]["fired"] == 1 and results[0]["fired"] == 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, planted, ring_recorder
+from conftest import SMALL, planted, ring_recorder, wrapped_as
 
 from sdcreplay import Bundle, compare_logs, replay_on_device
 from sdcreplay.capture.faults import Injector, parse_specs
@@ -429,3 +429,23 @@ def test_the_norms_of_fsdp2_gradients_are_those_of_the_whole_gradients(lone_rank
         model(x).square().sum().backward()
     assert gradient_norms(sharded) == pytest.approx(gradient_norms(plain), rel=1e-6)
     assert set(gradient_norms(sharded)) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+@pytest.mark.parametrize("wrapper", ["checkpoint", "ddp"])
+def test_an_alarm_under_a_wrapper_names_the_plain_parameters(wrapper: str, request) -> None:
+    """TorchTitan's checkpointed blocks, a DDP: the reasons name what the model itself calls
+    its parameters (a fault spec's names), not ``_checkpoint_wrapped_module.`` or ``module.``."""
+    if wrapper == "ddp":
+        request.getfixturevalue("lone_rank")
+    spec = "kind=nan,op=aten.mm,module=layers.0.mlp.w2,phase=backward,step=2,nth=0,index=3"
+    workload = wrapped_as(small_llama(), wrapper)
+    detector = UpdateDetector(workload, warmup=5, spike_steps=5)
+    for i in range(3):
+        with planted(workload.model, workload.optimizer, spec, i):
+            detector.run_step(workload.get_batch(i))
+    (alarm,) = detector.alarms
+    assert (alarm.step, alarm.classification) == (2, "transient")
+    plain = [name for name, _ in small_llama().model.named_parameters()]
+    assert "nonfinite:grad:layers.0.mlp.w2.weight" in alarm.reasons
+    assert {reason.split(":")[-1] for reason in alarm.reasons} <= set(plain)
+    assert list(alarm.original.grad_norms) == plain

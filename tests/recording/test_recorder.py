@@ -400,7 +400,7 @@ def test_max_depth_captures_fewer_modules_and_replays_identically(tmp_path: Path
         "builtin:tiny-llama", tmp_path / "shallow.bundle", steps=2, kwargs=dict(SMALL), max_depth=2
     )
     bundle = Bundle.open(summary.bundle)
-    assert bundle.manifest.capture.to_json() == {"max_depth": 2, "program": True}
+    assert bundle.manifest.capture.to_json() == {"max_depth": 2, "program": True, "naming": "plain"}
     names = {name for entries in bundle.signature_log().steps.values() for name, _ in entries}
     modules = {
         name.split(":", 1)[1].split("[")[0]

@@ -192,7 +192,7 @@ def test_an_inline_loops_detector_alarms_on_every_rank_at_once_and_dumps_one_job
     job, reports = ring_job(tmp_path, "inline")
     assert reports[1]["fired"] == [[5, "aten.addmm.default"]] and reports[0]["fired"] == []
     assert [report["alarms"] for report in reports] == [
-        [[5, "nonfinite:grad:module.0.weight", str(job)]],
+        [[5, "nonfinite:grad:0.weight", str(job)]],
         [[5, "nonfinite:loss", str(job)]],
     ]
     bundle = JobBundle.open(job)
