@@ -2,10 +2,12 @@
 
 TorchTitan 0.3.0's llama3 debug model as it ships (fused ``wqkv``, activation checkpointing,
 each block and the loss compiled: ``--compile.enable``, FSDP2 over a world of one), run by
-``sdcreplay.integrations.torchtitan.main`` under ``torchrun --nproc-per-node 1``, in three
+``sdcreplay.integrations.torchtitan.main`` under ``torchrun --nproc-per-node 1``, in five
 variants, one process each, started together:
 
 - plain: no ``--sdcreplay.*`` option (TorchTitan's Trainer, nothing recorded);
+- plain, grads None: the same, its gradients set to None before each step as a recorded
+  ``RecordingTrainer`` sets them (TorchTitan zeroes them in place: FSDP2 keeps their memory);
 - ring: ``--sdcreplay.bundle B --sdcreplay.ring K`` (the last K steps in memory, nothing
   written);
 - ring + detect: the same and ``--sdcreplay.detect`` (the update detector judges each step);
@@ -14,15 +16,16 @@ variants, one process each, started together:
 
 Each process times its ``train_step`` (the recorded step: the batch fed, the step's block,
 what TorchTitan does in it) in wall and process CPU time. The first ``--warmup`` steps (the
-compiling ones) run freely; from then on the three take turns step by step, the order
+compiling ones) run freely; from then on the variants take turns step by step, the order
 rotated each step, so the machine's load hits them alike and only one trains at a time.
-Printed: per variant the median and mean of the timed steps and their ratio to plain, the
-ring's steps that open a window (the snapshot of model and optimizer, every K-th) apart from
-the others, each process's peak RSS, the ring's memory (``Recorder.ring_nbytes`` after each
-step) against the model's and optimizer's bytes, and the alarms raised (an alarm would dump a
-bundle: none expected).
+Printed: per variant the median wall and CPU time of the timed steps, the median of each
+step's ratio to plain's same step (the two ran one after the other), the ratio of the mean
+wall times (every K-th step opens a window: the ring's snapshot of model and optimizer),
+the CPU time of those steps and of the others apart, each process's peak RSS, the ring's
+memory (``Recorder.ring_nbytes`` after each step) against the model's and optimizer's bytes,
+and the alarms raised (an alarm would dump a bundle: none expected).
 
-    .venv/bin/python bench/titan_ring.py [--steps 48] [--warmup 4] [--ring 8]
+    .venv/bin/python bench/titan_ring.py [--steps 64] [--warmup 4] [--ring 8]
 
 Needs TorchTitan (``sdcreplay[torchtitan]``); on a CPU-only machine it trains through the
 tests' shim ``tests/integrations/titan_cpu.py`` and their assets (``titan_assets.py``).
@@ -75,6 +78,7 @@ def child() -> None:
     turns = folder.parent / "turns"
     results: dict = {"wall": [], "cpu": [], "ring_nbytes": [], "opened": [], "alarms": 0}
     untimed = RecordingTrainer.train_step
+    set_to_none = bool(os.environ.get("BENCH_SET_TO_NONE"))
 
     def train_step(self: RecordingTrainer, data_iterator):  # type: ignore[no-untyped-def]
         timed = self.step - 1 - warmup  # train() counts the step before it calls train_step
@@ -83,6 +87,8 @@ def child() -> None:
         held = 0 if self.recorder is None else self.recorder.ring_nbytes
         try:
             wall, cpu = time.perf_counter(), time.process_time()
+            if set_to_none:
+                self.optimizers.zero_grad(set_to_none=True)
             untimed(self, data_iterator)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         finally:
@@ -118,14 +124,18 @@ def state_nbytes(trainer: Any) -> int:
 
 
 def run_variants(
-    variants: dict[str, list[str]], common: list[str], root: Path, warmup: int, threads: int
+    variants: dict[str, tuple[list[str], bool]],
+    common: list[str],
+    root: Path,
+    warmup: int,
+    threads: int,
 ) -> dict[str, dict]:
     """Starts every variant's torchrun at once and waits for them all; their results."""
     torchrun = Path(sys.executable).parent / "torchrun"
     (root / "turns").mkdir()
     (root / "turns" / "0").touch()
     processes = {}
-    for index, (name, options) in enumerate(variants.items()):
+    for index, (name, (options, set_to_none)) in enumerate(variants.items()):
         folder = root / f"variant-{index}"
         folder.mkdir()
         env = {
@@ -137,6 +147,7 @@ def run_variants(
             "OMP_NUM_THREADS": str(threads),
             "SDCREPLAY_HOME": str(root / "home"),
             "SDCREPLAY_LEDGER": "off",
+            "BENCH_SET_TO_NONE": "1" if set_to_none else "",
         }
         argv = [str(torchrun), "--standalone", "--nproc-per-node", "1", __file__]
         argv += common + [arg.replace("BUNDLE", str(folder / "alarm.bundle")) for arg in options]
@@ -165,7 +176,7 @@ def dumps(folder: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=48, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=64, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=4, help="untimed first steps (compiling)")
     parser.add_argument("--ring", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -183,10 +194,11 @@ def main() -> None:
     detect = [*ring, "--sdcreplay.detect"]
     boundary = [*ring, "--sdcreplay.signature", "boundary"]
     variants = {
-        "plain": [],
-        f"ring {options.ring}": ring,
-        "ring + detect": detect,
-        "ring, boundary": boundary,
+        "plain": ([], False),
+        "plain, grads None": ([], True),
+        f"ring {options.ring}": (ring, False),
+        "ring + detect": (detect, False),
+        "ring, boundary": (boundary, False),
     }
     sys.path.insert(0, str(HELPERS))
     from titan_assets import write_assets
@@ -200,30 +212,33 @@ def main() -> None:
 
 
 def report(results: dict[str, dict], options: argparse.Namespace, seconds: float) -> None:
+    """Medians per variant, and ratios to plain: the median of each timed step's ratio to
+    plain's same step (run next to it), and the ratio of the means (window openings in)."""
     print(
         f"TorchTitan llama3 debugmodel, compiled, seq_len {options.seq_len}, batch "
         f"{options.batch}, {options.threads} thread(s); {options.steps} timed steps per variant "
         f"after {options.warmup}, in turns ({seconds:.0f} s in all)"
     )
-    base = {key: statistics.median(results["plain"][key]) for key in ("wall", "cpu")}
-    base_mean = statistics.mean(results["plain"]["wall"])
+    plain = results["plain"]
     print(
-        f"{'':16} {'wall ms':>8} {'ratio':>6} {'cpu ms':>8} {'ratio':>6} {'mean ms':>8} "
-        f"{'ratio':>6} {'RSS MiB':>8} {'opening ms':>11} {'others ms':>10}"
+        f"{'':18} {'wall ms':>8} {'ratio':>6} {'cpu ms':>8} {'ratio':>6} {'mean':>6} "
+        f"{'RSS MiB':>8} {'opening cpu ms':>15} {'others':>7}"
     )
     for name, result in results.items():
-        wall, cpu = statistics.median(result["wall"]), statistics.median(result["cpu"])
-        mean = statistics.mean(result["wall"])
-        cells = f"{1000 * wall:8.1f} {wall / base['wall']:6.3f} {1000 * cpu:8.1f} "
-        cells += f"{cpu / base['cpu']:6.3f} {1000 * mean:8.1f} {mean / base_mean:6.3f}"
+        cells = ""
+        for key in ("wall", "cpu"):
+            paired = [mine / theirs for mine, theirs in zip(result[key], plain[key])]
+            cells += f" {1000 * statistics.median(result[key]):8.1f}"
+            cells += f" {statistics.median(paired):6.3f}"
+        cells += f" {sum(result['wall']) / sum(plain['wall']):6.3f}"
         cells += f" {result['peak_rss'] / 2**20:8.0f}"
         if any(result["opened"]) and not all(result["opened"]):
-            steps = list(zip(result["wall"], result["opened"]))
-            opening = [wall for wall, opened in steps if opened]
-            others = [wall for wall, opened in steps if not opened]
-            cells += f" {1000 * statistics.median(opening):11.1f}"
-            cells += f" {1000 * statistics.median(others):10.1f}"
-        print(f"{name:16} {cells}")
+            steps = list(zip(result["cpu"], result["opened"]))
+            opening = [cpu for cpu, opened in steps if opened]
+            others = [cpu for cpu, opened in steps if not opened]
+            cells += f" {1000 * statistics.median(opening):15.1f}"
+            cells += f" {1000 * statistics.median(others):7.1f}"
+        print(f"{name:18}{cells}")
     for name, result in results.items():
         held = result["ring_nbytes"]
         if not held:
