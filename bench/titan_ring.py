@@ -76,7 +76,7 @@ def child() -> None:
     variant, count = int(os.environ["BENCH_VARIANT"]), int(os.environ["BENCH_VARIANTS"])
     warmup = int(os.environ["BENCH_WARMUP"])
     turns = folder.parent / "turns"
-    results: dict = {"wall": [], "cpu": [], "ring_nbytes": [], "opened": [], "alarms": 0}
+    results: dict = {"wall": [], "cpu": [], "ring_nbytes": [], "rise": [], "alarms": 0}
     untimed = RecordingTrainer.train_step
     set_to_none = bool(os.environ.get("BENCH_SET_TO_NONE"))
 
@@ -101,8 +101,7 @@ def child() -> None:
             results["cpu"].append(cpu)
         if timed >= 0 and self.recorder is not None:
             results["ring_nbytes"].append(self.recorder.ring_nbytes)
-            # A window opened: the ring took a snapshot of the state.
-            results["opened"].append(self.recorder.ring_nbytes - held > results["state_nbytes"] / 2)
+            results["rise"].append(self.recorder.ring_nbytes - held)
         if self.detector is not None:
             results["alarms"] = len(self.detector.alarms)
 
@@ -232,10 +231,10 @@ def report(results: dict[str, dict], options: argparse.Namespace, seconds: float
             cells += f" {statistics.median(paired):6.3f}"
         cells += f" {sum(result['wall']) / sum(plain['wall']):6.3f}"
         cells += f" {result['peak_rss'] / 2**20:8.0f}"
-        if any(result["opened"]) and not all(result["opened"]):
-            steps = list(zip(result["cpu"], result["opened"]))
-            opening = [cpu for cpu, opened in steps if opened]
-            others = [cpu for cpu, opened in steps if not opened]
+        opened = [rise > result["state_nbytes"] / 2 for rise in result["rise"]]  # a snapshot
+        if any(opened) and not all(opened):
+            opening = [cpu for cpu, snapshot in zip(result["cpu"], opened) if snapshot]
+            others = [cpu for cpu, snapshot in zip(result["cpu"], opened) if not snapshot]
             cells += f" {1000 * statistics.median(opening):15.1f}"
             cells += f" {1000 * statistics.median(others):7.1f}"
         print(f"{name:18}{cells}")
@@ -244,11 +243,16 @@ def report(results: dict[str, dict], options: argparse.Namespace, seconds: float
         if not held:
             continue
         steady = held[2 * options.ring :] or held
+        rises = result["rise"]
+        snapshot = [rise for rise in rises if rise > result["state_nbytes"] / 2]
+        step = [rise for rise in rises if 0 <= rise <= result["state_nbytes"] / 2]
         print(
             f"{name}: ring memory after a step {min(steady) / 2**20:.2f}-"
-            f"{max(steady) / 2**20:.2f} MiB (peak {max(held) / 2**20:.2f}); model and "
-            f"optimizer state {result['state_nbytes'] / 2**20:.2f} MiB; alarms "
-            f"{result['alarms']}, bundles dumped {result['dumped']}"
+            f"{max(steady) / 2**20:.2f} MiB (peak {max(held) / 2**20:.2f}); a window's first "
+            f"step adds {statistics.median(snapshot or [0]) / 2**20:.2f} MiB, another "
+            f"{statistics.median(step or [0]) / 2**10:.1f} KiB; model and optimizer state "
+            f"{result['state_nbytes'] / 2**20:.2f} MiB; alarms {result['alarms']}, bundles "
+            f"dumped {result['dumped']}"
         )
 
 
