@@ -7,7 +7,7 @@ variants, one process each, started together:
 
 - plain: no ``--sdcreplay.*`` option (TorchTitan's Trainer, nothing recorded);
 - plain, grads None: the same, its gradients set to None before each step as a recorded
-  ``RecordingTrainer`` sets them (TorchTitan zeroes them in place: FSDP2 keeps their memory);
+  ``RecordingTrainer`` sets them (TorchTitan's own step zeroes them in place);
 - ring: ``--sdcreplay.bundle B --sdcreplay.ring K`` (the last K steps in memory, nothing
   written);
 - ring + detect: the same and ``--sdcreplay.detect`` (the update detector judges each step);
@@ -133,7 +133,7 @@ def run_variants(
     torchrun = Path(sys.executable).parent / "torchrun"
     (root / "turns").mkdir()
     (root / "turns" / "0").touch()
-    processes = {}
+    processes: dict[str, tuple[subprocess.Popen, Path]] = {}
     for index, (name, (options, set_to_none)) in enumerate(variants.items()):
         folder = root / f"variant-{index}"
         folder.mkdir()
@@ -150,19 +150,22 @@ def run_variants(
         }
         argv = [str(torchrun), "--standalone", "--nproc-per-node", "1", __file__]
         argv += common + [arg.replace("BUNDLE", str(folder / "alarm.bundle")) for arg in options]
-        log = (folder / "log.txt").open("w")
-        process = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=log)
+        with (folder / "log.txt").open("w") as log:
+            process = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=log)
         processes[name] = (process, folder)
-    failed = []
-    for name, (process, folder) in processes.items():
-        if process.wait() != 0:
-            failed.append(f"{name} exited {process.returncode}; its log ends:\n")
-            failed.append((folder / "log.txt").read_text()[-3000:])
-            for other, _ in processes.values():
-                if other.poll() is None:
-                    other.kill()
-    if failed:
-        raise SystemExit("".join(failed))
+    while any(process.poll() is None for process, _ in processes.values()):
+        if any(process.poll() for process, _ in processes.values()):
+            break
+        time.sleep(0.5)
+    failed = [name for name, (process, _) in processes.items() if process.poll()]
+    if failed:  # the others would wait for its turns: stop them (torchrun stops its worker)
+        for process, _ in processes.values():
+            if process.poll() is None:
+                process.terminate()
+                process.wait()
+        process, folder = processes[failed[0]]
+        log = (folder / "log.txt").read_text()[-3000:]
+        raise SystemExit(f"{failed[0]} exited {process.returncode}; its log ends:\n{log}")
     return {
         name: {**json.loads((folder / "result.json").read_text()), "dumped": dumps(folder)}
         for name, (_, folder) in processes.items()
