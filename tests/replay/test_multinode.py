@@ -69,6 +69,9 @@ class Launches:
         return self.processes[node].returncode, out, err
 
     def records(self) -> list[tuple]:
+        """The ledger's records (none where nothing was written: no ledger at all)."""
+        if not (self.tmp / "ledger.db").is_file():
+            return []
         with sqlite3.connect(self.tmp / "ledger.db") as ledger:
             return sorted(ledger.execute("SELECT label, rank, verdict FROM records"))
 
