@@ -499,10 +499,10 @@ def _launch(
         with _signals_kept(), _launcher_quiet(), processes.caller_main_hidden(), watching:
             agent.run()
     except Exception as exc:  # the rendezvous (a lost store, a node that never came)
-        if link is None or link.lost is not None:
+        if link is None:
             raise
-        link.lost = link.silent_node()
-        if link.lost is None:
+        if link.lost is None:  # else `endings.exchange` names the node that was lost
+            link.silent_node()  # a store gone: node 0, its host, is named
             raise rendezvous.NodeError(
                 f"the rendezvous at {link.nodes.endpoint} failed: {exc}",
                 "Every node's launch must run until the verdict; start them all again.",

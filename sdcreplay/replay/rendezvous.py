@@ -174,7 +174,7 @@ class NodeLink:
                 return operation(*args)
         except Exception as exc:  # the store's host is gone: only node 0 hosts it
             if self.nodes.node_rank == 0:
-                raise
+                raise NodeError(f"the rendezvous store node 0 hosts failed: {exc}") from exc
             raise NodeError(
                 f"{self.nodes.describe(0)} is lost: the rendezvous store it hosts at "
                 f"{self.nodes.endpoint} stopped answering ({exc})",
