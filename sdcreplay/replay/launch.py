@@ -487,12 +487,14 @@ def _launch(
     watchdog = _Watchdog(ranks, timeout)
     watchdog.start()
 
-    def end_ranks() -> None:  # a node was lost: its peers here would wait in a collective
-        for rank in ranks:
+    def end_ranks() -> None:  # a node was lost: its peers here would wait in a collective,
+        for rank in ranks:  # or the agent in the rendezvous, for their timeouts
             pid = rank.pid()
             if pid is not None:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            meeting.handler.set_closed()
 
     watching = link.watching(end_ranks) if link is not None else contextlib.nullcontext()
     try:
