@@ -253,8 +253,8 @@ def replay(
     nnodes: NnodesOpt = None,
     nproc_per_node: NprocPerNodeOpt = None,
     rdzv_endpoint: RdzvEndpointOpt = None,
-    node_rank: NodeRankOpt = 0,
-    rdzv_timeout: RdzvTimeoutOpt = 900.0,
+    node_rank: NodeRankOpt = None,
+    rdzv_timeout: RdzvTimeoutOpt = None,
     json_mode: JsonOpt = False,
 ):
     """Replay a bundle bit for bit on one or more devices and vote on every signature.
@@ -272,7 +272,7 @@ def replay(
     from ..bundle.job_bundle import is_job_bundle
     from ..replay.replicas import replay_devices
 
-    placed = (nnodes, nproc_per_node, rdzv_endpoint)
+    placed = (nnodes, nproc_per_node, rdzv_endpoint, node_rank, rdzv_timeout)
     if any(option is not None for option in placed):
         nodes = placement(bundle, nnodes, nproc_per_node, rdzv_endpoint, node_rank, rdzv_timeout)
         incompatible = (rank, from_state, keep_state) != (None, None, None) or alone

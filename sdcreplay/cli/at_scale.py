@@ -101,16 +101,17 @@ def placement(
     nnodes: int | None,
     nproc_per_node: int | None,
     endpoint: str | None,
-    node_rank: int,
-    rdzv_timeout: float,
+    node_rank: int | None,
+    rdzv_timeout: float | None,
 ):
     """This launch's place in a replay across nodes (`rendezvous.Nodes`)."""
     from ..bundle.job_bundle import is_job_bundle
-    from ..replay.rendezvous import Nodes
+    from ..replay.rendezvous import RDZV_TIMEOUT, Nodes
 
     if nnodes is None or nproc_per_node is None or endpoint is None:
         raise SdcReplayError(
-            "--nnodes, --nproc-per-node and --rdzv-endpoint go together",
+            "--nnodes, --nproc-per-node and --rdzv-endpoint go together (--node-rank and "
+            "--rdzv-timeout with them)",
             "Give all three, the same on every node (and each node its own --node-rank).",
         )
     host, _, port = endpoint.rpartition(":")
@@ -124,7 +125,7 @@ def placement(
             f"--nnodes is for a job bundle; {bundle} is a single process's bundle",
             "Leave out --nnodes, --nproc-per-node and --rdzv-endpoint.",
         )
-    return Nodes(nnodes, nproc_per_node, endpoint, node_rank, rdzv_timeout)
+    return Nodes(nnodes, nproc_per_node, endpoint, node_rank or 0, rdzv_timeout or RDZV_TIMEOUT)
 
 
 def nodes_replay(

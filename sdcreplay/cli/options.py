@@ -279,19 +279,19 @@ RdzvEndpointOpt = Annotated[
     ),
 ]
 NodeRankOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--node-rank",
         min=0,
-        help="With --nnodes: this node, 0..K-1; it runs ranks R*P..R*P+P-1, and node 0 prints "
-        "the report.",
+        help="With --nnodes: this node, 0..K-1 (default 0); it runs ranks R*P..R*P+P-1, and "
+        "node 0 prints the report.",
     ),
 ]
 RdzvTimeoutOpt = Annotated[
-    float,
+    float | None,
     typer.Option(
         "--rdzv-timeout",
         min=1,
-        help="With --nnodes: seconds to wait for every node to arrive.",
+        help="With --nnodes: seconds to wait for every node to arrive (default 900, torchrun's).",
     ),
 ]

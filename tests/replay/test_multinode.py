@@ -171,6 +171,7 @@ def test_a_node_that_never_comes_is_named(job, sdcreplay_exe, tmp_path):
     ("options", "said"),
     [
         (["--nnodes", "2", "--nproc-per-node", "2"], "go together"),
+        (["--node-rank", "1"], "go together"),
         (["--nnodes", "2", "--nproc-per-node", "3", "--rdzv-endpoint", "h:1"], "the job has 4"),
         (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "h"], "is not HOST:PORT"),
         (
