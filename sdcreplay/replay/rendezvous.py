@@ -314,9 +314,9 @@ class NodeLink:
                     write(name, self._get(f"files/node{node}/{name}"))
                 endings += sent["endings"]
                 waiting.discard(node)
-            lost = self.silent_node() if waiting else None
-            if lost is not None:
-                raise self.lost_error(lost, "while node 0 waited for its ranks' findings")
+            self.lost = self.silent_node() if waiting else None
+            if self.lost is not None:
+                raise self.lost_error(self.lost, "while node 0 waited for its ranks' findings")
             time.sleep(_POLL if waiting else 0)
         return endings
 
@@ -329,8 +329,9 @@ class NodeLink:
         if error is not None:
             body["error"] = {"message": error.message, "hint": error.hint}
         self._set("verdict", json.dumps(body))
+        readers = self.nodes.nnodes - 1 - (self.lost is not None)
         deadline = time.monotonic() + ACK_SECONDS
-        while self._add("read", 0) < self.nodes.nnodes - 1 and time.monotonic() < deadline:
+        while self._add("read", 0) < readers and time.monotonic() < deadline:
             time.sleep(_POLL)
 
     def await_verdict(self) -> dict:
