@@ -14,7 +14,7 @@ import typer
 
 from .. import __version__
 from ..kinds import Phase
-from .at_scale import at_scale_replay
+from .at_scale import at_scale_replay, job_replay, nodes_replay, placement
 from .boundary import app, command
 from .options import (
     AloneOpt,
@@ -28,12 +28,17 @@ from .options import (
     InjectOpt,
     JsonOpt,
     KeepStateOpt,
+    NnodesOpt,
+    NodeRankOpt,
     NoLedgerOpt,
+    NprocPerNodeOpt,
     OpsAloneOpt,
     OpsDeviceOpt,
     OpsRankOpt,
     OutOpt,
     OverwriteOpt,
+    RdzvEndpointOpt,
+    RdzvTimeoutOpt,
     ReferenceOpt,
     SameBatchOpt,
     Signature,
@@ -245,6 +250,11 @@ def replay(
     rank: AloneRankOpt = None,
     alone: AloneOpt = False,
     from_state: FromStateOpt = None,
+    nnodes: NnodesOpt = None,
+    nproc_per_node: NprocPerNodeOpt = None,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_timeout: RdzvTimeoutOpt = None,
     json_mode: JsonOpt = False,
 ):
     """Replay a bundle bit for bit on one or more devices and vote on every signature.
@@ -255,12 +265,22 @@ def replay(
     --same-batch judges every rank by its data-parallel peers in one replay;
     --rank R --alone replays rank R's group without its peers, once per --device;
     --keep-state DIR keeps phase 1's state entering the divergent step, --from-state DIR
-    starts phase 2 there.
+    starts phase 2 there. Across nodes: the same command on each node with --nnodes K
+    --nproc-per-node P --rdzv-endpoint HOST:PORT --node-rank R; node 0 prints the report.
     """
     preflight(inject, device or [], {"bundle": [bundle]})
     from ..bundle.job_bundle import is_job_bundle
     from ..replay.replicas import replay_devices
 
+    placed = (nnodes, nproc_per_node, rdzv_endpoint, node_rank, rdzv_timeout)
+    if any(option is not None for option in placed):
+        nodes = placement(bundle, nnodes, nproc_per_node, rdzv_endpoint, node_rank, rdzv_timeout)
+        incompatible = (rank, from_state, keep_state) != (None, None, None) or alone
+        return nodes_replay(
+            output, bundle, nodes, device, repeats, inject, logs, timeout,
+            trusting(bundle, trust_workload, workload), not no_ledger, same_batch, from_rank,
+            incompatible,
+        )  # fmt: skip
     at_scale = (from_rank, rank, keep_state, from_state)
     if same_batch or alone or any(option is not None for option in at_scale):
         trust = trusting(bundle, trust_workload, workload)
@@ -270,7 +290,7 @@ def replay(
             keep_state=keep_state, from_state=from_state,
         )  # fmt: skip
     if is_job_bundle(bundle):
-        return _replay_job(
+        return job_replay(
             output,
             bundle,
             device,
@@ -297,29 +317,6 @@ def replay(
             on_done=on_done,
             timeout=timeout,
             ledger=not no_ledger,
-        )
-
-
-def _replay_job(output: Output, bundle, device, repeats, inject, logs, timeout, trust, ledger):
-    """Replay a job bundle, replica after replica (docs/distributed.md)."""
-    from ..bundle.job_bundle import JobBundle
-    from ..replay.job import replay_job
-
-    replicas = max(1, len(device or []) // JobBundle.open(bundle, verify=False).world_size)
-    with trust, output.stages() as progress:
-        first = ", ".join(device[: len(device) // replicas]) if device else "recorded devices"
-        progress.update("replaying the job's replicas", 0, replicas, first)
-        return replay_job(
-            bundle,
-            device,
-            repeats=repeats,
-            inject=inject or [],
-            log_dir=logs,
-            timeout=timeout,
-            on_done=lambda index, labels: progress.update(
-                "replaying the job's replicas", index + 1, replicas, ", ".join(labels)
-            ),
-            ledger=ledger,
         )
 
 

@@ -1,5 +1,6 @@
-"""``replay --same-batch`` and ``replay --rank R --alone``: the two phases of judging a large
-job (docs/at-scale.md), dispatched from the replay command."""
+"""A job bundle's replays, dispatched from the replay command: replica after replica,
+``--same-batch`` and ``--rank R --alone`` (the two phases of judging a large job), and either
+of the first two across nodes (``--nnodes``; docs/at-scale.md)."""
 
 from __future__ import annotations
 
@@ -69,4 +70,86 @@ def at_scale_replay(
                 ledger=ledger, from_state=from_state,
             )  # fmt: skip
         progress.update(stage, 1, 1, note)  # the line a log keeps says the stage is done
+        return report
+
+
+def job_replay(output: Output, bundle, device, repeats, inject, logs, timeout, trust, ledger):
+    """Replay a job bundle, replica after replica (docs/distributed.md)."""
+    from ..bundle.job_bundle import JobBundle
+    from ..replay.job import replay_job
+
+    replicas = max(1, len(device or []) // JobBundle.open(bundle, verify=False).world_size)
+    with trust, output.stages() as progress:
+        first = ", ".join(device[: len(device) // replicas]) if device else "recorded devices"
+        progress.update("replaying the job's replicas", 0, replicas, first)
+        return replay_job(
+            bundle,
+            device,
+            repeats=repeats,
+            inject=inject or [],
+            log_dir=logs,
+            timeout=timeout,
+            on_done=lambda index, labels: progress.update(
+                "replaying the job's replicas", index + 1, replicas, ", ".join(labels)
+            ),
+            ledger=ledger,
+        )
+
+
+def placement(
+    bundle: Path,
+    nnodes: int | None,
+    nproc_per_node: int | None,
+    endpoint: str | None,
+    node_rank: int | None,
+    rdzv_timeout: float | None,
+):
+    """This launch's place in a replay across nodes (`rendezvous.Nodes`)."""
+    from ..bundle.job_bundle import is_job_bundle
+    from ..replay.rendezvous import RDZV_TIMEOUT, Nodes
+
+    if nnodes is None or nproc_per_node is None or endpoint is None:
+        raise SdcReplayError(
+            "--nnodes, --nproc-per-node and --rdzv-endpoint go together (--node-rank and "
+            "--rdzv-timeout with them)",
+            "Give all three, the same on every node (and each node its own --node-rank).",
+        )
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SdcReplayError(
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT",
+            "Give node 0's address and a free TCP port, e.g. --rdzv-endpoint node0:29500.",
+        )
+    if not is_job_bundle(bundle):
+        raise SdcReplayError(
+            f"--nnodes is for a job bundle; {bundle} is a single process's bundle",
+            "Leave out --nnodes, --nproc-per-node and --rdzv-endpoint.",
+        )
+    return Nodes(nnodes, nproc_per_node, endpoint, node_rank or 0, rdzv_timeout or RDZV_TIMEOUT)
+
+
+def nodes_replay(
+    output: Output, bundle: Path, nodes, device: list[str] | None, repeats: int,
+    inject: list[str] | None, logs: Path | None, timeout: float | None,
+    trust: AbstractContextManager, ledger: bool, same_batch: bool, from_rank: int | None,
+    incompatible: bool,
+):  # fmt: skip
+    """This node's part of a replay across nodes: node 0's report, the others' `NodeReport`."""
+    from ..replay.nodes import replay_on_nodes
+
+    if incompatible:
+        raise SdcReplayError(
+            "--rank, --alone, --keep-state and --from-state do not run across nodes yet",
+            "Replay phase 2 (--rank R --alone) on one host, or leave out --nnodes.",
+        )
+    if from_rank is not None and not same_batch:
+        raise SdcReplayError("--from-rank is for --same-batch", "Add --same-batch.")
+    stage = f"replaying node {nodes.node_rank}'s ranks of {nodes.nnodes} nodes"
+    with trust, output.stages() as progress:
+        progress.update(stage, 0, 1, ", ".join(device or []))
+        report = replay_on_nodes(
+            bundle, nodes, device, same_batch=same_batch, from_rank=from_rank, repeats=repeats,
+            inject=inject or [], log_dir=logs, timeout=timeout, ledger=ledger,
+        )  # fmt: skip
+        progress.update(stage, 1, 1, ", ".join(device or []))
         return report

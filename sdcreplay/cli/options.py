@@ -256,3 +256,42 @@ OpsDeviceOpt = Annotated[
         "rank's recorded device.",
     ),
 ]
+NnodesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--nnodes",
+        min=1,
+        help="Job bundles across nodes: the number of nodes, each started with the same command "
+        "and its own --node-rank (torchrun's; docs/at-scale.md).",
+    ),
+]
+NprocPerNodeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--nproc-per-node", min=1, help="With --nnodes: ranks per node (-d gives their devices)."
+    ),
+]
+RdzvEndpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rdzv-endpoint",
+        help="With --nnodes: HOST:PORT of node 0, which hosts torch's c10d rendezvous store.",
+    ),
+]
+NodeRankOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--node-rank",
+        min=0,
+        help="With --nnodes: this node, 0..K-1 (default 0); it runs ranks R*P..R*P+P-1, and "
+        "node 0 prints the report.",
+    ),
+]
+RdzvTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--rdzv-timeout",
+        min=1,
+        help="With --nnodes: seconds to wait for every node to arrive (default 900, torchrun's).",
+    ),
+]

@@ -232,8 +232,13 @@ def _render_origin(output: Output, origin: Origin) -> None:
 def _render_job_replay_report(output: Output, report: JobReplayReport) -> None:
     """A job's replay, phase 1's included; their modules are imported for a job's report only
     (the same-batch replay's imports torch, which a replay's own process needs not)."""
-    from ..replay import same_batch
+    from ..replay import nodes, same_batch
 
+    if isinstance(report, nodes.NodeReport):
+        from .render_scale import render_node
+
+        render_node(output, report)
+        return
     if isinstance(report, same_batch.SameBatchReport) and report.fallback is not None:
         output.warn(f"no peer vote: {report.missing}; replayed as recorded, voted with the record")
         render_job_replay(output, report.fallback)

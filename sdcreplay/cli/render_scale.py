@@ -1,5 +1,6 @@
 """What ``replay --same-batch`` tells a person: every rank by its coordinates and peers, the
-odd rank(s) and where each first left its peers (docs/at-scale.md)."""
+odd rank(s) and where each first left its peers (docs/at-scale.md); and what a node other than
+node 0 says of a replay across nodes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.markup import escape
 from .output import Output, styled
 
 if TYPE_CHECKING:
+    from ..replay.nodes import NodeReport
     from ..replay.same_batch import SameBatchReport
 
 
@@ -60,3 +62,14 @@ def render_same_batch(output: Output, report: SameBatchReport) -> None:
     if report.caveat:
         output.warn(f"caveat: {report.caveat}")
     output.say(f"Logs: {report.log_dir}")
+
+
+def render_node(output: Output, report: NodeReport) -> None:
+    """A node that does not report: its ranks, and node 0's verdict."""
+    body = report.to_json()
+    ranks = body["ranks"]
+    output.say(
+        f"Node {body['node_rank']} of {body['nnodes']} replayed ranks {ranks[0]}-{ranks[-1]} on "
+        f"{', '.join(body['devices'])}; node 0 has the report."
+    )
+    output.say(f"Verdict (node 0's): {styled(report.verdict)}")

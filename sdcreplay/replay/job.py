@@ -37,6 +37,7 @@ from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError, S
 from ..heartbeat import HEARTBEAT
 from ..ledger.notes import note_result
 from ..storage.rundir import claim
+from . import rendezvous
 from .job_report import JobReplayReport, _report, ranks_failure
 from .launch import GROUP_TIMEOUT_FACTOR, backend_for, join_group, run_ranks
 from .processes import UNKNOWN_STEP_TIMEOUT
@@ -185,8 +186,11 @@ def replica_devices(job: JobBundle, devices: Sequence[str] | None) -> list[list[
             "devices.",
         )
     groups = [labels[start : start + size] for start in range(0, len(labels), size)]
+    link = rendezvous.current()
+    per_host = link.nodes.nproc_per_node if link is not None else size  # cuda:0 on each node
     for group in groups:
-        require_own_gpus(group)
+        for start in range(0, size, per_host):
+            require_own_gpus(group[start : start + per_host])
     for rank in range(size):
         column = [group[rank] for group in groups]
         if len(set(column)) != len(column):
@@ -298,6 +302,7 @@ def _rank_run(
         injected=value.get("injected", []),
         fingerprint=value.get("fingerprint"),
         probe=value.get("probe"),
+        identity=value.get("identity"),  # a rank on another node (`endings.exchange`)
     )
     if run.error is not None:
         return run, None

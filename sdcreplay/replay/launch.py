@@ -1,7 +1,8 @@
 """Ranks: run a device task on N processes that form one ``torch.distributed`` job.
 
-The processes are started by PyTorch's own elastic launcher (``elastic_launch``,
-what ``torchrun`` runs), one node, a c10d rendezvous on localhost. Each rank
+The processes are started by PyTorch's own elastic agent and c10d rendezvous (what
+``torchrun`` runs): on one node, a rendezvous on localhost; across nodes, the one
+`rendezvous.NodeLink` joined, this node's ranks only. Each rank
 runs a `worker.DeviceTask` as a device process does (`processes.py`): its own
 task file, result file, liveness file and log files, the recorded kernels
 pinned in its environment. Before the task runs, the rank joins the process
@@ -35,7 +36,8 @@ from pathlib import Path
 from ..bundle import trust
 from ..capture import environment
 from ..errors import SdcReplayError, Terminated
-from . import processes, worker
+from . import processes, rendezvous, worker
+from .endings import Ending, exchange, first_failure
 from .worker import DeviceFailure, DeviceResult, DeviceTask, given_forms
 
 _ELASTIC_PREFIXES = ("TORCHELASTIC_",)
@@ -111,17 +113,26 @@ def join_group(device: str, backend: str, group_timeout: float) -> None:
 
 
 def _rank_entry(
-    task_paths: list[str], parent: dict[str, str], backend: str, timeout: float, command: int
+    task_paths: list[str],
+    parent: dict[str, str],
+    backend: str,
+    timeout: float,
+    command: int,
+    first_rank: int = 0,
 ):
     """One rank, as the launcher starts it: a supervisor that forks the process running the
     task and writes how it ended (``TASK.exit``). The launcher itself reports only the first
     rank it sees fail; this is how every rank's exit status is known, even an ``os._exit``.
-    It ends with the command (``command``: its pid), and its task process with it."""
+    It ends with the command (``command``: its pid), and its task process with it. Its rank
+    is this node's ``first_rank`` plus its local rank (`rendezvous.Nodes`: the node's place,
+    not the order the rendezvous found the nodes in)."""
     processes.end_with(command)
     environment = _rank_environment(parent)
+    local = int(environment["LOCAL_RANK"])
+    environment["RANK"] = str(first_rank + local)
     os.environ.clear()
     os.environ.update(environment)
-    path = task_paths[int(os.environ["RANK"])]
+    path = task_paths[local]
     supervisor = os.getpid()
     child = os.fork()
     if child == 0:  # never returns into the launcher's code: that is the supervisor's
@@ -327,20 +338,24 @@ def followed(failure: DeviceFailure) -> bool:
     return f"({_AFTER} " in failure.message or f"stopped {_AFTER} " in failure.message
 
 
-def _first_failure(
-    ranks: list[_Rank], results: dict[int, DeviceResult], hung: tuple[int, str] | None
-) -> int | None:
-    """The rank whose failure ended the job: the hung one, else one that died without a word
-    (its peers' errors follow from its death), else the first to report an error."""
-    if hung is not None:
-        return hung[0]
-    silent = [r.rank for r in ranks if r.ended_by_itself() and not r.finished()]
-    if silent:
-        return min(silent)
-    reported = [r for r in ranks if results[r.rank].error is not None and r.finished()]
-    if not reported:
-        return None
-    return min(reported, key=lambda r: r.result.stat().st_mtime_ns).rank
+def _ending(rank: _Rank, hung: tuple[int, str] | None, timeout: float) -> Ending:
+    """How a rank on this node ended."""
+    reported_at = 0
+    with contextlib.suppress(OSError):
+        reported_at = rank.result.stat().st_mtime_ns
+    return Ending(
+        rank.rank,
+        rank.label,
+        _own_result(rank, hung, timeout),
+        rank.finished(),
+        rank.ended_by_itself() and not rank.finished(),
+        hung is not None and hung[0] == rank.rank,
+        reported_at,
+        rank.where(),
+        rank.ending()[0],
+        str(rank.stderr),
+        processes.tail(rank.stderr),
+    )
 
 
 def run_ranks(
@@ -361,9 +376,16 @@ def run_ranks(
     ``stdout.txt`` are its logs). ``timeout``: seconds the job may go without
     any rank making progress (`heartbeat.HEARTBEAT`); every collective may wait
     `GROUP_TIMEOUT_FACTOR` times that. Returns every rank's result.
+
+    Across nodes (within `rendezvous.across`) this node runs its own ranks of
+    ``labels``; node 0 returns every rank's result, the files they name copied
+    into its ``work_dir``, and the other nodes raise `rendezvous.NotReporting`
+    once they have handed theirs over.
     """
+    link = rendezvous.current()
+    local = link.nodes.local_ranks if link is not None else range(len(labels))
     reference = worker.task_reference(task)
-    backend = backend_for(labels)
+    backend = backend_for([labels[rank] for rank in local])
     try:
         work_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -373,92 +395,124 @@ def run_ranks(
             python_hint="Choose a log_dir/out directory that can be written.",
         ) from exc
     now = time.time()
-    stems = [work_dir / f"{kind}-rank{rank}" for rank in range(len(labels))]
     ranks = [
-        _Rank(Path(f"{stem}.alive"), now, rank, label, stem)
-        for rank, (label, stem) in enumerate(zip(labels, stems))
+        _Rank(Path(f"{stem}.alive"), now, rank, labels[rank], stem)
+        for rank, stem in ((rank, work_dir / f"{kind}-rank{rank}") for rank in local)
     ]
     forms: dict[int, dict[str, str]] = {}  # per rank, the paths it was given (worker.given_forms)
+    for rank_number in range(len(labels)):
+        forms[rank_number] = given_forms(arguments_for(rank_number))
     for rank in ranks:
         for stale in (rank.result, rank.alive, rank.exit, Path(f"{rank.task}.pid")):
             stale.unlink(missing_ok=True)
-        arguments = arguments_for(rank.rank)
-        forms[rank.rank] = given_forms(arguments)
         device_task = DeviceTask(
             reference,
             rank.label,
             str(rank.result),
-            arguments,
+            arguments_for(rank.rank),
             dict(environment or {}),
             stderr=str(rank.stderr),
             alive=str(rank.alive),
         )
         rank.task.write_text(json.dumps(device_task.to_json()))
     with processes.logs_written(work_dir):
-        hung = _launch(ranks, work_dir, backend, timeout, task.__module__)
-    results = {
-        rank.rank: _own_result(rank, hung, timeout).in_given_form(forms[rank.rank])
-        for rank in ranks
-    }
-    first = _first_failure(ranks, results, hung)
-    for rank in ranks:
-        failure = results[rank.rank].error
-        if failure is not None and first is not None and rank.rank != first:
-            results[rank.rank] = DeviceResult(
+        hung = _launch(ranks, work_dir, backend, timeout, task.__module__, link)
+    endings = [_ending(rank, hung, timeout) for rank in ranks]
+    if link is not None:
+        endings = exchange(link, endings, work_dir)
+    results = {e.rank: e.result.in_given_form(forms[e.rank]) for e in endings}
+    first = first_failure(endings)
+    for ending in endings:
+        failure = results[ending.rank].error
+        if failure is not None and first is not None and ending.rank != first:
+            results[ending.rank] = DeviceResult(
                 error=replace(failure, message=f"{failure.message} ({_AFTER} {first} failed)")
             )
-        elif failure is None and not rank.finished():  # the launcher ended it
+        elif failure is None and not ending.finished:  # the launcher ended it
             why = f"was stopped {_AFTER} {first} failed" if first is not None else "ended early"
-            results[rank.rank] = DeviceResult(
+            results[ending.rank] = DeviceResult(
                 error=DeviceFailure(
-                    f"rank {rank.rank} ({rank.label}) {why} (it was at {rank.where()})",
+                    f"rank {ending.rank} ({ending.label}) {why} (it was at {ending.where})",
                     f"Rank {first}'s failure is the one to read."
                     if first is not None
-                    else f"Its log may say why: {rank.stderr}.",
-                    exit_status=rank.ending()[0],
-                    log=str(rank.stderr),
-                    stderr_tail=processes.tail(rank.stderr),
+                    else f"Its log may say why: {ending.log}.",
+                    exit_status=ending.status,
+                    log=ending.log,
+                    stderr_tail=ending.tail,
                 )
             )
-    return results
+    return dict(sorted(results.items()))
 
 
 def _launch(
-    ranks: list[_Rank], work_dir: Path, backend: str, timeout: float, task_module: str
+    ranks: list[_Rank],
+    work_dir: Path,
+    backend: str,
+    timeout: float,
+    task_module: str,
+    link: rendezvous.NodeLink | None = None,
 ) -> tuple[int, str] | None:
-    """Start the ranks under the elastic launcher and wait; the (rank, where) the watchdog
-    killed, if it did (each rank's supervisor wrote how it ended)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    """Start the ranks under torch's elastic agent and c10d rendezvous (what ``torchrun``
+    runs; across nodes, the link's) and wait; the (rank, where) the watchdog killed, if it did
+    (each rank's supervisor wrote how it ended)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     processes.process_context(task_module)  # the launcher forks from the same warm server
     parent = {**environment.inherited(os.environ), **trust.child_environment()}
     parent.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=len(ranks),
-        run_id=f"sdcreplay-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+    meeting = (
+        link.rendezvous
+        if link is not None
+        else rendezvous.open_rendezvous(None, f"sdcreplay-{uuid.uuid4().hex[:12]}")
+    )
+    paths = [os.path.abspath(rank.task) for rank in ranks]  # a rank may move (script mode)
+    first = ranks[0].rank
+    spec = WorkerSpec(
+        role="sdcreplay",
+        local_world_size=len(ranks),
+        entrypoint=_rank_entry,
+        args=(paths, parent, backend, GROUP_TIMEOUT_FACTOR * timeout, os.getpid(), first),
+        rdzv_handler=meeting.handler,
         max_restarts=0,
         monitor_interval=0.05,
+    )
+    agent = LocalElasticAgent(
+        spec,
+        _rank_logs_class()(work_dir, [rank.stem for rank in ranks]),
         start_method="forkserver",
-        logs_specs=_rank_logs_class()(work_dir, [rank.stem for rank in ranks]),
+        exit_barrier_timeout=GROUP_TIMEOUT_FACTOR * timeout,  # a lost node's: not torch's 300 s
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
     watchdog = _Watchdog(ranks, timeout)
     watchdog.start()
-    paths = [os.path.abspath(rank.task) for rank in ranks]  # a rank may move (script mode)
+
+    def end_ranks() -> None:  # a node was lost: its peers here would wait in a collective,
+        for rank in ranks:  # or the agent in the rendezvous, for their timeouts
+            pid = rank.pid()
+            if pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            meeting.handler.set_closed()
+
+    watching = link.watching(end_ranks) if link is not None else contextlib.nullcontext()
     try:
-        with _signals_kept(), _launcher_quiet(), processes.caller_main_hidden():
-            elastic_launch(config, _rank_entry)(
-                paths, parent, backend, GROUP_TIMEOUT_FACTOR * timeout, os.getpid()
-            )
-    except ChildFailedError:
-        pass  # every rank's own ending is in its files
+        with _signals_kept(), _launcher_quiet(), processes.caller_main_hidden(), watching:
+            agent.run()
+    except Exception as exc:  # the rendezvous (a lost store, a node that never came)
+        if link is None:
+            raise
+        if link.lost is None:  # else `endings.exchange` names the node that was lost
+            link.silent_node()  # a store gone: node 0, its host, is named
+            raise rendezvous.NodeError(
+                f"the rendezvous at {link.nodes.endpoint} failed: {exc}",
+                "Every node's launch must run until the verdict; start them all again.",
+            ) from exc
     finally:
         watchdog.stop()
+        with contextlib.suppress(Exception):
+            meeting.handler.shutdown()
     return watchdog.killed
 
 

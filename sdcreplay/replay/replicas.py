@@ -26,7 +26,7 @@ from ..compare.logs import RECORD, Consensus, DeviceVerdict, vote
 from ..devices import validate_label
 from ..errors import BundleError, DeviceError, FaultSpecError, SdcReplayError
 from ..kinds import DeviceRunVerdict, DeviceVerdictName
-from ..ledger.identity import identify, recorded_identity
+from ..ledger.identity import DeviceIdentity, identify, recorded_identity
 from ..ledger.notes import note_result
 from ..ledger.verdicts import incident_of
 from ..storage.rundir import claim, make_run_dir
@@ -61,6 +61,7 @@ class DeviceRun:
     spread_from: int | None = None  # in a job: the origin rank whose corruption reached it
     probe: dict | None = None  # the bundle's kernel probe run here (ProbeOutcome.to_json)
     compiled: list[CompiledRegion] = field(default_factory=list)  # the code generated here
+    identity: dict | None = None  # the device's, as its own node saw it (else this host's)
 
     @property
     def verdict(self) -> DeviceRunVerdict:
@@ -80,7 +81,9 @@ class DeviceRun:
     def to_json(self) -> dict:
         judgement = self.judgement
         first = judgement.first_divergence if judgement else None
-        identity = identify(self.device)
+        identity = (
+            DeviceIdentity.from_json(self.identity) if self.identity else identify(self.device)
+        )
         return {
             "device": self.device,
             "device_id": identity.id,
