@@ -28,7 +28,7 @@ import contextlib
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torchtitan.config import ConfigManager
@@ -45,26 +45,22 @@ class SdcReplay:
     """The ``--sdcreplay.*`` section of a recorded run's config."""
 
     bundle: str = ""
-    """The bundle the run writes (with ``ring``: the one an alarm dumps); empty: record
-    nothing."""
+    """The bundle the run writes (with a ring: the one an alarm dumps); empty: none."""
 
     ring: int = 0
-    """Keep the last ``ring`` steps in memory and write nothing until a dump (0: write every
-    step as it ends)."""
+    """Keep the last RING steps in memory, written only by a dump (0: every step written)."""
 
     detect: bool = False
-    """Judge every step with the update detector; an alarm dumps the ring (needs ``ring``)."""
+    """The update detector judges every step; an alarm dumps the ring (needs ring)."""
 
     verify: bool = True
-    """Check at the second step that the bundle's first step replays bit for bit in a fresh
-    process (docs/recording.md)."""
+    """At the second step, check that the first replays bit for bit in a fresh process."""
 
-    signature: str = "layer"
-    """What each step's signature log holds: ``layer`` (every module) or ``boundary``."""
+    signature: Literal["layer", "boundary"] = "layer"
+    """What each step's signature log holds: every module, or the boundary (docs/recording.md)."""
 
     env: list[str] = field(default_factory=list)
-    """The loop's own environment variables (names or ``NAME*``) the bundle keeps, beside the
-    launchers' and libraries' it always keeps."""
+    """The loop's own environment variables (NAME or NAME*) the bundle keeps."""
 
 
 class RecordingTrainer(Trainer):
@@ -99,7 +95,7 @@ class RecordingTrainer(Trainer):
             state={"lr_schedulers": self.lr_schedulers, "train_state": self},
             ring=options.ring or None,
             verify=options.verify,
-            signature=options.signature,  # type: ignore[arg-type]
+            signature=options.signature,
             env=list(options.env),
         )
         if options.detect:
