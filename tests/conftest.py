@@ -218,6 +218,21 @@ def _console_script() -> str:
     return found
 
 
+def json_from_elsewhere(elsewhere: Path, *args: str, code: int, env: dict[str, str]) -> dict:
+    """The console script run as a user runs it from a directory of theirs (``elsewhere``),
+    in the shell ``env``, with --json: its exit code checked, its JSON returned."""
+    done = subprocess.run(
+        [_console_script(), *args, "--json"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == code, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
 @pytest.fixture(scope="session")
 def sdcreplay_exe() -> str:
     return _console_script()

@@ -12,7 +12,6 @@ failed on every device, and the AcceleratedOptimizer was refused with a tracebac
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _console_script
+from conftest import REPO, json_from_elsewhere
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("accelerate")
@@ -68,16 +67,7 @@ def launched(root: Path, out: str, *options: str, env: dict | None = None) -> Pa
 
 def sdcreplay(elsewhere: Path, *args: str, code: int) -> dict:
     """The console script from another directory, in a plain shell, with --json."""
-    done = subprocess.run(
-        [_console_script(), *args, "--json"],
-        cwd=elsewhere,
-        env=plain_shell(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == code, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json_from_elsewhere(elsewhere, *args, code=code, env=plain_shell())
 
 
 def replayed_correct_elsewhere(bundle: Path) -> tuple[Path, str]:

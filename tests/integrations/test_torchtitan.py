@@ -17,7 +17,6 @@ replays the job ``--same-batch`` (minutes more)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import _console_script
+from conftest import json_from_elsewhere
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchtitan")
@@ -89,16 +88,7 @@ def trained(root: Path, processes: int, steps: int, *options: str, env: dict | N
 
 def sdcreplay(elsewhere: Path, *args: str, code: int) -> dict:
     """The console script from another directory, with --json."""
-    done = subprocess.run(
-        [_console_script(), *args, "--json"],
-        cwd=elsewhere,
-        env=shell(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == code, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return json_from_elsewhere(elsewhere, *args, code=code, env=shell())
 
 
 def test_a_detector_without_a_ring_is_refused_before_training_with_error_and_hint(user_dir):
